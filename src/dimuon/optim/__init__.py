@@ -1,0 +1,21 @@
+"""dimuon's optimizers: Muon, Periodic Row-wise Muon and MuonBP on one core, plus grouping and build."""
+
+from dimuon.optim.build import OPTIMIZERS, build
+from dimuon.optim.core import MuonFamily
+from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
+from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
+from dimuon.optim.schedules import StepKind
+
+__all__ = [
+    "DIT_FUSED_SPLITS",
+    "OPTIMIZERS",
+    "Muon",
+    "MuonBP",
+    "MuonFamily",
+    "PeriodicRowMuon",
+    "StepKind",
+    "build",
+    "default_algorithm",
+    "describe_groups",
+    "param_groups",
+]

@@ -1,0 +1,57 @@
+"""``build(name, params, **opts)``: the one way the harness (or a user script) makes an optimizer."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from dimuon.optim.core import MuonFamily
+from dimuon.optim.grouping import param_groups
+from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "muon": Muon,
+    "periodic_row_muon": PeriodicRowMuon,
+    "muon_bp": MuonBP,
+}
+
+# AdamW defaults that match the AdamW group of the Muon-family optimizers (ALGORITHMS.md 5).
+_ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _accepted_options(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            names |= set(inspect.signature(klass.__init__).parameters) - {"self", "params", "kwargs"}
+    if issubclass(cls, MuonFamily):
+        names |= set(cls._schedule_defaults())
+    return names
+
+
+def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimizer:
+    """Optimizer ``name`` (``adamw``, ``muon``, ``periodic_row_muon``, ``muon_bp``) over ``params``.
+
+    ``params`` may be a model (grouped with :func:`param_groups` for the Muon family; all of its
+    trainable parameters for AdamW), or anything a ``torch.optim`` optimizer accepts. Unknown
+    option names raise a ``TypeError`` that lists the accepted ones.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
+    cls = OPTIMIZERS[name]
+    accepted = _accepted_options(cls)
+    unknown = set(opts) - accepted
+    if unknown:
+        raise TypeError(f"optimizer {name!r} got unknown option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
+    if isinstance(params, nn.Module):
+        if issubclass(cls, MuonFamily):
+            params = param_groups(params)
+        else:
+            params = [p for p in params.parameters() if p.requires_grad]
+    if cls is torch.optim.AdamW:
+        opts = {**_ADAMW_DEFAULTS, **opts}
+    return cls(params, **opts)

@@ -1,0 +1,186 @@
+"""The interface between the optimizer and its execution: "give me the directions for these momenta".
+
+The optimizer core hands a list of :class:`MatrixJob` (one per parameter, holding the rows of the
+Nesterov momentum this process owns) and a step kind; an engine returns, for each job, the
+direction for exactly those rows, already multiplied by the shape scale of the matrix the map was
+applied to (ALGORITHMS.md section 4). :class:`LocalEngine` is the single-process engine; the
+sharded engine implements the same call with collectives. Tests hold the two against each other.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from dimuon.optim import linalg
+from dimuon.optim.schedules import StepKind
+
+RowRange = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class MapConfig:
+    """Options of the direction maps (shared by every matrix of one parameter group)."""
+
+    ns_steps: int = 5
+    ns_coefficients: str = "quintic"
+    ns_algorithm: str = "standard"
+    ns_dtype: torch.dtype | None = None
+    lr_scale: str = "match_rms_adamw"
+
+
+@dataclass
+class MatrixJob:
+    """One Muon parameter as the engine sees it.
+
+    ``update`` holds rows ``[row_offset, row_offset + update.shape[0])`` of the ``(rows, cols)``
+    Nesterov momentum (all of them in a single process). ``splits`` are the global row ranges of
+    the logical matrices the parameter is made of (one range unless fused matrices are split).
+    ``blocks`` is how many row blocks a single-process block step cuts each logical matrix into.
+    """
+
+    name: str
+    update: Tensor
+    rows: int
+    cols: int
+    row_offset: int = 0
+    splits: tuple[RowRange, ...] = ()
+    blocks: int = 1
+    meta: dict = field(default_factory=dict)
+
+    def logical_ranges(self) -> tuple[RowRange, ...]:
+        return self.splits or ((0, self.rows),)
+
+    @property
+    def local_range(self) -> RowRange:
+        return (self.row_offset, self.row_offset + self.update.shape[0])
+
+
+class DirectionEngine(Protocol):
+    """Computes directions for a group's jobs at one step kind."""
+
+    def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]: ...
+
+    def all_true(self, flag: Tensor) -> bool:
+        """Whether ``flag`` (a 0-d bool tensor) is true on every process."""
+        ...
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Logical bytes and calls per collective kind since the last reset."""
+        ...
+
+    def reset_comm_stats(self) -> None: ...
+
+
+def chunk_ranges(start: int, stop: int, chunks: int) -> list[RowRange]:
+    """Row ranges that ``torch.chunk`` makes of rows ``[start, stop)`` (it may make fewer than asked)."""
+    n = stop - start
+    if n <= 0:
+        return []
+    size = -(-n // chunks)
+    return [(start + i, min(start + i + size, stop)) for i in range(0, n, size)]
+
+
+def intersect(a: RowRange, b: RowRange) -> RowRange | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, name: str) -> tuple[RowRange, ...]:
+    """Global row ranges of the fused matrices given ``split_sizes`` (a chunk count or row counts)."""
+    if split_sizes is None or split_sizes == 1:
+        return ()
+    if isinstance(split_sizes, int):
+        if split_sizes < 1 or rows % split_sizes:
+            raise ValueError(
+                f"split_sizes={split_sizes} for parameter {name!r} must divide its {rows} rows evenly"
+            )
+        sizes = [rows // split_sizes] * split_sizes
+    else:
+        sizes = [int(s) for s in split_sizes]
+        if sum(sizes) != rows or min(sizes) < 1:
+            raise ValueError(
+                f"split_sizes={tuple(sizes)} for parameter {name!r} must be positive and sum to its {rows} rows"
+            )
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return tuple(out)
+
+
+def apply_map_batched(
+    pieces: Sequence[Tensor], kind: StepKind, config: MapConfig
+) -> list[Tensor]:
+    """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
+
+    Returns, in order, the scaled direction of each piece (fp32 or wider).
+    """
+    out: list[Tensor | None] = [None] * len(pieces)
+    by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, piece in enumerate(pieces):
+        by_shape[tuple(piece.shape)].append(i)
+    for (rows, cols), idx in by_shape.items():
+        batch = torch.stack([pieces[i] for i in idx]) if len(idx) > 1 else pieces[idx[0]].unsqueeze(0)
+        if kind is StepKind.ROWNORM:
+            result = linalg.row_normalize(batch)
+        else:
+            result = linalg.newton_schulz(
+                batch,
+                steps=config.ns_steps,
+                coefficients=config.ns_coefficients,
+                algorithm=config.ns_algorithm,
+                dtype=config.ns_dtype,
+            )
+        scale = linalg.lr_scale_factor(config.lr_scale, rows, cols)
+        wide = torch.promote_types(result.dtype, torch.float32)
+        result = result.to(wide).mul_(scale)
+        for j, i in enumerate(idx):
+            out[i] = result[j]
+    return out  # type: ignore[return-value]
+
+
+def map_ranges(job: MatrixJob, kind: StepKind) -> list[RowRange]:
+    """Global row ranges of the matrices the map acts on at this step kind, for an unsharded job."""
+    ranges = list(job.logical_ranges())
+    if kind is StepKind.BLOCK and job.blocks > 1:
+        blocks = chunk_ranges(0, job.rows, job.blocks)
+        ranges = [r for lr in ranges for b in blocks if (r := intersect(lr, b)) is not None]
+    return ranges
+
+
+class LocalEngine:
+    """Single-process engine: every job holds its whole matrix; no communication."""
+
+    def all_true(self, flag: Tensor) -> bool:
+        return bool(flag)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return {}
+
+    def reset_comm_stats(self) -> None:
+        pass
+
+    def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
+        pieces: list[Tensor] = []
+        owners: list[tuple[int, RowRange]] = []
+        for j, job in enumerate(jobs):
+            for lo, hi in map_ranges(job, kind):
+                pieces.append(job.update[lo:hi])
+                owners.append((j, (lo, hi)))
+        results = apply_map_batched(pieces, kind, config)
+        outs: list[Tensor | None] = [None] * len(jobs)
+        for (j, (lo, hi)), res in zip(owners, results):
+            job = jobs[j]
+            if lo == 0 and hi == job.rows:
+                outs[j] = res
+                continue
+            if outs[j] is None:
+                outs[j] = torch.empty(job.update.shape, dtype=res.dtype, device=res.device)
+            outs[j][lo:hi] = res
+        return outs  # type: ignore[return-value]

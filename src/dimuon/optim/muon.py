@@ -1,0 +1,96 @@
+"""The three public Muon-family optimizers: each is the shared core plus a schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dimuon.optim.core import MuonFamily, _check_number
+from dimuon.optim.schedules import BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
+
+_COMMON_DOC = """
+    Args (shared by every Muon-family optimizer):
+        params: parameters, named parameters or parameter groups (see :func:`param_groups`);
+            a group with ``"algorithm": "adamw"`` is updated by AdamW.
+        lr: learning rate (shared by the AdamW groups unless a group sets its own).
+        momentum: EMA momentum coefficient ``beta`` in [0, 1).
+        nesterov: use ``U = (1-beta) G + beta M`` instead of ``U = M``.
+        weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
+        lr_scale: ``"match_rms_adamw"`` (0.2 sqrt(max(m, n))), ``"original"`` (sqrt(max(1, m/n)))
+            or ``"none"``.
+        ns_coefficients: ``"quintic"`` or ``"polar_express"``.
+        ns_steps: Newton-Schulz iterations.
+        ns_dtype: compute dtype of Newton-Schulz; ``None`` = fp32 on CPU, bf16 on accelerators.
+        ns_algorithm: ``"standard"`` or ``"gram"`` (Gram Newton-Schulz on matrices with cols >= 2 rows).
+        adamw_betas, adamw_eps: AdamW hyperparameters of the ``"adamw"`` groups.
+        nonfinite: ``"raise"`` (default) or ``"skip"`` a step whose gradients hold inf/nan; either
+            way no state is touched by such a step.
+"""
+
+
+class Muon(MuonFamily):
+    """Muon: momentum orthogonalized by Newton-Schulz at every step."""
+
+    schedule = Schedule()
+
+    def __init__(self, params: Any, lr: float = 1e-3, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, **kwargs)
+
+
+class PeriodicRowMuon(MuonFamily):
+    """Periodic Row-wise Muon: a spectral (Newton-Schulz) step when ``t % k == 0``, else RowNorm.
+
+    RowNorm steps are scaled by ``gamma`` (1 = as large as a spectral step; the paper uses 0.15).
+    Takes every :class:`Muon` argument plus ``k`` and ``gamma``.
+    """
+
+    schedule = PeriodicRowSchedule()
+
+    def __init__(self, params: Any, lr: float = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, k=k, gamma=gamma, **kwargs)
+
+    @classmethod
+    def _schedule_defaults(cls) -> dict[str, Any]:
+        return {"k": 3, "gamma": 0.15}
+
+    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
+        if key == "k":
+            _check_number(f"k{where}", value, low=1, integer=True)
+        elif key == "gamma":
+            _check_number(f"gamma{where}", value, low=0.0, low_open=True)
+
+
+class MuonBP(MuonFamily):
+    """MuonBP: full orthogonalization when ``t % period == 0``, block-wise otherwise.
+
+    Blocks are each rank's shard of rows for sharded (DTensor) parameters, and ``blocks`` equal
+    row chunks (as ``torch.chunk`` cuts them) for unsharded ones. Block steps use the step size
+    ``lr * block_lr_ratio`` and the shape scale of the block. Takes every :class:`Muon` argument
+    plus ``period``, ``blocks`` and ``block_lr_ratio``.
+    """
+
+    schedule = BlockPeriodicSchedule()
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        period: int = 5,
+        blocks: int = 1,
+        block_lr_ratio: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr=lr, period=period, blocks=blocks, block_lr_ratio=block_lr_ratio, **kwargs)
+
+    @classmethod
+    def _schedule_defaults(cls) -> dict[str, Any]:
+        return {"period": 5, "blocks": 1, "block_lr_ratio": 1.0}
+
+    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
+        if key in ("period", "blocks"):
+            _check_number(f"{key}{where}", value, low=1, integer=True)
+        elif key == "block_lr_ratio":
+            _check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
+
+
+for _cls in (Muon, PeriodicRowMuon, MuonBP):
+    _cls.__doc__ = (_cls.__doc__ or "") + _COMMON_DOC

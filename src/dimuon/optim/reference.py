@@ -1,0 +1,113 @@
+"""Readable per-tensor reference of the Muon-family update, kept as a test oracle and benchmark baseline.
+
+Deliberately plain: one matrix at a time, no batching, no engine, explicit orientation, its own
+Newton-Schulz loop written out (so it checks :mod:`dimuon.optim.linalg` rather than reusing it).
+Follows the update of ``torch.optim.Muon`` in the compute dtype you give it (fp32 by default)
+and extends it with the RowNorm and block steps of ALGORITHMS.md sections 3-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from dimuon.optim.schedules import StepKind
+
+_QUINTIC = (3.4445, -4.7750, 2.0315)
+
+
+def reference_orthogonalize(u: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Quintic Newton-Schulz on one matrix, as ``torch.optim.Muon`` does it, in ``dtype``."""
+    a, b, c = _QUINTIC
+    x = u.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = b * gram + c * gram @ gram
+        x = a * x + poly @ x
+    return x.T if tall else x
+
+
+def reference_rownorm(u: Tensor) -> Tensor:
+    """Each oriented row (rows if wide, columns if tall) divided by its norm."""
+    x = u.float()
+    dim = 1 if x.shape[0] <= x.shape[1] else 0
+    return x / x.norm(dim=dim, keepdim=True).clamp(min=1e-7)
+
+
+def reference_scale(name: str, rows: int, cols: int) -> float:
+    return {
+        "original": math.sqrt(max(1.0, rows / cols)),
+        "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
+        "none": 1.0,
+    }[name]
+
+
+def reference_direction(
+    u: Tensor, kind: StepKind, lr_scale: str, blocks: int = 1, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Scaled direction of one ``(rows, cols)`` momentum matrix at one step kind."""
+    rows, cols = u.shape
+    if kind is StepKind.ROWNORM:
+        return reference_rownorm(u) * reference_scale(lr_scale, rows, cols)
+    if kind is StepKind.BLOCK:
+        parts = [
+            reference_orthogonalize(chunk, dtype=dtype).float() * reference_scale(lr_scale, *chunk.shape)
+            for chunk in torch.chunk(u, blocks, dim=0)
+        ]
+        return torch.cat(parts, dim=0)
+    return reference_orthogonalize(u, dtype=dtype).float() * reference_scale(lr_scale, rows, cols)
+
+
+class ReferenceMuon:
+    """Per-tensor fp32 Muon-family loop over a list of matrices (no AdamW, no groups)."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        lr_scale: str = "original",
+        schedule: str = "muon",
+        k: int = 3,
+        gamma: float = 0.15,
+        period: int = 5,
+        blocks: int = 1,
+        block_lr_ratio: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.params = list(params)
+        self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
+        self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
+        self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
+        self.bufs = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.t = 0
+
+    def kind(self) -> StepKind:
+        if self.schedule == "periodic_row_muon" and self.t % self.k:
+            return StepKind.ROWNORM
+        if self.schedule == "muon_bp" and self.t % self.period:
+            return StepKind.BLOCK
+        return StepKind.SPECTRAL
+
+    @torch.no_grad()
+    def step(self) -> None:
+        kind = self.kind()
+        mult = {StepKind.SPECTRAL: 1.0, StepKind.ROWNORM: self.gamma, StepKind.BLOCK: self.block_lr_ratio}[kind]
+        for p, buf in zip(self.params, self.bufs):
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            buf.lerp_(g, 1 - self.momentum)
+            u = g.lerp(buf, self.momentum) if self.nesterov else buf
+            d = reference_direction(u.reshape(u.shape[0], -1), kind, self.lr_scale, self.blocks, self.dtype)
+            p.mul_(1 - self.lr * self.wd)
+            p.add_(d.view(p.shape).to(p.dtype), alpha=-self.lr * mult)
+        self.t += 1

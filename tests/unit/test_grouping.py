@@ -1,0 +1,115 @@
+"""Role-based grouping: DiT-style and diffusers-style names, user rules, fused splits."""
+
+import pytest
+import torch
+from torch import nn
+
+from dimuon.optim import DIT_FUSED_SPLITS, Muon, describe_groups, param_groups
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(d, 3 * d)
+        self.attn.proj = nn.Linear(d, d)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(d, 4 * d)
+        self.mlp.fc2 = nn.Linear(4 * d, d)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+
+
+class TinyDiT(nn.Module):
+    """Module names of a facebookresearch-style DiT."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.x_embedder = nn.Module()
+        self.x_embedder.proj = nn.Conv2d(4, d, 2, 2)
+        self.t_embedder = nn.Module()
+        self.t_embedder.mlp = nn.Sequential(nn.Linear(32, d), nn.SiLU(), nn.Linear(d, d))
+        self.y_embedder = nn.Module()
+        self.y_embedder.embedding_table = nn.Embedding(11, d)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 4, d), requires_grad=False)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.final_layer = nn.Module()
+        self.final_layer.norm_final = nn.LayerNorm(d, elementwise_affine=False)
+        self.final_layer.linear = nn.Linear(d, 16)
+        self.final_layer.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
+
+
+def _by_algorithm(groups):
+    out = {"muon": set(), "adamw": set()}
+    for g in groups:
+        out[g["algorithm"]].update(name for name, _ in g["params"])
+    return out
+
+
+def test_dit_roles():
+    sets = _by_algorithm(param_groups(TinyDiT()))
+    muon_expected = {
+        f"blocks.{i}.{n}.weight" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "adaLN_modulation.1")
+    } | {"t_embedder.mlp.2.weight", "final_layer.adaLN_modulation.1.weight"}
+    assert sets["muon"] == muon_expected
+    for name in ("x_embedder.proj.weight", "y_embedder.embedding_table.weight", "final_layer.linear.weight",
+                 "t_embedder.mlp.0.weight", "blocks.0.attn.qkv.bias", "x_embedder.proj.bias"):
+        assert name in sets["adamw"]
+    assert "pos_embed" not in sets["muon"] | sets["adamw"]  # frozen parameters are left out
+
+
+def test_diffusers_names():
+    m = nn.Module()
+    m.pos_embed = nn.Module()
+    m.pos_embed.proj = nn.Conv2d(4, 8, 2, 2)
+    blk = nn.Module()
+    blk.norm1 = nn.Module()
+    blk.norm1.emb = nn.Module()
+    blk.norm1.emb.class_embedder = nn.Module()
+    blk.norm1.emb.class_embedder.embedding_table = nn.Embedding(11, 8)
+    blk.norm1.emb.timestep_embedder = nn.Module()
+    blk.norm1.emb.timestep_embedder.linear_1 = nn.Linear(256, 8)
+    blk.norm1.emb.timestep_embedder.linear_2 = nn.Linear(8, 8)
+    blk.norm1.linear = nn.Linear(8, 48)
+    blk.attn1 = nn.Module()
+    blk.attn1.to_q = nn.Linear(8, 8)
+    m.transformer_blocks = nn.ModuleList([blk])
+    m.proj_out_1 = nn.Linear(8, 16)
+    m.proj_out_2 = nn.Linear(8, 16)
+    sets = _by_algorithm(param_groups(m))
+    assert sets["muon"] == {
+        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight",
+        "transformer_blocks.0.norm1.linear.weight",
+        "transformer_blocks.0.attn1.to_q.weight",
+    }
+    assert {"pos_embed.proj.weight", "proj_out_1.weight", "proj_out_2.weight",
+            "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
+            "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight"} <= sets["adamw"]
+
+
+def test_user_rules_override_and_carry_options():
+    groups = param_groups(TinyDiT(), rules=[("*.adaLN_modulation.1.weight", {"algorithm": "adamw", "lr": 3e-4}),
+                                            ("final_layer.linear.weight", "muon")])
+    sets = _by_algorithm(groups)
+    assert "blocks.0.adaLN_modulation.1.weight" in sets["adamw"]
+    assert "final_layer.linear.weight" in sets["muon"]
+    lr_group = [g for g in groups if g.get("lr") == 3e-4]
+    assert len(lr_group) == 1 and all("adaLN" in n for n, _ in lr_group[0]["params"])
+    with pytest.raises(ValueError, match=r"rule 'x\*': algorithm must be one of \('muon', 'adamw'\)"):
+        param_groups(TinyDiT(), rules={"x*": "sgd"})
+
+
+def test_fused_splits_reach_the_optimizer():
+    model = TinyDiT()
+    groups = param_groups(model, split_sizes=DIT_FUSED_SPLITS)
+    split = {n: g.get("split_sizes") for g in groups for n, _ in g["params"]}
+    assert split["blocks.1.attn.qkv.weight"] == 3
+    assert split["blocks.0.adaLN_modulation.1.weight"] == 6
+    assert split["final_layer.adaLN_modulation.1.weight"] == 2
+    assert split["blocks.0.mlp.fc1.weight"] is None
+    opt = Muon(groups, lr=1e-3)
+    x = torch.randn(2, 16)
+    loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * x.sum()
+    loss.backward()
+    opt.step()
+    assert "blocks.0.attn.qkv.weight" in describe_groups(groups)

@@ -1,0 +1,276 @@
+"""torch.optim behaviour: validation, state_dict/resume, non-finite gradients, closures, schedulers, AdamW."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from dimuon.optim import Muon, MuonBP, PeriodicRowMuon, build
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 20)
+        self.fc2 = nn.Linear(20, 40)
+        self.fc3 = nn.Linear(40, 9)
+        self.norm = nn.LayerNorm(9)
+
+    def forward(self, x):
+        return self.norm(self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))))
+
+
+def _groups(model):
+    return [
+        {"params": [model.fc1.weight, model.fc2.weight, model.fc3.weight]},
+        {"params": [model.fc1.bias, model.fc2.bias, model.fc3.bias, *model.norm.parameters()], "algorithm": "adamw"},
+    ]
+
+
+def _batch(t):
+    g = torch.Generator().manual_seed(t)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 9, generator=g)
+
+
+def _train(model, opt, start, stop):
+    for t in range(start, stop):
+        x, y = _batch(t)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [(PeriodicRowMuon, dict(k=3, gamma=0.15)), (MuonBP, dict(period=5, blocks=2)), (Muon, {})],
+)
+def test_resume_mid_period_is_bitwise_identical(cls, kw):
+    torch.manual_seed(0)
+    model = Net()
+    straight = copy.deepcopy(model)
+    opt_straight = cls(_groups(straight), lr=0.01, weight_decay=0.1, **kw)
+    _train(straight, opt_straight, 0, 10)
+
+    opt = cls(_groups(model), lr=0.01, weight_decay=0.1, **kw)
+    _train(model, opt, 0, 4)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+
+    resumed = Net()
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = cls(_groups(resumed), lr=0.01, weight_decay=0.1, **kw)
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.param_groups[0]["step"] == 4
+    assert opt2.step_kinds() == opt.step_kinds()
+    _train(resumed, opt2, 4, 10)
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_adamw_group_matches_torch_adamw():
+    torch.manual_seed(0)
+    a = nn.Linear(5, 7)
+    b = copy.deepcopy(a)
+    ours = Muon([{"params": a.parameters(), "algorithm": "adamw"}], lr=0.01, weight_decay=0.1)
+    theirs = torch.optim.AdamW(b.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for t in range(5):
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(t))
+        for m, opt in ((a, ours), (b, theirs)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(lr=-1.0), ValueError, r"lr must be in \[0.0, inf\), got -1.0"),
+        (dict(momentum=1.0), ValueError, r"momentum must be in \[0.0, 1.0\)"),
+        (dict(momentum=-0.1), ValueError, r"momentum must be in"),
+        (dict(weight_decay=-1e-3), ValueError, "weight_decay must be in"),
+        (dict(lr_scale="adam"), ValueError, r"lr_scale must be one of \('match_rms_adamw', 'original', 'none'\)"),
+        (dict(ns_coefficients="cubic"), ValueError, r"ns_coefficients must be one of \('quintic', 'polar_express'\)"),
+        (dict(ns_algorithm="svd"), ValueError, r"ns_algorithm must be one of \('standard', 'gram'\)"),
+        (dict(ns_steps=0), ValueError, r"ns_steps must be in"),
+        (dict(ns_dtype="bf16"), TypeError, "ns_dtype must be None or a floating torch.dtype"),
+        (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('raise', 'skip'\)"),
+        (dict(adamw_betas=(0.9, 1.0)), ValueError, r"adamw_betas\[1\] must be in"),
+        (dict(lr="fast"), TypeError, "lr must be a number"),
+    ],
+)
+def test_bad_hyperparameters_name_themselves(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Muon([nn.Parameter(torch.randn(3, 4))], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (PeriodicRowMuon, dict(k=0), r"k must be in \[1, inf\), got 0"),
+        (PeriodicRowMuon, dict(k=2.5), "k must be an int"),
+        (PeriodicRowMuon, dict(gamma=0.0), r"gamma must be in \(0.0, inf\), got 0.0"),
+        (MuonBP, dict(period=0), r"period must be in \[1, inf\)"),
+        (MuonBP, dict(blocks=0), r"blocks must be in \[1, inf\)"),
+        (MuonBP, dict(block_lr_ratio=-1.0), "block_lr_ratio must be in"),
+    ],
+)
+def test_bad_schedule_options(cls, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        cls([nn.Parameter(torch.randn(3, 4))], **kwargs)
+
+
+def test_unknown_options_and_group_keys():
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['k'\]"):
+        Muon([nn.Parameter(torch.randn(3, 4))], k=3)
+    with pytest.raises(ValueError, match=r"unknown parameter-group option\(s\) \['weight_decy'\]"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "weight_decy": 0.1}])
+    with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "sgd"}])
+    with pytest.raises(ValueError, match="lr \\(parameter group 1\\) must be in"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))]}, {"params": [nn.Parameter(torch.randn(3))],
+              "algorithm": "adamw", "lr": -1.0}])
+
+
+def test_non_matrix_in_muon_group_names_parameter_and_shape():
+    model = Net()
+    with pytest.raises(ValueError, match=r"parameter 'fc1.bias' with shape \(20,\) is in a 'muon' group"):
+        Muon(model.named_parameters())
+    with pytest.raises(ValueError, match=r"params\[0\] of group 0' with shape \(\)"):
+        Muon([nn.Parameter(torch.tensor(1.0))])
+
+
+def test_bad_split_sizes():
+    with pytest.raises(ValueError, match="split_sizes=5 for parameter 'params\\[0\\] of group 0' must divide its 12 rows"):
+        Muon([{"params": [nn.Parameter(torch.randn(12, 4))], "split_sizes": 5}])
+    with pytest.raises(ValueError, match="must be positive and sum to its 12 rows"):
+        Muon([{"params": [nn.Parameter(torch.randn(12, 4))], "split_sizes": (4, 4)}])
+
+
+def test_sparse_gradient_rejected():
+    p = nn.Parameter(torch.randn(4, 5))
+    opt = Muon([p])
+    p.grad = torch.randn(4, 5).to_sparse()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize("where", ["muon", "adamw"])
+def test_nonfinite_gradient_raises_and_leaves_state_untouched(where):
+    torch.manual_seed(0)
+    model = Net()
+    opt = PeriodicRowMuon(_groups(model), lr=0.01)
+    _train(model, opt, 0, 2)
+    snapshot = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    x, y = _batch(7)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    target = model.fc2.weight if where == "muon" else model.fc2.bias
+    target.grad[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite gradient in params"):
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k])
+    after = opt.state_dict()
+    assert after["param_groups"] == snapshot["param_groups"]
+    for k, st in snapshot["state"].items():
+        for name, v in st.items():
+            assert torch.equal(after["state"][k][name], v)
+
+
+def test_nonfinite_named_parameter_in_message():
+    model = Net()
+    opt = Muon([{"params": [("fc1.weight", model.fc1.weight)]}])
+    model.fc1.weight.grad = torch.full_like(model.fc1.weight, float("inf"))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient in fc1\.weight"):
+        opt.step()
+
+
+def test_nonfinite_skip_keeps_everything_and_counts():
+    torch.manual_seed(0)
+    model = Net()
+    opt = PeriodicRowMuon(_groups(model), lr=0.01, nonfinite="skip")
+    _train(model, opt, 0, 2)
+    weights = copy.deepcopy(model.state_dict())
+    bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items() if "momentum_buffer" in s}
+    x, y = _batch(9)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    model.fc1.weight.grad[1, 1] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert opt.param_groups[0]["step"] == 2  # the schedule phase did not advance
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k])
+    for p, s in opt.state.items():
+        if "momentum_buffer" in s:
+            assert torch.equal(s["momentum_buffer"], bufs[id(p)])
+    _train(model, opt, 10, 11)  # a finite step afterwards goes through
+    assert opt.param_groups[0]["step"] == 3
+
+
+def test_params_without_grad_are_skipped():
+    a, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6, 4))
+    before = b.detach().clone()
+    opt = Muon([a, b], lr=0.1)
+    a.grad = torch.randn(4, 6)
+    opt.step()
+    assert torch.equal(b, before) and b not in opt.state
+    assert a in opt.state
+
+
+def test_closure_scheduler_zero_grad():
+    torch.manual_seed(0)
+    model = Net()
+    opt = PeriodicRowMuon(_groups(model), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    x, y = _batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    for _ in range(5):
+        opt.step(closure)
+        sched.step()
+    assert isinstance(first, torch.Tensor) and closure().item() < first.item()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_build_names_and_options():
+    model = Net()
+    for name, cls in [("muon", Muon), ("periodic_row_muon", PeriodicRowMuon), ("muon_bp", MuonBP)]:
+        assert type(build(name, model, lr=1e-3)) is cls
+    adamw = build("adamw", model, lr=1e-3)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.95)
+    assert build("periodic_row_muon", model, k=4).param_groups[0]["k"] == 4
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp'\)"):
+        build("sgd", model)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['period'\]"):
+        build("periodic_row_muon", model, period=3)
+
+
+def test_old_state_dict_without_new_keys_loads():
+    model = Net()
+    opt = Muon(_groups(model), lr=0.01)
+    _train(model, opt, 0, 1)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g.pop("ns_algorithm")
+    opt2 = Muon(_groups(model), lr=0.01)
+    opt2.load_state_dict(sd)
+    state = opt2.__getstate__()
+    opt2.__setstate__(state)
+    assert all("ns_algorithm" in g for g in opt2.param_groups)
+    _train(model, opt2, 1, 2)
