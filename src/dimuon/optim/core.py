@@ -307,7 +307,7 @@ class MuonFamily(torch.optim.Optimizer):
             w = local_tensor(p)
             if wd != 0:
                 w.mul_(1.0 - lr * wd)  # decoupled, with the unscaled lr
-            w.add_(d.view(w.shape).to(w.dtype), alpha=-step_size)
+            w.add_(d.reshape(w.shape).to(w.dtype), alpha=-step_size)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []

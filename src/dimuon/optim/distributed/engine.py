@@ -119,14 +119,16 @@ def apply_map_batched(
 ) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
-    Returns, in order, the scaled direction of each piece (fp32 or wider).
+    Tall pieces are transposed before stacking, so a ``(4D, D)`` and a ``(D, 4D)`` matrix share one
+    batched call. Returns, in order, the scaled direction of each piece (fp32 or wider).
     """
     out: list[Tensor | None] = [None] * len(pieces)
     by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
-        by_shape[tuple(piece.shape)].append(i)
-    for (rows, cols), idx in by_shape.items():
-        batch = torch.stack([pieces[i] for i in idx]) if len(idx) > 1 else pieces[idx[0]].unsqueeze(0)
+        by_shape[linalg.oriented_shape(*piece.shape)].append(i)
+    for (short, long), idx in by_shape.items():
+        wide = [pieces[i].mT if pieces[i].shape[0] > pieces[i].shape[1] else pieces[i] for i in idx]
+        batch = torch.stack(wide) if len(wide) > 1 else wide[0].unsqueeze(0)  # (B, short, long)
         if kind is StepKind.ROWNORM:
             result = linalg.row_normalize(batch)
         else:
@@ -137,11 +139,10 @@ def apply_map_batched(
                 algorithm=config.ns_algorithm,
                 dtype=config.ns_dtype,
             )
-        scale = linalg.lr_scale_factor(config.lr_scale, rows, cols)
-        wide = torch.promote_types(result.dtype, torch.float32)
-        result = result.to(wide).mul_(scale)
+        result = result.to(torch.promote_types(result.dtype, torch.float32))
         for j, i in enumerate(idx):
-            out[i] = result[j]
+            d = result[j].mul_(linalg.lr_scale_factor(config.lr_scale, *pieces[i].shape))
+            out[i] = d.mT if pieces[i].shape[0] > pieces[i].shape[1] else d
     return out  # type: ignore[return-value]
 
 

@@ -1,0 +1,57 @@
+"""``dimuon train | sample | eval | bench <name>``: one entry point, one typed config per command.
+
+Each command lives in its own module and parses its own flags; this file only dispatches, so
+``dimuon bench optimizer --help`` and ``python -m dimuon.bench.optimizer --help`` are the same.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, str] = {
+    "train": "dimuon.train.run",
+    "sample": "dimuon.train.sample",
+    "eval": "dimuon.metrics.eval_run",
+}
+BENCHMARKS: dict[str, str] = {
+    "optimizer": "dimuon.bench.optimizer",
+    "comm": "dimuon.bench.comm",
+}
+
+USAGE = """usage: dimuon <command> [options]
+
+commands:
+  train              train a DiT (single process, or under torchrun with FSDP2)
+  sample             sample images from a checkpoint
+  eval               generation quality (FD, precision/recall/density/coverage) over a run's checkpoints
+  bench optimizer    optimizer step time on DiT parameter shapes
+  bench comm         logical communication and step time of the optimizers on 4 gloo ranks
+
+'dimuon <command> --help' lists each command's options."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            got = repr(rest[0]) if rest else "nothing"
+            print(f"dimuon bench: expected one of {sorted(BENCHMARKS)}, got {got}\n\n{USAGE}", file=sys.stderr)
+            return 2
+        module, rest = BENCHMARKS[rest[0]], rest[1:]
+    elif command in COMMANDS:
+        module = COMMANDS[command]
+    else:
+        print(f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    result = importlib.import_module(module).main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
