@@ -1,0 +1,32 @@
+"""Generation-quality metrics: Frechet distance and precision/recall/density/coverage in a named feature space."""
+
+from dimuon.metrics.evaluate import evaluate_features, extract_features
+from dimuon.metrics.features import (
+    EXTRACTORS,
+    ClassifierFeatures,
+    ClassifierRecipe,
+    DinoV2Features,
+    FeatureExtractor,
+    InceptionFeatures,
+    build_extractor,
+    load_or_train_classifier,
+)
+from dimuon.metrics.frechet import frechet_distance, frechet_distance_from_stats, gaussian_stats
+from dimuon.metrics.prdc import prdc
+
+__all__ = [
+    "EXTRACTORS",
+    "ClassifierFeatures",
+    "ClassifierRecipe",
+    "DinoV2Features",
+    "FeatureExtractor",
+    "InceptionFeatures",
+    "build_extractor",
+    "evaluate_features",
+    "extract_features",
+    "frechet_distance",
+    "frechet_distance_from_stats",
+    "gaussian_stats",
+    "load_or_train_classifier",
+    "prdc",
+]
