@@ -26,6 +26,8 @@ _ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 def _accepted_options(cls: type) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
+        if klass in (torch.optim.Optimizer, object):
+            break
         if "__init__" in vars(klass):
             names |= set(inspect.signature(klass.__init__).parameters) - {"self", "params", "kwargs"}
     if issubclass(cls, MuonFamily):

@@ -19,6 +19,7 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from dimuon.optim import linalg
 from dimuon.optim.distributed.engine import (
+    REFRESH_STRATEGIES,
     DirectionEngine,
     LocalEngine,
     MapConfig,
@@ -93,6 +94,9 @@ class MuonFamily(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         nonfinite: str = "raise",
+        refresh: str = "gather",
+        bucket_mb: float = 32.0,
+        comm_dtype: torch.dtype | None = None,
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
@@ -121,7 +125,12 @@ class MuonFamily(torch.optim.Optimizer):
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
         _check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        _check_choice("refresh", refresh, REFRESH_STRATEGIES)
+        _check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
         self.nonfinite = nonfinite
+        self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype}
         self._engine: DirectionEngine | None = engine
         super().__init__(params, defaults)
 
@@ -185,7 +194,8 @@ class MuonFamily(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key, value in (("nonfinite", "raise"), ("_engine", None)):
+        engine_defaults = {"refresh": "gather", "bucket_mb": 32.0, "comm_dtype": None}
+        for key, value in (("nonfinite", "raise"), ("_engine", None), ("engine_options", engine_defaults)):
             if not hasattr(self, key):
                 setattr(self, key, value)
         for group in self.param_groups:
@@ -200,7 +210,7 @@ class MuonFamily(torch.optim.Optimizer):
             if any(_is_dtensor(p) for p in params):
                 from dimuon.optim.distributed.sharded import ShardedEngine
 
-                self._engine = ShardedEngine()
+                self._engine = ShardedEngine(**self.engine_options)
             else:
                 self._engine = LocalEngine()
         return self._engine
@@ -268,10 +278,11 @@ class MuonFamily(torch.optim.Optimizer):
             state = self.state[p]
             g = local_tensor(p.grad)
             if "momentum_buffer" not in state:
-                # fp32 or the parameter dtype if wider; never aliases the gradient.
-                dtype = torch.promote_types(g.dtype, torch.float32)
-                state["momentum_buffer"] = torch.zeros(g.shape, dtype=dtype, device=g.device)
-            buf = state["momentum_buffer"]
+                # fp32 or the parameter dtype if wider; never aliases the gradient. Shaped (and for
+                # DTensor parameters, sharded) like the parameter, so checkpoints can reshard it.
+                dtype = torch.promote_types(p.dtype, torch.float32)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            buf = local_tensor(state["momentum_buffer"])
             grads.append(g.to(buf.dtype))
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
@@ -286,7 +297,7 @@ class MuonFamily(torch.optim.Optimizer):
             jobs.append(
                 MatrixJob(
                     name=name,
-                    update=u.reshape(u.shape[0], -1),
+                    update=u.reshape(u.shape[0], cols),
                     rows=rows,
                     cols=cols,
                     splits=split_sizes_to_ranges(rows, group["split_sizes"], name),

@@ -22,6 +22,9 @@ from dimuon.optim.schedules import StepKind
 
 RowRange = tuple[int, int]
 
+# Spectral-step strategies of the sharded engine (ALGORITHMS.md section 7).
+REFRESH_STRATEGIES: tuple[str, ...] = ("gather", "owner")
+
 
 @dataclass(frozen=True)
 class MapConfig:
@@ -126,7 +129,7 @@ def apply_map_batched(
     by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
         by_shape[linalg.oriented_shape(*piece.shape)].append(i)
-    for (short, long), idx in by_shape.items():
+    for idx in by_shape.values():
         wide = [pieces[i].mT if pieces[i].shape[0] > pieces[i].shape[1] else pieces[i] for i in idx]
         batch = torch.stack(wide) if len(wide) > 1 else wide[0].unsqueeze(0)  # (B, short, long)
         if kind is StepKind.ROWNORM:

@@ -1,0 +1,150 @@
+"""Rank-side programs of the multi-rank tests (importable, so spawned ranks can run them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dimuon.optim import build, param_groups
+
+STEPS = 8
+LR = 0.02
+
+
+class OddShapes(nn.Module):
+    """Matrices with m < n, m > n, m = n, rows not divisible by 2 or 4, fewer rows (3) than 4 ranks,
+    a fused matrix split in three, plus biases and a LayerNorm for the AdamW group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 13)  # (13, 12): tall, 13 rows
+        self.b = nn.Linear(13, 40)  # (40, 13): tall
+        self.c = nn.Linear(40, 16)  # (16, 40): wide
+        self.d = nn.Linear(16, 16)  # square
+        self.g = nn.Linear(16, 48)  # (48, 16): fused, split into 3 squares
+        self.e = nn.Linear(48, 3)  # (3, 48): 3 rows
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.a, self.b, self.c, self.d, self.g, self.e):
+            x = torch.tanh(layer(x))
+        return self.norm(x)
+
+
+class DiTShaped(nn.Module):
+    """Two transformer-block-shaped layers of width D (qkv, proj, fc1, fc2, adaLN)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        for _ in range(2):
+            blk = nn.Module()
+            blk.qkv, blk.proj = nn.Linear(d, 3 * d), nn.Linear(3 * d, d)
+            blk.fc1, blk.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            blk.ada = nn.Linear(d, 6 * d)
+            self.blocks.append(blk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk.proj(torch.tanh(blk.qkv(x))) + blk.fc2(torch.tanh(blk.fc1(x))) + blk.ada(x)[..., : x.shape[-1]]
+        return x
+
+
+MODELS = {"odd": (OddShapes, 12, {"g.weight": 3}), "dit": (DiTShaped, 64, None)}
+
+
+def make(model_name: str, optimizer: str, opts: dict, world: int | None):
+    """Seeded model + optimizer; sharded with FSDP2 over ``world`` ranks when ``world`` is given."""
+    cls, _, splits = MODELS[model_name]
+    torch.manual_seed(0)
+    model = cls()
+    if world is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if optimizer == "adamw":
+        return model, build("adamw", model, lr=LR, weight_decay=0.05, **opts)
+    opt = build(optimizer, param_groups(model, split_sizes=splits), lr=LR, weight_decay=0.05,
+                ns_dtype=torch.float32, **opts)
+    return model, opt
+
+
+def batch(model_name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, width, _ = MODELS[model_name]
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(32, width, generator=g)
+    out = 3 if model_name == "odd" else width
+    return x, torch.randn(32, out, generator=g)
+
+
+def train(model, opt, model_name: str, start: int, stop: int) -> list[dict]:
+    """Steps ``[start, stop)`` on the same full batch on every rank; comm stats of each step."""
+    stats = []
+    for t in range(start, stop):
+        x, y = batch(model_name, t)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.reset_comm_stats() if hasattr(opt, "reset_comm_stats") else None
+        opt.step()
+        stats.append(opt.comm_stats() if hasattr(opt, "comm_stats") else {})
+    return stats
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> dict:
+    """Train each case sharded; return full parameters and per-step comm stats (rank 0's view too)."""
+    results = {}
+    for key, model_name, optimizer, opts in cases:
+        model, opt = make(model_name, optimizer, opts, world)
+        stats = train(model, opt, model_name, 0, STEPS)
+        results[key] = {"params": full_params(model), "stats": stats, "kinds": None}
+    dist.barrier()
+    return results
+
+
+def reference(model_name: str, optimizer: str, opts: dict, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model, opt = make(model_name, optimizer, opts, None)
+    train(model, opt, model_name, 0, steps)
+    return full_params(model)
+
+
+def dcp_save_then_continue(rank: int, world: int, path: str, optimizer: str, opts: dict, save_at: int) -> dict:
+    """Train to ``save_at``, save model+optimizer with DCP, then keep going to STEPS (uninterrupted run)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = make("odd", optimizer, opts, world)
+    train(model, opt, "odd", 0, save_at)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    train(model, opt, "odd", save_at, STEPS)
+    return {"params": full_params(model)}
+
+
+def dcp_load_and_continue(rank: int, world: int, path: str, optimizer: str, opts: dict, save_at: int) -> dict:
+    """Fresh model+optimizer, load the DCP checkpoint, continue from ``save_at`` to STEPS."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = make("odd", optimizer, opts, world)
+    # Materialize optimizer state so the loaded checkpoint has somewhere to land.
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    phase = [g["step"] for g in opt.param_groups]
+    kinds = [str(k) for k in opt.step_kinds()]
+    train(model, opt, "odd", save_at, STEPS)
+    return {"params": full_params(model), "phase": phase, "kinds": kinds}

@@ -1,0 +1,103 @@
+"""Sharded (FSDP2, gloo) against single-process: parameters, logical bytes, no hangs on empty shards."""
+
+import pytest
+
+from dimuon.optim.distributed.launch import run_gloo
+from dimuon.optim.distributed.sharded import assign_owners, make_buckets
+
+from . import scenarios as sc
+
+pytestmark = pytest.mark.multirank
+
+# Weight shapes of scenarios.DiTShaped (D = 64), in parameter order.
+DIT_SHAPES = [(192, 64), (64, 192), (256, 64), (64, 256), (384, 64)] * 2
+
+CASES = [
+    ("muon_gather", "odd", "muon", {"refresh": "gather"}),
+    ("muon_owner", "odd", "muon", {"refresh": "owner"}),
+    ("prm_k3", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.15}),
+    ("prm_k3_owner", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.5, "refresh": "owner"}),
+    ("muon_bp_p5", "odd", "muon_bp", {"period": 5, "block_lr_ratio": 0.8}),
+    ("adamw", "odd", "adamw", {}),
+    ("bytes_muon_gather", "dit", "muon", {"refresh": "gather", "bucket_mb": 0.05}),
+    ("bytes_muon_owner", "dit", "muon", {"refresh": "owner", "bucket_mb": 0.05}),
+    ("bytes_prm_k3", "dit", "periodic_row_muon", {"k": 3, "bucket_mb": 0.05}),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def sharded(request):
+    world = request.param
+    results = run_gloo(sc.parity, world, CASES, timeout_s=300)
+    return world, results
+
+
+def _reference(key, world):
+    _, model, optimizer, opts = next(c for c in CASES if c[0] == key)
+    opts = dict(opts)
+    if optimizer == "muon_bp":
+        opts["blocks"] = world  # the single-process blocks that match the shard layout
+    opts.pop("refresh", None)
+    opts.pop("bucket_mb", None)
+    return sc.reference(model, optimizer, opts)
+
+
+@pytest.mark.parametrize("key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw"])
+def test_parameters_match_single_process(sharded, key):
+    world, results = sharded
+    expect = _reference(key, world)
+    for rank_result in results:  # every rank holds the same full parameters
+        got = rank_result[key]["params"]
+        for name, ref in expect.items():
+            diff = (got[name] - ref).abs().max().item()
+            assert diff <= 1e-5, (key, name, diff)
+
+
+def _bytes(stats):
+    return sum(v["bytes"] for s in stats for k, v in s.items() if k != "all_reduce[check]")
+
+
+def test_rownorm_and_block_steps_are_local_except_norm_stats(sharded):
+    _, results = sharded
+    stats = results[0]["prm_k3"]["stats"]
+    for t, s in enumerate(stats):
+        kinds = set(s) - {"all_reduce[check]"}
+        if t % 3 == 0:
+            assert kinds == {"all_gather"}
+        else:  # RowNorm: only the one bucketed all-reduce of column norms (tall matrices exist here)
+            assert kinds == {"all_reduce"} and s["all_reduce"]["calls"] == 1
+    bp = results[0]["muon_bp_p5"]["stats"]
+    for t, s in enumerate(bp):
+        if t % 5:
+            assert set(s) - {"all_reduce[check]"} == set()
+    assert all(set(s) <= {"all_reduce[check]"} for s in results[0]["adamw"]["stats"])
+
+
+def test_logical_bytes_ratios(sharded):
+    world, results = sharded
+    per_rank = [(_bytes(r["bytes_muon_gather"]["stats"][:6]), _bytes(r["bytes_muon_owner"]["stats"][:6]),
+                 _bytes(r["bytes_prm_k3"]["stats"][:6])) for r in results]
+    gather, owner, prm = (sum(col) / world for col in zip(*per_rank))
+    # Exact gather volume: per bucket, (W-1)/W of the all-gathered (padded) shards, every step.
+    shard_bytes = [-(-m // world) * n * 4 for m, n in DIT_SHAPES]
+    buckets = make_buckets(shard_bytes, int(0.05 * 2**20))
+    per_step = sum(world * sum(shard_bytes[i] for i in b) * (world - 1) // world for b in buckets)
+    assert all(p[0] == 6 * per_step for p in per_rank)
+    # K = 3: one refresh per period plus the small all-reduce of column norms on RowNorm steps.
+    assert prm / gather <= 0.34
+    if world == 4:
+        assert owner / gather <= 0.52
+    assert owner / gather <= 2 / world + 0.02
+
+
+def test_owner_moves_exactly_the_shards(sharded):
+    world, results = sharded
+    # Every row of every matrix leaves its rank once (unless its owner holds it) and comes back once.
+    total = sum(m * n * 4 for m, n in DIT_SHAPES)
+    moved = sum(_bytes(r["bytes_muon_owner"]["stats"][:1]) for r in results)
+    owners = assign_owners(DIT_SHAPES, world)
+    kept = 0
+    for (m, n), o in zip(DIT_SHAPES, owners):
+        chunk = -(-m // world)
+        kept += max(0, min(chunk, m - o * chunk)) * n * 4
+    assert moved == 2 * (total - kept)
