@@ -148,3 +148,12 @@ def dcp_load_and_continue(rank: int, world: int, path: str, optimizer: str, opts
     kinds = [str(k) for k in opt.step_kinds()]
     train(model, opt, "odd", save_at, STEPS)
     return {"params": full_params(model), "phase": phase, "kinds": kinds}
+
+
+def replicated(rank: int, world: int, optimizer: str, opts: dict) -> dict:
+    """Plain (DDP-style replicated) parameters with the Newton-Schulz work split over the world group."""
+    model, _ = make("odd", "adamw", {}, None)
+    opt = build(optimizer, param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR, weight_decay=0.05,
+                ns_dtype=torch.float32, process_group=dist.group.WORLD, **opts)
+    stats = train(model, opt, "odd", 0, STEPS)
+    return {"params": full_params(model), "stats": stats}

@@ -101,3 +101,27 @@ def test_owner_moves_exactly_the_shards(sharded):
         chunk = -(-m // world)
         kept += max(0, min(chunk, m - o * chunk)) * n * 4
     assert moved == 2 * (total - kept)
+
+
+def test_every_rank_issues_the_same_collectives(sharded):
+    _, results = sharded
+    for key in results[0]:
+        calls = [[{k: v["calls"] for k, v in s.items()} for s in r[key]["stats"]] for r in results]
+        assert all(c == calls[0] for c in calls), key
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "periodic_row_muon"])
+def test_replicated_parameters_split_the_work(optimizer):
+    world = 2
+    results = run_gloo(sc.replicated, world, optimizer, {}, timeout_s=300)
+    expect = sc.reference("odd", optimizer, {})
+    for r in results:
+        for name, ref in expect.items():
+            assert (r["params"][name] - ref).abs().max() <= 1e-5, name
+    first = results[0]["stats"][0]
+    # A spectral step: per parameter group, one broadcast from each rank that owns matrices; nothing else.
+    groups = [[(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)], [(48, 16)]]  # plain and split matrices
+    owners = sum(len(set(assign_owners(shapes, world))) for shapes in groups)
+    assert set(first) - {"all_reduce[check]"} == {"broadcast"} and first["broadcast"]["calls"] == owners
+    if optimizer == "periodic_row_muon":
+        assert set(results[0]["stats"][1]) <= {"all_reduce[check]"}  # RowNorm is local

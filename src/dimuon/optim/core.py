@@ -97,6 +97,7 @@ class MuonFamily(torch.optim.Optimizer):
         refresh: str = "gather",
         bucket_mb: float = 32.0,
         comm_dtype: torch.dtype | None = None,
+        process_group: Any = None,
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
@@ -130,7 +131,8 @@ class MuonFamily(torch.optim.Optimizer):
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
             raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
         self.nonfinite = nonfinite
-        self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype}
+        self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype,
+                               "process_group": process_group}
         self._engine: DirectionEngine | None = engine
         super().__init__(params, defaults)
 
@@ -194,7 +196,7 @@ class MuonFamily(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        engine_defaults = {"refresh": "gather", "bucket_mb": 32.0, "comm_dtype": None}
+        engine_defaults = {"refresh": "gather", "bucket_mb": 32.0, "comm_dtype": None, "process_group": None}
         for key, value in (("nonfinite", "raise"), ("_engine", None), ("engine_options", engine_defaults)):
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -205,9 +207,9 @@ class MuonFamily(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- execution
     def _get_engine(self, params: Sequence[Tensor]) -> DirectionEngine:
-        """Local engine for plain tensors, sharded engine when the parameters are DTensors."""
+        """Local engine for plain tensors; sharded engine for DTensors or when a process group is given."""
         if self._engine is None:
-            if any(_is_dtensor(p) for p in params):
+            if self.engine_options["process_group"] is not None or any(_is_dtensor(p) for p in params):
                 from dimuon.optim.distributed.sharded import ShardedEngine
 
                 self._engine = ShardedEngine(**self.engine_options)

@@ -24,6 +24,13 @@ _COMMON_DOC = """
         adamw_betas, adamw_eps: AdamW hyperparameters of the ``"adamw"`` groups.
         nonfinite: ``"raise"`` (default) or ``"skip"`` a step whose gradients hold inf/nan; either
             way no state is touched by such a step.
+        refresh: spectral steps on sharded parameters: ``"gather"`` (all-gather the momentum, every
+            rank orthogonalizes) or ``"owner"`` (one owner rank per matrix, all-to-all there and back).
+        bucket_mb: size of the communication buckets that overlap with Newton-Schulz.
+        comm_dtype: dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math
+            stays in the compute dtype.
+        process_group: for plain parameters replicated across ranks (DDP): split the Newton-Schulz
+            work over this group and broadcast the results. DTensor parameters need nothing.
 """
 
 

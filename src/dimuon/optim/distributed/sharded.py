@@ -11,8 +11,10 @@ uneven or empty). ALGORITHMS.md section 7:
 - Spectral, ``refresh="owner"``: one owner rank per matrix (balanced by Newton-Schulz FLOPs); the
   shards travel to the owner and the results back by all-to-all; no duplicated work.
 
-Replicated parameters (``Replicate()``) hold the whole matrix on every rank: their spectral steps
-are split across ranks by the same owner assignment and the results broadcast.
+Replicated parameters (``Replicate()`` DTensors, or plain tensors under DDP when the optimizer is
+given ``process_group``) hold the whole matrix on every rank: their spectral steps are split
+across ranks by the same owner assignment and the results broadcast; RowNorm and block steps are
+computed locally.
 
 Every rank walks the same buckets in the same order (all decisions use global shapes only), so
 no collective is ever issued by only some ranks, and empty shards take part with empty payloads.
@@ -113,7 +115,13 @@ def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 class ShardedEngine:
     """Direction engine for DTensor parameters; counts the logical bytes of every collective it issues."""
 
-    def __init__(self, refresh: str = "gather", bucket_mb: float = 32.0, comm_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        refresh: str = "gather",
+        bucket_mb: float = 32.0,
+        comm_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ):
         if refresh not in REFRESH_STRATEGIES:
             raise ValueError(f"refresh must be one of {REFRESH_STRATEGIES}, got {refresh!r}")
         if not bucket_mb > 0:
@@ -121,6 +129,7 @@ class ShardedEngine:
         self.refresh = refresh
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.comm_dtype = comm_dtype
+        self.process_group = process_group  # for plain (replicated, e.g. DDP) parameters
         self.counter = CommCounter()
         self._comms: dict[int, Collectives] = {}
         self._local = LocalEngine()
@@ -149,12 +158,16 @@ class ShardedEngine:
         shards: list[_Shard] = []
         for job in jobs:
             param = job.meta.get("param")
-            if param is None or type(param).__name__ != "DTensor":
+            if param is not None and type(param).__name__ == "DTensor":
+                group, replicated = _process_group(param)
+            elif self.process_group is not None:
+                group, replicated = self.process_group, True
+            else:
                 raise TypeError(
                     f"parameter {job.name!r} is a plain tensor in a group with sharded (DTensor) parameters; "
-                    "shard every Muon parameter the same way (e.g. fully_shard the whole model)"
+                    "shard every Muon parameter the same way (e.g. fully_shard the whole model), or pass "
+                    "process_group= for replicated (DDP) parameters"
                 )
-            group, replicated = _process_group(param)
             c = self._collectives(group)
             if comm is not None and c.group is not comm.group:
                 raise NotImplementedError("all sharded Muon parameters must live on the same device mesh")

@@ -1,0 +1,91 @@
+"""Training on 2 gloo ranks (FSDP2 + DCP): resume equals an uninterrupted run, DCP checkpoints load for eval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dimuon.optim.distributed.launch import run_gloo
+from dimuon.train import CheckpointError, TrainConfig, list_checkpoints, load_model_for_eval, train
+from dimuon.train.checkpoint import read_meta
+
+from . import train_scenarios as sc
+
+pytestmark = pytest.mark.multirank
+
+TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
+               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+BASE: dict[str, Any] = dict(
+    model="DiT-T/4", steps=10, batch_size=16, warmup_steps=3, log_interval=2, val_interval=4, val_samples=16,
+    sample_count=10, sample_steps=2, ckpt_interval=4, progress=False, optimizer="periodic_row_muon",
+)
+
+
+def _log(run: Path) -> list[dict[str, Any]]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    root = tmp_path_factory.mktemp("train2")
+    straight, resumed = root / "straight", root / "resumed"
+    results = run_gloo(sc.straight_and_resumed, 2, BASE, str(straight), str(resumed), 7)
+    return straight, resumed, results
+
+
+def test_resume_on_two_ranks_equals_an_uninterrupted_run(runs: tuple[Path, Path, list[dict]]) -> None:
+    straight, resumed, results = runs
+    assert results[0]["partial"]["step"] == 7
+    assert [s for s, _ in list_checkpoints(straight)] == [4, 8, 10]
+    assert [s for s, _ in list_checkpoints(resumed)] == [4, 8, 10]
+    for use_ema in (True, False):
+        a, _ = load_model_for_eval(straight / "checkpoints" / "step_0000010", use_ema=use_ema)
+        b, _ = load_model_for_eval(resumed / "checkpoints" / "step_0000010", use_ema=use_ema)
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(x, y), (use_ema, name)
+    assert _log(straight) == _log(resumed)
+    # Both ranks saw the same global numbers.
+    assert results[0]["b"]["val_loss"] == results[1]["b"]["val_loss"]
+
+
+def test_dcp_checkpoints_load_for_eval_without_a_process_group(runs: tuple[Path, Path, list[dict]]) -> None:
+    straight, _, _ = runs
+    ckpt_dir = straight / "checkpoints" / "step_0000010"
+    meta = read_meta(ckpt_dir)
+    assert meta["kind"] == "dcp" and meta["world_size"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(meta["files"])
+    model, info = load_model_for_eval(ckpt_dir)
+    assert not model.training and info["step"] == 10 and info["image_shape"] == (1, 28, 28)
+    raw, _ = load_model_for_eval(ckpt_dir, use_ema=False)
+    assert any(not torch.equal(x, y) for x, y in zip(model.state_dict().values(), raw.state_dict().values()))
+
+
+def test_damaged_dcp_shard_is_reported(runs: tuple[Path, Path, list[dict]], tmp_path: Path) -> None:
+    import shutil
+
+    straight, _, _ = runs
+    ckpt_dir = tmp_path / "step_0000010"
+    shutil.copytree(straight / "checkpoints" / "step_0000010", ckpt_dir)
+    shard = ckpt_dir / "__1_0.distcp"
+    assert shard.is_file()
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: truncated"):
+        load_model_for_eval(ckpt_dir)
+
+
+def test_dcp_checkpoint_resumes_in_one_process_into_a_new_run(runs: tuple[Path, Path, list[dict]],
+                                                               tmp_path: Path) -> None:
+    straight, _, _ = runs
+    torch.set_num_threads(1)
+    fork = tmp_path / "fork"
+    summary = train(TrainConfig(out=str(fork), resume=str(straight / "checkpoints" / "step_0000008"), **BASE))
+    assert summary["step"] == 10
+    # The fork starts with the source run's history up to its checkpoint.
+    steps = [r["step"] for r in _log(fork) if r["kind"] == "train"]
+    assert steps == [2, 4, 6, 8, 10]
+    assert [s for s, _ in list_checkpoints(fork)] == [10]
