@@ -80,7 +80,7 @@ def test_logical_bytes_ratios(sharded):
     gather, owner, prm = (sum(col) / world for col in zip(*per_rank))
     # Exact gather volume: per bucket, (W-1)/W of the all-gathered (padded) shards, every step.
     shard_bytes = [-(-m // world) * n * 4 for m, n in DIT_SHAPES]
-    buckets = make_buckets(shard_bytes, int(0.05 * 2**20))
+    buckets = make_buckets([world * b for b in shard_bytes], int(0.05 * 2**20))
     per_step = sum(world * sum(shard_bytes[i] for i in b) * (world - 1) // world for b in buckets)
     assert all(p[0] == 6 * per_step for p in per_rank)
     # K = 3: one refresh per period plus the small all-reduce of column norms on RowNorm steps.

@@ -95,7 +95,7 @@ class MuonFamily(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         nonfinite: str = "raise",
         refresh: str = "gather",
-        bucket_mb: float = 32.0,
+        bucket_mb: float = 16.0,
         comm_dtype: torch.dtype | None = None,
         process_group: Any = None,
         engine: DirectionEngine | None = None,
@@ -196,7 +196,7 @@ class MuonFamily(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        engine_defaults = {"refresh": "gather", "bucket_mb": 32.0, "comm_dtype": None, "process_group": None}
+        engine_defaults = {"refresh": "gather", "bucket_mb": 16.0, "comm_dtype": None, "process_group": None}
         for key, value in (("nonfinite", "raise"), ("_engine", None), ("engine_options", engine_defaults)):
             if not hasattr(self, key):
                 setattr(self, key, value)

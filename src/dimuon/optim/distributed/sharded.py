@@ -118,7 +118,7 @@ class ShardedEngine:
     def __init__(
         self,
         refresh: str = "gather",
-        bucket_mb: float = 32.0,
+        bucket_mb: float = 16.0,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
     ):
@@ -249,8 +249,10 @@ class ShardedEngine:
         return outs
 
     # ----------------------------------------------------------------- spectral refreshes
-    def _buckets(self, shards: Sequence[_Shard]) -> list[list[int]]:
-        sizes = [s.chunk * s.job.cols * self._payload_dtype(s).itemsize for s in shards]
+    def _buckets(self, shards: Sequence[_Shard], world: int) -> list[list[int]]:
+        """Buckets sized by the full (padded) matrices they materialize on a rank, not by the shards,
+        so the memory and the overlap granularity do not depend on the world size."""
+        sizes = [s.chunk * world * s.job.cols * self._payload_dtype(s).itemsize for s in shards]
         return make_buckets(sizes, self.bucket_bytes)
 
     def _payload_dtype(self, s: _Shard) -> torch.dtype:
@@ -258,7 +260,7 @@ class ShardedEngine:
 
     def _gather_refresh(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
         """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's rows."""
-        buckets = self._buckets(shards)
+        buckets = self._buckets(shards, comm.world)
         outs: list[Tensor | None] = [None] * len(shards)
 
         def launch(bucket: list[int]):
@@ -301,7 +303,7 @@ class ShardedEngine:
     def _owner_refresh(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
         """Shards go to each matrix's owner (all-to-all), the owner orthogonalizes, rows come back."""
         owners = assign_owners([(s.job.rows, s.job.cols) for s in shards], comm.world)
-        buckets = self._buckets(shards)
+        buckets = self._buckets(shards, comm.world)
         outs: list[Tensor | None] = [None] * len(shards)
         me, world = comm.rank, comm.world
 
