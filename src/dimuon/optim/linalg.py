@@ -21,14 +21,17 @@ from torch import Tensor
 __all__ = [
     "COEFFICIENT_SETS",
     "GRAM_MIN_ASPECT",
+    "GRAM_RESTART_EVERY",
     "LR_SCALES",
     "NS_ALGORITHMS",
     "coefficient_schedule",
     "default_ns_dtype",
     "lr_scale_factor",
     "newton_schulz",
+    "newton_schulz_products",
     "oriented_shape",
     "row_normalize",
+    "uses_gram",
 ]
 
 # Quintic coefficients (a, b, c) of the reference Muon: maximal slope at zero, five steps.
@@ -48,10 +51,19 @@ COEFFICIENT_SETS: tuple[str, ...] = ("quintic", "polar_express")
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram")
 LR_SCALES: tuple[str, ...] = ("match_rms_adamw", "original", "none")
 
-# The Gram iteration only pays off on clearly rectangular matrices: it trades 8 of the 10
-# (rows x rows x cols) products of the standard iteration for ~15 (rows x rows x rows) ones,
-# which wins once cols >= 2 * rows. Narrower matrices fall back to the standard iteration.
+# The Gram iteration only pays off on clearly rectangular matrices: with five steps and one
+# restart it trades 6 of the 10 (rows x rows x cols) products of the standard iteration for 9 more
+# (rows x rows x rows) ones (see ``newton_schulz_products``), a FLOP win once cols > 1.5 * rows;
+# from 2 * rows on the saving (>= 12%) outweighs the extra small products. Narrower matrices fall
+# back to the standard iteration.
 GRAM_MIN_ASPECT: float = 2.0
+
+# Restart the Gram iteration (recompute R from the true iterate) after this many steps. In fp32 one
+# restart after step 3 of 5 matches the standard iteration's error (about 1e-5 relative on DiT-like
+# shapes, 6e-5 on near-low-rank input) and so does a restart every 2 steps, which costs two more
+# (rows x rows x cols) products; without restarts the error on ill-conditioned input grows 4-16x
+# in fp32 and blows up in bf16.
+GRAM_RESTART_EVERY: int = 3
 
 # Normalization constants: the quintic set divides by max(||X||_F, eps); Polar Express by
 # ||X||_F * (1 + 2e-2) + 1e-6 (its table assumes the top singular value is a little below 1).
@@ -91,50 +103,156 @@ def lr_scale_factor(name: str, rows: int, cols: int) -> float:
     raise ValueError(f"lr_scale must be one of {LR_SCALES}, got {name!r}")
 
 
-def _normalize(x: Tensor, coefficients: str) -> Tensor:
-    """Scale each matrix of the batch so its spectral norm is at most ~1 (Frobenius bound)."""
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+def _norm_divisor(frob_sq: Tensor, coefficients: str) -> Tensor:
+    """What a matrix with squared Frobenius norm ``frob_sq`` is divided by to bring its spectral norm to <= ~1."""
+    norm = frob_sq.clamp(min=0).sqrt()
     if coefficients == "polar_express":
-        return x / (norm * _PE_SAFETY + _PE_EPS)
-    return x / norm.clamp(min=_EPS)
+        return norm * _PE_SAFETY + _PE_EPS
+    return norm.clamp(min=_EPS)
 
 
-def _standard_iteration(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
-    """``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on a wide batch ``(B, r, c)``."""
-    for a, b, c in schedule:
-        gram = x @ x.mT  # (B, r, r)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
-        x = torch.baddbmm(x, poly, x, beta=a)  # a X + poly X
+def _first_gram(x: Tensor, coefficients: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(x, R, s)``: the Gram matrix ``R`` of the normalized ``x`` and the factor ``s`` still owed to ``x``.
+
+    In fp32/fp64, ``||X||_F^2`` is the trace of ``X X^T``, so the Gram matrix of the raw input gives
+    the norm for free and ``s^2 X X^T`` is the Gram matrix of ``s X``: the iterations fold ``s`` into
+    the first ``(r, r)`` factor they apply to ``x`` instead of writing a normalized copy of it. Half
+    precision (where the raw ``X X^T`` can overflow fp16 and every extra rounding shows) returns a
+    normalized copy of ``x`` and ``s = None``.
+    """
+    if not _is_wide_float(x.dtype):
+        frob_sq = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
+        divisor = _norm_divisor(frob_sq, coefficients).to(x.dtype)
+        x = torch.div(x, divisor, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # contiguous
+        return x, x @ x.mT, None
+    gram = x @ x.mT  # (B, r, r)
+    frob_sq = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+    scale = 1.0 / _norm_divisor(frob_sq, coefficients)[:, None, None]  # (B, 1, 1)
+    gram.mul_(scale * scale)
+    return x, gram, scale
+
+
+def _is_wide_float(dtype: torch.dtype) -> bool:
+    """fp32 or wider: rounding the small factor ``a I + b A + c A^2`` costs nothing measurable."""
+    return torch.finfo(dtype).eps < 1e-6
+
+
+def _polynomial(gram: Tensor, coefficients: tuple[float, float, float], out: Tensor) -> Tensor:
+    """``P = a I + b R + c R^2`` into ``out``: the iteration's update is then the plain product ``P X``."""
+    a, b, c = coefficients
+    torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=out)
+    out.diagonal(dim1=-2, dim2=-1).add_(a)
+    return out
+
+
+def _product(p: Tensor, x: Tensor, out: Tensor, tall_out: bool) -> Tensor:
+    """``P X`` into ``out`` (``(B, r, c)``), or when ``tall_out`` its transpose ``X^T P^T`` laid out as
+    ``(B, c, r)`` in ``out``'s memory (returned as that tall tensor)."""
+    if not tall_out:
+        return torch.bmm(p, x, out=out)
+    batch, rows, cols = x.shape
+    return torch.bmm(x.mT, p.mT, out=out.view(batch, cols, rows))
+
+
+def _standard_iteration(
+    x: Tensor,
+    gram: Tensor,
+    scale: Tensor | None,
+    schedule: Sequence[tuple[float, float, float]],
+    tall_out: bool = False,
+) -> Tensor:
+    """``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` on a wide batch ``(B, r, c)``.
+
+    ``gram`` is ``A`` of the first (normalized) iterate. With ``scale`` (fp32/fp64) ``x`` is the raw
+    input, only read, and the step is the single product ``(a I + b A + c A^2) X``: it saves the
+    copy and re-read of the wide matrix that ``baddbmm``'s ``a X`` term costs, and ``scale`` rides
+    in the first factor. Without it (half precision) ``x`` is this function's normalized copy and
+    the step keeps the ``baddbmm`` form, whose single rounding of ``a X + P X`` is twice as accurate
+    in bf16. Two ``(B, r, c)`` buffers alternate and every product writes with ``out=``: no large
+    tensor is allocated per step (on CPU each fresh one costs page faults). With ``tall_out`` the
+    last step writes the transpose, ``(B, c, r)`` contiguous, so callers with tall matrices get
+    their own layout back instead of a strided view (elementwise work on those is 3x slower).
+    """
+    poly = torch.empty_like(gram)
+    x_is_owned = scale is None  # the half-precision path hands over its normalized copy
+    spare: Tensor | None = None
+    last = len(schedule) - 1
+    for i, (a, b, c) in enumerate(schedule):
+        if i > 0:
+            torch.bmm(x, x.mT, out=gram)  # A = X X^T  (B, r, r)
+        if spare is None:
+            spare = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        transpose = tall_out and i == last
+        if scale is not None:
+            _polynomial(gram, (a, b, c), out=poly)  # a I + b A + c A^2
+            if i == 0:
+                poly.mul_(scale)
+            new = _product(poly, x, spare, transpose)  # (B, r, c), or (B, c, r) at the end
+        else:
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)  # b A + c A^2
+            if transpose:  # a X^T + X^T poly^T
+                new = torch.baddbmm(x.mT, x.mT, poly.mT, beta=a, out=spare.view(x.shape[0], x.shape[2], x.shape[1]))
+            else:
+                new = torch.baddbmm(x, poly, x, beta=a, out=spare)  # a X + poly X  (B, r, c)
+        x, spare = new, (x if x_is_owned else None)
+        x_is_owned = True
     return x
 
 
 def _gram_iteration(
-    x: Tensor, schedule: Sequence[tuple[float, float, float]], restart_every: int
+    x: Tensor,
+    gram: Tensor,
+    scale: Tensor | None,
+    schedule: Sequence[tuple[float, float, float]],
+    restart_every: int,
+    tall_out: bool = False,
 ) -> Tensor:
-    """The same polynomial iteration run on the small ``(r, r)`` Gram matrix.
+    """The same polynomial iteration run on the small ``(r, r)`` Gram matrix; ``x`` is only read.
 
     Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``R_0 = X_0 X_0^T``; all these
     polynomials commute, so ``Q_{k+1} = P_k Q_k`` and ``R_{k+1} = R_k P_k^2`` with
     ``P_k = a I + b R_k + c R_k^2``. ``Q`` is applied to the wide matrix only at a restart (which
-    also recomputes ``R`` from the true iterate, flushing accumulated rounding) and at the end.
+    also recomputes ``R`` from the true iterate, flushing accumulated rounding) and at the end;
+    the normalization ``scale`` owed to ``x`` rides along in the first ``Q`` applied. Products
+    write into preallocated buffers (``out=``) that change roles between steps. ``tall_out`` as in
+    :func:`_standard_iteration`.
     """
-    rows = x.shape[-2]
-    eye = torch.eye(rows, dtype=x.dtype, device=x.device).expand(x.shape[0], rows, rows)
-    gram = x @ x.mT  # (B, r, r)
+    free = [torch.empty_like(gram) for _ in range(3)]
+    p, scratch = free.pop(), free.pop()
+    owned: list[Tensor] = []  # (B, r, c) buffers of this function not holding the current iterate
+    x_is_owned = scale is None  # the half-precision path hands over its normalized copy
     q: Tensor | None = None  # None stands for the identity, saving a product on the first step
     last = len(schedule) - 1
-    for i, (a, b, c) in enumerate(schedule):
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c) + a * eye  # (B, r, r)
-        q = poly if q is None else poly @ q
+    for i, coefficients in enumerate(schedule):
+        _polynomial(gram, coefficients, out=p)
+        if q is None:
+            q, p_next = p, free.pop()  # Q = P: they share a buffer, P is only read from here on
+        else:
+            torch.bmm(p, q, out=scratch)  # Q <- P Q
+            q, scratch, p_next = scratch, q, p
         if i == last:
             break
         if restart_every > 0 and (i + 1) % restart_every == 0:
-            x = q @ x  # (B, r, c)
+            if scale is not None:
+                q.mul_(scale)
+                scale = None
+            new = owned.pop() if owned else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            torch.bmm(q, x, out=new)  # X <- Q X  (B, r, c)
+            if x_is_owned:
+                owned.append(x)
+            x, x_is_owned = new, True
+            torch.bmm(x, x.mT, out=gram)
+            free.append(q)
             q = None
-            gram = x @ x.mT
         else:
-            gram = poly @ (gram @ poly)  # R P^2, kept symmetric in rounding
-    return x if q is None else q @ x
+            torch.bmm(gram, p, out=scratch)  # R P
+            torch.bmm(p, scratch, out=gram)  # P R P = R P^2, kept symmetric in rounding
+        p = p_next
+    assert q is not None  # the last step always leaves a Q to apply
+    if scale is not None:
+        q.mul_(scale)
+    out = owned.pop() if owned else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _product(q, x, out, tall_out)
 
 
 def newton_schulz(
@@ -143,13 +261,14 @@ def newton_schulz(
     coefficients: str = "quintic",
     algorithm: str = "standard",
     dtype: torch.dtype | None = None,
-    gram_restart_every: int = 2,
+    gram_restart_every: int = GRAM_RESTART_EVERY,
 ) -> Tensor:
     """Approximate polar factor ``U V^T`` of each matrix in ``x`` (``(r, c)`` or ``(B, r, c)``).
 
-    Tall matrices are transposed to wide and back. ``dtype`` is the compute dtype (default: bf16
+    Tall matrices are iterated as their (wide) transpose and come back tall and contiguous. ``dtype`` is the compute dtype (default: bf16
     on accelerators, fp32 on CPU); the result comes back in that dtype. ``algorithm="gram"`` uses
-    the Gram-matrix form when ``c >= 2r`` and the standard form otherwise (same polynomial).
+    the Gram-matrix form when ``c >= 2r`` and the standard form otherwise (same polynomial);
+    ``gram_restart_every`` steps between its restarts (0: never). ``x`` is never written.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a (rows, cols) or (batch, rows, cols) tensor, got {tuple(x.shape)}")
@@ -163,20 +282,56 @@ def newton_schulz(
         x = x.unsqueeze(0)
     compute_dtype = dtype if dtype is not None else default_ns_dtype(x.device)
     tall = x.shape[-2] > x.shape[-1]
-    # The cast (or .mT view) plus the normalization below always produce a new tensor: the caller's
-    # buffer is never written.
-    y = x.to(compute_dtype)
+    y = x.to(compute_dtype)  # may be ``x`` itself: the iterations only read it
     if tall:
-        y = y.mT
-    y = _normalize(y, coefficients)
-    rows, cols = y.shape[-2], y.shape[-1]
-    if algorithm == "gram" and cols >= GRAM_MIN_ASPECT * rows:
-        y = _gram_iteration(y, schedule, gram_restart_every)
+        y = y.mT  # a view: the products read it transposed, nothing is copied
+    y, gram, scale = _first_gram(y, coefficients)
+    if uses_gram(algorithm, y.shape[-2], y.shape[-1]):
+        y = _gram_iteration(y, gram, scale, schedule, gram_restart_every, tall_out=tall)
     else:
-        y = _standard_iteration(y, schedule)
-    if tall:
-        y = y.mT
+        y = _standard_iteration(y, gram, scale, schedule, tall_out=tall)
     return y.squeeze(0) if squeeze else y
+
+
+def uses_gram(algorithm: str, rows: int, cols: int) -> bool:
+    """Whether ``newton_schulz(algorithm=algorithm)`` runs the Gram form on a ``(rows, cols)`` matrix."""
+    short, long = oriented_shape(rows, cols)
+    return algorithm == "gram" and long >= GRAM_MIN_ASPECT * short
+
+
+def newton_schulz_products(
+    rows: int,
+    cols: int,
+    steps: int = 5,
+    algorithm: str = "standard",
+    gram_restart_every: int = GRAM_RESTART_EVERY,
+) -> list[tuple[int, int, int]]:
+    """The ``(m, k, n)`` matrix products ``newton_schulz`` issues per matrix (FLOPs: ``2 m k n`` each).
+
+    Mirrors the iterations above so that benchmarks count the work actually done, restarts and
+    the skipped first ``Q`` product included; elementwise work (normalization, diagonals) is left out.
+    """
+    r, c = oriented_shape(rows, cols)
+    gram, poly, apply = (r, c, r), (r, r, r), (r, r, c)
+    if not uses_gram(algorithm, rows, cols):
+        return [gram, poly, apply] * steps
+    products = [gram]
+    q_is_identity = True
+    for i in range(steps):
+        products.append(poly)  # P from R
+        if not q_is_identity:
+            products.append(poly)  # Q <- P Q
+        q_is_identity = False
+        if i == steps - 1:
+            break
+        if gram_restart_every > 0 and (i + 1) % gram_restart_every == 0:
+            products += [apply, gram]  # X <- Q X, R <- X X^T
+            q_is_identity = True
+        else:
+            products += [poly, poly]  # R <- P (R P)
+    if not q_is_identity:
+        products.append(apply)
+    return products
 
 
 def row_normalize(x: Tensor, eps: float = _EPS) -> Tensor:
@@ -189,6 +344,9 @@ def row_normalize(x: Tensor, eps: float = _EPS) -> Tensor:
     if x.ndim not in (2, 3):
         raise ValueError(f"row_normalize expects a (rows, cols) or (batch, rows, cols) tensor, got {tuple(x.shape)}")
     y = x.to(torch.promote_types(x.dtype, torch.float32))
-    dim = -1 if y.shape[-2] <= y.shape[-1] else -2
-    norm = torch.linalg.vector_norm(y, dim=dim, keepdim=True)
+    if y.shape[-2] <= y.shape[-1]:
+        norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    else:
+        # Column norms: a plain sum of squares down the rows runs 2x faster than vector_norm(dim=-2).
+        norm = y.square().sum(dim=-2, keepdim=True).sqrt_()
     return y / norm.clamp(min=eps)

@@ -1,0 +1,451 @@
+"""``dimuon bench optimizer``: the time of one optimizer step on the parameter shapes of a DiT.
+
+Builds a registry DiT (optionally with fewer blocks), gives every parameter a seeded random
+gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
+``opt.step()`` for AdamW (foreach and fused), ``torch.optim.Muon``, the fp32 per-tensor reference
+Muon, dimuon's Muon (standard and Gram Newton-Schulz), PeriodicRowMuon and MuonBP. Periodic
+optimizers are timed over whole periods and reported per step. A second part measures the FLOP
+rate of the batched Newton-Schulz iteration on the model's stacked Muon shapes against bare
+``torch.bmm`` calls of the same products. Prints tables and writes a JSON record.
+
+Run ``dimuon bench optimizer --help`` (or ``python -m dimuon.bench.optimizer --help``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import tyro
+from torch import Tensor, nn
+
+from dimuon.bench.report import (
+    format_markdown_table,
+    format_table,
+    load_average,
+    machine_info,
+    write_json_atomic,
+)
+from dimuon.bench.timing import Candidate, Timing, interleave
+from dimuon.dit.model import DiT, dit_arch
+from dimuon.optim import build, linalg, param_groups
+from dimuon.optim.distributed.engine import split_sizes_to_ranges
+from dimuon.optim.reference import ReferenceMuon
+
+# Every optimizer the benchmark knows, in table order, with its table label.
+OPTIMIZERS: dict[str, str] = {
+    "adamw_foreach": "AdamW (foreach)",
+    "adamw_fused": "AdamW (fused)",
+    "torch_muon": "torch.optim.Muon (bf16 NS) + AdamW",
+    "reference_muon": "reference Muon (fp32, per tensor) + AdamW",
+    "muon": "dimuon Muon (standard NS)",
+    "muon_gram": "dimuon Muon (Gram NS)",
+    "periodic_row_muon": "dimuon PeriodicRowMuon",
+    "muon_bp": "dimuon MuonBP",
+}
+BASELINE = "adamw_foreach"
+REFERENCE = "reference_muon"
+
+
+@dataclass
+class Config:
+    """Time one optimizer step on DiT parameter shapes and the Newton-Schulz FLOP rate."""
+
+    model: str = "DiT-S/2"
+    """Registry name of the DiT whose parameter shapes are used (e.g. DiT-S/2, DiT-B/2)."""
+    depth: Annotated[int | None, tyro.conf.arg(aliases=("--blocks",))] = None
+    """Number of transformer blocks (default: the registry's; 2 for a quick run)."""
+    hidden_size: int | None = None
+    """Override the hidden size (tiny test configurations)."""
+    num_heads: int | None = None
+    """Override the number of attention heads (must divide the hidden size)."""
+    input_size: int = 32
+    """Latent side length (only the position embedding, which has no parameters, depends on it)."""
+    num_classes: int = 1000
+    """Label-embedding rows (an AdamW parameter)."""
+    repeats: int = 5
+    """Timed samples per optimizer; the median is reported."""
+    warmup: int = 1
+    """Untimed samples per optimizer before timing (state allocation, allocator warm-up)."""
+    repeats_of: tuple[str, ...] = ("torch_muon=2",)
+    """Per-optimizer repeats as NAME=N, overriding --repeats (torch.optim.Muon's bf16 NS is very slow on
+    CPUs without bf16 matrix units; on AMX CPUs it is fast, so raise it there)."""
+    warmup_of: tuple[str, ...] = ()
+    """Per-optimizer warm-up samples as NAME=N, overriding --warmup (e.g. torch_muon=0)."""
+    skip: tuple[str, ...] = ()
+    """Optimizers to leave out, e.g. --skip torch_muon."""
+    k: int = 3
+    """PeriodicRowMuon period K (timed over whole periods)."""
+    period: int = 5
+    """MuonBP period P (timed over whole periods)."""
+    bp_blocks: int = 4
+    """MuonBP row blocks per matrix in one process (stand-in for the row shards of that many ranks)."""
+    lr: float = 1e-4
+    """Learning rate of every optimizer (irrelevant for time; small so weights stay finite)."""
+    ns_rate: bool = True
+    """Also measure the Newton-Schulz FLOP rate against bare torch.bmm on the same products."""
+    ns_repeats: int = 5
+    """Timed samples per shape in the FLOP-rate measurement."""
+    threads: int | None = None
+    """torch.set_num_threads (default: torch's own choice); recorded in the JSON either way."""
+    seed: int = 0
+    """Seed of the model initialization and the random gradients."""
+    out: Path = Path("runs/bench/optimizer.json")
+    """Where the JSON record goes (written atomically)."""
+    markdown: Path | None = None
+    """Also write the report as Markdown tables to this file (for docs)."""
+    progress: bool = True
+    """Show tqdm progress bars on stderr."""
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def parse_overrides(items: Sequence[str], flag: str) -> dict[str, int]:
+    """``("name=3", ...)`` -> ``{"name": 3}``, naming the flag and the valid names on a mistake."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in OPTIMIZERS or not value.strip().isdigit():
+            raise ValueError(f"{flag} expects NAME=N with NAME in {list(OPTIMIZERS)}, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+def build_model(cfg: Config) -> DiT:
+    """The registry DiT with the requested overrides, with seeded random gradients on every parameter."""
+    arch = dit_arch(cfg.model)
+    for key in ("depth", "hidden_size", "num_heads"):
+        if getattr(cfg, key) is not None:
+            arch[key] = getattr(cfg, key)
+    torch.manual_seed(cfg.seed)
+    model = DiT(**arch, input_size=cfg.input_size, num_classes=cfg.num_classes)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    return model
+
+
+def split_by_algorithm(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """Matrices that ``param_groups`` sends to Muon, and every other trainable parameter."""
+    muon, rest = [], []
+    for group in param_groups(model):
+        for _, p in group["params"]:
+            (muon if group["algorithm"] == "muon" and p.ndim == 2 else rest).append(p)
+    return muon, rest
+
+
+def engine_batches(model: nn.Module) -> list[tuple[int, int, int]]:
+    """The ``(B, rows, cols)`` stacks the local engine hands to ``newton_schulz`` on a spectral step.
+
+    Per Muon group, every logical matrix (fused parameters split by ``split_sizes``) is oriented
+    wide and matrices of one oriented shape are stacked, as ``apply_map_batched`` does.
+    """
+    batches: list[tuple[int, int, int]] = []
+    for group in param_groups(model):
+        if group["algorithm"] != "muon":
+            continue
+        shapes: Counter[tuple[int, int]] = Counter()
+        for name, p in group["params"]:
+            rows, cols = p.shape[0], math.prod(p.shape[1:])
+            ranges = split_sizes_to_ranges(rows, group.get("split_sizes"), name) or ((0, rows),)
+            for lo, hi in ranges:
+                shapes[linalg.oriented_shape(hi - lo, cols)] += 1
+        batches += [(n, r, c) for (r, c), n in shapes.items()]
+    return batches
+
+
+def _adamw(params: list[Tensor], lr: float) -> torch.optim.Optimizer:
+    # The same AdamW hyperparameters as the Muon family's AdamW groups.
+    return build("adamw", params, lr=lr, foreach=True)
+
+
+def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str, tuple[Callable[[], None], int]]:
+    """For each optimizer: a function taking one step, and how many steps make one sample."""
+    muon_params, rest = split_by_algorithm(model)
+    steps: dict[str, tuple[Callable[[], None], int]] = {}
+
+    def pair(main: Any, aux: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
+            main.step()
+            aux.step()
+
+        return step
+
+    for name in names:
+        if name == "adamw_foreach":
+            opt = build("adamw", model, lr=cfg.lr, foreach=True)
+            steps[name] = (opt.step, 1)
+        elif name == "adamw_fused":
+            opt = build("adamw", model, lr=cfg.lr, fused=True)
+            steps[name] = (opt.step, 1)
+        elif name == "torch_muon":
+            main = torch.optim.Muon(muon_params, lr=cfg.lr, weight_decay=0.0)
+            steps[name] = (pair(main, _adamw(rest, cfg.lr)), 1)
+        elif name == "reference_muon":
+            ref = ReferenceMuon(muon_params, lr=cfg.lr, lr_scale="match_rms_adamw")
+            steps[name] = (pair(ref, _adamw(rest, cfg.lr)), 1)
+        elif name == "muon":
+            steps[name] = (build("muon", model, lr=cfg.lr).step, 1)
+        elif name == "muon_gram":
+            steps[name] = (build("muon", model, lr=cfg.lr, ns_algorithm="gram").step, 1)
+        elif name == "periodic_row_muon":
+            steps[name] = (build("periodic_row_muon", model, lr=cfg.lr, k=cfg.k).step, cfg.k)
+        elif name == "muon_bp":
+            opt = build("muon_bp", model, lr=cfg.lr, period=cfg.period, blocks=cfg.bp_blocks)
+            steps[name] = (opt.step, cfg.period)
+        else:
+            raise ValueError(f"unknown optimizer {name!r}; choose from {list(OPTIMIZERS)}")
+    return steps
+
+
+def label(cfg: Config, name: str) -> str:
+    """Table label, with the schedule hyperparameters that matter for the time."""
+    if name == "periodic_row_muon":
+        return f"{OPTIMIZERS[name]} K={cfg.k} (per step)"
+    if name == "muon_bp":
+        return f"{OPTIMIZERS[name]} P={cfg.period}, blocks={cfg.bp_blocks} (per step)"
+    return OPTIMIZERS[name]
+
+
+# ------------------------------------------------------------------------------ FLOP rate of NS
+
+
+def _bmm_operands(batch: int, product: tuple[int, int, int], wide: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Operands and output buffer of one bare batched product, laid out as the NS iteration has them."""
+    m, k, n = product
+    _, r, c = wide.shape
+    if (m, k, n) == (r, c, r):  # X X^T reads X twice, the second time transposed
+        a, bb = wide, wide.mT
+    elif (m, k, n) == (r, r, c):  # (r, r) @ X
+        a, bb = torch.randn(batch, r, r), wide
+    else:  # (r, r) @ (r, r)
+        a, bb = torch.randn(batch, m, k), torch.randn(batch, k, n)
+    return a, bb, torch.empty(batch, m, n)
+
+
+def measure_ns_rate(
+    batches: Sequence[tuple[int, int, int]], repeats: int, progress: bool, seed: int
+) -> dict[str, Any]:
+    """Achieved FLOP/s of ``newton_schulz`` (standard and Gram) vs bare ``torch.bmm`` of its products.
+
+    FLOPs are those of the products the iteration issues (``linalg.newton_schulz_products``): per
+    standard step on a wide ``(r, c)`` matrix ``2 r^2 c`` (Gram) + ``2 r^3`` (polynomial) +
+    ``2 r^2 c`` (update). The bmm time of an algorithm on a stack is the sum of the median times of
+    its products issued as bare ``torch.bmm(..., out=...)`` calls on operands of the same shapes.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {shape: torch.randn(shape, generator=gen) for shape in batches}
+    candidates: list[Candidate] = []
+    for shape, x in inputs.items():
+        for algorithm in linalg.NS_ALGORITHMS:
+            candidates.append(
+                Candidate(f"ns/{algorithm}/{shape}", lambda x=x, a=algorithm: linalg.newton_schulz(x, algorithm=a),
+                          repeats=repeats)
+            )
+        products = {p for a in linalg.NS_ALGORITHMS for p in linalg.newton_schulz_products(*shape[1:], algorithm=a)}
+        for product in sorted(products):
+            a, b, out = _bmm_operands(shape[0], product, x)
+            candidates.append(
+                Candidate(f"bmm/{product}/{shape}", lambda a=a, b=b, out=out: torch.bmm(a, b, out=out),
+                          repeats=repeats)
+            )
+    timings = interleave(candidates, progress=progress, desc="NS FLOP rate")
+    result: dict[str, Any] = {}
+    for algorithm in linalg.NS_ALGORITHMS:
+        rows, total_flops, total_ns, total_mm = [], 0.0, 0.0, 0.0
+        for shape in batches:
+            products = linalg.newton_schulz_products(*shape[1:], algorithm=algorithm)
+            flops = shape[0] * sum(2.0 * m * k * n for m, k, n in products)
+            ns_s = timings[f"ns/{algorithm}/{shape}"].median
+            mm_s = sum(timings[f"bmm/{p}/{shape}"].median for p in products)
+            rows.append({
+                "batch": list(shape),
+                "uses_gram": linalg.uses_gram(algorithm, *shape[1:]),
+                "gflop": flops / 1e9,
+                "ns_ms": 1e3 * ns_s,
+                "bmm_ms": 1e3 * mm_s,
+                "ns_gflops": flops / ns_s / 1e9,
+                "bmm_gflops": flops / mm_s / 1e9,
+                "ratio": mm_s / ns_s,
+            })
+            total_flops, total_ns, total_mm = total_flops + flops, total_ns + ns_s, total_mm + mm_s
+        result[algorithm] = {
+            "per_batch": rows,
+            "gflop": total_flops / 1e9,
+            "ns_ms": 1e3 * total_ns,
+            "bmm_ms": 1e3 * total_mm,
+            "ns_gflops": total_flops / total_ns / 1e9,
+            "bmm_gflops": total_flops / total_mm / 1e9,
+            "ratio": total_mm / total_ns,
+        }
+    return result
+
+
+# ----------------------------------------------------------------------------------- reporting
+
+
+def summarize(cfg: Config, timings: dict[str, Timing]) -> dict[str, dict[str, Any]]:
+    """Per optimizer: times (ms per step) and ratios to AdamW (foreach) and to the reference Muon."""
+    base = timings[BASELINE].median if BASELINE in timings else None
+    ref = timings[REFERENCE].median if REFERENCE in timings else None
+    out = {}
+    for name, t in timings.items():
+        out[name] = {
+            "label": label(cfg, name),
+            **t.to_dict(),
+            "ratio_to_adamw": t.median / base if base else None,
+            "ratio_to_reference": t.median / ref if ref else None,
+        }
+    return out
+
+
+def check_targets(optimizers: dict[str, dict[str, Any]], ns: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The issue's three targets on this CPU, each with its measured value (None where not measured)."""
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in optimizers and b in optimizers:
+            return optimizers[a]["median_ms"] / optimizers[b]["median_ms"]
+        return None
+
+    rows = [
+        ("PeriodicRowMuon K=3 <= 0.40x dimuon Muon", ratio("periodic_row_muon", "muon"), 0.40, "<="),
+        ("dimuon Muon (Gram NS) <= 0.60x fp32 reference Muon", ratio("muon_gram", REFERENCE), 0.60, "<="),
+        ("NS5 FLOP rate >= 0.85x torch.bmm", ns["standard"]["ratio"] if ns else None, 0.85, ">="),
+    ]
+    targets = []
+    for name, value, limit, op in rows:
+        met = None if value is None else (value <= limit if op == "<=" else value >= limit)
+        targets.append({"target": name, "value": value, "limit": limit, "met": met})
+    return targets
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(record: dict[str, Any], markdown: bool = False) -> str:
+    """The human-readable report (plain text, or Markdown for docs): step times, NS FLOP rate, targets."""
+    table = format_markdown_table if markdown else format_table
+    m, machine = record["model"], record["machine"]
+    lines = [
+        f"{m['name']} with {m['depth']} blocks (hidden {m['hidden_size']}): {m['params'] / 1e6:.1f}M parameters, "
+        f"{m['muon_params'] / 1e6:.1f}M in {m['muon_matrices']} Muon matrices; "
+        f"torch {machine['torch']}, {machine['torch_threads']} thread{'' if machine['torch_threads'] == 1 else 's'}, "
+        f"{machine['cpu_model']}; "
+        f"load average {machine.get('load_average_at_start')} at start, {machine.get('load_average')} at end",
+        "",
+    ]
+    rows = []
+    for r in record["optimizers"].values():
+        rows.append([
+            r["label"],
+            f"{r['median_ms']:.1f}",
+            f"{r['min_ms']:.1f}",
+            f"{r['repeats']}x{r['calls_per_sample']}",
+            _fmt(r["ratio_to_adamw"], ".2f"),
+            _fmt(r["ratio_to_reference"], ".2f"),
+        ])
+    lines.append(table(
+        ["optimizer", "ms/step (median)", "min", "samples x steps", "x AdamW", "x reference"], rows
+    ))
+    ns = record.get("ns_flop_rate")
+    if ns:
+        lines += ["", "Newton-Schulz (5 quintic steps, fp32) on the stacked Muon shapes vs bare torch.bmm:", ""]
+        rows = []
+        for algorithm, res in ns.items():
+            for b in res["per_batch"]:
+                form = "gram" if b["uses_gram"] else "standard"
+                rows.append([algorithm, "x".join(map(str, b["batch"])), form, f"{b['gflop']:.1f}", f"{b['ns_ms']:.1f}",
+                             f"{b['ns_gflops']:.1f}", f"{b['bmm_gflops']:.1f}", f"{b['ratio']:.2f}"])
+            rows.append([algorithm, "total", "", f"{res['gflop']:.1f}", f"{res['ns_ms']:.1f}",
+                         f"{res['ns_gflops']:.1f}", f"{res['bmm_gflops']:.1f}", f"{res['ratio']:.2f}"])
+        lines.append(table(
+            ["ns_algorithm", "stack BxRxC", "form", "GFLOP", "ms", "GFLOP/s", "bmm GFLOP/s", "NS/bmm rate"], rows,
+            right=[False, False, False, True, True, True, True, True],
+        ))
+    lines += ["", "Targets:", ""]
+    for t in record["targets"]:
+        verdict = "n/a" if t["met"] is None else ("PASS" if t["met"] else "MISS")
+        lines.append(f"{'-' if markdown else ' '} [{verdict}] {t['target']}: measured {_fmt(t['value'], '.3f')}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark described by ``cfg``; returns the JSON record (also written to ``cfg.out``)."""
+    previous_threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, argv)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    unknown = set(cfg.skip) - set(OPTIMIZERS)
+    if unknown:
+        raise ValueError(f"--skip got unknown optimizer(s) {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+    repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of")
+    warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
+    names = [n for n in OPTIMIZERS if n not in cfg.skip]
+    load_at_start = load_average()
+    model = build_model(cfg)
+    steps = make_steps(cfg, model, names)
+    candidates = [
+        Candidate(name, fn, repeats=repeats_of.get(name, cfg.repeats), warmup=warmup_of.get(name, cfg.warmup),
+                  calls=calls)
+        for name, (fn, calls) in steps.items()
+    ]
+    timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps")
+    muon_params, _ = split_by_algorithm(model)
+    batches = engine_batches(model)
+    optimizers = summarize(cfg, timings)
+    ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed) if cfg.ns_rate else None
+    arch = dit_arch(cfg.model)
+    record: dict[str, Any] = {
+        "benchmark": "optimizer",
+        "machine": {**machine_info(argv), "load_average_at_start": load_at_start},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": {
+            "name": cfg.model,
+            "depth": cfg.depth if cfg.depth is not None else arch["depth"],
+            "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "muon_params": sum(p.numel() for p in muon_params),
+            "muon_matrices": len(muon_params),
+            "ns_batches": [list(b) for b in batches],
+        },
+        "optimizers": optimizers,
+        "ns_flop_rate": ns,
+        "targets": check_targets(optimizers, ns),
+    }
+    write_json_atomic(cfg.out, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dimuon bench optimizer`` and ``python -m dimuon.bench.optimizer``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = tyro.cli(Config, args=args, prog="dimuon bench optimizer")
+    record = run(cfg, args)
+    print(render(record))
+    print(f"\nwrote {cfg.out}")
+    if cfg.markdown is not None:
+        cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
+        cfg.markdown.write_text(render(record, markdown=True) + "\n", encoding="utf-8")
+        print(f"wrote {cfg.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

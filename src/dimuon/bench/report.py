@@ -1,0 +1,116 @@
+"""Provenance and output shared by the benchmarks: machine facts, plain-text tables, atomic JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` where that is missing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# CPU features that decide which matmul kernels run (bf16 units make bf16 GEMMs fast on CPU).
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of the matmul-relevant CPU features in ``_CPU_FLAGS`` ``/proc/cpuinfo`` lists."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in _CPU_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def load_average() -> list[float] | None:
+    """1-, 5- and 15-minute load averages: on a shared machine they tell how noisy a timing is."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a reader needs to reproduce a number: versions, CPU, threads, load, date and command line."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": load_average(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    if argv is not None:
+        info["argv"] = list(argv)
+    return info
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
+    """A plain-text table with aligned columns (numbers right-aligned by default)."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    if right is None:
+        right = [i > 0 for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                          right: Sequence[bool] | None = None) -> str:
+    """The same table as :func:`format_table`, as GitHub-flavoured Markdown (for docs)."""
+    if right is None:
+        right = [i > 0 for i in range(len(headers))]
+    rule = ["---:" if r else "---" for r in right]
+    cells = [list(map(str, headers)), rule] + [["" if v is None else str(v) for v in row] for row in rows]
+    return "\n".join("| " + " | ".join(row) + " |" for row in cells)
+
+
+def write_json_atomic(path: str | Path, payload: Any) -> Path:
+    """Write ``payload`` as JSON via a temporary file and ``os.replace``: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,98 @@
+"""Wall-clock timing shared by the benchmarks: warm-up, round-robin sampling, medians.
+
+On a shared or throttling machine the load drifts during a run. Taking one sample of every
+candidate per round (instead of all samples of one candidate, then the next) spreads that drift
+over all of them, so the ratios between candidates stay meaningful even when absolute times wander.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+
+@dataclass
+class Candidate:
+    """One thing to time: ``fn`` is called ``calls`` times in a row per sample (e.g. a whole period).
+
+    A sample is the mean time per call of those ``calls`` calls; ``warmup`` samples are taken first
+    and thrown away.
+    """
+
+    name: str
+    fn: Callable[[], Any]
+    repeats: int
+    warmup: int = 1
+    calls: int = 1
+
+
+@dataclass
+class Timing:
+    """Samples of one candidate, in seconds per call."""
+
+    samples: list[float] = field(default_factory=list)
+    calls: int = 1
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (milliseconds)."""
+        return {
+            "median_ms": 1e3 * self.median,
+            "min_ms": 1e3 * self.min,
+            "max_ms": 1e3 * self.max,
+            "repeats": len(self.samples),
+            "calls_per_sample": self.calls,
+            "samples_ms": [1e3 * s for s in self.samples],
+        }
+
+
+def time_calls(fn: Callable[[], Any], calls: int = 1) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn`` (``time.perf_counter``)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing") -> dict[str, Timing]:
+    """Warm every candidate up, then sample them round-robin; returns a :class:`Timing` per name.
+
+    Candidates with fewer repeats than others take their samples in the first rounds.
+    """
+    names = [c.name for c in candidates]
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidate names must be unique, got {names}")
+    for c in candidates:
+        if c.repeats < 1 or c.warmup < 0 or c.calls < 1:
+            raise ValueError(f"{c.name}: need repeats >= 1, warmup >= 0, calls >= 1")
+    total = sum((c.warmup + c.repeats) * c.calls for c in candidates)
+    results = {c.name: Timing(calls=c.calls) for c in candidates}
+    with tqdm(total=total, desc=desc, unit="call", disable=not progress, leave=False) as bar:
+        for c in candidates:
+            bar.set_postfix_str(f"{c.name} (warm-up)")
+            for _ in range(c.warmup):
+                time_calls(c.fn, c.calls)
+                bar.update(c.calls)
+        for round_ in range(max(c.repeats for c in candidates)):
+            for c in candidates:
+                if round_ < c.repeats:
+                    bar.set_postfix_str(c.name)
+                    results[c.name].samples.append(time_calls(c.fn, c.calls))
+                    bar.update(c.calls)
+    return results

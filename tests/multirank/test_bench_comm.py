@@ -1,0 +1,86 @@
+"""The communication benchmark end to end on 2 gloo ranks and a one-block tiny DiT (no timing asserts)."""
+
+import json
+
+import pytest
+
+from dimuon.bench import comm
+from dimuon.optim import param_groups
+
+WORLD = 2
+TINY = ["--world", str(WORLD), "--model", "DiT-T/2", "--depth", "1", "--input-size", "8", "--num-classes", "10",
+        "--repeats", "1", "--warmup", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "comm.json"
+    assert comm.main([*TINY, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _gather_bytes_per_step() -> int:
+    """Muon-gather's exact logical bytes: (W-1) padded row shards of every Muon matrix arrive per step."""
+    cfg = comm.Config(model="DiT-T/2", depth=1, input_size=8, num_classes=10)
+    model = comm.build_model(cfg)
+    total = 0
+    for group in param_groups(model):
+        if group["algorithm"] == "muon":
+            for _, p in group["params"]:
+                rows, cols = p.shape[0], p[0].numel()
+                total += -(-rows // WORLD) * cols * 4
+    return (WORLD - 1) * total
+
+
+@pytest.mark.multirank
+def test_every_optimizer_reported_with_bytes_calls_and_ratios(record):
+    opts = record["optimizers"]
+    assert list(opts) == list(comm.VARIANTS)
+    assert record["world"] == WORLD and record["backend"] == "gloo" and record["threads_per_rank"] == 1
+    assert record["launcher"] == "spawn" and record["machine"]["torch"] and record["machine"]["date"]
+    for key, o in opts.items():
+        assert o["steps_timed"] == o["period"] == comm.VARIANTS[key].period, key
+        assert o["step_ms"] > 0 and len(o["step_ms_samples"]) == 1, key
+        assert o["bytes_ratio_to_gather"] is not None and o["time_ratio_to_gather"] is not None, key
+        assert o["exposed_share"] >= 0, key
+        assert "all_reduce[check]" not in o["by_kind"], key
+        if key == "adamw":
+            assert o["bytes_per_step"] == 0 and o["calls_per_step"] == 0 and o["check"]["calls_per_step"] == 0
+        else:
+            assert o["bytes_per_step"] > 0 and o["calls_per_step"] > 0, key
+            assert o["check"]["calls_per_step"] == 1, key  # one 4-byte vote per step, reported apart
+    gather = opts["muon_gather"]["bytes_per_step"]
+    assert gather == _gather_bytes_per_step()
+    assert opts["muon_gather"]["bytes_ratio_to_gather"] == 1.0
+    assert opts["prm_k3"]["bytes_per_step"] < gather
+    assert opts["prm_k4"]["bytes_per_step"] < opts["prm_k3"]["bytes_per_step"] < opts["prm_k2"]["bytes_per_step"]
+    # K = 3: one gather in three steps, plus the all-reduce of column norms on the two RowNorm steps.
+    k3 = opts["prm_k3"]["by_kind"]
+    assert k3["all_gather"]["bytes_per_step"] == pytest.approx(gather / 3)
+    assert k3["all_reduce"]["calls_per_step"] == pytest.approx(2 / 3)
+    assert opts["muon_bp_p5"]["bytes_per_step"] == pytest.approx(gather / 5)  # block steps are local
+    assert opts["prm_k3"]["ideal_bytes_ratio"] == pytest.approx(1 / 3)
+    assert opts["muon_owner"]["ideal_bytes_ratio"] == pytest.approx(2 / WORLD)
+
+
+def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
+    def step(t, nbytes):
+        stats = {"all_gather": {"calls": 1, "bytes": nbytes, "exposed_s": t / 4},
+                 "all_reduce[check]": {"calls": 1, "bytes": 4, "exposed_s": 0.0}}
+        return {"time_s": t, "stats": stats}
+
+    # Two periods of K = 2 on two ranks; rank 1 is slower on the first step of each period.
+    rank0 = [step(1.0, 10), step(1.0, 0), step(1.0, 10), step(3.0, 0)]
+    rank1 = [step(2.0, 30), step(1.0, 0), step(2.0, 30), step(1.0, 0)]
+    s = comm.summarize_variant("prm_k2", [rank0, rank1])
+    assert s["step_ms_samples"] == [1500.0, 2500.0] and s["step_ms"] == 2000.0
+    assert s["bytes_per_step"] == 10.0  # mean over ranks of (20 / 4, 60 / 4)
+    assert s["check"]["bytes_per_step"] == 4.0 and s["check"]["calls_per_step"] == 1.0
+    assert s["exposed_share"] == pytest.approx(0.25)  # every rank blocked a quarter of each step
+
+
+def test_bad_options_are_refused_before_any_rank_starts(capsys):
+    assert comm.main(["--optimizers", "sgd"]) == 2
+    assert "--optimizers must name" in capsys.readouterr().err
+    assert comm.main(["--device", "cuda", "--launcher", "spawn"]) == 2
+    assert "needs torchrun" in capsys.readouterr().err

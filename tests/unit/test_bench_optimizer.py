@@ -1,0 +1,111 @@
+"""The optimizer benchmark end to end on a tiny DiT, plus the helpers it is built from (no timing asserts)."""
+
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dimuon.bench import optimizer as bench
+from dimuon.bench.report import format_markdown_table, format_table, write_json_atomic
+from dimuon.bench.timing import Candidate, interleave
+from dimuon.optim import linalg
+
+TINY = [
+    "--depth", "1", "--hidden-size", "64", "--num-heads", "2", "--input-size", "8", "--num-classes", "10",
+    "--repeats", "1", "--warmup", "0", "--ns-repeats", "1", "--no-progress", "--threads", "1",
+]
+
+
+def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
+    out = tmp_path / "bench" / "optimizer.json"
+    threads = torch.get_num_threads()
+    assert bench.main([*TINY, "--out", str(out), "--markdown", str(tmp_path / "o.md")]) == 0
+    assert torch.get_num_threads() == threads  # --threads holds for the run only
+    record = json.loads(out.read_text())
+    assert set(record["optimizers"]) == set(bench.OPTIMIZERS)
+    for name, r in record["optimizers"].items():
+        assert r["median_ms"] > 0 and r["min_ms"] > 0, name
+        assert r["ratio_to_adamw"] > 0 and r["ratio_to_reference"] > 0, name
+    assert record["optimizers"]["periodic_row_muon"]["calls_per_sample"] == 3
+    assert record["optimizers"]["muon_bp"]["calls_per_sample"] == 5
+    for algorithm in linalg.NS_ALGORITHMS:
+        ns = record["ns_flop_rate"][algorithm]
+        assert ns["gflop"] > 0 and ns["ns_ms"] > 0 and ns["bmm_ms"] > 0 and ns["ratio"] > 0
+    assert [t["value"] is not None for t in record["targets"]] == [True, True, True]
+    machine = record["machine"]
+    assert machine["torch"] == torch.__version__ and machine["torch_threads"] == 1 and machine["cpu_model"]
+    assert record["model"]["muon_matrices"] == 7  # qkv, proj, fc1, fc2, adaLN, t-MLP 2nd linear, final adaLN
+    printed = capsys.readouterr().out
+    assert "dimuon Muon (Gram NS)" in printed and "Targets:" in printed
+    assert "| dimuon Muon (Gram NS) |" in (tmp_path / "o.md").read_text()
+
+
+def test_skip_and_per_optimizer_repeats(tmp_path):
+    out = tmp_path / "o.json"
+    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "--repeats-of", "muon=2", "--no-ns-rate", "--out", str(out)]
+    assert bench.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert "torch_muon" not in record["optimizers"] and "adamw_fused" not in record["optimizers"]
+    assert record["optimizers"]["muon"]["repeats"] == 2
+    assert record["ns_flop_rate"] is None and record["targets"][2]["met"] is None
+
+
+def test_bad_override_names_the_flag():
+    with pytest.raises(ValueError, match="--repeats-of expects NAME=N"):
+        bench.parse_overrides(["sgd=3"], "--repeats-of")
+
+
+def test_engine_batches_stack_oriented_shapes():
+    cfg = bench.Config(depth=2, hidden_size=32, num_heads=2, num_classes=4)
+    batches = sorted(bench.engine_batches(bench.build_model(cfg)))
+    # (D, D): 2 proj + t-MLP; (D, 2D): final adaLN; (D, 3D): qkv; (D, 4D): fc1 + fc2; (D, 6D): adaLN.
+    assert batches == [(1, 32, 64), (2, 32, 96), (2, 32, 192), (3, 32, 32), (4, 32, 128)]
+
+
+class _CountProducts(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.products: list[tuple[int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("bmm", "baddbmm", "mm", "addmm"):
+            a, b = (args[0], args[1]) if name in ("bmm", "mm") else (args[1], args[2])
+            self.products.append((a.shape[-2], a.shape[-1], b.shape[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (64, 16), (16, 24), (20, 20)])
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("restart", [0, 1, 2, 3])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_product_count_matches_what_newton_schulz_issues(shape, algorithm, restart, steps):
+    with _CountProducts() as counter:
+        linalg.newton_schulz(torch.randn(2, *shape), steps=steps, algorithm=algorithm, gram_restart_every=restart)
+    expected = linalg.newton_schulz_products(*shape, steps=steps, algorithm=algorithm, gram_restart_every=restart)
+    # A tall input's last product may be issued transposed: compare the sizes, which fix the FLOPs.
+    assert sorted(tuple(sorted(p)) for p in counter.products) == sorted(tuple(sorted(p)) for p in expected)
+
+
+def test_interleave_takes_samples_round_robin():
+    order: list[str] = []
+    cands = [
+        Candidate("a", lambda: order.append("a"), repeats=2, warmup=1),
+        Candidate("b", lambda: order.append("b"), repeats=1, warmup=0, calls=3),
+    ]
+    timings = interleave(cands, progress=False)
+    assert order == ["a", "a", "b", "b", "b", "a"]
+    assert len(timings["a"].samples) == 2 and len(timings["b"].samples) == 1
+    assert timings["b"].to_dict()["calls_per_sample"] == 3
+
+
+def test_report_helpers(tmp_path):
+    path = write_json_atomic(tmp_path / "x" / "r.json", {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert list(path.parent.iterdir()) == [path]  # no temporary left behind
+    table = format_table(["name", "ms"], [["muon", "1.5"], ["adamw", "10.25"]])
+    assert table.splitlines()[2] == "muon     1.5"
+    assert format_markdown_table(["name", "ms"], [["muon", 1.5]]).splitlines() == [
+        "| name | ms |", "| --- | ---: |", "| muon | 1.5 |"
+    ]
