@@ -222,8 +222,10 @@ class MuonFamily(torch.optim.Optimizer):
         grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return True
-        flags = torch.stack([torch.isfinite(g).all() for g in grads if g.numel() > 0] or [torch.tensor(True)])
-        return self._get_engine([]).all_true(flags.all())
+        # One pass per gradient: the extremes are finite exactly when every entry is (NaN propagates).
+        extremes = [torch.stack(torch.aminmax(g)) for g in grads if g.numel() > 0]
+        flag = torch.isfinite(torch.cat(extremes).float()).all() if extremes else torch.tensor(True)
+        return self._get_engine([]).all_true(flag)
 
     def _first_nonfinite(self) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -289,9 +291,8 @@ class MuonFamily(torch.optim.Optimizer):
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
-        for p, g, buf in zip(params, grads, bufs):
-            # Nesterov: U = (1-beta)*G + beta*M (a new tensor); otherwise U = M (read-only below).
-            u = torch.lerp(g, buf, beta) if group["nesterov"] else buf
+        updates = self._nesterov_updates(params, grads, bufs, beta, group["nesterov"])
+        for p, u in zip(params, updates):
             rows = p.shape[0]
             cols = math.prod(p.shape[1:])
             i = index[id(p)]
@@ -299,7 +300,7 @@ class MuonFamily(torch.optim.Optimizer):
             jobs.append(
                 MatrixJob(
                     name=name,
-                    update=u.reshape(u.shape[0], cols),
+                    update=u,
                     rows=rows,
                     cols=cols,
                     splits=split_sizes_to_ranges(rows, group["split_sizes"], name),
@@ -322,6 +323,29 @@ class MuonFamily(torch.optim.Optimizer):
                 w.mul_(1.0 - lr * wd)  # decoupled, with the unscaled lr
             w.add_(d.reshape(w.shape).to(w.dtype), alpha=-step_size)
 
+    @staticmethod
+    def _nesterov_updates(
+        params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], beta: float, nesterov: bool
+    ) -> list[Tensor]:
+        """``U`` per parameter as a 2-D ``(local_rows, cols)`` matrix (read-only downstream).
+
+        With Nesterov, ``U = (1-beta) G + beta M`` is written straight into one ``(B, r, c)``
+        buffer per shape, the batch the engine would otherwise have to stack (a copy saved).
+        """
+        flat = [b.reshape(b.shape[0], math.prod(p.shape[1:])) for p, b in zip(params, bufs)]
+        if not nesterov:
+            return flat  # U = M
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, b in enumerate(flat):
+            by_shape.setdefault(tuple(b.shape), []).append(i)
+        out: list[Tensor] = [flat[0]] * len(flat)
+        for shape, idx in by_shape.items():
+            batch = torch.empty((len(idx), *shape), dtype=flat[idx[0]].dtype, device=flat[idx[0]].device)
+            for j, i in enumerate(idx):
+                torch.lerp(grads[i].reshape(shape), flat[i], beta, out=batch[j])
+                out[i] = batch[j]
+        return out
+
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
         for p in params:
@@ -342,7 +366,7 @@ class MuonFamily(torch.optim.Optimizer):
             exp_avg_sqs,
             [],
             steps,
-            foreach=None,
+            foreach=True,  # torch picks the per-tensor loop on CPU otherwise
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,

@@ -334,12 +334,13 @@ def newton_schulz_products(
     return products
 
 
-def row_normalize(x: Tensor, eps: float = _EPS) -> Tensor:
-    """RowNorm: each oriented row divided by its L2 norm (``max(norm, eps)``).
+def row_normalize(x: Tensor, eps: float = _EPS, scale: float = 1.0) -> Tensor:
+    """RowNorm: each oriented row divided by its L2 norm (``max(norm, eps)``), times ``scale``.
 
     Oriented rows are the rows of ``x`` when it is wide or square and its columns when it is
     tall (ALGORITHMS.md section 2). Works on ``(r, c)`` and ``(B, r, c)``; the result is in fp32
-    or the input dtype, whichever is wider.
+    or the input dtype, whichever is wider. ``scale`` is folded into the per-row factor, so the
+    matrix is read once and written once.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"row_normalize expects a (rows, cols) or (batch, rows, cols) tensor, got {tuple(x.shape)}")
@@ -349,4 +350,4 @@ def row_normalize(x: Tensor, eps: float = _EPS) -> Tensor:
     else:
         # Column norms: a plain sum of squares down the rows runs 2x faster than vector_norm(dim=-2).
         norm = y.square().sum(dim=-2, keepdim=True).sqrt_()
-    return y / norm.clamp(min=eps)
+    return y * (scale / norm.clamp(min=eps))

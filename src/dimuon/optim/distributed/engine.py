@@ -117,23 +117,42 @@ def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, na
     return tuple(out)
 
 
+def as_batch(matrices: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(matrices)``, without the copy when they already lie back to back in one buffer.
+
+    The optimizer core writes same-shape updates into one preallocated ``(B, r, c)`` buffer, so
+    the usual case costs nothing here.
+    """
+    first = matrices[0]
+    step = first.numel()
+    contiguous_run = first.is_contiguous() and all(
+        m.is_contiguous()
+        and m.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and m.storage_offset() == first.storage_offset() + k * step
+        for k, m in enumerate(matrices)
+    )
+    if contiguous_run:
+        return first.as_strided((len(matrices), *first.shape), (step, *first.stride()), first.storage_offset())
+    return torch.stack(list(matrices))
+
+
 def apply_map_batched(
     pieces: Sequence[Tensor], kind: StepKind, config: MapConfig
 ) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
-    Tall pieces are transposed before stacking, so a ``(4D, D)`` and a ``(D, 4D)`` matrix share one
-    batched call. Returns, in order, the scaled direction of each piece (fp32 or wider).
+    Matrices of one exact shape share a batched call (tall ones are handled tall, never copied
+    transposed). Returns, in order, the scaled direction of each piece (fp32 or wider).
     """
     out: list[Tensor | None] = [None] * len(pieces)
-    by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+    by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
-        by_shape[linalg.oriented_shape(*piece.shape)].append(i)
-    for idx in by_shape.values():
-        wide = [pieces[i].mT if pieces[i].shape[0] > pieces[i].shape[1] else pieces[i] for i in idx]
-        batch = torch.stack(wide) if len(wide) > 1 else wide[0].unsqueeze(0)  # (B, short, long)
+        by_shape[tuple(piece.shape)].append(i)
+    for (rows, cols), idx in by_shape.items():
+        batch = as_batch([pieces[i] for i in idx])
+        scale = linalg.lr_scale_factor(config.lr_scale, rows, cols)
         if kind is StepKind.ROWNORM:
-            result = linalg.row_normalize(batch)
+            result = linalg.row_normalize(batch, scale=scale)
         else:
             result = linalg.newton_schulz(
                 batch,
@@ -142,10 +161,9 @@ def apply_map_batched(
                 algorithm=config.ns_algorithm,
                 dtype=config.ns_dtype,
             )
-        result = result.to(torch.promote_types(result.dtype, torch.float32))
+            result = result.to(torch.promote_types(result.dtype, torch.float32)).mul_(scale)
         for j, i in enumerate(idx):
-            d = result[j].mul_(linalg.lr_scale_factor(config.lr_scale, *pieces[i].shape))
-            out[i] = d.mT if pieces[i].shape[0] > pieces[i].shape[1] else d
+            out[i] = result[j]
     return out  # type: ignore[return-value]
 
 

@@ -226,7 +226,7 @@ class ShardedEngine:
                     split_pieces.append((j, local, scale))
                 elif local is not None:
                     lo, hi = local[0] - job.row_offset, local[1] - job.row_offset
-                    outs[j][lo:hi] = linalg.row_normalize(job.update[lo:hi]).mul_(scale)
+                    outs[j][lo:hi] = linalg.row_normalize(job.update[lo:hi], scale=scale)
         if split_pieces:
             sums = []
             for j, local, _ in split_pieces:
@@ -244,8 +244,8 @@ class ShardedEngine:
                 job = shards[j].job
                 lo, hi = local[0] - job.row_offset, local[1] - job.row_offset
                 # The same division as linalg.row_normalize, with the norm of each full column.
-                denom = norms.sqrt().clamp(min=1e-7)
-                outs[j][lo:hi] = job.update[lo:hi].to(outs[j].dtype).div(denom).mul_(scale)
+                factor = scale / norms.sqrt().clamp(min=1e-7)
+                outs[j][lo:hi] = job.update[lo:hi].to(outs[j].dtype).mul(factor)
         return outs
 
     # ----------------------------------------------------------------- spectral refreshes
