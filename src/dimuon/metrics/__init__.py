@@ -12,6 +12,7 @@ from dimuon.metrics.features import (
     load_or_train_classifier,
 )
 from dimuon.metrics.frechet import frechet_distance, frechet_distance_from_stats, gaussian_stats
+from dimuon.metrics.generation import GenerationEvaluator, SampleSettings, generate_samples, iter_samples
 from dimuon.metrics.prdc import prdc
 
 __all__ = [
@@ -20,13 +21,17 @@ __all__ = [
     "ClassifierRecipe",
     "DinoV2Features",
     "FeatureExtractor",
+    "GenerationEvaluator",
     "InceptionFeatures",
+    "SampleSettings",
     "build_extractor",
     "evaluate_features",
     "extract_features",
     "frechet_distance",
     "frechet_distance_from_stats",
     "gaussian_stats",
+    "generate_samples",
+    "iter_samples",
     "load_or_train_classifier",
     "prdc",
 ]

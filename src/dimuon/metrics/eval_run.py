@@ -1,0 +1,681 @@
+"""``dimuon eval``: generation quality (FD, precision/recall/density/coverage) over a run's checkpoints.
+
+For every complete checkpoint of ``--run`` (EMA weights by default) it draws a fixed, seeded, class-balanced
+set of samples, scores them against the run's held-out split in one feature space, and writes
+``<run>/eval/results.json``, ``results.md``, ``fd_vs_step.png`` and ``fd_vs_time.png``. Results are keyed by
+a hash of everything that changes the numbers (feature space, sampler, seed, counts, EMA), so changing a
+setting starts a new series instead of mixing numbers, and a rerun skips the checkpoints already scored.
+``--compare RUN ...`` plots and tabulates already-evaluated runs side by side.
+
+Run ``dimuon eval --help`` (or ``python -m dimuon.metrics.eval_run --help``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import tyro
+from tqdm.auto import tqdm
+
+from dimuon.metrics.generation import GenerationEvaluator, SampleSettings
+
+RESULTS_FORMAT = 1
+METRICS = ("fd", "precision", "recall", "density", "coverage")
+
+
+@dataclass
+class Config:
+    """Generation quality (FD, precision/recall/density/coverage) over a run's checkpoints."""
+
+    run: Path | None = None
+    """Run directory (holds checkpoints/ and metrics.jsonl); outputs go to <run>/eval/."""
+    compare: tuple[Path, ...] = ()
+    """Instead of evaluating: compare already-evaluated runs (FD vs step and vs active time, best FD)."""
+    num_samples: int = 1000
+    """Generated samples per checkpoint (labels cycle through the classes in order)."""
+    num_real: int | None = None
+    """Real images: the first N of the held-out split (default: all of it)."""
+    seed: int = 0
+    """Seed of the starting noise (sample i has its own generator, so the batch size does not matter)."""
+    sampler: Literal["euler", "heun"] = "heun"
+    """ODE method."""
+    sample_steps: int = 50
+    """ODE steps (Heun makes two model calls per step)."""
+    cfg: float = 3.0
+    """Classifier-free guidance scale (1 = no guidance)."""
+    features: Literal["classifier", "inception", "dinov2"] = "classifier"
+    """Feature space: a classifier trained on the run's data set, FID's Inception-v3, or DINOv2."""
+    dinov2_weights: Path | None = None
+    """DINOv2 checkpoint file (official key layout), needed for --features dinov2."""
+    dinov2_arch: Literal["vits14", "vitb14", "vitl14", "vitg14"] = "vitl14"
+    """DINOv2 size; vitl14 is the FD-DINOv2 standard."""
+    batch_size: int = 100
+    """Batch size for sampling and feature extraction."""
+    every: int = 1
+    """Evaluate every K-th checkpoint in step order (always including the latest)."""
+    ema: bool = True
+    """Use the EMA weights (--no-ema: the raw training weights)."""
+    cache_dir: Path | None = None
+    """Cache for the classifier and the real-set features (default: <run>/eval/feature_cache)."""
+    device: str = "auto"
+    """Device for sampling and features: auto (cuda if available), cpu, cuda, cuda:1, ..."""
+    threads: int | None = None
+    """CPU intra-op threads (default: torch's; 1 is much faster for tiny models on busy cores)."""
+    grid: bool = True
+    """Save a sample grid per checkpoint under <run>/eval/grids/<key>/."""
+    reference: bool = True
+    """Also score num_samples training images: the floor a perfect generator would reach at this N."""
+    out: Path = Path("eval-compare")
+    """Output directory of --compare."""
+    progress: bool = True
+    """Progress bars."""
+
+    def settings(self) -> SampleSettings:
+        """The sampling part of the configuration."""
+        return SampleSettings(self.num_samples, self.seed, self.sampler, self.sample_steps, self.cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and ``os.replace``: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_figure_atomic(fig: Any, path: Path) -> None:
+    """Save a matplotlib figure as PNG through a temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The results file, or an empty one; a file of another format is an error rather than overwritten."""
+    if not path.is_file():
+        return {"format": RESULTS_FORMAT, "evaluations": {}}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("format") != RESULTS_FORMAT or not isinstance(data.get("evaluations"), dict):
+        raise ValueError(f"{path} is not a dimuon eval results file of format {RESULTS_FORMAT}")
+    return data
+
+
+def settings_key(settings: dict[str, Any]) -> str:
+    """Ten hex digits of a hash of the settings: one results series per key."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int) -> list[tuple[int, Path]]:
+    """Every `every`-th checkpoint in step order, plus the latest."""
+    if every < 1:
+        raise ValueError(f"--every must be >= 1, got {every}")
+    chosen = [c for i, c in enumerate(checkpoints) if i % every == 0]
+    if checkpoints and chosen[-1] != checkpoints[-1]:
+        chosen.append(checkpoints[-1])
+    return chosen
+
+
+def active_time_from_metrics(run: Path, step: int) -> float | None:
+    """Active training seconds at `step` from ``metrics.jsonl`` (last row at or before it), if logged."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    best: tuple[int, float] | None = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        s, t = row.get("step"), row.get("active_time_s")
+        if (
+            isinstance(s, int)
+            and isinstance(t, (int, float))
+            and s <= step
+            and (best is None or s >= best[0])
+        ):
+            best = (s, float(t))
+    return None if best is None else best[1]
+
+
+def save_grid(images: torch.Tensor, num_classes: int, path: Path, max_images: int = 100) -> None:
+    """The first samples as a PNG grid; with at most 16 classes each column is one class."""
+    from PIL import Image
+
+    ncol = num_classes if num_classes <= 16 else 10
+    n = min(images.shape[0], max_images - max_images % ncol if max_images >= ncol else ncol)
+    x = ((images[:n].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (n, C, H, W)
+    c, h, w = x.shape[1:]
+    scale = max(1, 64 // max(h, w))  # tiny images are enlarged (nearest) to stay visible
+    rows = math.ceil(n / ncol)
+    canvas = torch.full((c, rows * (h + 1) + 1, ncol * (w + 1) + 1), 255, dtype=torch.uint8)
+    for i in range(n):
+        r, q = divmod(i, ncol)
+        canvas[:, 1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + q * (w + 1) : 1 + q * (w + 1) + w] = x[i]
+    arr = canvas.permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr[..., 0] if c == 1 else arr)
+    img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    img.save(tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and plots
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def describe_settings(s: dict[str, Any]) -> str:
+    """One line naming everything behind a series' numbers."""
+    return (
+        f"feature space `{s['feature_space']}` · {s['num_samples']} samples (class-balanced, seed {s['seed']}) · "
+        f"{s['sampler']} {s['sample_steps']} steps, cfg {s['cfg_scale']:g} · "
+        f"{'EMA' if s['ema'] else 'raw'} weights · real set: {s['num_real']} images of the "
+        f"`{s['dataset']['name']}` val split"
+    )
+
+
+def markdown(results: dict[str, Any], run_name: str) -> str:
+    """All series of a results file as Markdown tables (most recently updated first)."""
+    lines = [f"# Generation quality: `{run_name}`", ""]
+    series = sorted(results["evaluations"].items(), key=lambda kv: kv[1].get("updated", ""), reverse=True)
+    for key, ev in series:
+        s = ev["settings"]
+        lines += [f"## Settings `{key}`", "", describe_settings(s), ""]
+        ref = ev.get("reference")
+        if ref:
+            lines += [
+                f"Reference ({ref['n_fake']} training images against the same real set, i.e. a generator "
+                f"equal to the data at this sample count): FD {ref['fd']:.3f}, precision {ref['precision']:.3f}, "
+                f"recall {ref['recall']:.3f}, density {ref['density']:.3f}, coverage {ref['coverage']:.3f}.",
+                "",
+            ]
+        lines += [
+            "| step | active time (s) | FD | precision | recall | density | coverage | eval (s) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in ev["entries"]:
+            if e.get("status") != "ok":
+                lines.append(f"| {e['step']} | — | failed: {e.get('error', '?')} | | | | | |")
+                continue
+            t = _fmt(e.get("active_time_s"), 1)
+            vals = " | ".join(_fmt(e[m]) for m in METRICS)
+            lines.append(f"| {e['step']} | {t} | {vals} | {_fmt(e.get('eval_s'), 1)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ok(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in entries if e.get("status") == "ok"]
+
+
+def _fd_axes(ax: Any, fds: list[float]) -> None:
+    ax.set_ylabel("FD (lower is better)")
+    ax.grid(True, alpha=0.3)
+    pos = [f for f in fds if f > 0]
+    if len(pos) == len(fds) and pos and max(pos) / min(pos) > 10:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+
+
+def plot_series(ev: dict[str, Any], run_name: str, out_dir: Path) -> list[Path]:
+    """``fd_vs_step.png`` and ``fd_vs_time.png`` of one series; the reference FD as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = _ok(ev["entries"])
+    s, ref = ev["settings"], ev.get("reference")
+    written = []
+    for xkey, xlabel, name in (
+        ("step", "training step", "fd_vs_step.png"),
+        ("active_time_s", "active training time (s)", "fd_vs_time.png"),
+    ):
+        pts = [(e[xkey], e["fd"]) for e in entries if e.get(xkey) is not None]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, "o-", label=run_name)
+        if ref:
+            ax.axhline(ref["fd"], ls="--", color="gray", label=f"training data, N={ref['n_fake']}")
+        ax.set_xlabel(xlabel)
+        ax.set_title(
+            f"FD in {s['feature_space']}\n{s['sampler']} {s['sample_steps']}, cfg {s['cfg_scale']:g}, "
+            f"N={s['num_samples']}",
+            fontsize=9,
+        )
+        _fd_axes(ax, [p[1] for p in pts] + ([ref["fd"]] if ref else []))
+        ax.legend(fontsize=8)
+        save_figure_atomic(fig, out_dir / name)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluating a run
+# --------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_module() -> Any:
+    # The command layer may reach up to the training code; the metric modules never do.
+    return importlib.import_module("dimuon.train.checkpoint")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+class NoCheckpointsError(FileNotFoundError):
+    """The run directory holds no complete checkpoint (yet)."""
+
+
+class RunEvaluation:
+    """State of one ``dimuon eval --run``: the results file, the series key and the evaluator (built lazily)."""
+
+    def __init__(self, cfg: Config) -> None:
+        if cfg.run is None:
+            raise ValueError("--run is required (or --compare RUN ...)")
+        self.cfg = cfg
+        self.run = Path(cfg.run)
+        self.out_dir = self.run / "eval"
+        self.results_path = self.out_dir / "results.json"
+        self.results = load_results(self.results_path)
+        self.evaluator: GenerationEvaluator | None = None
+        self.key: str | None = None
+        self.device = _device(cfg.device)
+
+    @property
+    def series(self) -> dict[str, Any]:
+        assert self.key is not None
+        return self.results["evaluations"][self.key]
+
+    def done_steps(self) -> set[int]:
+        """Steps of this series already scored (failed ones are retried)."""
+        return {e["step"] for e in _ok(self.series["entries"])}
+
+    def setup(self, info: dict[str, Any]) -> None:
+        """Build the evaluator from the first loadable checkpoint's data set, and open this settings' series."""
+        cfg, ds = self.cfg, info["dataset"]
+        cache = cfg.cache_dir or self.out_dir / "feature_cache"
+        ev = GenerationEvaluator.for_dataset(
+            ds["name"],
+            dict(ds.get("kwargs") or {}),
+            cfg.settings(),
+            cache_dir=cache,
+            features=cfg.features,
+            num_real=cfg.num_real,
+            dinov2_weights=cfg.dinov2_weights,
+            dinov2_arch=cfg.dinov2_arch,
+            batch_size=cfg.batch_size,
+            device=self.device,
+            progress=cfg.progress,
+        )
+        shape = tuple(int(v) for v in info["image_shape"])
+        if shape != ev.image_shape or int(info["num_classes"]) != ev.num_classes:
+            raise ValueError(
+                f"the checkpoint's model ({shape}, {info['num_classes']} classes) does not match its data set "
+                f"{ds['name']} ({ev.image_shape}, {ev.num_classes} classes)"
+            )
+        settings = {
+            "feature_space": ev.feature_space,
+            "feature_key": ev.feature_key,
+            "dataset": {"name": ds["name"], "kwargs": dict(ds.get("kwargs") or {})},
+            "num_real": int(ev.real_feats.shape[0]),
+            "num_samples": cfg.num_samples,
+            "seed": cfg.seed,
+            "sampler": cfg.sampler,
+            "sample_steps": cfg.sample_steps,
+            "cfg_scale": float(cfg.cfg),
+            "ema": cfg.ema,
+            "k_pr": 3,
+            "k_dc": 5,
+        }
+        settings = json.loads(json.dumps(settings, default=str))
+        self.key = settings_key(settings)
+        self.evaluator = ev
+        self.results["evaluations"].setdefault(
+            self.key, {"settings": settings, "reference": None, "created": _now(), "entries": []}
+        )
+        if cfg.reference and not self.series.get("reference"):
+            self.series["reference"] = ev.reference(cfg.num_samples, seed=cfg.seed)
+            self.save()
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """Put one checkpoint's entry in the series (replacing an older one of that step) and save."""
+        entries = [e for e in self.series["entries"] if e["step"] != entry["step"]]
+        self.series["entries"] = sorted([*entries, entry], key=lambda e: e["step"])
+        self.series["updated"] = _now()
+        self.save()
+
+    def save(self) -> None:
+        """Write ``results.json`` and ``results.md`` atomically."""
+        self.results["run"] = str(self.run)
+        write_text_atomic(self.results_path, json.dumps(self.results, indent=2) + "\n")
+        write_text_atomic(self.out_dir / "results.md", markdown(self.results, self.run.name))
+
+    def evaluate_one(
+        self, model: torch.nn.Module, info: dict[str, Any], step: int, path: Path
+    ) -> dict[str, Any]:
+        """Score one loaded checkpoint; returns its entry."""
+        assert self.evaluator is not None and self.key is not None
+        ev = self.evaluator
+        row, images = ev.evaluate_with_samples(model)
+        if self.cfg.grid:
+            save_grid(images, ev.num_classes, self.out_dir / "grids" / self.key / f"step_{step:07d}.png")
+        active = info.get("active_time_s")
+        if active is None:
+            active = active_time_from_metrics(self.run, step)
+        return {"step": step, "status": "ok", "active_time_s": active, **row}
+
+    def run_all(self) -> dict[str, Any]:
+        """Evaluate the selected checkpoints; returns counts and output paths."""
+        ckpt = _checkpoint_module()
+        listed = ckpt.list_checkpoints(self.run)
+        checkpoints = select_checkpoints(listed, self.cfg.every)
+        if not checkpoints:
+            raise NoCheckpointsError(f"no complete checkpoints under {self.run / 'checkpoints'}")
+        counts = {"evaluated": 0, "skipped": 0, "failed": 0}
+        pending_failures: list[dict[str, Any]] = []
+        bar = tqdm(checkpoints, desc="checkpoints", unit="ckpt", disable=not self.cfg.progress)
+        for step, path in bar:
+            bar.set_postfix(step=step)
+            if self.key is not None and step in self.done_steps():
+                counts["skipped"] += 1
+                continue
+            t0 = time.perf_counter()
+            try:
+                model, info = ckpt.load_model_for_eval(path, use_ema=self.cfg.ema, map_location="cpu")
+                load_s = time.perf_counter() - t0
+            except ckpt.CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint {path}: {exc}", stacklevel=2)
+                counts["failed"] += 1
+                failure = {"step": step, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                if self.key is None:
+                    pending_failures.append(failure)
+                else:
+                    self.record(failure)
+                continue
+            if self.evaluator is None:
+                self.setup(info)
+                for failure in pending_failures:
+                    self.record(failure)
+                if step in self.done_steps():
+                    counts["skipped"] += 1
+                    continue
+            t0 = time.perf_counter()  # the one-off setup (classifier, real features) is not counted
+            entry = self.evaluate_one(model, info, step, path)
+            entry["wall_s"] = round(load_s + time.perf_counter() - t0, 3)  # load, sample, score, grid
+            entry["device"] = str(self.device)
+            entry["evaluated_at"] = _now()
+            entry["checkpoint"] = (
+                str(path.relative_to(self.run)) if path.is_relative_to(self.run) else str(path)
+            )
+            self.record(entry)
+            counts["evaluated"] += 1
+            bar.set_postfix(step=step, fd=f"{entry['fd']:.3g}")
+        bar.close()
+        outputs: list[Path] = []
+        if self.key is not None:
+            # A failure of a checkpoint that is gone (e.g. pruned by the training run) is no longer news.
+            present = {step for step, _ in listed}
+            self.series["entries"] = [
+                e for e in self.series["entries"] if e.get("status") == "ok" or e["step"] in present
+            ]
+            self.save()
+            outputs = [self.results_path, self.out_dir / "results.md"]
+            outputs += plot_series(self.series, self.run.name, self.out_dir)
+        else:
+            warnings.warn(f"no checkpoint of {self.run} could be loaded; nothing was written", stacklevel=2)
+        return {"key": self.key, **counts, "outputs": [str(p) for p in outputs]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparing runs
+# --------------------------------------------------------------------------------------------------
+
+
+def pick_series(results: dict[str, Any], cfg: Config, where: Path) -> tuple[str, dict[str, Any]]:
+    """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
+    want = {
+        "num_samples": cfg.num_samples,
+        "seed": cfg.seed,
+        "sampler": cfg.sampler,
+        "sample_steps": cfg.sample_steps,
+        "cfg_scale": float(cfg.cfg),
+        "ema": cfg.ema,
+    }
+    matches = [
+        (key, ev)
+        for key, ev in results["evaluations"].items()
+        if all(ev["settings"].get(k) == v for k, v in want.items())
+        and ev["settings"]["feature_space"].startswith(cfg.features)
+    ]
+    if not matches:
+        have = "\n".join(
+            f"  {k}: {describe_settings(ev['settings'])}" for k, ev in results["evaluations"].items()
+        )
+        raise ValueError(
+            f"{where} has no series with {cfg.features} features and {want}; pass the flags used to evaluate it. "
+            f"It has:\n{have or '  (nothing)'}"
+        )
+    return max(matches, key=lambda kv: kv[1].get("updated", ""))
+
+
+def run_label(run: Path) -> str:
+    """The run directory's name, with the optimizer from its ``config.json`` when that names one."""
+    try:
+        optimizer = json.loads((run / "config.json").read_text(encoding="utf-8")).get("optimizer")
+    except (OSError, ValueError, AttributeError):
+        optimizer = None
+    return (
+        f"{run.name} ({optimizer})" if isinstance(optimizer, str) and optimizer not in run.name else run.name
+    )
+
+
+def summarize(entries: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """Best and last FD of a series, and the first step and active time at which FD <= target."""
+    ok = _ok(entries)
+    best = min(ok, key=lambda e: e["fd"])
+    reach = next((e for e in ok if target is not None and e["fd"] <= target), None)
+    return {
+        "best_fd": best["fd"],
+        "best_step": best["step"],
+        "best_active_time_s": best.get("active_time_s"),
+        "best_precision": best["precision"],
+        "best_recall": best["recall"],
+        "last_fd": ok[-1]["fd"],
+        "last_step": ok[-1]["step"],
+        "checkpoints": len(ok),
+        "target_step": None if reach is None else reach["step"],
+        "target_active_time_s": None if reach is None else reach.get("active_time_s"),
+    }
+
+
+def compare_runs(cfg: Config) -> dict[str, Any]:
+    """FD against step and active time of several evaluated runs in one figure, and a table of best FD per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for run in cfg.compare:
+        path = Path(run) / "eval" / "results.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: run 'dimuon eval --run {run}' first")
+        key, ev = pick_series(load_results(path), cfg, path)
+        if not _ok(ev["entries"]):
+            raise ValueError(f"{path}: series {key} has no successfully evaluated checkpoint")
+        runs.append({"run": str(run), "name": run_label(Path(run)), "key": key, "series": ev})
+    spaces = {r["series"]["settings"]["feature_key"] for r in runs}
+    if len(spaces) > 1:
+        raise ValueError(
+            f"the runs were scored in different feature spaces {sorted(spaces)}: FDs are not comparable"
+        )
+    if len({r["series"]["settings"]["num_real"] for r in runs}) > 1:
+        warnings.warn("the runs were scored against real sets of different sizes", stacklevel=2)
+    # The FD every run reaches: the worst of the best. Time to reach it compares optimizers at equal quality.
+    target = max(min(e["fd"] for e in _ok(r["series"]["entries"])) for r in runs)
+    for r in runs:
+        r["summary"] = summarize(r["series"]["entries"], target)
+
+    settings = runs[0]["series"]["settings"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        ok = _ok(r["series"]["entries"])
+        axes[0].plot([e["step"] for e in ok], [e["fd"] for e in ok], "o-", label=r["name"])
+        timed = [e for e in ok if e.get("active_time_s") is not None]
+        axes[1].plot([e["active_time_s"] for e in timed], [e["fd"] for e in timed], "o-", label=r["name"])
+    all_fd = [e["fd"] for r in runs for e in _ok(r["series"]["entries"])]
+    for ax, xlabel in zip(axes, ("training step", "active training time (s)")):
+        ax.set_xlabel(xlabel)
+        _fd_axes(ax, all_fd)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"FD in {settings['feature_space']} ({settings['sampler']} {settings['sample_steps']}, "
+        f"cfg {settings['cfg_scale']:g}, N={settings['num_samples']})",
+        fontsize=10,
+    )
+    out = Path(cfg.out)
+    save_figure_atomic(fig, out / "compare_fd.png")
+    plt.close(fig)
+
+    lines = [
+        "# Generation quality: run comparison",
+        "",
+        describe_settings(settings),
+        "",
+        f"Target FD {target:.3f}: the best FD of the worst run, i.e. a quality every run reaches.",
+        "",
+        "| run | best FD | at step | active time (s) | precision | recall | last FD (step) | "
+        "step to target | active time to target (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in runs:
+        s = r["summary"]
+        lines.append(
+            f"| {r['name']} | {s['best_fd']:.3f} | {s['best_step']} | {_fmt(s['best_active_time_s'], 1)} | "
+            f"{s['best_precision']:.3f} | {s['best_recall']:.3f} | {s['last_fd']:.3f} ({s['last_step']}) | "
+            f"{_fmt(s['target_step'])} | {_fmt(s['target_active_time_s'], 1)} |"
+        )
+    write_text_atomic(out / "compare.md", "\n".join(lines) + "\n")
+    record = {
+        "format": RESULTS_FORMAT,
+        "settings": settings,
+        "target_fd": target,
+        "runs": [{k: r[k] for k in ("run", "name", "key", "summary")} for r in runs],
+    }
+    write_text_atomic(out / "compare.json", json.dumps(record, indent=2) + "\n")
+    return {**record, "outputs": [str(out / n) for n in ("compare.md", "compare.json", "compare_fd.png")]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def check_config(cfg: Config) -> None:
+    """Reject inconsistent flags before any work starts."""
+    if bool(cfg.run) == bool(cfg.compare):
+        raise ValueError("pass either --run RUN_DIR (evaluate) or --compare RUN_DIR ... (compare), not both")
+    if cfg.compare:
+        return
+    cfg.settings()  # validates the sampling settings
+    if not Path(cfg.run).is_dir():
+        raise ValueError(f"--run {cfg.run}: no such directory")
+    for name in ("batch_size", "every"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+    if cfg.num_real is not None and cfg.num_real < 2:
+        raise ValueError(f"--num-real must be >= 2, got {cfg.num_real}")
+    if cfg.features == "dinov2" and cfg.dinov2_weights is None:
+        raise ValueError("--features dinov2 needs --dinov2-weights PATH (see docs/metrics.md)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dimuon eval`` and ``python -m dimuon.metrics.eval_run``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = tyro.cli(Config, args=args, prog="dimuon eval")
+    try:
+        check_config(cfg)
+    except ValueError as exc:
+        print(f"dimuon eval: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.compare:
+        record = compare_runs(cfg)
+        print(Path(record["outputs"][0]).read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(record["outputs"]))
+        return 0
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    evaluation = RunEvaluation(cfg)
+    try:
+        summary = evaluation.run_all()
+    except NoCheckpointsError as exc:
+        print(f"dimuon eval: {exc}", file=sys.stderr)
+        return 1
+    if evaluation.key is not None:
+        print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
+    print(
+        f"evaluated {summary['evaluated']}, skipped {summary['skipped']} (already in results.json), "
+        f"failed {summary['failed']}; series {summary['key']}"
+    )
+    print("wrote " + ", ".join(summary["outputs"]))
+    return 0 if summary["evaluated"] + summary["skipped"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

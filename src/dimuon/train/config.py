@@ -1,0 +1,315 @@
+"""The typed configuration of ``dimuon train``: dataclasses parsed by tyro, checked before any work starts.
+
+Every field is a command-line flag (``batch_size`` is ``--batch-size``, ``optim.k`` is ``--optim.k``);
+unknown flags are rejected by the parser. ``validate`` raises :class:`ConfigError` naming the flag and
+the allowed values, so a bad run fails in the first second instead of after the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from dimuon.dit import DATASETS, DIT_MODELS, dit_arch
+from dimuon.optim import OPTIMIZERS, build
+
+__all__ = [
+    "ConfigError",
+    "OptimOptions",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "dataset_kwargs",
+    "optimizer_kwargs",
+    "validate",
+]
+
+# Options that the Muon family spells with an ``adamw_`` prefix (they drive its AdamW groups).
+_MUON_FAMILY_RENAMES = {"betas": "adamw_betas", "eps": "adamw_eps"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the flag and what is allowed."""
+
+
+@dataclass
+class OptimOptions:
+    """Optimizer options; None keeps the optimizer's own default.
+
+    An option the chosen optimizer does not take (e.g. --optim.k with muon) is an error.
+    """
+
+    weight_decay: float | None = None
+    """Decoupled weight decay (all optimizers)."""
+    betas: tuple[float, float] | None = None
+    """AdamW betas (adamw, and the AdamW groups of the Muon family)."""
+    eps: float | None = None
+    """AdamW epsilon (adamw, and the AdamW groups of the Muon family)."""
+    momentum: float | None = None
+    """Muon family: momentum coefficient in [0, 1)."""
+    nesterov: bool | None = None
+    """Muon family: Nesterov momentum."""
+    lr_scale: str | None = None
+    """Muon family: match_rms_adamw | original | none."""
+    ns_coefficients: str | None = None
+    """Muon family: quintic | polar_express."""
+    ns_steps: int | None = None
+    """Muon family: Newton-Schulz iterations."""
+    ns_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Muon family: Newton-Schulz compute dtype (default: fp32 on CPU, bf16 on accelerators)."""
+    ns_algorithm: str | None = None
+    """Muon family: standard | gram."""
+    refresh: str | None = None
+    """Muon family, sharded: spectral-step strategy, gather | owner."""
+    bucket_mb: float | None = None
+    """Muon family, sharded: communication bucket size (MiB)."""
+    comm_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Muon family, sharded: dtype of the optimizer's collectives."""
+    nonfinite: str | None = None
+    """Muon family: raise | skip a step whose gradients hold inf/nan."""
+    k: int | None = None
+    """periodic_row_muon: a spectral step every k steps, RowNorm in between."""
+    gamma: float | None = None
+    """periodic_row_muon: step multiplier of the RowNorm steps."""
+    period: int | None = None
+    """muon_bp: a full spectral step every period steps, block steps in between."""
+    blocks: int | None = None
+    """muon_bp: row blocks per matrix of a single-process block step."""
+    block_lr_ratio: float | None = None
+    """muon_bp: step multiplier of the block steps."""
+
+
+@dataclass
+class TrainConfig:
+    """Train a class-conditional DiT with rectified flow. The defaults are the CPU MNIST demo."""
+
+    # --- model and data
+    model: str = "DiT-XS/4"
+    """DiT registry name: DiT-{T,XS}/{2,4}, DiT-{S,B,L,XL}/{2,4,8}."""
+    dataset: str = "mnist"
+    """mnist | digits | folder (needs --data-path) | arrays (needs --data-path)."""
+    data_path: str | None = None
+    """Root folder (folder) or file/folder of arrays (arrays)."""
+    image_size: int | None = None
+    """Image side in pixels; default: the data set's own (28 for mnist). Required for folder."""
+    channels: int | None = None
+    """folder only: 1 (grayscale) or 3 (RGB, the default)."""
+    class_dropout: float = 0.1
+    """Probability of replacing a label by the null label (needed for classifier-free guidance)."""
+
+    # --- optimization
+    optimizer: str = "periodic_row_muon"
+    """adamw | muon | periodic_row_muon | muon_bp."""
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    lr: float = 5e-3
+    """Peak learning rate (shared by the Muon and AdamW groups of the Muon family)."""
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    """Learning-rate shape after warmup: cosine or linear decay to lr * min_lr_ratio, or constant."""
+    warmup_steps: int = 100
+    """Linear warmup from lr / warmup_steps to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine/linear schedule, as a fraction of lr."""
+    batch_size: int = 64
+    """Global batch size (split evenly over ranks)."""
+    steps: int = 1000
+    """Optimizer steps."""
+    seed: int = 0
+    """Seeds the initialization, the data order and the training noise."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    timesteps: Literal["uniform", "logit_normal"] = "logit_normal"
+    """Training distribution of the flow time t."""
+    ema_decay: float = 0.995
+    """EMA decay of the weights used for validation samples and evaluation."""
+    ema_warmup: bool = True
+    """Ramp the EMA decay as min(decay, (1 + k) / (10 + k)) so early averages forget the init."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 runs forward/backward under autocast; parameters and optimizer state stay fp32."""
+
+    # --- logging, validation, sampling, checkpoints
+    log_interval: int = 10
+    """Steps between JSONL training records."""
+    val_interval: int = 250
+    """Steps between validation losses (0: only at the end)."""
+    val_samples: int = 500
+    """Held-out images used for the validation loss (0: the whole split)."""
+    val_seed: int = 0
+    """Seed of the fixed validation noise."""
+    sample_interval: int = 0
+    """Steps between sample grids (0: only at the end)."""
+    sample_count: int = 100
+    """Images per sample grid (labels cycle through the classes, one class per column)."""
+    sample_steps: int = 20
+    """ODE steps of the sampler."""
+    sample_method: Literal["euler", "heun"] = "heun"
+    """ODE method of the sampler."""
+    cfg_scale: float = 3.0
+    """Classifier-free guidance scale of the sample grids (1 disables guidance)."""
+    ckpt_interval: int = 250
+    """Steps between checkpoints (the last step is always saved)."""
+    keep_checkpoints: int = 0
+    """Checkpoints to keep, newest first (0: keep all)."""
+
+    # --- run
+    out: str = "runs/mnist-demo"
+    """Run directory: config.json, metrics.jsonl, checkpoints/, samples/, plots/."""
+    resume: str | None = None
+    """Continue from a checkpoint directory, or from the newest complete one of a run directory."""
+    overwrite: bool = False
+    """Start afresh in an --out that already holds a run (its old files are deleted)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda if available, else cpu."""
+    threads: int | None = None
+    """CPU intra-op threads per process (default: torch's)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to <out>/tensorboard (needs the tensorboard package)."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Conversions
+# --------------------------------------------------------------------------------------------------
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """A JSON-ready dict of the config (tuples become lists)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Rebuild a config saved by :func:`config_to_dict`; unknown keys are an error, missing ones take defaults."""
+    data = dict(data)
+    optim = dict(data.pop("optim", {}) or {})
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known_optim = {f.name for f in dataclasses.fields(OptimOptions)}
+    unknown = sorted((set(data) - known) | {f"optim.{k}" for k in set(optim) - known_optim})
+    if unknown:
+        raise ConfigError(f"saved config has unknown keys {unknown}")
+    if optim.get("betas") is not None:
+        optim["betas"] = tuple(optim["betas"])
+    return TrainConfig(**data, optim=OptimOptions(**optim))
+
+
+def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """Keyword options for ``dimuon.optim.build`` from the set ``--optim.*`` flags (and ``--lr``)."""
+    opts: dict[str, Any] = {"lr": cfg.lr}
+    for f in dataclasses.fields(OptimOptions):
+        value = getattr(cfg.optim, f.name)
+        if value is None:
+            continue
+        if f.name in ("ns_dtype", "comm_dtype"):
+            value = _DTYPES[value]
+        name = f.name
+        if cfg.optimizer != "adamw":
+            name = _MUON_FAMILY_RENAMES.get(name, name)
+        opts[name] = value
+    return opts
+
+
+def dataset_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """Keyword options of ``build_dataset(cfg.dataset, split, **kwargs)`` (JSON-ready)."""
+    kwargs: dict[str, Any] = {}
+    if cfg.dataset == "folder":
+        kwargs["root"] = cfg.data_path
+    elif cfg.dataset == "arrays":
+        kwargs["path"] = cfg.data_path
+    if cfg.image_size is not None:
+        kwargs["image_size"] = cfg.image_size
+    if cfg.channels is not None:
+        kwargs["channels"] = cfg.channels
+    return kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(flag: str, value: str, allowed: Any) -> None:
+    _require(value in allowed, f"{flag} must be one of: {', '.join(allowed)}; got {value!r}")
+
+
+def _check_positive_int(flag: str, value: int, minimum: int = 1) -> None:
+    _require(value >= minimum, f"{flag} must be an integer >= {minimum}, got {value}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` for any value that cannot work (cheap checks only: no model, no data)."""
+    _check_choice("--model", cfg.model, DIT_MODELS)
+    _check_choice("--dataset", cfg.dataset, DATASETS)
+    _check_choice("--optimizer", cfg.optimizer, OPTIMIZERS)
+    _require(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
+    _check_positive_int("--steps", cfg.steps)
+    _check_positive_int("--batch-size", cfg.batch_size)
+    _check_positive_int("--warmup-steps", cfg.warmup_steps, 0)
+    _require(0.0 <= cfg.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    _require(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (0 disables clipping), got {cfg.grad_clip}")
+    _require(0.0 <= cfg.ema_decay <= 1.0, f"--ema-decay must be in [0, 1], got {cfg.ema_decay}")
+    _require(0.0 <= cfg.class_dropout < 1.0, f"--class-dropout must be in [0, 1), got {cfg.class_dropout}")
+    _check_positive_int("--log-interval", cfg.log_interval)
+    for flag, value in (
+        ("--val-interval", cfg.val_interval),
+        ("--val-samples", cfg.val_samples),
+        ("--sample-interval", cfg.sample_interval),
+        ("--ckpt-interval", cfg.ckpt_interval),
+        ("--keep-checkpoints", cfg.keep_checkpoints),
+    ):
+        _check_positive_int(flag, value, 0)
+    _check_positive_int("--sample-count", cfg.sample_count)
+    _check_positive_int("--sample-steps", cfg.sample_steps)
+    _require(cfg.cfg_scale >= 0, f"--cfg-scale must be >= 0, got {cfg.cfg_scale}")
+    if cfg.threads is not None:
+        _check_positive_int("--threads", cfg.threads)
+    if cfg.device == "cuda":
+        _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
+    _require(bool(cfg.out), "--out must name a directory")
+    _validate_data(cfg)
+    _validate_optimizer(cfg)
+
+
+def _validate_data(cfg: TrainConfig) -> None:
+    """Data flags: paths exist where needed, and the image size fits the model's patch size."""
+    if cfg.dataset in ("folder", "arrays"):
+        _require(cfg.data_path is not None, f"--dataset {cfg.dataset} needs --data-path")
+        _require(Path(cfg.data_path).exists(), f"--data-path {cfg.data_path} does not exist")
+    else:
+        _require(cfg.data_path is None, f"--data-path is not used by --dataset {cfg.dataset}")
+    if cfg.dataset == "folder":
+        _require(cfg.image_size is not None, "--dataset folder needs --image-size")
+    else:
+        _require(cfg.channels is None, "--channels only applies to --dataset folder")
+    if cfg.image_size is not None:
+        _check_positive_int("--image-size", cfg.image_size)
+        check_patch_size(cfg.model, cfg.image_size)
+
+
+def check_patch_size(model: str, image_size: int) -> None:
+    """The model cuts images into patches: its patch size must divide the image side."""
+    patch = dit_arch(model)["patch_size"]
+    _require(
+        image_size % patch == 0,
+        f"--model {model} has patch size {patch}, which does not divide the image size {image_size}; "
+        f"choose a patch size that divides {image_size} or change --image-size",
+    )
+
+
+def _validate_optimizer(cfg: TrainConfig) -> None:
+    """Build the optimizer on a two-parameter stand-in, so its own checks run before the real model exists."""
+    stand_in = nn.Linear(4, 4)
+    try:
+        build(cfg.optimizer, stand_in, **optimizer_kwargs(cfg))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--optimizer {cfg.optimizer} rejects its options (--lr / --optim.*): {e}") from None

@@ -1,0 +1,407 @@
+"""`dimuon eval` and its core: seeded class-balanced sampling, cached real features, FD/PRDC per checkpoint."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dimuon.dit import build_dataset, build_dit
+from dimuon.metrics import generation
+from dimuon.metrics.eval_run import (
+    Config,
+    active_time_from_metrics,
+    compare_runs,
+    load_results,
+    main,
+    select_checkpoints,
+)
+from dimuon.metrics.generation import (
+    GenerationEvaluator,
+    SampleSettings,
+    balanced_labels,
+    generate_samples,
+    load_images,
+    sample_noise,
+)
+
+FAST = SampleSettings(num_samples=40, seed=0, sampler="heun", sample_steps=3, cfg_scale=2.0)
+FAST_FLAGS = [
+    "--num-samples",
+    "40",
+    "--sample-steps",
+    "3",
+    "--cfg",
+    "2.0",
+    "--batch-size",
+    "16",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """8x8 images run fastest on one thread; restores the setting after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_dit(seed: int, scale: float = 0.05) -> torch.nn.Module:
+    """DiT-T/2 on 8x8 digits with every weight perturbed, so its samples depend on labels, time and weights."""
+    torch.manual_seed(seed)
+    model = build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """One feature cache for the module: the digits classifier trains once (a few seconds)."""
+    return tmp_path_factory.mktemp("feature-cache")
+
+
+@pytest.fixture(scope="module")
+def evaluator(cache_dir) -> GenerationEvaluator:
+    return GenerationEvaluator.for_dataset(
+        "digits", {}, FAST, cache_dir=cache_dir, batch_size=16, progress=False
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The core (no training code involved)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_labels_cycle_through_classes_and_noise_is_per_sample() -> None:
+    assert balanced_labels(23, 10).tolist() == [i % 10 for i in range(23)]
+    assert torch.bincount(balanced_labels(1000, 10)).tolist() == [100] * 10
+    full = sample_noise(5, 0, 12, (1, 8, 8))
+    assert torch.equal(
+        sample_noise(5, 7, 12, (1, 8, 8)), full[7:]
+    )  # a slice does not depend on where it starts
+    assert torch.equal(sample_noise(5, 0, 12, (1, 8, 8)), full)
+    other = sample_noise(6, 0, 12, (1, 8, 8))
+    assert not torch.allclose(other, full)  # the seed matters (all of it, not only its low bits)
+    assert not torch.allclose(full[0], full[1])
+    assert abs(sample_noise(0, 0, 200, (1, 8, 8)).std().item() - 1.0) < 0.05
+
+
+def test_samples_are_deterministic_and_independent_of_batch_size() -> None:
+    model = tiny_dit(0)
+    a = generate_samples(model, FAST, (1, 8, 8), 10, batch_size=40, progress=False)
+    b = generate_samples(model, FAST, (1, 8, 8), 10, batch_size=7, progress=False)
+    c = generate_samples(model, FAST, (1, 8, 8), 10, batch_size=40, progress=False)
+    assert a.shape == (40, 1, 8, 8) and a.min() >= -1 and a.max() <= 1
+    assert torch.equal(a, c)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    reseeded = SampleSettings(**{**FAST.__dict__, "seed": 1})
+    d = generate_samples(model, reseeded, (1, 8, 8), 10, batch_size=40, progress=False)
+    assert (a - d).abs().mean() > 0.1
+
+
+def test_real_set_against_itself_scores_zero_fd_and_perfect_prdc(evaluator) -> None:
+    val, _ = load_images(build_dataset("digits", split="val"))
+    row = evaluator.score(val)  # the same extractor and cached real features a checkpoint is scored with
+    assert row["feature_space"] == evaluator.feature_space and row["feature_space"].startswith(
+        "classifier-digits8-"
+    )
+    assert abs(row["fd"]) < 1e-6
+    assert row["precision"] == row["recall"] == row["coverage"] == 1.0
+    assert row["density"] == pytest.approx(1.0)
+    assert row["n_real"] == row["n_fake"] == len(val) == 180
+
+
+def test_reference_is_far_below_an_untrained_model(evaluator) -> None:
+    ref = evaluator.reference()
+    assert ref["n_fake"] == FAST.num_samples
+    noise = evaluator.evaluate(build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10))
+    # An untrained DiT predicts zero velocity, so its "samples" are the starting noise (clamped).
+    assert 0 < ref["fd"] < noise["fd"] / 3
+    assert ref["precision"] > 0.7 > noise["precision"]
+    for key in (
+        "fd",
+        "precision",
+        "recall",
+        "density",
+        "coverage",
+        "n_real",
+        "n_fake",
+        "sampler",
+        "seed",
+        "eval_s",
+    ):
+        assert key in noise
+
+
+def test_streamed_evaluation_matches_generate_then_score(evaluator) -> None:
+    model = tiny_dit(3)
+    row, kept = evaluator.evaluate_with_samples(model, keep=25)
+    images = evaluator.generate(model)
+    assert torch.equal(kept, images[:25])
+    full = evaluator.score(images)
+    for m in ("fd", "precision", "recall", "density", "coverage"):
+        assert row[m] == pytest.approx(full[m], rel=1e-6, abs=1e-9)
+    assert row["eval_s"] >= row["sample_s"] > 0
+
+
+def test_real_features_are_cached_by_dataset_and_extractor(cache_dir, evaluator, monkeypatch) -> None:
+    files = sorted(p.name for p in cache_dir.iterdir())
+    assert files == [
+        f"{evaluator.feature_space}.safetensors",
+        f"real-{generation.dataset_fingerprint('digits', {})}-val-n180-{evaluator.feature_space}.safetensors",
+    ]
+
+    def no_extraction(*args, **kwargs):
+        raise AssertionError("real features should come from the cache")
+
+    monkeypatch.setattr(generation, "extract_features", no_extraction)
+    again = GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, progress=False)
+    assert torch.equal(again.real_feats, evaluator.real_feats)
+    monkeypatch.undo()
+    fewer = GenerationEvaluator.for_dataset(
+        "digits", {}, FAST, cache_dir=cache_dir, num_real=50, progress=False
+    )
+    torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[:50])
+
+
+def test_metric_modules_do_not_import_the_training_code() -> None:
+    import ast
+
+    import dimuon.metrics
+
+    root = Path(dimuon.metrics.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name == "eval_run.py":  # the command module may reach up to the checkpoints
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.startswith("dimuon.train") for n in names), path
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers of the command
+# --------------------------------------------------------------------------------------------------
+
+
+def test_select_every_kth_checkpoint_and_always_the_latest() -> None:
+    ckpts = [(s, Path(f"step_{s}")) for s in (10, 20, 30, 40, 50)]
+    assert select_checkpoints(ckpts, 1) == ckpts
+    assert [s for s, _ in select_checkpoints(ckpts, 2)] == [10, 30, 50]
+    assert [s for s, _ in select_checkpoints(ckpts, 3)] == [10, 40, 50]
+    assert select_checkpoints([], 2) == []
+    with pytest.raises(ValueError):
+        select_checkpoints(ckpts, 0)
+
+
+def test_active_time_falls_back_to_the_last_logged_row(tmp_path) -> None:
+    rows = [{"step": 0, "active_time_s": 0.0}, {"step": 10, "active_time_s": 4.5}, {"step": 20, "loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{partial")
+    assert active_time_from_metrics(tmp_path, 15) == 4.5
+    assert active_time_from_metrics(tmp_path, 10) == 4.5
+    assert active_time_from_metrics(tmp_path / "missing", 10) is None
+
+
+def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
+    from dimuon.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["eval", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--num-samples",
+        "--sampler",
+        "--features",
+        "--dinov2-weights",
+        "--every",
+        "--no-ema",
+        "--compare",
+    ):
+        assert flag in out
+    assert "1000" in out and "heun" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--run", ".", "--bogus-flag", "1"])
+    assert exit_.value.code == 2
+    assert main(["--run", ".", "--compare", "."]) == 2  # one mode at a time
+    assert main(["--run", ".", "--features", "dinov2"]) == 2  # needs weights
+    assert main(["--run", ".", "--num-samples", "1"]) == 2
+    assert "dimuon eval: error" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end over a run directory written by the training code's checkpoint module
+# --------------------------------------------------------------------------------------------------
+
+
+def checkpoint_module():
+    try:
+        return importlib.import_module("dimuon.train.checkpoint")
+    except ImportError:
+        pytest.skip("dimuon.train.checkpoint is not available")
+
+
+def make_run(root: Path, steps=(10, 20, 30), seed: int = 0) -> Path:
+    """A run directory with checkpoints of a tiny digits DiT whose weights drift from step to step."""
+    ckpt = checkpoint_module()
+    from dimuon.dit import EMA
+    from dimuon.train.distributed import DistEnv
+
+    model = tiny_dit(seed)
+    ema = EMA(model, decay=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meta = {
+        "config": {"model": "DiT-T/2", "dataset": "digits", "seed": seed},
+        "dataset": {"name": "digits", "kwargs": {}},
+        "image_shape": [1, 8, 8],
+        "num_classes": 10,
+        "model": {"name": "DiT-T/2", "kwargs": model.config},
+    }
+    env = DistEnv(rank=0, world=1, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for step in steps:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        ema.update(model)
+        progress = {"active_time_s": 0.5 * step}
+        ckpt.save_checkpoint(
+            root, step, model=model, optimizer=optimizer, ema=ema, progress=progress, meta=meta, env=env
+        )
+    return root
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    checkpoint_module()
+    return make_run(tmp_path / "run")
+
+
+def run_eval(run: Path, cache_dir: Path, *extra: str) -> int:
+    return main(["--run", str(run), "--cache-dir", str(cache_dir), *FAST_FLAGS, *extra])
+
+
+def only_series(run: Path) -> tuple[str, dict]:
+    results = load_results(run / "eval" / "results.json")
+    assert len(results["evaluations"]) == 1
+    return next(iter(results["evaluations"].items()))
+
+
+def test_eval_writes_results_table_and_plots(run_dir, cache_dir, capsys) -> None:
+    assert run_eval(run_dir, cache_dir) == 0
+    out = capsys.readouterr().out
+    assert "evaluated 3, skipped 0" in out
+    key, series = only_series(run_dir)
+    s = series["settings"]
+    assert s["feature_space"].startswith("classifier-digits8-") and s["num_real"] == 180
+    assert (s["num_samples"], s["seed"], s["sampler"], s["sample_steps"], s["cfg_scale"], s["ema"]) == (
+        40, 0, "heun", 3, 2.0, True,
+    )  # fmt: skip
+    entries = series["entries"]
+    assert [e["step"] for e in entries] == [10, 20, 30]
+    for e in entries:
+        assert e["status"] == "ok" and e["feature_space"] == s["feature_space"]
+        assert e["n_fake"] == 40 and e["n_real"] == 180
+        assert e["fd"] > 0 and 0 <= e["precision"] <= 1 and 0 <= e["recall"] <= 1 and 0 <= e["coverage"] <= 1
+        assert e["active_time_s"] is not None and e["wall_s"] > 0 and e["eval_s"] > 0
+    assert series["reference"]["fd"] < min(e["fd"] for e in entries)
+    md = (run_dir / "eval" / "results.md").read_text()
+    assert (
+        s["feature_space"] in md and md.count("\n| 10 |") + md.count("\n| 20 |") + md.count("\n| 30 |") == 3
+    )
+    for name in ("fd_vs_step.png", "fd_vs_time.png", f"grids/{key}/step_0000030.png"):
+        assert (run_dir / "eval" / name).read_bytes()[:4] == b"\x89PNG"
+    assert not list((run_dir / "eval").glob(".*.tmp"))
+
+
+def test_second_run_skips_evaluated_checkpoints(run_dir, cache_dir, capsys) -> None:
+    assert run_eval(run_dir, cache_dir) == 0
+    before = only_series(run_dir)
+    capsys.readouterr()
+    assert run_eval(run_dir, cache_dir) == 0
+    assert "evaluated 0, skipped 3" in capsys.readouterr().out
+    assert only_series(run_dir) == before
+
+
+def test_changed_settings_start_a_new_series(run_dir, cache_dir) -> None:
+    assert run_eval(run_dir, cache_dir, "--every", "3") == 0  # steps 10 and 30 (the latest)
+    (key0, first), = only_series(run_dir),  # fmt: skip
+    assert [e["step"] for e in first["entries"]] == [10, 30]
+    assert run_eval(run_dir, cache_dir, "--every", "3", "--seed", "1") == 0
+    results = load_results(run_dir / "eval" / "results.json")["evaluations"]
+    assert len(results) == 2 and results[key0] == first  # the old series is untouched
+    (key1,) = set(results) - {key0}
+    assert results[key1]["settings"]["seed"] == 1
+    assert [e["fd"] for e in first["entries"]] != [e["fd"] for e in results[key1]["entries"]]
+    assert "seed 1" in (run_dir / "eval" / "results.md").read_text()
+
+
+def test_same_settings_give_the_same_numbers(cache_dir, tmp_path) -> None:
+    runs = [make_run(tmp_path / "run", steps=(10,))]
+    for name in ("copy", "copy-batch7"):
+        runs.append(Path(shutil.copytree(runs[0], tmp_path / name)))
+    assert run_eval(runs[0], cache_dir, "--no-grid") == 0
+    assert run_eval(runs[1], cache_dir, "--no-grid") == 0
+    assert run_eval(runs[2], cache_dir, "--no-grid", "--batch-size", "7") == 0  # not a setting
+    (key, first), (_, again), (key7, batch7) = (only_series(r) for r in runs)
+    assert key == key7
+    metrics = ("fd", "precision", "recall", "density", "coverage")
+    assert [first["entries"][0][m] for m in metrics] == [again["entries"][0][m] for m in metrics]
+    # Other batch shapes round differently inside the model, so only the last digits may move.
+    assert [batch7["entries"][0][m] for m in metrics] == pytest.approx(
+        [first["entries"][0][m] for m in metrics], rel=1e-6
+    )
+
+
+def test_corrupt_checkpoint_is_reported_and_the_others_evaluated(run_dir, cache_dir, capsys) -> None:
+    ckpt = checkpoint_module()
+    state = dict(ckpt.list_checkpoints(run_dir))[20] / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the manifest's SHA-256 no longer matches
+    state.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_eval(run_dir, cache_dir) == 0
+    assert any("step_0000020" in str(w.message) for w in caught)
+    assert "evaluated 2, skipped 0 (already in results.json), failed 1" in capsys.readouterr().out
+    _, series = only_series(run_dir)
+    status = {e["step"]: e["status"] for e in series["entries"]}
+    assert status == {10: "ok", 20: "failed", 30: "ok"}
+    assert "failed" in (run_dir / "eval" / "results.md").read_text()
+
+
+def test_run_without_checkpoints_fails_cleanly(tmp_path, capsys) -> None:
+    checkpoint_module()
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert main(["--run", str(tmp_path / "empty"), "--no-progress"]) == 1
+    assert "no complete checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "empty" / "eval" / "results.json").exists()
+
+
+def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path) -> None:
+    other = make_run(tmp_path / "other", seed=1)
+    (other / "config.json").write_text(json.dumps({"optimizer": "muon"}))
+    for run in (run_dir, other):
+        assert run_eval(run, cache_dir) == 0
+    out = tmp_path / "cmp"
+    assert main(["--compare", str(run_dir), str(other), "--out", str(out), *FAST_FLAGS]) == 0
+    record = json.loads((out / "compare.json").read_text())
+    for r, run in zip(record["runs"], (run_dir, other)):
+        _, series = only_series(run)
+        assert r["summary"]["best_fd"] == min(e["fd"] for e in series["entries"])
+    assert record["target_fd"] == max(r["summary"]["best_fd"] for r in record["runs"])
+    assert (out / "compare_fd.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "compare.md").read_text()
+    assert "| run | best FD" in md and "| other (muon) |" in md and "| run |" in md
+    with pytest.raises(ValueError, match="no series"):
+        compare_runs(Config(compare=(run_dir,), seed=7))

@@ -1,0 +1,121 @@
+"""``dimuon train`` configuration: flags, defaults, round trips and start-up errors for bad values."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dimuon.train.config import (
+    ConfigError,
+    OptimOptions,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    dataset_kwargs,
+    optimizer_kwargs,
+    validate,
+)
+from dimuon.train.run import main, parse_config
+from dimuon.train.schedule import lr_factor
+
+
+def test_help_lists_every_required_flag_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # undo the help's line wrapping
+    for flag in ("--model", "--optimizer", "--lr", "--steps", "--batch-size", "--seed", "--out", "--resume",
+                 "--optim.k", "--optim.gamma", "--ema-decay", "--grad-clip", "--ckpt-interval", "--schedule"):
+        assert flag in text, flag
+    assert "(default: DiT-XS/4)" in text and "(default: periodic_row_muon)" in text
+
+
+def test_unknown_flag_is_rejected_by_the_parser() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--learning-rate", "0.1"])
+    assert exit_info.value.code != 0
+
+
+def test_flags_reach_the_config_including_nested_optimizer_options() -> None:
+    cfg = parse_config(["--model", "DiT-T/4", "--lr", "0.02", "--batch-size", "32", "--steps", "7",
+                        "--seed", "3", "--out", "x", "--optim.k", "5", "--optim.betas", "0.8", "0.9"])
+    assert (cfg.model, cfg.lr, cfg.batch_size, cfg.steps, cfg.seed, cfg.out) == ("DiT-T/4", 0.02, 32, 7, 3, "x")
+    assert cfg.optim.k == 5 and cfg.optim.betas == (0.8, 0.9)
+
+
+def test_config_round_trips_through_its_dict() -> None:
+    cfg = TrainConfig(model="DiT-T/2", lr=0.1, optim=OptimOptions(k=4, betas=(0.5, 0.6), ns_dtype="bfloat16"))
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="unknown keys"):
+        config_from_dict({**config_to_dict(cfg), "learning_rate": 1})
+
+
+def test_optimizer_kwargs_use_each_optimizer_s_own_names() -> None:
+    muon = TrainConfig(optimizer="muon", optim=OptimOptions(betas=(0.9, 0.99), eps=1e-6, ns_dtype="float32"))
+    assert optimizer_kwargs(muon) == {"lr": muon.lr, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6,
+                                      "ns_dtype": torch.float32}
+    adamw = TrainConfig(optimizer="adamw", optim=OptimOptions(betas=(0.9, 0.99), weight_decay=0.1))
+    assert optimizer_kwargs(adamw) == {"lr": adamw.lr, "betas": (0.9, 0.99), "weight_decay": 0.1}
+
+
+def test_dataset_kwargs_rebuild_the_data_set() -> None:
+    assert dataset_kwargs(TrainConfig()) == {}
+    folder = TrainConfig(dataset="folder", data_path="/d", image_size=32, channels=1)
+    assert dataset_kwargs(folder) == {"root": "/d", "image_size": 32, "channels": 1}
+
+
+def test_defaults_are_valid() -> None:
+    validate(TrainConfig())
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--optimizer", "sgd"], "--optimizer must be one of: adamw, muon, periodic_row_muon, muon_bp"),
+        (["--lr", "-0.001"], "--lr must be a positive number"),
+        (["--lr", "0"], "--lr must be a positive number"),
+        (["--model", "DiT-Q/4"], "--model must be one of"),
+        (["--steps", "0"], "--steps must be an integer >= 1"),
+        (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+        (["--image-size", "30"], "patch size 4, which does not divide the image size 30"),
+        (["--dataset", "folder", "--image-size", "28"], "--dataset folder needs --data-path"),
+        (["--dataset", "arrays", "--data-path", "/no/such/place"], "--data-path /no/such/place does not exist"),
+        (["--dataset", "imagenet"], "--dataset must be one of"),
+        (["--data-path", "/tmp"], "--data-path is not used by --dataset mnist"),
+        (["--ema-decay", "1.5"], "--ema-decay must be in [0, 1]"),
+        (["--optimizer", "muon", "--optim.k", "3"], "--optimizer muon rejects its options"),
+        (["--optim.momentum", "1.5"], "momentum"),
+        (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    ],
+)
+def test_bad_values_fail_at_start_up_with_a_message_naming_the_flag(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    code = main([*flags, "--out", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_patch_size_that_does_not_divide_the_data_set_s_images_fails_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    # DiT-S/8 on 28x28 MNIST: only known once the data set is opened, still before any model is built.
+    code = main(["--model", "DiT-S/8", "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert "patch size 8, which does not divide the image size 28" in capsys.readouterr().err
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    f = [lr_factor(s, 100, 10, "cosine", 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(f[9:]))
+    assert f[-1] == pytest.approx(0.1)
+    assert lr_factor(55, 100, 10, "constant", 0.1) == 1.0
+    lin = [lr_factor(s, 21, 0, "linear", 0.0) for s in range(21)]
+    assert lin[0] == 1.0 and lin[10] == pytest.approx(0.5) and lin[20] == pytest.approx(0.0)
+    assert math.isclose(lr_factor(0, 1, 0, "cosine", 0.2), 1.0)

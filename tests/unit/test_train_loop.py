@@ -1,0 +1,134 @@
+"""The training loop on tiny runs: learning, the run directory, exact resume, and run-directory safety."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from dimuon.train import ConfigError, TrainConfig, list_checkpoints, train
+from dimuon.train.run import main as train_main
+from dimuon.train.sample import main as sample_main
+
+TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
+               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+
+
+def tiny_config(out: Path, **overrides: Any) -> TrainConfig:
+    """A run of a few 25 ms steps: DiT-T/4 on MNIST, small validation and sample budgets."""
+    base: dict[str, Any] = dict(
+        model="DiT-T/4", batch_size=16, steps=8, warmup_steps=2, log_interval=2, val_interval=4,
+        val_samples=16, sample_count=10, sample_steps=2, ckpt_interval=4, progress=False, out=str(out),
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def test_loss_decreases_on_a_tiny_run(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path / "run", steps=60, batch_size=32, warmup_steps=5, log_interval=10,
+                      val_interval=0, val_samples=64, ckpt_interval=0, lr=5e-3)
+    summary = train(cfg)
+    train_losses = [r["loss"] for r in records(tmp_path / "run") if r["kind"] == "train"]
+    assert train_losses[-1] < 0.75 * train_losses[0], train_losses
+    # A zero-output model (the DiT's init) scores E|x1 - x0|^2, about 1.6 on MNIST in [-1, 1].
+    assert summary["val_loss"] < 0.9 and summary["val_loss_ema"] < 1.2, summary
+
+
+def test_run_directory_holds_config_metrics_checkpoints_samples_and_plots(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train(tiny_config(run))
+    assert json.loads((run / "config.json").read_text())["model"] == "DiT-T/4"
+    assert [s for s, _ in list_checkpoints(run)] == [4, 8]
+    assert summary["checkpoint"] == str(run / "checkpoints" / "step_0000008")
+    with Image.open(run / "samples" / "step_0000008.png") as img:
+        assert img.size == (2 * (10 * 30 + 2), 2 * (1 * 30 + 2))  # 10 classes per row, 28 px + 2 px padding, x2
+    assert (run / "plots" / "loss_vs_step.png").is_file() and (run / "plots" / "loss_vs_time.png").is_file()
+    recs = records(run)
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train_recs] == [2, 4, 6, 8]
+    for key in ("loss", "lr", "grad_norm", "step_ms", "fwd_bwd_ms", "opt_ms", "comm_bytes_per_step"):
+        assert all(isinstance(r[key], float) for r in train_recs), key
+    assert all(r["opt_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in train_recs)
+    val = [r for r in recs if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [4, 8] and len(val[0]["val_per_t"]) == 10
+    times = [r["active_time_s"] for r in recs if "active_time_s" in r]
+    assert times == sorted(times)
+
+
+def test_resume_equals_an_uninterrupted_run_bitwise(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    overrides = dict(steps=10, ckpt_interval=4, val_interval=5, optimizer="periodic_row_muon")
+    train(tiny_config(straight, **overrides))
+    partial = train(tiny_config(resumed, **overrides), stop_after=7)  # "killed" 3 steps after a checkpoint
+    assert partial["step"] == 7 and [s for s, _ in list_checkpoints(resumed)] == [4]
+    train(tiny_config(resumed, resume=str(resumed), **overrides))
+
+    a = torch.load(straight / "checkpoints/step_0000010/state.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoints/step_0000010/state.pt", weights_only=True)
+    for part in ("model",):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert all(torch.equal(a["ema"]["weights"][k], b["ema"]["weights"][k]) for k in a["ema"]["weights"])
+    assert a["ema"]["num_updates"] == b["ema"]["num_updates"] == 10
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert [g["step"] for g in a["optimizer"]["param_groups"]] == [g["step"] for g in b["optimizer"]["param_groups"]]
+    # Same log, once the lines written after the checkpoint by the "killed" run were dropped.
+    assert without_timing(records(straight)) == without_timing(records(resumed))
+
+
+def test_resume_through_the_cli_keeps_the_saved_config_and_extends_the_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, steps=4, schedule="constant"))
+    assert train_main(["--resume", str(run), "--steps", "6", "--no-progress"]) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert (cfg["steps"], cfg["model"], cfg["schedule"], cfg["resume"]) == (6, "DiT-T/4", "constant", str(run))
+    assert [s for s, _ in list_checkpoints(run)] == [4, 6]
+
+
+def test_an_existing_run_is_never_overwritten_silently(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, steps=2, ckpt_interval=0))
+    with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
+        train(tiny_config(run, steps=2))
+    train(tiny_config(run, steps=3, ckpt_interval=0, overwrite=True))
+    assert [s for s, _ in list_checkpoints(run)] == [3]
+
+
+def test_sample_command_writes_a_grid_from_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, steps=2, ckpt_interval=0))
+    out = tmp_path / "grid.png"
+    code = sample_main(["--ckpt", str(run), "--n", "12", "--cfg", "2", "--steps", "2", "--method", "euler",
+                        "--out", str(out), "--scale", "1"])
+    assert code == 0, capsys.readouterr().err
+    with Image.open(out) as img:
+        assert img.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, one class per column, two rows
+    assert sample_main(["--ckpt", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_tensorboard_without_its_package_is_a_start_up_error(tmp_path: Path) -> None:
+    from dimuon.train.logger import tensorboard_available
+
+    if tensorboard_available():
+        pytest.skip("tensorboard is installed here")
+    with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
+        train(tiny_config(tmp_path / "run", tensorboard=True))
+    assert not (tmp_path / "run").exists()
