@@ -157,3 +157,25 @@ def replicated(rank: int, world: int, optimizer: str, opts: dict) -> dict:
                 ns_dtype=torch.float32, process_group=dist.group.WORLD, **opts)
     stats = train(model, opt, "odd", 0, STEPS)
     return {"params": full_params(model), "stats": stats}
+
+
+def replicate_dtensor(rank: int, world: int, steps: int = 4) -> dict:
+    """``Replicate()`` DTensor parameters with seeded gradients: work split by owners, results broadcast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    shapes = [(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)]
+    plain = [torch.randn(s) for s in shapes]
+    params = [nn.Parameter(distribute_tensor(w.clone(), mesh, [Replicate()])) for w in plain]
+    opt = build("periodic_row_muon", params, lr=LR, weight_decay=0.05, ns_dtype=torch.float32, k=2)
+    stats = []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(500 + t)
+        for p, s in zip(params, shapes):
+            p.grad = distribute_tensor(torch.randn(s, generator=g), mesh, [Replicate()])
+        opt.reset_comm_stats()
+        opt.step()
+        stats.append(opt.comm_stats())
+    return {"params": [p.full_tensor().clone() for p in params], "stats": stats}
