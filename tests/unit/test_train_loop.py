@@ -132,3 +132,18 @@ def test_tensorboard_without_its_package_is_a_start_up_error(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
         train(tiny_config(tmp_path / "run", tensorboard=True))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("optimizer", "options"), [("adamw", {}), ("muon", {}), ("muon_bp", {"period": 2})])
+def test_every_optimizer_trains_and_resumes_exactly(optimizer: str, options: dict, tmp_path: Path) -> None:
+    from dimuon.train import OptimOptions
+
+    overrides = dict(steps=4, ckpt_interval=2, val_interval=0, val_samples=8, sample_count=10, sample_steps=1,
+                     batch_size=8, optimizer=optimizer, optim=OptimOptions(**options), precision="bf16")
+    train(tiny_config(tmp_path / "a", **overrides))
+    train(tiny_config(tmp_path / "b", **overrides), stop_after=3)
+    train(tiny_config(tmp_path / "b", resume=str(tmp_path / "b"), **overrides))
+    a = torch.load(tmp_path / "a/checkpoints/step_0000004/state.pt", weights_only=True)
+    b = torch.load(tmp_path / "b/checkpoints/step_0000004/state.pt", weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert not all(torch.equal(a["model"][k], a["ema"]["weights"][k]) for k in a["model"])

@@ -108,15 +108,15 @@ class TrainConfig:
     optimizer: str = "periodic_row_muon"
     """adamw | muon | periodic_row_muon | muon_bp."""
     optim: OptimOptions = field(default_factory=OptimOptions)
-    lr: float = 5e-3
+    lr: float = 1e-2
     """Peak learning rate (shared by the Muon and AdamW groups of the Muon family)."""
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     """Learning-rate shape after warmup: cosine or linear decay to lr * min_lr_ratio, or constant."""
-    warmup_steps: int = 100
+    warmup_steps: int = 50
     """Linear warmup from lr / warmup_steps to lr."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine/linear schedule, as a fraction of lr."""
-    batch_size: int = 64
+    batch_size: int = 32
     """Global batch size (split evenly over ranks)."""
     steps: int = 1000
     """Optimizer steps."""
@@ -138,7 +138,7 @@ class TrainConfig:
     """Steps between JSONL training records."""
     val_interval: int = 250
     """Steps between validation losses (0: only at the end)."""
-    val_samples: int = 500
+    val_samples: int = 256
     """Held-out images used for the validation loss (0: the whole split)."""
     val_seed: int = 0
     """Seed of the fixed validation noise."""

@@ -19,7 +19,7 @@ __all__ = ["SampleConfig", "main"]
 
 @dataclass
 class SampleConfig:
-    """Sample a grid of images from a checkpoint of ``dimuon train``."""
+    """Sample a grid of images from a checkpoint written by dimuon train."""
 
     ckpt: str
     """Checkpoint directory (.../checkpoints/step_NNNNNNN), or a run directory for its newest checkpoint."""
