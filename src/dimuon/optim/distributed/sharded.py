@@ -308,17 +308,10 @@ class ShardedEngine:
         me, world = comm.rank, comm.world
 
         def launch(bucket: list[int]):
-            dtype = self._payload_dtype(shards[bucket[0]])
-            send_parts, in_splits = [], []
-            for dst in range(world):
-                mine = [shards[j].job.update.reshape(-1) for j in bucket if owners[j] == dst]
-                in_splits.append(sum(t.numel() for t in mine))
-                send_parts.extend(mine)
-            send = torch.cat(send_parts).to(dtype) if send_parts else torch.empty(0, dtype=dtype)
+            parts = [[shards[j].job.update.reshape(-1) for j in bucket if owners[j] == dst] for dst in range(world)]
             out_splits = [sum(shards[j].rows_of(src) * shards[j].job.cols for j in bucket if owners[j] == me)
                           for src in range(world)]
-            recv = send.new_empty(sum(out_splits))
-            return recv, out_splits, comm.all_to_all(recv, send, out_splits, in_splits, async_op=True)
+            return _exchange(comm, parts, out_splits, self._payload_dtype(shards[bucket[0]]))
 
         returns = []
         pending = launch(buckets[0])
@@ -351,19 +344,12 @@ class ShardedEngine:
                     full_dirs[j] = full_dirs[j].to(d.dtype)
                 full_dirs[j][a:bnd] = d
             # Send each rank its rows of the owned results.
-            dtype = self._payload_dtype(shards[bucket[0]])
-            back_parts, in_splits = [], []
-            for dst in range(world):
-                mine = [full_dirs[j][shards[j].offset_of(dst) : shards[j].offset_of(dst) + shards[j].rows_of(dst)]
-                        .reshape(-1) for j in owned]
-                in_splits.append(sum(t.numel() for t in mine))
-                back_parts.extend(mine)
-            send = torch.cat(back_parts).to(dtype) if back_parts else torch.empty(0, dtype=dtype)
+            parts = [[full_dirs[j][shards[j].offset_of(dst) : shards[j].offset_of(dst) + shards[j].rows_of(dst)]
+                      .reshape(-1) for j in owned] for dst in range(world)]
             back_splits = [sum(shards[j].rows_of(me) * shards[j].job.cols for j in bucket if owners[j] == src)
                            for src in range(world)]
-            recv_back = send.new_empty(sum(back_splits))
-            returns.append((bucket, recv_back, back_splits,
-                            comm.all_to_all(recv_back, send, back_splits, in_splits, async_op=True)))
+            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(shards[bucket[0]]))
+            returns.append((bucket, recv_back, back_splits, work_back))
         for bucket, recv_back, back_splits, work in returns:
             work.wait()
             segments = recv_back.split(back_splits)
@@ -399,6 +385,17 @@ class ShardedEngine:
             for j, part in zip(owned, flat.split([outs[j].numel() for j in owned])):
                 outs[j] = part.view(outs[j].shape)
         return outs
+
+
+def _exchange(
+    comm: Collectives, parts_by_dst: Sequence[Sequence[Tensor]], out_splits: list[int], dtype: torch.dtype
+) -> tuple[Tensor, list[int], object]:
+    """Async flat all-to-all of per-destination tensor lists; ``out_splits`` counts what each source sends."""
+    in_splits = [sum(t.numel() for t in parts) for parts in parts_by_dst]
+    flat = [t for parts in parts_by_dst for t in parts]
+    send = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+    recv = send.new_empty(sum(out_splits))
+    return recv, out_splits, comm.all_to_all(recv, send, out_splits, in_splits, async_op=True)
 
 
 def _wide(t: Tensor) -> torch.dtype:
