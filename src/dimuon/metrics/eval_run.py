@@ -372,12 +372,7 @@ class RunEvaluation:
             "feature_key": ev.feature_key,
             "dataset": {"name": ds["name"], "kwargs": dict(ds.get("kwargs") or {})},
             "num_real": int(ev.real_feats.shape[0]),
-            "num_samples": cfg.num_samples,
-            "seed": cfg.seed,
-            "sampler": cfg.sampler,
-            "sample_steps": cfg.sample_steps,
-            "cfg_scale": float(cfg.cfg),
-            "ema": cfg.ema,
+            **sampling_settings(cfg),
             "k_pr": 3,
             "k_dc": 5,
         }
@@ -485,9 +480,9 @@ class RunEvaluation:
 # --------------------------------------------------------------------------------------------------
 
 
-def pick_series(results: dict[str, Any], cfg: Config, where: Path) -> tuple[str, dict[str, Any]]:
-    """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
-    want = {
+def sampling_settings(cfg: Config) -> dict[str, Any]:
+    """The sampling part of a result series' settings (one definition for writing and matching)."""
+    return {
         "num_samples": cfg.num_samples,
         "seed": cfg.seed,
         "sampler": cfg.sampler,
@@ -495,6 +490,11 @@ def pick_series(results: dict[str, Any], cfg: Config, where: Path) -> tuple[str,
         "cfg_scale": float(cfg.cfg),
         "ema": cfg.ema,
     }
+
+
+def pick_series(results: dict[str, Any], cfg: Config, where: Path) -> tuple[str, dict[str, Any]]:
+    """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
+    want = sampling_settings(cfg)
     matches = [
         (key, ev)
         for key, ev in results["evaluations"].items()
