@@ -13,3 +13,8 @@ def straight_and_resumed(rank: int, world: int, base: dict[str, Any], out_a: str
     partial = train(TrainConfig(out=out_b, **base), stop_after=stop)
     b = train(TrainConfig(out=out_b, resume=out_b, **base))
     return {"a": a, "partial": partial, "b": b}
+
+
+def train_once(rank: int, world: int, base: dict[str, Any], out: str) -> dict:
+    """Train ``base`` once into ``out`` (every rank returns its summary)."""
+    return train(TrainConfig(out=out, **base))

@@ -18,14 +18,7 @@ from dimuon.dit.model import (
     unpatchify,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matmuls run fastest on one thread, and far faster than two when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(model: nn.Module, seed: int = 0, std: float = 0.05) -> nn.Module:

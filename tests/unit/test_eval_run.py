@@ -44,13 +44,7 @@ FAST_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """8x8 images run fastest on one thread; restores the setting after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_dit(seed: int, scale: float = 0.05) -> torch.nn.Module:

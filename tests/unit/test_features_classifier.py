@@ -19,13 +19,7 @@ from dimuon.metrics.features import ClassifierRecipe, load_or_train_classifier
 classifier_mod = importlib.import_module("dimuon.metrics.features.classifier")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """8x8 images run fastest on one thread; restores the setting after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,12 @@ from dimuon.train import CheckpointError, list_checkpoints, load_model_for_eval,
 from dimuon.train.checkpoint import find_checkpoint, prune_checkpoints, read_meta, verify_checkpoint
 from dimuon.train.run import main as train_main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished tiny run with checkpoints at steps 4 and 8 (copy it before damaging anything)."""
-    torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("ckpt") / "run"
     train(tiny_config(run))
     return run

@@ -35,9 +35,7 @@ def without_timing(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loss_decreases_on_a_tiny_run(tmp_path: Path) -> None:

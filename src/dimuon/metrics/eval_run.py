@@ -25,68 +25,42 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import tyro
 from tqdm.auto import tqdm
 
-from dimuon.metrics.generation import GenerationEvaluator, SampleSettings
+from dimuon.metrics.eval_settings import (
+    EvalSettings,
+    build_evaluator,
+    check_eval_settings,
+    sampling_settings,
+)
+from dimuon.metrics.generation import GenerationEvaluator
 
 RESULTS_FORMAT = 1
 METRICS = ("fd", "precision", "recall", "density", "coverage")
 
 
 @dataclass
-class Config:
+class Config(EvalSettings):
     """Generation quality (FD, precision/recall/density/coverage) over a run's checkpoints."""
 
     run: Path | None = None
     """Run directory (holds checkpoints/ and metrics.jsonl); outputs go to <run>/eval/."""
     compare: tuple[Path, ...] = ()
     """Instead of evaluating: compare already-evaluated runs (FD vs step and vs active time, best FD)."""
-    num_samples: int = 1000
-    """Generated samples per checkpoint (labels cycle through the classes in order)."""
-    num_real: int | None = None
-    """Real images: the first N of the held-out split (default: all of it)."""
-    seed: int = 0
-    """Seed of the starting noise (sample i has its own generator, so the batch size does not matter)."""
-    sampler: Literal["euler", "heun"] = "heun"
-    """ODE method."""
-    sample_steps: int = 50
-    """ODE steps (Heun makes two model calls per step)."""
-    cfg: float = 3.0
-    """Classifier-free guidance scale (1 = no guidance)."""
-    features: Literal["classifier", "inception", "dinov2"] = "classifier"
-    """Feature space: a classifier trained on the run's data set, FID's Inception-v3, or DINOv2."""
-    dinov2_weights: Path | None = None
-    """DINOv2 checkpoint file (official key layout), needed for --features dinov2."""
-    dinov2_arch: Literal["vits14", "vitb14", "vitl14", "vitg14"] = "vitl14"
-    """DINOv2 size; vitl14 is the FD-DINOv2 standard."""
-    batch_size: int = 100
-    """Batch size for sampling and feature extraction."""
     every: int = 1
     """Evaluate every K-th checkpoint in step order (always including the latest)."""
-    ema: bool = True
-    """Use the EMA weights (--no-ema: the raw training weights)."""
-    cache_dir: Path | None = None
-    """Cache for the classifier and the real-set features (default: <run>/eval/feature_cache)."""
     device: str = "auto"
     """Device for sampling and features: auto (cuda if available), cpu, cuda, cuda:1, ..."""
     threads: int | None = None
     """CPU intra-op threads (default: torch's; 1 is much faster for tiny models on busy cores)."""
-    grid: bool = True
-    """Save a sample grid per checkpoint under <run>/eval/grids/<key>/."""
-    reference: bool = True
-    """Also score num_samples training images: the floor a perfect generator would reach at this N."""
     out: Path = Path("eval-compare")
     """Output directory of --compare."""
     progress: bool = True
     """Progress bars."""
-
-    def settings(self) -> SampleSettings:
-        """The sampling part of the configuration."""
-        return SampleSettings(self.num_samples, self.seed, self.sampler, self.sample_steps, self.cfg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,6 +139,26 @@ def active_time_from_metrics(run: Path, step: int) -> float | None:
         ):
             best = (s, float(t))
     return None if best is None else best[1]
+
+
+def truncate_results(run: Path, max_step: int) -> int:
+    """Drop every series' entries (and grids) after `max_step`: a run resumed there rewrites them; returns how many."""
+    path = Path(run) / "eval" / "results.json"
+    if not path.is_file():
+        return 0
+    results = load_results(path)
+    dropped = 0
+    for key, ev in results["evaluations"].items():
+        kept = [e for e in ev["entries"] if e["step"] <= max_step]
+        dropped += len(ev["entries"]) - len(kept)
+        ev["entries"] = kept
+        for png in (path.parent / "grids" / key).glob("step_*.png"):
+            if int(png.stem.split("_")[1]) > max_step:
+                png.unlink()
+    if dropped:
+        write_text_atomic(path, json.dumps(results, indent=2) + "\n")
+        write_text_atomic(path.parent / "results.md", markdown(results, Path(run).name))
+    return dropped
 
 
 def save_grid(images: torch.Tensor, num_classes: int, path: Path, max_images: int = 100) -> None:
@@ -321,19 +315,29 @@ class NoCheckpointsError(FileNotFoundError):
 
 
 class RunEvaluation:
-    """State of one ``dimuon eval --run``: the results file, the series key and the evaluator (built lazily)."""
+    """One run's ``eval/results.json``: the series of one set of settings, its evaluator (built lazily), its files.
 
-    def __init__(self, cfg: Config) -> None:
-        if cfg.run is None:
-            raise ValueError("--run is required (or --compare RUN ...)")
-        self.cfg = cfg
-        self.run = Path(cfg.run)
+    ``dimuon eval`` fills it from checkpoints (:meth:`run_all`); the training loop fills it as it trains
+    (:meth:`setup` once, then :meth:`record_scores` per evaluation).
+    """
+
+    def __init__(
+        self, run: Path, settings: EvalSettings, device: str | torch.device = "auto", progress: bool = True
+    ) -> None:
+        self.settings = settings
+        self.run = Path(run)
         self.out_dir = self.run / "eval"
         self.results_path = self.out_dir / "results.json"
         self.results = load_results(self.results_path)
         self.evaluator: GenerationEvaluator | None = None
         self.key: str | None = None
-        self.device = _device(cfg.device)
+        self.device = _device(device) if isinstance(device, str) else device
+        self.progress = progress
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where the feature classifier and the real-set features are cached."""
+        return Path(self.settings.cache_dir or self.out_dir / "feature_cache")
 
     @property
     def series(self) -> dict[str, Any]:
@@ -346,21 +350,9 @@ class RunEvaluation:
 
     def setup(self, info: dict[str, Any]) -> None:
         """Build the evaluator from the first loadable checkpoint's data set, and open this settings' series."""
-        cfg, ds = self.cfg, info["dataset"]
-        cache = cfg.cache_dir or self.out_dir / "feature_cache"
-        ev = GenerationEvaluator.for_dataset(
-            ds["name"],
-            dict(ds.get("kwargs") or {}),
-            cfg.settings(),
-            cache_dir=cache,
-            features=cfg.features,
-            num_real=cfg.num_real,
-            dinov2_weights=cfg.dinov2_weights,
-            dinov2_arch=cfg.dinov2_arch,
-            batch_size=cfg.batch_size,
-            device=self.device,
-            progress=cfg.progress,
-        )
+        cfg, ds = self.settings, info["dataset"]
+        kwargs = dict(ds.get("kwargs") or {})
+        ev = build_evaluator(cfg, ds["name"], kwargs, self.cache_dir, self.device, self.progress)
         shape = tuple(int(v) for v in info["image_shape"])
         if shape != ev.image_shape or int(info["num_classes"]) != ev.num_classes:
             raise ValueError(
@@ -399,30 +391,33 @@ class RunEvaluation:
         write_text_atomic(self.results_path, json.dumps(self.results, indent=2) + "\n")
         write_text_atomic(self.out_dir / "results.md", markdown(self.results, self.run.name))
 
-    def evaluate_one(
-        self, model: torch.nn.Module, info: dict[str, Any], step: int, path: Path
+    def record_scores(
+        self, step: int, row: dict[str, Any], images: torch.Tensor, active_time_s: float | None, **extra: Any
     ) -> dict[str, Any]:
-        """Score one loaded checkpoint; returns its entry."""
+        """Record one evaluation's scores (and save its grid); returns the entry."""
         assert self.evaluator is not None and self.key is not None
-        ev = self.evaluator
-        row, images = ev.evaluate_with_samples(model)
-        if self.cfg.grid:
-            save_grid(images, ev.num_classes, self.out_dir / "grids" / self.key / f"step_{step:07d}.png")
-        active = info.get("active_time_s")
-        if active is None:
-            active = active_time_from_metrics(self.run, step)
-        return {"step": step, "status": "ok", "active_time_s": active, **row}
+        if self.settings.grid:
+            grid = self.out_dir / "grids" / self.key / f"step_{step:07d}.png"
+            save_grid(images, self.evaluator.num_classes, grid)
+        entry = {"step": step, "status": "ok", "active_time_s": active_time_s, **row, **extra}
+        self.record(entry)
+        return entry
 
-    def run_all(self) -> dict[str, Any]:
-        """Evaluate the selected checkpoints; returns counts and output paths."""
+    def plot(self) -> list[Path]:
+        """FD against step and against active time of this series."""
+        assert self.key is not None
+        return plot_series(self.series, self.run.name, self.out_dir)
+
+    def run_all(self, every: int = 1) -> dict[str, Any]:
+        """Evaluate every `every`-th checkpoint (and the latest); returns counts and output paths."""
         ckpt = _checkpoint_module()
         listed = ckpt.list_checkpoints(self.run)
-        checkpoints = select_checkpoints(listed, self.cfg.every)
+        checkpoints = select_checkpoints(listed, every)
         if not checkpoints:
             raise NoCheckpointsError(f"no complete checkpoints under {self.run / 'checkpoints'}")
         counts = {"evaluated": 0, "skipped": 0, "failed": 0}
         pending_failures: list[dict[str, Any]] = []
-        bar = tqdm(checkpoints, desc="checkpoints", unit="ckpt", disable=not self.cfg.progress)
+        bar = tqdm(checkpoints, desc="checkpoints", unit="ckpt", disable=not self.progress)
         for step, path in bar:
             bar.set_postfix(step=step)
             if self.key is not None and step in self.done_steps():
@@ -430,7 +425,7 @@ class RunEvaluation:
                 continue
             t0 = time.perf_counter()
             try:
-                model, info = ckpt.load_model_for_eval(path, use_ema=self.cfg.ema, map_location="cpu")
+                model, info = ckpt.load_model_for_eval(path, use_ema=self.settings.ema, map_location="cpu")
                 load_s = time.perf_counter() - t0
             except ckpt.CheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {path}: {exc}", stacklevel=2)
@@ -449,14 +444,21 @@ class RunEvaluation:
                     counts["skipped"] += 1
                     continue
             t0 = time.perf_counter()  # the one-off setup (classifier, real features) is not counted
-            entry = self.evaluate_one(model, info, step, path)
-            entry["wall_s"] = round(load_s + time.perf_counter() - t0, 3)  # load, sample, score, grid
-            entry["device"] = str(self.device)
-            entry["evaluated_at"] = _now()
-            entry["checkpoint"] = (
-                str(path.relative_to(self.run)) if path.is_relative_to(self.run) else str(path)
+            row, images = self.evaluator.evaluate_with_samples(model)
+            active = info.get("active_time_s")
+            if active is None:
+                active = active_time_from_metrics(self.run, step)
+            checkpoint = str(path.relative_to(self.run)) if path.is_relative_to(self.run) else str(path)
+            entry = self.record_scores(
+                step,
+                row,
+                images,
+                active,
+                wall_s=round(load_s + time.perf_counter() - t0, 3),  # load, sample, score, grid
+                device=str(self.device),
+                evaluated_at=_now(),
+                checkpoint=checkpoint,
             )
-            self.record(entry)
             counts["evaluated"] += 1
             bar.set_postfix(step=step, fd=f"{entry['fd']:.3g}")
         bar.close()
@@ -469,7 +471,7 @@ class RunEvaluation:
             ]
             self.save()
             outputs = [self.results_path, self.out_dir / "results.md"]
-            outputs += plot_series(self.series, self.run.name, self.out_dir)
+            outputs += self.plot()
         else:
             warnings.warn(f"no checkpoint of {self.run} could be loaded; nothing was written", stacklevel=2)
         return {"key": self.key, **counts, "outputs": [str(p) for p in outputs]}
@@ -480,19 +482,7 @@ class RunEvaluation:
 # --------------------------------------------------------------------------------------------------
 
 
-def sampling_settings(cfg: Config) -> dict[str, Any]:
-    """The sampling part of a result series' settings (one definition for writing and matching)."""
-    return {
-        "num_samples": cfg.num_samples,
-        "seed": cfg.seed,
-        "sampler": cfg.sampler,
-        "sample_steps": cfg.sample_steps,
-        "cfg_scale": float(cfg.cfg),
-        "ema": cfg.ema,
-    }
-
-
-def pick_series(results: dict[str, Any], cfg: Config, where: Path) -> tuple[str, dict[str, Any]]:
+def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
     """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
     want = sampling_settings(cfg)
     matches = [
@@ -631,18 +621,13 @@ def check_config(cfg: Config) -> None:
         raise ValueError("pass either --run RUN_DIR (evaluate) or --compare RUN_DIR ... (compare), not both")
     if cfg.compare:
         return
-    cfg.settings()  # validates the sampling settings
+    check_eval_settings(cfg)
     if not Path(cfg.run).is_dir():
         raise ValueError(f"--run {cfg.run}: no such directory")
-    for name in ("batch_size", "every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.every < 1:
+        raise ValueError(f"--every must be >= 1, got {cfg.every}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
-    if cfg.num_real is not None and cfg.num_real < 2:
-        raise ValueError(f"--num-real must be >= 2, got {cfg.num_real}")
-    if cfg.features == "dinov2" and cfg.dinov2_weights is None:
-        raise ValueError("--features dinov2 needs --dinov2-weights PATH (see docs/metrics.md)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -661,9 +646,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    evaluation = RunEvaluation(cfg)
+    evaluation = RunEvaluation(cfg.run, cfg, cfg.device, cfg.progress)
     try:
-        summary = evaluation.run_all()
+        summary = evaluation.run_all(cfg.every)
     except NoCheckpointsError as exc:
         print(f"dimuon eval: {exc}", file=sys.stderr)
         return 1

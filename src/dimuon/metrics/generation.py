@@ -102,26 +102,35 @@ def iter_samples(
     batch_size: int = 100,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    start: int = 0,
+    stop: int | None = None,
 ) -> Iterator[Tensor]:
-    """The settings' samples in batches `(B, C, H, W)` in `[-1, 1]` (float32, on `device`), in sample order."""
+    """Samples `start..stop-1` (default: all) of the settings in batches `(B, C, H, W)` in `[-1, 1]`, in order.
+
+    A sample depends only on its index, so ranks that split the index range draw exactly the set that
+    one process would draw.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     n = settings.num_samples
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"sample range [{start}, {stop}) is not inside [0, {n})")
     labels = balanced_labels(n, num_classes)
-    with tqdm(total=n, desc="sampling", unit="img", disable=not progress, leave=False) as bar:
-        for start in range(0, n, batch_size):
-            stop = min(start + batch_size, n)
-            noise = sample_noise(settings.seed, start, stop, tuple(image_shape)).to(device)
+    with tqdm(total=stop - start, desc="sampling", unit="img", disable=not progress, leave=False) as bar:
+        for first in range(start, stop, batch_size):
+            last = min(first + batch_size, stop)
+            noise = sample_noise(settings.seed, first, last, tuple(image_shape)).to(device)
             x = sample(
                 model,
-                labels[start:stop].to(device),
+                labels[first:last].to(device),
                 image_shape,
                 steps=settings.sample_steps,
                 method=settings.sampler,  # type: ignore[arg-type]
                 cfg_scale=settings.cfg_scale,
                 noise=noise,
             )  # (B, C, H, W)
-            bar.update(stop - start)
+            bar.update(last - first)
             yield x.float().clamp(-1.0, 1.0)
 
 
@@ -343,11 +352,13 @@ class GenerationEvaluator:
         fake = extract_features(self.extractor, images, batch_size=self.batch_size, progress=self.progress)
         return evaluate_features(self.real_feats, fake, feature_space=self.feature_space)
 
-    def evaluate_with_samples(self, model: nn.Module, keep: int = 100) -> tuple[dict[str, Any], Tensor]:
-        """Generate and score, streaming: the metrics row (with settings and seconds taken) and the first samples.
+    def sample_features(
+        self, model: nn.Module, start: int = 0, stop: int | None = None, keep: int = 100
+    ) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """Features `(n, D)` of samples `start..stop-1` (default: all), their first `keep` images, and seconds taken.
 
-        Each batch goes to the feature extractor as soon as it is drawn, so only features and the first
-        `keep` images (for a grid) are held, whatever `num_samples` is.
+        Each batch goes to the feature extractor as soon as it is drawn, so only features and the kept
+        images (for a grid) are held, whatever `num_samples` is.
         """
         model = model.to(self.device)
         kept: list[Tensor] = []
@@ -363,6 +374,8 @@ class GenerationEvaluator:
                 self.batch_size,
                 self.device,
                 self.progress,
+                start,
+                stop,
             )
             while True:
                 t0 = time.perf_counter()
@@ -375,20 +388,30 @@ class GenerationEvaluator:
                     kept.append(x[:room].cpu())
                 yield x
 
-        start = time.perf_counter()
-        fake = extract_features(self.extractor, batches(), batch_size=self.batch_size, progress=False)
-        featured = time.perf_counter()
+        t0 = time.perf_counter()
+        feats = extract_features(self.extractor, batches(), batch_size=self.batch_size, progress=False)
+        features_s = time.perf_counter() - t0 - sample_s
+        images = torch.cat(kept) if kept else torch.empty(0, *self.image_shape)
+        return feats, images, {"sample_s": sample_s, "features_s": features_s}
+
+    def scores(self, fake: Tensor, timings: dict[str, float]) -> dict[str, Any]:
+        """The metrics row of generated features `fake`: FD/PRDC, the sample settings and the seconds taken."""
+        t0 = time.perf_counter()
         row = evaluate_features(self.real_feats, fake, feature_space=self.feature_space)
-        done = time.perf_counter()
+        metrics_s = time.perf_counter() - t0
         row.update(
             asdict(self.settings),
-            sample_s=round(sample_s, 3),
-            features_s=round(featured - start - sample_s, 3),
-            metrics_s=round(done - featured, 3),
-            eval_s=round(done - start, 3),
+            sample_s=round(timings["sample_s"], 3),
+            features_s=round(timings["features_s"], 3),
+            metrics_s=round(metrics_s, 3),
+            eval_s=round(timings["sample_s"] + timings["features_s"] + metrics_s, 3),
         )
-        images = torch.cat(kept) if kept else torch.empty(0, *self.image_shape)
-        return row, images
+        return row
+
+    def evaluate_with_samples(self, model: nn.Module, keep: int = 100) -> tuple[dict[str, Any], Tensor]:
+        """Generate and score, streaming: the metrics row (with settings and seconds taken) and the first samples."""
+        fake, images, timings = self.sample_features(model, keep=keep)
+        return self.scores(fake, timings), images
 
     def evaluate(self, model: nn.Module) -> dict[str, Any]:
         """Generate and score: the metrics row plus the sample settings and the seconds each part took."""

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from dimuon.dit import DATASETS, DIT_MODELS, dit_arch
+from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS, build
 
 __all__ = [
     "ConfigError",
+    "EvalOptions",
     "OptimOptions",
     "TrainConfig",
     "config_from_dict",
@@ -84,6 +86,18 @@ class OptimOptions:
     """muon_bp: row blocks per matrix of a single-process block step."""
     block_lr_ratio: float | None = None
     """muon_bp: step multiplier of the block steps."""
+
+
+@dataclass
+class EvalOptions(EvalSettings):
+    """Generation quality during training: the flags of 'dimuon eval', plus how often.
+
+    Results go to <out>/eval/ (one series with 'dimuon eval' under equal flags, so it skips these
+    steps) and to metrics.jsonl as gen_eval records.
+    """
+
+    interval: int = 0
+    """Steps between evaluations, and one at the last step (0: no evaluation during training)."""
 
 
 @dataclass
@@ -156,6 +170,7 @@ class TrainConfig:
     """Steps between checkpoints (the last step is always saved)."""
     keep_checkpoints: int = 0
     """Checkpoints to keep, newest first (0: keep all)."""
+    eval: EvalOptions = field(default_factory=EvalOptions)
 
     # --- run
     out: str = "runs/mnist-demo"
@@ -188,14 +203,24 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     """Rebuild a config saved by :func:`config_to_dict`; unknown keys are an error, missing ones take defaults."""
     data = dict(data)
     optim = dict(data.pop("optim", {}) or {})
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    known_optim = {f.name for f in dataclasses.fields(OptimOptions)}
-    unknown = sorted((set(data) - known) | {f"optim.{k}" for k in set(optim) - known_optim})
+    evals = dict(data.pop("eval", {}) or {})
+    unknown = sorted(
+        (set(data) - _field_names(TrainConfig))
+        | {f"optim.{k}" for k in set(optim) - _field_names(OptimOptions)}
+        | {f"eval.{k}" for k in set(evals) - _field_names(EvalOptions)}
+    )
     if unknown:
         raise ConfigError(f"saved config has unknown keys {unknown}")
     if optim.get("betas") is not None:
         optim["betas"] = tuple(optim["betas"])
-    return TrainConfig(**data, optim=OptimOptions(**optim))
+    for key in ("dinov2_weights", "cache_dir"):
+        if evals.get(key) is not None:
+            evals[key] = Path(evals[key])
+    return TrainConfig(**data, optim=OptimOptions(**optim), eval=EvalOptions(**evals))
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -278,6 +303,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(bool(cfg.out), "--out must name a directory")
     _validate_data(cfg)
     _validate_optimizer(cfg)
+    _validate_eval(cfg)
 
 
 def _validate_data(cfg: TrainConfig) -> None:
@@ -313,3 +339,13 @@ def _validate_optimizer(cfg: TrainConfig) -> None:
         build(cfg.optimizer, stand_in, **optimizer_kwargs(cfg))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--optimizer {cfg.optimizer} rejects its options (--lr / --optim.*): {e}") from None
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    """The --eval.* flags, checked only when evaluation is on (it may need packages or weight files)."""
+    _check_positive_int("--eval.interval", cfg.eval.interval, 0)
+    if cfg.eval.interval > 0:
+        try:
+            check_eval_settings(cfg.eval, prefix="--eval.")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

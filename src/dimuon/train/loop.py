@@ -32,6 +32,7 @@ from dimuon.dit import (
     sample,
 )
 from dimuon.dit import validation_loss as flow_validation_loss
+from dimuon.metrics.eval_run import truncate_results
 from dimuon.optim import build
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import (
@@ -44,6 +45,7 @@ from dimuon.train.config import (
     validate,
 )
 from dimuon.train.distributed import DistEnv, barrier, mean_over_ranks, on_main, setup, shard_model
+from dimuon.train.gen_eval import TrainingEvaluator
 from dimuon.train.images import save_grid
 from dimuon.train.logger import (
     JsonlLog,
@@ -58,7 +60,8 @@ from dimuon.train.schedule import lr_factor
 
 __all__ = ["train"]
 
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "samples", "plots", "tensorboard")
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "samples", "plots", "tensorboard", "eval")
+GEN_EVAL_KEYS = ("fd", "precision", "recall", "density", "coverage", "feature_space", "num_samples", "eval_s")
 
 
 @dataclass
@@ -141,6 +144,12 @@ def _train(cfg: TrainConfig, env: DistEnv, stop_after: int | None) -> dict[str, 
     barrier(env)
 
     main = env.is_main
+    generation = None
+    if cfg.eval.interval > 0:
+        if main:
+            print(f"dimuon train: preparing generation-quality evaluation ({cfg.eval.features} features, "
+                  f"{cfg.eval.num_samples} samples every {cfg.eval.interval} steps)")
+        generation = TrainingEvaluator(cfg.eval, run_dir, meta, env, progress=cfg.progress)
     log = JsonlLog(run_dir / "metrics.jsonl") if main else None
     tb = TensorBoardLog(run_dir / "tensorboard") if main and cfg.tensorboard else None
 
@@ -253,6 +262,14 @@ def _train(cfg: TrainConfig, env: DistEnv, stop_after: int | None) -> dict[str, 
                               "sample_s": round(time.perf_counter() - t, 3)}))
                 summary["samples"] = str(path)
 
+            if generation is not None and _due(done, cfg.eval.interval, cfg.steps):
+                entry = generation(model, ema, done, progress["active_time_s"])
+                record(stamp({"kind": "gen_eval", "step": done, **{k: entry[k] for k in GEN_EVAL_KEYS}}))
+                summary.update(fd=entry["fd"], feature_space=entry["feature_space"])
+                if main:
+                    bar.write(f"step {done}: FD {entry['fd']:.3f} ({entry['feature_space']}), precision "
+                              f"{entry['precision']:.3f}, recall {entry['recall']:.3f} in {entry['eval_s']:.1f} s")
+
             if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
                 t = time.perf_counter()
                 progress["wall_time_s"] = wall()
@@ -280,6 +297,7 @@ def _train(cfg: TrainConfig, env: DistEnv, stop_after: int | None) -> dict[str, 
             f"dimuon train: done, step {cfg.steps}; val loss {summary.get('val_loss', math.nan):.4f} "
             f"(EMA {summary.get('val_loss_ema', math.nan):.4f}); training time "
             f"{progress['active_time_s']:.1f} s of {wall():.1f} s; samples {summary.get('samples', '-')}"
+            + (f"; FD {summary['fd']:.3f} ({summary['feature_space']})" if "fd" in summary else "")
         )
     summary.update(active_time_s=progress["active_time_s"], wall_s=wall())
     return summary
@@ -404,7 +422,7 @@ def _prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume_from: Path | None, 
     source = resume_from.parent.parent if resume_from is not None else None
     if source is not None and _same_path(source, run_dir):
         # Continuing in place: what was logged or saved after the checkpoint is rewritten by this run.
-        dropped = truncate_jsonl(run_dir / "metrics.jsonl", start)
+        dropped = truncate_jsonl(run_dir / "metrics.jsonl", start) + truncate_results(run_dir, start)
         removed = ckpt.remove_checkpoints_after(run_dir, start)
         for png in (run_dir / "samples").glob("step_*.png"):
             if int(png.stem.split("_")[1]) > start:
