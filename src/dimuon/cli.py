@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
 BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",
     "comm": "dimuon.bench.comm",
+    "quality": "dimuon.bench.quality",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -28,6 +29,7 @@ commands:
   eval               generation quality (FD, precision/recall/density/coverage) over a run's checkpoints
   bench optimizer    optimizer step time on DiT parameter shapes
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
+  bench quality      generation quality and training cost of the optimizers over an lr x seed grid
 
 'dimuon <command> --help' lists each command's options."""
 

@@ -1,0 +1,387 @@
+"""`dimuon bench quality`: the grid, run states, the tables from run files, and one tiny grid end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dimuon.bench import quality
+from dimuon.bench.quality import Config, QualityEval, RunSpec
+from dimuon.metrics.eval_settings import sampling_settings
+from dimuon.train.run import parse_config
+
+SPACE = "classifier-digits8-0123abcd"
+TINY = [
+    "--dataset", "digits", "--model", "DiT-T/2", "--steps", "4", "--batch-size", "16",
+    "--eval.interval", "2", "--eval.num-samples", "20", "--eval.sample-steps", "2", "--eval.batch-size", "20",
+    "--threads", "1", "--no-progress",
+]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_config(out: Path, **changes) -> Config:
+    """The end-to-end task of this module as a Config (no run is started by building it)."""
+    evals = QualityEval(num_samples=20, sample_steps=2, batch_size=20, interval=2)
+    cfg = Config(optimizers=("adamw", "muon"), lrs=(1e-3, 1e-2), model="DiT-T/2", dataset="digits", steps=4,
+                 batch_size=16, eval=evals, threads=1, out=out, progress=False)
+    return dataclasses.replace(cfg, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fabricated runs: the files dimuon train writes, with chosen numbers
+# --------------------------------------------------------------------------------------------------
+
+# Final FD per (optimizer, lr) at seed 0 (a seed adds 2 * seed); step time and optimizer time per optimizer.
+FINAL_FD = {("adamw", 1e-3): 50.0, ("adamw", 1e-2): 40.0, ("muon", 1e-3): 30.0, ("muon", 1e-2): 35.0}
+STEP_MS = {"adamw": 10.0, "muon": 14.0}
+OPT_MS = {"adamw": 2.0, "muon": 6.0}
+
+
+def series_settings(cfg: Config) -> dict:
+    """A results series' settings as dimuon eval records them, for cfg's evaluation flags."""
+    return {"feature_space": SPACE, "feature_key": SPACE, "dataset": {"name": cfg.dataset, "kwargs": {}},
+            "num_real": 180, **sampling_settings(cfg.eval), "k_pr": 3, "k_dc": 5}
+
+
+def fabricate_run(cfg: Config, spec: RunSpec, last_step: int | None = None) -> Path:
+    """A run directory as dimuon train leaves it after `last_step` (default: all steps), FD from FINAL_FD."""
+    last = cfg.steps if last_step is None else last_step
+    run_dir = cfg.out / "runs" / spec.name
+    (run_dir / "eval").mkdir(parents=True, exist_ok=True)
+    config = {"model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "steps": cfg.steps,
+              "optimizer": spec.optimizer, "lr": spec.lr, "seed": spec.seed}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    step_ms, final = STEP_MS[spec.optimizer], FINAL_FD[spec.optimizer, spec.lr] + 2 * spec.seed
+    records = [{"kind": "train", "step": s, "loss": 1.0, "opt_ms": OPT_MS[spec.optimizer] + s % 2,
+                "step_ms": step_ms, "active_time_s": s * step_ms / 1e3} for s in range(1, last + 1)]
+    records.append({"kind": "val", "step": last, "val_loss": 0.6, "val_loss_ema": final / 100})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    entries = [{"step": s, "status": "ok", "active_time_s": s * step_ms / 1e3, "fd": final + 10 * (cfg.steps - s),
+                "precision": 0.5, "recall": 0.4, "density": 0.9, "coverage": 0.6}
+               for s in range(2, last + 1, 2)]
+    series = {"settings": series_settings(cfg), "entries": entries, "updated": "2026-01-01T00:00:00+00:00",
+              "reference": {"fd": 5.0, "n_fake": 20}}
+    (run_dir / "eval" / "results.json").write_text(json.dumps({"format": 1, "evaluations": {"k1": series}}))
+    checkpoint = run_dir / "checkpoints" / f"step_{last:07d}"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / "meta.json").write_text("{}")
+    return run_dir
+
+
+def spec_of(cmd: list[str]) -> RunSpec:
+    """The grid point a dimuon train command trains."""
+
+    def value(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    return RunSpec(value("--optimizer"), float(value("--lr")), int(value("--seed")))
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """Replace the training processes by fabricated runs; muon at lr 1e-2, seed 1 fails. Returns the calls."""
+    calls: list[list[str]] = []
+
+    def launch(cmd, log_path, threads):
+        calls.append(list(cmd))
+        cfg_out = Path(cmd[cmd.index("--out") + 1]).parent.parent
+        spec = spec_of(cmd)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if spec == RunSpec("muon", 1e-2, 1):
+            log_path.write_text("line 1\ndimuon train: error: boom\n")
+            return 2
+        fabricate_run(tiny_config(cfg_out, seeds=(0, 1)), spec)
+        return 0
+
+    monkeypatch.setattr(quality, "launch", launch)
+    return calls
+
+
+# --------------------------------------------------------------------------------------------------
+# The grid and its flags
+# --------------------------------------------------------------------------------------------------
+
+
+def test_grid_runs_optimizers_side_by_side_with_per_optimizer_lrs(tmp_path):
+    cfg = tiny_config(tmp_path, seeds=(0, 1), lr_grid=("adamw=3e-4,1e-3,3e-3",))
+    names = [s.name for s in quality.expand_grid(cfg)]
+    assert names[:5] == ["adamw-lr0.0003-s0", "muon-lr0.001-s0", "adamw-lr0.001-s0", "muon-lr0.01-s0",
+                         "adamw-lr0.003-s0"]
+    assert len(names) == 10 and names[5] == "adamw-lr0.0003-s1"
+    assert quality.lr_grid(cfg) == {"adamw": (3e-4, 1e-3, 3e-3), "muon": (1e-3, 1e-2)}
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["sgd=1e-3"], "--lr-grid expects NAME=LR"),
+        (["adamw"], "--lr-grid expects NAME=LR"),
+        (["adamw="], "--lr-grid expects NAME=LR"),
+        (["muon_bp=1e-3"], "NAME one of \\['adamw', 'muon'\\]"),
+        (["adamw=1e-3,fast"], "--lr-grid: 'fast' is not a number"),
+        (["adamw=-1e-3"], "--lr-grid: learning rates must be positive"),
+        (["adamw=1e-3", "adamw=1e-2"], "--lr-grid names adamw twice"),
+    ],
+)
+def test_lr_grid_errors_name_the_flag(items, message):
+    with pytest.raises(ValueError, match=message):
+        quality.parse_lr_grid(items, ("adamw", "muon"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"optimizers": ("adamw", "sgd")}, "--optimizers must name distinct values from: adamw, muon"),
+        ({"optimizers": ()}, "--optimizers must name"),
+        ({"model": "DiT-Q/2"}, "--model must be one of: .*DiT-T/2"),
+        ({"dataset": "cifar"}, "--dataset must be one of: .*digits"),
+        ({"lrs": (0.0,)}, "--lrs: learning rates must be positive"),
+        ({"seeds": (0, 0)}, "--seeds must be distinct"),
+        ({"steps": 0}, "--steps must be an integer >= 1"),
+        ({"jobs": 0}, "--jobs must be an integer >= 1"),
+        ({"lrs": (0.01, 0.010000000001)}, "the same run more than once"),
+        ({"train_args": "--lr 1e-3"}, "--train-args: --lr is set by the benchmark; use --lrs or --lr-grid"),
+        ({"train_args": "--eval.cfg 2"}, "--train-args: --eval.cfg is forwarded from this command's own"),
+        ({"train_args": "--optim.k '3"}, "--train-args: No closing quotation"),
+        ({"train_args_of": ("muon=--seed=3",)}, "--train-args-of: --seed is set by the benchmark; use --seeds"),
+        ({"train_args_of": ("prm=--optim.k 3",)}, "--train-args-of expects NAME=FLAGS"),
+    ],
+)
+def test_bad_options_are_rejected_before_any_run(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        quality.check_config(tiny_config(tmp_path, **changes))
+
+
+def test_eval_flags_are_checked_with_their_eval_prefix(tmp_path):
+    cfg = tiny_config(tmp_path)
+    for field, value, message in (("num_samples", 1, "--eval.num-samples must be >= 2"),
+                                  ("interval", 0, "--eval.interval must be an integer >= 1")):
+        bad = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **{field: value}))
+        with pytest.raises(ValueError, match=message):
+            quality.check_config(bad)
+
+
+def test_main_reports_bad_flags_with_status_2(tmp_path, capsys):
+    assert quality.main(["--optimizers", "adamw", "lion", "--out", str(tmp_path)]) == 2
+    assert "dimuon bench quality: error: --optimizers must name" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        quality.main(["--optimiser", "adamw"])
+    assert info.value.code == 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_args_value_may_start_with_dashes():
+    args = quality.join_flag_values(["--steps", "4", "--train-args", "--ema-decay 0.9", "--jobs", "2"])
+    assert args == ["--steps", "4", "--train-args=--ema-decay 0.9", "--jobs", "2"]
+
+
+def test_train_command_is_accepted_by_dimuon_train(tmp_path):
+    cfg = tiny_config(tmp_path, train_args="--ema-decay 0.9", train_args_of=("muon=--optim.ns-steps 4",))
+    extra = quality.train_args_of(cfg)
+    cmd = quality.train_command(cfg, RunSpec("muon", 1e-2, 3), extra["muon"])
+    assert cmd[1:4] == ["-m", "dimuon.cli", "train"]
+    train = parse_config(cmd[4:])
+    assert (train.optimizer, train.lr, train.seed, train.model, train.steps) == ("muon", 1e-2, 3, "DiT-T/2", 4)
+    assert train.out == str(tmp_path / "runs" / "muon-lr0.01-s3") and train.threads == 1 and not train.progress
+    assert (train.eval.interval, train.eval.num_samples, train.eval.sample_steps) == (2, 20, 2)
+    assert train.eval.cache_dir == tmp_path / "feature_cache"  # one cache for every run
+    assert train.ema_decay == 0.9 and train.optim.ns_steps == 4
+    assert extra["adamw"] == ["--ema-decay", "0.9"]
+    assert quality.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "restart")[-1] == "--overwrite"
+    assert quality.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "resume")[-2] == "--resume"
+
+
+def test_default_eval_interval_and_threads(tmp_path):
+    cfg = tiny_config(tmp_path, steps=1000, eval=QualityEval(), threads=None)
+    assert quality.eval_interval(cfg) == 250 and quality.threads_per_run(cfg) is None
+    assert quality.threads_per_run(dataclasses.replace(cfg, jobs=64)) == 1
+    assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp")
+
+
+def test_notes_flag_muon_bp_without_blocks_and_a_missing_baseline(tmp_path):
+    cfg = tiny_config(tmp_path, optimizers=("adamw", "muon_bp"))
+    (note,) = quality.notes(cfg)
+    assert "same steps as muon" in note and "muon_bp=--optim.blocks 4" in note
+    assert quality.notes(dataclasses.replace(cfg, train_args_of=("muon_bp=--optim.blocks=4",))) == []
+    (note,) = quality.notes(dataclasses.replace(cfg, optimizers=("muon",)))
+    assert "adamw is not among --optimizers" in note
+
+
+# --------------------------------------------------------------------------------------------------
+# Run states and tables from run files
+# --------------------------------------------------------------------------------------------------
+
+
+def test_run_mode_follows_the_files(tmp_path):
+    cfg = tiny_config(tmp_path)
+    spec = RunSpec("adamw", 1e-3, 0)
+    run_dir = cfg.out / "runs" / spec.name
+    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
+    run_dir.mkdir(parents=True)
+    (run_dir / quality.LOG_NAME).write_text("$ dimuon train\n")
+    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
+    (run_dir / "config.json").write_text("{}")
+    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "restart"  # killed before its first checkpoint
+    fabricate_run(cfg, spec, last_step=2)
+    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "resume"
+    fabricate_run(cfg, spec)
+    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "done"
+    other = dataclasses.replace(cfg.eval, num_samples=40)  # another series: the last step is not scored in it
+    assert quality.run_mode(run_dir, other, cfg.steps) == "resume"
+
+
+def test_a_run_of_another_task_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path)
+    spec = RunSpec("adamw", 1e-3, 0)
+    fabricate_run(cfg, spec)
+    assert quality.foreign_run(cfg.out / "runs" / spec.name, cfg, spec) is None
+    changed = dataclasses.replace(cfg, model="DiT-T/4")
+    reason = quality.foreign_run(cfg.out / "runs" / spec.name, changed, spec)
+    assert "model 'DiT-T/2' (asked for 'DiT-T/4')" in reason
+    outcome = quality.execute(changed, spec, [])
+    assert outcome.action == "refused" and outcome.command is None and "another --out" in outcome.error
+
+
+def test_run_row_reads_costs_and_scores(tmp_path):
+    cfg = tiny_config(tmp_path)
+    spec = RunSpec("muon", 1e-3, 0)
+    fabricate_run(cfg, spec)
+    with open(cfg.out / "runs" / spec.name / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 4, "opt_ms": 100.0, "step_ms": 14.0}\n{"kind": "tra')  # resumed, torn
+    row = quality.run_row(cfg, quality.Outcome(spec, "skipped", returncode=0), [])
+    assert row["status"] == "ok" and row["name"] == "muon-lr0.001-s0" and row["trained_steps"] == 4
+    assert (row["fd"], row["best_fd"], row["best_fd_step"], row["eval_step"], row["evaluations"]) == (30, 30, 4, 4, 2)
+    assert row["opt_ms"] == 7.0  # median of 7, 6, 7 and the rewritten step 4's 100
+    assert row["step_ms"] == 14.0 and row["active_time_s"] == pytest.approx(0.056)
+    assert row["val_loss_ema"] == 0.3 and row["reference_fd"] == 5.0 and row["feature_space"] == SPACE
+    assert "--optimizer muon --lr 0.001 --seed 0" in row["command"] and row["launched"] is None
+
+
+def test_best_lr_averages_seeds_and_ratios_use_adamw():
+    rows = [
+        {"optimizer": "adamw", "lr": 1e-3, "seed": 0, "status": "ok", "fd": 10.0, "opt_ms": 2.0, "active_time_s": 8.0},
+        {"optimizer": "adamw", "lr": 1e-3, "seed": 1, "status": "ok", "fd": 30.0, "opt_ms": 2.0, "active_time_s": 8.0},
+        {"optimizer": "adamw", "lr": 1e-2, "seed": 0, "status": "ok", "fd": 15.0, "opt_ms": 2.0, "active_time_s": 8.0},
+        {"optimizer": "adamw", "lr": 1e-2, "seed": 1, "status": "ok", "fd": 17.0, "opt_ms": 2.0, "active_time_s": 8.0},
+        {"optimizer": "muon", "lr": 1e-2, "seed": 0, "status": "ok", "fd": 8.0, "opt_ms": 5.0, "active_time_s": 10.0},
+        {"optimizer": "muon", "lr": 1e-3, "seed": 0, "status": "failed", "fd": 1.0, "opt_ms": 5.0,
+         "active_time_s": 10.0},
+    ]
+    for i, r in enumerate(rows):
+        r.update(name=f"r{i}", best_fd=r["fd"], val_loss_ema=0.3, step_ms=1.0)
+    assert quality.best_lr(rows[:4]) == 1e-2  # mean 16 beats mean 20, though 1e-3 has the single best run
+    assert quality.best_lr(rows[5:]) is None
+    summary = quality.optimizer_summary(rows, ("adamw", "muon", "muon_bp"))
+    quality.add_ratios(summary)
+    assert summary["adamw"]["fd"] == 16.0 and summary["adamw"]["seeds"] == [0, 1]
+    assert (summary["adamw"]["fd_min"], summary["adamw"]["fd_max"]) == (15.0, 17.0)
+    assert summary["muon"]["lr"] == 1e-2 and summary["muon"]["runs"] == ["r4"]
+    assert summary["muon"]["fd_ratio"] == 0.5 and summary["muon"]["opt_ms_ratio"] == 2.5
+    assert summary["muon"]["active_time_s_ratio"] == 1.25 and summary["adamw"]["fd_ratio"] == 1.0
+    assert summary["muon_bp"]["lr"] is None and summary["muon_bp"]["fd_ratio"] is None
+    no_baseline = quality.optimizer_summary(rows[4:], ("muon",))
+    quality.add_ratios(no_baseline)
+    assert no_baseline["muon"]["fd_ratio"] is None
+
+
+def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path, fake_training, capsys):
+    cfg = tiny_config(tmp_path / "bench", seeds=(0, 1))
+    record = quality.run(cfg, ["--fake"])
+    assert len(fake_training) == 8
+    rows = {r["name"]: r for r in record["runs"]}
+    failed = rows["muon-lr0.01-s1"]
+    assert failed["status"] == "failed" and failed["error"] == "dimuon train exited with status 2"
+    assert failed["fd"] is None and failed["launched"].endswith("--eval.interval 2")
+    err = capsys.readouterr().err
+    assert "run muon-lr0.01-s1 failed: dimuon train exited with status 2" in err and "error: boom" in err
+    assert all(r["status"] == "ok" for name, r in rows.items() if name != "muon-lr0.01-s1")
+
+    adamw, muon = record["optimizers"]["adamw"], record["optimizers"]["muon"]
+    assert (adamw["lr"], adamw["fd"], adamw["seeds"]) == (1e-2, 41.0, [0, 1])
+    assert (muon["lr"], muon["fd"], muon["seeds"]) == (1e-3, 31.0, [0, 1])
+    assert muon["fd_ratio"] == pytest.approx(31 / 41) and muon["opt_ms_ratio"] == pytest.approx(6.5 / 2.5)
+    assert muon["active_time_s_ratio"] == pytest.approx(1.4)
+    assert record["target_fd"] == 42.0 and muon["target_active_time_s_ratio"] == pytest.approx(1.4)
+    assert record["eval_settings"]["feature_space"] == SPACE and record["machine"]["argv"] == ["--fake"]
+
+    out = cfg.out
+    for name in ("results.json", "results.md", "fd_vs_lr.png", "best_lr/compare_fd.png", "best_lr/compare.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "results.json").read_text())["runs"][0]["name"] == "adamw-lr0.001-s0"
+    md = (out / "results.md").read_text()
+    assert "| muon | 0.001 | 2 | 31.000 | 0.76 |" in md
+    assert "| muon-lr0.01-s1 | failed |" in md and "- muon-lr0.01-s1: dimuon train exited with status 2" in md
+    compared = json.loads((out / "best_lr" / "compare.json").read_text())
+    assert sorted(Path(r["run"]).name for r in compared["runs"]) == [
+        "adamw-lr0.01-s0", "adamw-lr0.01-s1", "muon-lr0.001-s0", "muon-lr0.001-s1"]
+
+    fake_training.clear()
+    again = quality.run(cfg)
+    assert [spec_of(c).optimizer + str(spec_of(c).seed) for c in fake_training] == ["muon1"]  # only the failed one
+    assert {r["action"] for r in again["runs"] if r["name"] != "muon-lr0.01-s1"} == {"skipped"}
+
+
+def test_interrupted_runs_resume_and_unstarted_ones_restart(tmp_path, fake_training):
+    cfg = tiny_config(tmp_path, optimizers=("adamw",), lrs=(1e-3, 1e-2))
+    fabricate_run(cfg, RunSpec("adamw", 1e-3, 0), last_step=2)
+    (cfg.out / "runs" / "adamw-lr0.01-s0").mkdir(parents=True)
+    (cfg.out / "runs" / "adamw-lr0.01-s0" / "metrics.jsonl").write_text("")
+    record = quality.run(cfg)
+    assert [r["action"] for r in record["runs"]] == ["resumed", "restarted"]
+    assert fake_training[0][-2:] == ["--resume", str(cfg.out / "runs" / "adamw-lr0.001-s0")]
+    assert fake_training[1][-1] == "--overwrite"
+    assert record["optimizers"]["adamw"]["fd_ratio"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end: real dimuon train processes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_tiny_grid(tmp_path, capsys):
+    out = tmp_path / "bench"
+    # --optim.k belongs to periodic_row_muon: AdamW's run fails at start-up, the other one goes on.
+    args = [*TINY, "--out", str(out), "--optimizers", "adamw", "periodic_row_muon",
+            "--train-args-of", "adamw=--optim.k 2", "periodic_row_muon=--optim.k 2"]
+    assert quality.main(args) == 1
+    captured = capsys.readouterr()
+    assert "run adamw-lr0.01-s0 failed: dimuon train exited with status 2" in captured.err
+    assert "rejects its options" in captured.err  # the tail of the run's log
+    record = json.loads((out / "results.json").read_text())
+    adamw, prm = record["runs"]
+    assert adamw["name"] == "adamw-lr0.01-s0" and adamw["status"] == "failed" and adamw["fd"] is None
+    assert prm["name"] == "periodic_row_muon-lr0.01-s0" and prm["status"] == "ok" and prm["action"] == "started"
+    assert (prm["eval_step"], prm["evaluations"], prm["trained_steps"]) == (4, 2, 4)
+    assert prm["fd"] > 0 and 0 <= prm["precision"] <= 1 and prm["best_fd"] <= prm["fd"]
+    assert prm["opt_ms"] > 0 and prm["step_ms"] >= prm["opt_ms"] and prm["active_time_s"] > 0
+    assert prm["val_loss_ema"] > 0 and prm["feature_space"].startswith("classifier-digits8-")
+    assert "| periodic_row_muon-lr0.01-s0 | ok |" in (out / "results.md").read_text()
+    assert record["optimizers"]["periodic_row_muon"]["fd_ratio"] is None  # AdamW has no finished run
+    assert list((out / "feature_cache").glob("classifier-*.safetensors"))  # one cache for the grid
+    assert not (out / "runs" / prm["name"] / "eval" / "feature_cache").exists()
+    assert "periodic_row_muon-lr0.01-s0" in captured.out
+
+    assert quality.main(args) == 1  # finished run skipped, the failing one tried and reported again
+    again = json.loads((out / "results.json").read_text())
+    assert [r["action"] for r in again["runs"]] == ["started", "skipped"]
+    assert again["runs"][1]["fd"] == prm["fd"]
+    log = (out / "runs" / prm["name"] / quality.LOG_NAME).read_text()
+    assert log.count("$ ") == 1 and "dimuon train: done, step 4" in log
+
+
+@pytest.mark.slow
+def test_end_to_end_parallel_jobs_then_resume_with_more_steps(tmp_path):
+    out = tmp_path / "bench"
+    assert quality.main([*TINY, "--out", str(out), "--optimizers", "adamw", "muon", "--jobs", "2"]) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert [r["status"] for r in first["runs"]] == ["ok", "ok"]
+    assert first["optimizers"]["muon"]["fd_ratio"] > 0 and first["optimizers"]["muon"]["opt_ms_ratio"] > 0
+    longer = [a if a != "4" else "6" for a in TINY]  # --steps 6: the run continues from its step-4 checkpoint
+    assert quality.main([*longer, "--out", str(out), "--optimizers", "muon"]) == 0
+    (muon,) = json.loads((out / "results.json").read_text())["runs"]
+    assert (muon["action"], muon["eval_step"], muon["evaluations"], muon["trained_steps"]) == ("resumed", 6, 3, 6)
