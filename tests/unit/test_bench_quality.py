@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dimuon.bench import quality
-from dimuon.bench.quality import Config, QualityEval, RunSpec
+from dimuon.bench import quality, quality_report, quality_runs
+from dimuon.bench.quality_config import Config, QualityEval, RunSpec
 from dimuon.metrics.eval_settings import sampling_settings
 from dimuon.train.run import parse_config
 
@@ -98,7 +98,7 @@ def fake_training(monkeypatch):
         fabricate_run(tiny_config(cfg_out, seeds=(0, 1)), spec)
         return 0
 
-    monkeypatch.setattr(quality, "launch", launch)
+    monkeypatch.setattr(quality_runs, "launch", launch)
     return calls
 
 
@@ -183,7 +183,7 @@ def test_train_args_value_may_start_with_dashes():
 def test_train_command_is_accepted_by_dimuon_train(tmp_path):
     cfg = tiny_config(tmp_path, train_args="--ema-decay 0.9", train_args_of=("muon=--optim.ns-steps 4",))
     extra = quality.train_args_of(cfg)
-    cmd = quality.train_command(cfg, RunSpec("muon", 1e-2, 3), extra["muon"])
+    cmd = quality_runs.train_command(cfg, RunSpec("muon", 1e-2, 3), extra["muon"])
     assert cmd[1:4] == ["-m", "dimuon.cli", "train"]
     train = parse_config(cmd[4:])
     assert (train.optimizer, train.lr, train.seed, train.model, train.steps) == ("muon", 1e-2, 3, "DiT-T/2", 4)
@@ -192,14 +192,14 @@ def test_train_command_is_accepted_by_dimuon_train(tmp_path):
     assert train.eval.cache_dir == tmp_path / "feature_cache"  # one cache for every run
     assert train.ema_decay == 0.9 and train.optim.ns_steps == 4
     assert extra["adamw"] == ["--ema-decay", "0.9"]
-    assert quality.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "restart")[-1] == "--overwrite"
-    assert quality.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "resume")[-2] == "--resume"
+    assert quality_runs.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "restart")[-1] == "--overwrite"
+    assert quality_runs.train_command(cfg, RunSpec("muon", 1e-2, 3), [], "resume")[-2] == "--resume"
 
 
 def test_default_eval_interval_and_threads(tmp_path):
     cfg = tiny_config(tmp_path, steps=1000, eval=QualityEval(), threads=None)
-    assert quality.eval_interval(cfg) == 250 and quality.threads_per_run(cfg) is None
-    assert quality.threads_per_run(dataclasses.replace(cfg, jobs=64)) == 1
+    assert quality_runs.eval_interval(cfg) == 250 and quality_runs.threads_per_run(cfg) is None
+    assert quality_runs.threads_per_run(dataclasses.replace(cfg, jobs=64)) == 1
     assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp")
 
 
@@ -221,29 +221,29 @@ def test_run_mode_follows_the_files(tmp_path):
     cfg = tiny_config(tmp_path)
     spec = RunSpec("adamw", 1e-3, 0)
     run_dir = cfg.out / "runs" / spec.name
-    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
+    assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
     run_dir.mkdir(parents=True)
-    (run_dir / quality.LOG_NAME).write_text("$ dimuon train\n")
-    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
+    (run_dir / quality_runs.LOG_NAME).write_text("$ dimuon train\n")
+    assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "new"
     (run_dir / "config.json").write_text("{}")
-    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "restart"  # killed before its first checkpoint
+    assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "restart"  # killed before its first checkpoint
     fabricate_run(cfg, spec, last_step=2)
-    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "resume"
+    assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "resume"
     fabricate_run(cfg, spec)
-    assert quality.run_mode(run_dir, cfg.eval, cfg.steps) == "done"
+    assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "done"
     other = dataclasses.replace(cfg.eval, num_samples=40)  # another series: the last step is not scored in it
-    assert quality.run_mode(run_dir, other, cfg.steps) == "resume"
+    assert quality_runs.run_mode(run_dir, other, cfg.steps) == "resume"
 
 
 def test_a_run_of_another_task_is_refused(tmp_path):
     cfg = tiny_config(tmp_path)
     spec = RunSpec("adamw", 1e-3, 0)
     fabricate_run(cfg, spec)
-    assert quality.foreign_run(cfg.out / "runs" / spec.name, cfg, spec) is None
+    assert quality_runs.foreign_run(cfg.out / "runs" / spec.name, cfg, spec) is None
     changed = dataclasses.replace(cfg, model="DiT-T/4")
-    reason = quality.foreign_run(cfg.out / "runs" / spec.name, changed, spec)
+    reason = quality_runs.foreign_run(cfg.out / "runs" / spec.name, changed, spec)
     assert "model 'DiT-T/2' (asked for 'DiT-T/4')" in reason
-    outcome = quality.execute(changed, spec, [])
+    outcome = quality_runs.execute(changed, spec, [])
     assert outcome.action == "refused" and outcome.command is None and "another --out" in outcome.error
 
 
@@ -253,7 +253,7 @@ def test_run_row_reads_costs_and_scores(tmp_path):
     fabricate_run(cfg, spec)
     with open(cfg.out / "runs" / spec.name / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 4, "opt_ms": 100.0, "step_ms": 14.0}\n{"kind": "tra')  # resumed, torn
-    row = quality.run_row(cfg, quality.Outcome(spec, "skipped", returncode=0), [])
+    row = quality_report.run_row(cfg, quality_runs.Outcome(spec, "skipped", returncode=0), [])
     assert row["status"] == "ok" and row["name"] == "muon-lr0.001-s0" and row["trained_steps"] == 4
     assert (row["fd"], row["best_fd"], row["best_fd_step"], row["eval_step"], row["evaluations"]) == (30, 30, 4, 4, 2)
     assert row["opt_ms"] == 7.0  # median of 7, 6, 7 and the rewritten step 4's 100
@@ -274,18 +274,18 @@ def test_best_lr_averages_seeds_and_ratios_use_adamw():
     ]
     for i, r in enumerate(rows):
         r.update(name=f"r{i}", best_fd=r["fd"], val_loss_ema=0.3, step_ms=1.0)
-    assert quality.best_lr(rows[:4]) == 1e-2  # mean 16 beats mean 20, though 1e-3 has the single best run
-    assert quality.best_lr(rows[5:]) is None
-    summary = quality.optimizer_summary(rows, ("adamw", "muon", "muon_bp"))
-    quality.add_ratios(summary)
+    assert quality_report.best_lr(rows[:4]) == 1e-2  # mean 16 beats mean 20, though 1e-3 has the single best run
+    assert quality_report.best_lr(rows[5:]) is None
+    summary = quality_report.optimizer_summary(rows, ("adamw", "muon", "muon_bp"))
+    quality_report.add_ratios(summary)
     assert summary["adamw"]["fd"] == 16.0 and summary["adamw"]["seeds"] == [0, 1]
     assert (summary["adamw"]["fd_min"], summary["adamw"]["fd_max"]) == (15.0, 17.0)
     assert summary["muon"]["lr"] == 1e-2 and summary["muon"]["runs"] == ["r4"]
     assert summary["muon"]["fd_ratio"] == 0.5 and summary["muon"]["opt_ms_ratio"] == 2.5
     assert summary["muon"]["active_time_s_ratio"] == 1.25 and summary["adamw"]["fd_ratio"] == 1.0
     assert summary["muon_bp"]["lr"] is None and summary["muon_bp"]["fd_ratio"] is None
-    no_baseline = quality.optimizer_summary(rows[4:], ("muon",))
-    quality.add_ratios(no_baseline)
+    no_baseline = quality_report.optimizer_summary(rows[4:], ("muon",))
+    quality_report.add_ratios(no_baseline)
     assert no_baseline["muon"]["fd_ratio"] is None
 
 
@@ -370,7 +370,7 @@ def test_end_to_end_tiny_grid(tmp_path, capsys):
     again = json.loads((out / "results.json").read_text())
     assert [r["action"] for r in again["runs"]] == ["started", "skipped"]
     assert again["runs"][1]["fd"] == prm["fd"]
-    log = (out / "runs" / prm["name"] / quality.LOG_NAME).read_text()
+    log = (out / "runs" / prm["name"] / quality_runs.LOG_NAME).read_text()
     assert log.count("$ ") == 1 and "dimuon train: done, step 4" in log
 
 

@@ -1,0 +1,297 @@
+"""The results of ``dimuon bench quality``, from the run directories: one row per run (training cost
+and losses from ``metrics.jsonl``, generation quality from the evaluation series in
+``eval/results.json``), each optimizer's best learning rate and its ratios to the AdamW baseline,
+the ``dimuon eval --compare`` of the best-lr runs, the plot of final FD against learning rate and the
+text and Markdown tables. It reads run files and formats numbers but launches nothing, so that a
+report can be rebuilt, and tested, from the files runs leave behind.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from dimuon.bench.quality_config import Config
+from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, ok_entries, train_command
+from dimuon.bench.report import format_markdown_table, format_table
+from dimuon.metrics import eval_run
+from dimuon.metrics.eval_run import describe_settings, save_figure_atomic
+from dimuon.metrics.eval_settings import EvalSettings
+from dimuon.train.logger import read_jsonl
+
+# The optimizer the others are set against (the x AdamW columns)
+BASELINE = "adamw"
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading runs
+# --------------------------------------------------------------------------------------------------
+
+
+def latest_by_step(records: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """Records of one kind, one per step (the last written wins), in step order."""
+    by_step = {r["step"]: r for r in records if r.get("kind") == kind and isinstance(r.get("step"), int)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _median(values: Iterable[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, (int, float))]
+    return statistics.median(nums) if nums else None
+
+
+def cost_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Training cost and loss from ``metrics.jsonl``: median optimizer and step ms, active time, final losses."""
+    train = latest_by_step(records, "train")
+    val = latest_by_step(records, "val")
+    active = [r["active_time_s"] for r in records if isinstance(r.get("active_time_s"), (int, float))]
+    return {
+        "trained_steps": train[-1]["step"] if train else 0,
+        "opt_ms": _median(r.get("opt_ms") for r in train),
+        "step_ms": _median(r.get("step_ms") for r in train),
+        "active_time_s": max(active) if active else None,
+        "val_loss": val[-1].get("val_loss") if val else None,
+        "val_loss_ema": val[-1].get("val_loss_ema") if val else None,
+    }
+
+
+def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
+    """Best FD (with its step) and the last evaluation's scores of a series (Nones without one)."""
+    ok = ok_entries(series)
+    if not ok:
+        return {"evaluations": 0, "eval_step": None, "fd": None, "best_fd": None, "best_fd_step": None,
+                "precision": None, "recall": None, "density": None, "coverage": None,
+                "reference_fd": None, "feature_space": None}
+    best, last = eval_run.summarize(ok, None), ok[-1]
+    reference = series.get("reference") or {}
+    return {
+        "evaluations": len(ok),
+        "eval_step": last["step"],
+        **{m: last[m] for m in eval_run.METRICS},
+        "best_fd": best["best_fd"],
+        "best_fd_step": best["best_step"],
+        "reference_fd": reference.get("fd"),
+        "feature_space": series["settings"]["feature_space"],
+    }
+
+
+def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, Any]:
+    """One run of the table: grid point, status, what it reached, what it cost, its commands."""
+    spec = outcome.spec
+    run_dir = cfg.out / "runs" / spec.name
+    series = find_series(run_dir, cfg.eval) if outcome.action != "refused" else None
+    quality = quality_summary(series)
+    status = "ok" if quality["eval_step"] == cfg.steps and not outcome.error else "failed"
+    return {
+        "name": spec.name,
+        "optimizer": spec.optimizer,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "status": status,
+        "action": outcome.action,
+        "error": outcome.error,
+        **cost_summary(read_jsonl(run_dir / "metrics.jsonl") if outcome.action != "refused" else []),
+        **quality,
+        "train_s": round(outcome.seconds, 2),
+        "run_dir": str(run_dir),
+        "log": str(run_dir / LOG_NAME),
+        "command": shlex.join(train_command(cfg, spec, extra)),
+        "launched": shlex.join(outcome.command) if outcome.command else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Summarizing
+# --------------------------------------------------------------------------------------------------
+
+
+def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def best_lr(rows: Sequence[dict[str, Any]]) -> float | None:
+    """The learning rate whose finished runs reach the lowest final FD on average over their seeds."""
+    by_lr: dict[float, list[float]] = {}
+    for r in rows:
+        if r["status"] == "ok":
+            by_lr.setdefault(r["lr"], []).append(r["fd"])
+    return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else None
+
+
+SUMMARY_KEYS = ("fd", "best_fd", "val_loss_ema", "opt_ms", "step_ms", "active_time_s")
+RATIO_KEYS = ("fd", "opt_ms", "active_time_s", "target_active_time_s")
+
+
+def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per optimizer, its finished runs at its best learning rate averaged over seeds."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name in optimizers:
+        mine = [r for r in rows if r["optimizer"] == name]
+        lr = best_lr(mine)
+        chosen = [r for r in mine if r["lr"] == lr and r["status"] == "ok"]
+        fds = [r["fd"] for r in chosen]
+        summary[name] = {
+            "lr": lr,
+            "lrs_tried": sorted({r["lr"] for r in mine}),
+            "seeds": [r["seed"] for r in chosen],
+            "runs": [r["name"] for r in chosen],
+            **{key: _mean(chosen, key) for key in SUMMARY_KEYS},
+            "fd_min": min(fds) if fds else None,
+            "fd_max": max(fds) if fds else None,
+        }
+    return summary
+
+
+def add_ratios(summary: dict[str, dict[str, Any]], baseline: str = BASELINE) -> None:
+    """``<key>_ratio`` of every optimizer against the baseline's best-lr numbers (None without a baseline)."""
+    base = summary.get(baseline, {})
+    for s in summary.values():
+        for key in RATIO_KEYS:
+            b, v = base.get(key), s.get(key)
+            s[f"{key}_ratio"] = v / b if v is not None and b else None
+
+
+def compare_best(cfg: Config, summary: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``dimuon eval --compare`` of every best-lr run into ``<out>/best_lr``; adds time to the target FD."""
+    runs = [cfg.out / "runs" / name for s in summary.values() for name in s["runs"]]
+    if not runs:
+        return None
+    settings = {f.name: getattr(cfg.eval, f.name) for f in fields(EvalSettings)}
+    try:
+        record = eval_run.compare_runs(eval_run.Config(**settings, compare=tuple(runs), out=cfg.out / "best_lr"))
+    except ValueError as exc:
+        warnings.warn(f"no best-lr comparison: {exc}", stacklevel=2)
+        return None
+    reached = {Path(r["run"]).name: r["summary"] for r in record["runs"]}
+    for s in summary.values():
+        times = [reached[n]["target_active_time_s"] for n in s["runs"]]
+        s["target_active_time_s"] = statistics.fmean(times) if times and None not in times else None
+    return record
+
+
+def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], path: Path, title: str = "") -> Path | None:
+    """Final FD against learning rate, one line per optimizer through its seed means, seeds as dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in optimizers:
+        mine = [r for r in ok if r["optimizer"] == name]
+        lrs = sorted({r["lr"] for r in mine})
+        if not lrs:
+            continue
+        means = [statistics.fmean(r["fd"] for r in mine if r["lr"] == lr) for lr in lrs]
+        (line,) = ax.plot(lrs, means, "o-", label=name)
+        ax.scatter([r["lr"] for r in mine], [r["fd"] for r in mine], s=12, alpha=0.5, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final FD (lower is better)")
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure_atomic(fig, path)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def _f(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+SUMMARY_HEADERS = ["optimizer", "best lr", "seeds", "final FD", "x AdamW", "best FD", "EMA val loss",
+                   "opt ms/step", "x AdamW", "step ms", "active time (s)", "x AdamW",
+                   "time to target (s)", "x AdamW"]
+RUN_HEADERS = ["run", "status", "EMA val loss", "best FD (step)", "final FD", "precision", "recall",
+               "density", "coverage", "opt ms/step", "step ms", "active time (s)"]
+
+
+def _right(headers: Sequence[str], text_columns: int) -> list[bool]:
+    """Column alignment: the first ``text_columns`` left, the numbers right."""
+    return [i >= text_columns for i in range(len(headers))]
+
+
+def summary_rows(record: dict[str, Any]) -> list[list[str]]:
+    """One table row per optimizer at its best learning rate."""
+    rows = []
+    for name, s in record["optimizers"].items():
+        rows.append([
+            name, _f(s["lr"], "g"), str(len(s["seeds"])), _f(s["fd"]), _f(s["fd_ratio"], ".2f"), _f(s["best_fd"]),
+            _f(s["val_loss_ema"], ".4f"), _f(s["opt_ms"], ".1f"), _f(s["opt_ms_ratio"], ".2f"),
+            _f(s["step_ms"], ".1f"), _f(s["active_time_s"], ".1f"), _f(s["active_time_s_ratio"], ".2f"),
+            _f(s.get("target_active_time_s"), ".1f"), _f(s.get("target_active_time_s_ratio"), ".2f"),
+        ])
+    return rows
+
+
+def run_rows(record: dict[str, Any]) -> list[list[str]]:
+    """One table row per run of the grid."""
+    rows = []
+    for r in record["runs"]:
+        best = "-" if r["best_fd"] is None else f"{r['best_fd']:.3f} ({r['best_fd_step']})"
+        final = _f(r["fd"]) if r["eval_step"] == record["config"]["steps"] else "-"
+        rows.append([
+            r["name"], r["status"], _f(r["val_loss_ema"], ".4f"), best, final,
+            *(_f(r[m] if final != "-" else None) for m in ("precision", "recall", "density", "coverage")),
+            _f(r["opt_ms"], ".1f"), _f(r["step_ms"], ".1f"), _f(r["active_time_s"], ".1f"),
+        ])
+    return rows
+
+
+def render(record: dict[str, Any], markdown: bool = False) -> str:
+    """The report: task and settings, the best-lr summary against AdamW, every run, the failures."""
+    table = format_markdown_table if markdown else format_table
+    c, m = record["config"], record["machine"]
+    lines = [
+        "# Generation quality and training cost of the optimizers" if markdown else "dimuon bench quality",
+        "",
+        f"{c['model']} on {c['dataset']}, batch {c['batch_size']}, {c['steps']} steps, evaluated every "
+        f"{record['eval_interval']} steps; {record['jobs']} job(s) at a time, "
+        f"{record['threads_per_run'] or 'default'} thread(s) each; torch {m['torch']}, "
+        f"{m['cuda'] or m['cpu_model']} ({m['logical_cpus']} logical CPUs), load {m['load_average']}.",
+    ]
+    if record["eval_settings"]:
+        lines += ["", describe_settings(record["eval_settings"]) + "."]
+    target = record.get("target_fd")
+    lines += [
+        "",
+        "Per optimizer at its best lr (lowest final FD, mean over seeds); x AdamW: ratio to AdamW at its best lr"
+        + (f"; target FD {target:.3f}: the best FD of the worst best-lr run, reached by every one of them."
+           if target is not None else "."),
+        "",
+        table(SUMMARY_HEADERS, summary_rows(record), _right(SUMMARY_HEADERS, 1)),
+        "",
+        table(RUN_HEADERS, run_rows(record), _right(RUN_HEADERS, 2)),
+    ]
+    if record["notes"]:
+        lines += ["", *(f"Note: {note}." for note in record["notes"])]
+    failed = [r for r in record["runs"] if r["status"] != "ok"]
+    if failed:
+        lines += ["", "Failed or unfinished runs:"]
+        lines += [f"- {r['name']}: {r['error'] or 'last step not evaluated'} (log: {r['log']})" for r in failed]
+    return "\n".join(lines)
+
+
+def eval_settings_of(rows: Sequence[dict[str, Any]], cfg: Config) -> dict[str, Any] | None:
+    """The recorded settings of the first evaluated run's series (what every FD of the table is measured in)."""
+    for r in rows:
+        if r["evaluations"]:
+            series = find_series(Path(r["run_dir"]), cfg.eval)
+            if series is not None:
+                return series["settings"]
+    return None

@@ -1,0 +1,213 @@
+"""Launching and tracking the training runs of ``dimuon bench quality``: each grid point is one
+``dimuon train`` process, its ``--eval.*`` flags spelled out, writing into ``<out>/runs/<name>/``
+with its output in ``train.log``. This module builds that command, reads a run directory to decide
+what this invocation does with it (skip it when its last step is evaluated, resume it from its
+newest checkpoint, restart one that never reached a checkpoint, refuse one of another task), runs the
+processes ``--jobs`` at a time and reports each failure with the tail of its log. It is kept apart
+from the flag checking and from the report so that the subprocess and run-directory logic stands on
+its own, and tests can replace ``launch`` with fabricated runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from dimuon.bench.quality_config import Config, RunSpec
+from dimuon.metrics.eval_run import load_results, pick_series
+from dimuon.metrics.eval_settings import EvalSettings
+from dimuon.train.checkpoint import list_checkpoints
+
+LOG_NAME = "train.log"
+TAIL_LINES = 15
+# What a run in each mode is reported as having been.
+ACTIONS = {"new": "started", "resume": "resumed", "restart": "restarted"}
+
+
+@dataclass
+class Outcome:
+    """What this invocation did with one run (skipped, started, resumed, restarted, refused) and how it ended."""
+
+    spec: RunSpec
+    action: str
+    command: list[str] | None = None
+    returncode: int | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def eval_interval(cfg: Config) -> int:
+    """Steps between evaluations: --eval.interval, or a quarter of the run."""
+    return cfg.eval.interval if cfg.eval.interval is not None else max(1, cfg.steps // 4)
+
+
+def threads_per_run(cfg: Config) -> int | None:
+    """--threads, or with several jobs the cores shared out among them (None: torch's own choice)."""
+    if cfg.threads is not None or cfg.jobs == 1:
+        return cfg.threads
+    return max(1, (os.cpu_count() or 1) // cfg.jobs)
+
+
+def eval_flags(cfg: Config) -> list[str]:
+    """Every evaluation setting as a ``dimuon train --eval.*`` flag, spelled out so each run records it."""
+    values = {f.name: getattr(cfg.eval, f.name) for f in fields(cfg.eval)}
+    values.update(interval=eval_interval(cfg), cache_dir=cfg.eval.cache_dir or cfg.out / "feature_cache")
+    flags: list[str] = []
+    for name, value in values.items():
+        flag = "--eval." + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--eval.no-" + name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = "new") -> list[str]:
+    """The ``dimuon train`` command of one run; ``mode`` resume continues it, restart replaces its files."""
+    run_dir = cfg.out / "runs" / spec.name
+    cmd = [sys.executable, "-m", "dimuon.cli", "train", "--out", str(run_dir),
+           "--optimizer", spec.optimizer, "--lr", repr(spec.lr), "--seed", str(spec.seed),
+           "--model", cfg.model, "--dataset", cfg.dataset, "--steps", str(cfg.steps),
+           "--batch-size", str(cfg.batch_size), "--no-progress"]
+    threads = threads_per_run(cfg)
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    cmd += [*eval_flags(cfg), *extra]
+    if mode == "resume":
+        cmd += ["--resume", str(run_dir)]
+    elif mode == "restart":
+        cmd.append("--overwrite")
+    return cmd
+
+
+def find_series(run_dir: Path, settings: EvalSettings) -> dict[str, Any] | None:
+    """The run's evaluation series made with ``settings``, or None while it has none."""
+    path = run_dir / "eval" / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        return pick_series(load_results(path), settings, path)[1]
+    except ValueError:
+        return None
+
+
+def ok_entries(series: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The successfully scored entries of a series, in step order (none without a series)."""
+    return [e for e in (series or {}).get("entries", []) if e.get("status") == "ok"]
+
+
+def is_finished(run_dir: Path, settings: EvalSettings, steps: int) -> bool:
+    """Whether the run's last step is evaluated with ``settings``."""
+    return any(e["step"] == steps for e in ok_entries(find_series(run_dir, settings)))
+
+
+def run_mode(run_dir: Path, settings: EvalSettings, steps: int) -> str:
+    """done (last step evaluated), resume (a complete checkpoint), restart (files, no checkpoint) or new."""
+    if is_finished(run_dir, settings, steps):
+        return "done"
+    if list_checkpoints(run_dir):
+        return "resume"
+    if run_dir.is_dir() and any(p.name != LOG_NAME for p in run_dir.iterdir()):
+        return "restart"
+    return "new"
+
+
+def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
+    """Why ``run_dir`` holds a run of another task, grid point or a longer schedule (not to be reused), else None."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a torn config is rewritten by the restarted run
+    want = {"model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size,
+            "optimizer": spec.optimizer, "lr": spec.lr, "seed": spec.seed}
+    diff = [f"{k} {saved.get(k)!r} (asked for {v!r})" for k, v in want.items() if saved.get(k) != v]
+    if isinstance(saved.get("steps"), int) and saved["steps"] > cfg.steps:  # more steps continue a run; fewer cannot
+        diff.append(f"steps {saved['steps']} (asked for {cfg.steps})")
+    if not diff:
+        return None
+    return f"{run_dir} holds a run with {', '.join(diff)}; use another --out or delete that directory"
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (empty if it does not exist)."""
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+
+def launch(cmd: Sequence[str], log_path: Path, threads: int | None) -> int:
+    """Run one command with its output appended to ``log_path`` (after a ``$ command`` line); its exit status."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        return subprocess.run(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+
+
+def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
+    """Bring one run to its evaluated last step: skip it if it is there, else start, resume or restart it."""
+    run_dir = cfg.out / "runs" / spec.name
+    foreign = foreign_run(run_dir, cfg, spec)
+    if foreign is not None:
+        return Outcome(spec, "refused", error=foreign)
+    mode = run_mode(run_dir, cfg.eval, cfg.steps)
+    if mode == "done":
+        return Outcome(spec, "skipped", returncode=0)
+    cmd = train_command(cfg, spec, extra, mode)
+    start = time.perf_counter()
+    try:
+        code = launch(cmd, run_dir / LOG_NAME, threads_per_run(cfg))
+    except OSError as exc:
+        return Outcome(spec, ACTIONS[mode], cmd, None, time.perf_counter() - start, f"could not start: {exc}")
+    outcome = Outcome(spec, ACTIONS[mode], cmd, code, time.perf_counter() - start)
+    if code != 0:
+        outcome.error = f"dimuon train exited with status {code}"
+    elif not is_finished(run_dir, cfg.eval, cfg.steps):
+        outcome.error = f"dimuon train finished without an evaluation of step {cfg.steps} with these --eval.* settings"
+    return outcome
+
+
+def failure_message(cfg: Config, outcome: Outcome) -> str:
+    """A failed run's error, log path and the tail of its log."""
+    log = cfg.out / "runs" / outcome.spec.name / LOG_NAME
+    tail = log_tail(log) if outcome.command else ""
+    text = f"run {outcome.spec.name} failed: {outcome.error}"
+    if tail:
+        text += f"\n  last lines of {log}:\n" + "\n".join("    " + line for line in tail.splitlines())
+    return text
+
+
+def run_grid(cfg: Config, specs: Sequence[RunSpec], extra: dict[str, list[str]]) -> list[Outcome]:
+    """Execute every run, ``--jobs`` at a time, reporting failures as they happen; outcomes in grid order.
+
+    ``extra`` holds each optimizer's further ``dimuon train`` flags (``quality.train_args_of``)."""
+    outcomes: dict[RunSpec, Outcome] = {}
+    bar = tqdm(total=len(specs), unit="run", desc="quality bench", disable=not cfg.progress)
+    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+        futures = {pool.submit(execute, cfg, s, extra[s.optimizer]): s for s in specs}
+        for future in as_completed(futures):
+            outcome = future.result()
+            outcomes[outcome.spec] = outcome
+            if outcome.error:
+                tqdm.write(failure_message(cfg, outcome), file=sys.stderr)
+            bar.set_postfix_str(f"{outcome.spec.name} {outcome.action}", refresh=False)
+            bar.update(1)
+    bar.close()
+    return [outcomes[s] for s in specs]
