@@ -18,3 +18,14 @@ def straight_and_resumed(rank: int, world: int, base: dict[str, Any], out_a: str
 def train_once(rank: int, world: int, base: dict[str, Any], out: str) -> dict:
     """Train ``base`` once into ``out`` (every rank returns its summary)."""
     return train(TrainConfig(out=out, **base))
+
+
+def config_error(rank: int, world: int, base: dict[str, Any], out: str) -> str | None:
+    """The ConfigError message that training ``base`` raises on this rank (None if it trains)."""
+    from dimuon.train import ConfigError
+
+    try:
+        train(TrainConfig(out=out, **base))
+    except ConfigError as e:
+        return str(e)
+    return None

@@ -200,7 +200,7 @@ def test_default_eval_interval_and_threads(tmp_path):
     cfg = tiny_config(tmp_path, steps=1000, eval=QualityEval(), threads=None)
     assert quality_runs.eval_interval(cfg) == 250 and quality_runs.threads_per_run(cfg) is None
     assert quality_runs.threads_per_run(dataclasses.replace(cfg, jobs=64)) == 1
-    assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp")
+    assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp", "torch_muon")
 
 
 def test_notes_flag_muon_bp_without_blocks_and_a_missing_baseline(tmp_path):

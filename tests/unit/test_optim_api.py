@@ -255,7 +255,7 @@ def test_build_names_and_options():
     adamw = build("adamw", model, lr=1e-3)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.95)
     assert build("periodic_row_muon", model, k=4).param_groups[0]["k"] == 4
-    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp'\)"):
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp', 'torch_muon'\)"):
         build("sgd", model)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['period'\]"):
         build("periodic_row_muon", model, period=3)

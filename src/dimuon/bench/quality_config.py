@@ -39,7 +39,7 @@ class Config:
     """Generation quality and training cost of the optimizers, side by side on one DiT task."""
 
     optimizers: tuple[str, ...] = tuple(OPTIMIZERS)
-    """Optimizers to train, from: adamw muon periodic_row_muon muon_bp."""
+    """Optimizers to train, from: adamw muon periodic_row_muon muon_bp torch_muon."""
     lrs: tuple[float, ...] = (TRAIN_DEFAULTS.lr,)
     """Peak learning rates tried for every optimizer without an --lr-grid entry."""
     lr_grid: tuple[str, ...] = ()

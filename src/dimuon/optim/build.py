@@ -11,12 +11,14 @@ from torch import nn
 from dimuon.optim.core import MuonFamily
 from dimuon.optim.grouping import param_groups
 from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
+from dimuon.optim.torch_muon import TorchMuonAdamW
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "muon": Muon,
     "periodic_row_muon": PeriodicRowMuon,
     "muon_bp": MuonBP,
+    "torch_muon": TorchMuonAdamW,
 }
 
 # AdamW defaults that match the AdamW group of the Muon-family optimizers (ALGORITHMS.md 5).
@@ -36,10 +38,11 @@ def _accepted_options(cls: type) -> set[str]:
 
 
 def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimizer:
-    """Optimizer ``name`` (``adamw``, ``muon``, ``periodic_row_muon``, ``muon_bp``) over ``params``.
+    """Optimizer ``name`` (``adamw``, ``muon``, ``periodic_row_muon``, ``muon_bp``, ``torch_muon``) over ``params``.
 
-    ``params`` may be a model (grouped with :func:`param_groups` for the Muon family; all of its
-    trainable parameters for AdamW), or anything a ``torch.optim`` optimizer accepts. Unknown
+    ``params`` may be a model (grouped with :func:`param_groups` for the Muon family and for
+    ``torch_muon``, PyTorch's Muon + AdamW; all of its trainable parameters for AdamW), or anything a
+    ``torch.optim`` optimizer accepts. Unknown
     option names raise a ``TypeError`` that lists the accepted ones.
     """
     if name not in OPTIMIZERS:
@@ -50,7 +53,7 @@ def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimi
     if unknown:
         raise TypeError(f"optimizer {name!r} got unknown option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
     if isinstance(params, nn.Module):
-        if issubclass(cls, MuonFamily):
+        if issubclass(cls, (MuonFamily, TorchMuonAdamW)):
             params = param_groups(params)
         else:
             params = [p for p in params.parameters() if p.requires_grad]

@@ -120,7 +120,7 @@ class TrainConfig:
 
     # --- optimization
     optimizer: str = "periodic_row_muon"
-    """adamw | muon | periodic_row_muon | muon_bp."""
+    """adamw | muon | periodic_row_muon | muon_bp | torch_muon (torch.optim.Muon + AdamW, one process)."""
     optim: OptimOptions = field(default_factory=OptimOptions)
     lr: float = 1e-2
     """Peak learning rate (shared by the Muon and AdamW groups of the Muon family)."""

@@ -121,7 +121,10 @@ def _train(cfg: TrainConfig, env: DistEnv, stop_after: int | None) -> dict[str, 
     model.to(env.device)
     if env.distributed:
         shard_model(model, env)
-    opt = build(cfg.optimizer, model, **optimizer_kwargs(cfg))
+    try:
+        opt = build(cfg.optimizer, model, **optimizer_kwargs(cfg))
+    except NotImplementedError as e:  # e.g. a one-process baseline asked to run on sharded parameters
+        raise ConfigError(f"--optimizer {cfg.optimizer}: {e}") from None
     ema = EMA(model, cfg.ema_decay, warmup=cfg.ema_warmup)
 
     meta = {

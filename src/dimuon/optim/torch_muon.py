@@ -1,0 +1,108 @@
+"""``TorchMuonAdamW``: PyTorch's own ``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest.
+
+The baseline as PyTorch ships it, behind the same parameter groups and the same ``build`` call as dimuon's
+optimizers, so the harness and the benchmarks can train with it side by side. One process only: on
+sharded (DTensor) parameters ``torch.optim.Muon`` would orthogonalize each rank's shard, which is MuonBP's
+block step, not Muon.
+
+The two inner optimizers hold the very group dicts this optimizer lists in ``param_groups``, so a
+training loop or LR scheduler that sets ``group["lr"]`` drives both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["TorchMuonAdamW"]
+
+
+class TorchMuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` (groups with ``algorithm="muon"``) and ``torch.optim.AdamW`` (the other groups) in one.
+
+    ``params`` are groups as :func:`dimuon.optim.param_groups` makes them. Defaults follow dimuon's
+    Muon: no weight decay, momentum 0.95 with Nesterov, 5 quintic Newton-Schulz steps, and
+    ``adjust_lr_fn="match_rms_adamw"`` so that one lr fits both groups.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "match_rms_adamw",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ) -> None:
+        groups = list(params)
+        if not groups or not all(isinstance(g, dict) and "algorithm" in g for g in groups):
+            raise ValueError(
+                "TorchMuonAdamW takes parameter groups with an 'algorithm' key: pass dimuon.optim.param_groups(model) "
+                "or a model to dimuon.optim.build('torch_muon', model)"
+            )
+        unknown = sorted({g["algorithm"] for g in groups} - {"muon", "adamw"})
+        if unknown:
+            raise ValueError(f"group algorithm must be 'muon' or 'adamw', got {unknown}")
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for p in _tensors(group):
+                if hasattr(p, "device_mesh"):
+                    raise NotImplementedError(
+                        "torch_muon runs in one process only: on sharded (DTensor) parameters torch.optim.Muon would "
+                        "orthogonalize each shard; use 'muon' (sharded Newton-Schulz) instead"
+                    )
+        muon = [g for g in self.param_groups if g["algorithm"] == "muon"]
+        adamw = [g for g in self.param_groups if g["algorithm"] == "adamw"]
+        # The inner optimizers adopt these dicts (add_param_group keeps the object), so lr changes reach them.
+        self._muon = torch.optim.Muon(
+            muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        ) if muon else None
+        self._adamw = torch.optim.AdamW(
+            adamw, lr=lr, weight_decay=weight_decay, betas=adamw_betas, eps=adamw_eps
+        ) if adamw else None
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt in (self._muon, self._adamw) if opt is not None]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Muon step on the matrices and one AdamW step on the rest; the closure is evaluated once."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self._inner():
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizers' state dicts (one process: save with ``torch.save``)."""
+        return {
+            "muon": None if self._muon is None else self._muon.state_dict(),
+            "adamw": None if self._adamw is None else self._adamw.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore from :meth:`state_dict`, then share the reloaded group dicts again."""
+        for key, opt in (("muon", self._muon), ("adamw", self._adamw)):
+            if (opt is None) != (state_dict.get(key) is None):
+                raise ValueError(f"state dict has {'no ' if opt is not None else ''}{key} part, this optimizer "
+                                 f"{'has' if opt is not None else 'has none'}")
+            if opt is not None:
+                opt.load_state_dict(state_dict[key])
+        reloaded = iter([*(self._muon.param_groups if self._muon else []),
+                         *(self._adamw.param_groups if self._adamw else [])])
+        by_algorithm: dict[str, list[dict[str, Any]]] = {"muon": [], "adamw": []}
+        for group in reloaded:
+            by_algorithm[group["algorithm"]].append(group)
+        self.param_groups = [by_algorithm[g["algorithm"]].pop(0) for g in self.param_groups]
+
+
+def _tensors(group: dict[str, Any]) -> list[torch.Tensor]:
+    return [p[1] if isinstance(p, tuple) else p for p in group["params"]]
