@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dimuon.bench.quality_config import Config
-from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, ok_entries, train_command
+from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, series_entries, train_command
 from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.metrics import eval_run
 from dimuon.metrics.eval_run import describe_settings, save_figure_atomic
@@ -61,7 +61,7 @@ def cost_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
     """Best FD (with its step) and the last evaluation's scores of a series (Nones without one)."""
-    ok = ok_entries(series)
+    ok = series_entries(series)
     if not ok:
         return {"evaluations": 0, "eval_step": None, "fd": None, "best_fd": None, "best_fd_step": None,
                 "precision": None, "recall": None, "density": None, "coverage": None,

@@ -25,7 +25,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from dimuon.bench.quality_config import Config, RunSpec
-from dimuon.metrics.eval_run import load_results, pick_series
+from dimuon.metrics.eval_run import load_results, ok_entries, pick_series
 from dimuon.metrics.eval_settings import EvalSettings
 from dimuon.train.checkpoint import list_checkpoints
 
@@ -102,14 +102,14 @@ def find_series(run_dir: Path, settings: EvalSettings) -> dict[str, Any] | None:
         return None
 
 
-def ok_entries(series: dict[str, Any] | None) -> list[dict[str, Any]]:
+def series_entries(series: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The successfully scored entries of a series, in step order (none without a series)."""
-    return [e for e in (series or {}).get("entries", []) if e.get("status") == "ok"]
+    return ok_entries(series["entries"]) if series else []
 
 
 def is_finished(run_dir: Path, settings: EvalSettings, steps: int) -> bool:
     """Whether the run's last step is evaluated with ``settings``."""
-    return any(e["step"] == steps for e in ok_entries(find_series(run_dir, settings)))
+    return any(e["step"] == steps for e in series_entries(find_series(run_dir, settings)))
 
 
 def run_mode(run_dir: Path, settings: EvalSettings, steps: int) -> str:

@@ -141,6 +141,11 @@ def active_time_from_metrics(run: Path, step: int) -> float | None:
     return None if best is None else best[1]
 
 
+def feature_cache_dir(run: Path, settings: EvalSettings) -> Path:
+    """The feature cache of a run's evaluations: ``settings.cache_dir``, or ``<run>/eval/feature_cache``."""
+    return Path(settings.cache_dir or Path(run) / "eval" / "feature_cache")
+
+
 def truncate_results(run: Path, max_step: int) -> int:
     """Drop every series' entries (and grids) after `max_step`: a run resumed there rewrites them; returns how many."""
     path = Path(run) / "eval" / "results.json"
@@ -238,7 +243,8 @@ def markdown(results: dict[str, Any], run_name: str) -> str:
     return "\n".join(lines)
 
 
-def _ok(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def ok_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The successfully scored entries of a series (failed checkpoints are recorded too)."""
     return [e for e in entries if e.get("status") == "ok"]
 
 
@@ -262,7 +268,7 @@ def plot_series(ev: dict[str, Any], run_name: str, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = _ok(ev["entries"])
+    entries = ok_entries(ev["entries"])
     s, ref = ev["settings"], ev.get("reference")
     written = []
     for xkey, xlabel, name in (
@@ -337,7 +343,7 @@ class RunEvaluation:
     @property
     def cache_dir(self) -> Path:
         """Where the feature classifier and the real-set features are cached."""
-        return Path(self.settings.cache_dir or self.out_dir / "feature_cache")
+        return feature_cache_dir(self.run, self.settings)
 
     @property
     def series(self) -> dict[str, Any]:
@@ -346,7 +352,7 @@ class RunEvaluation:
 
     def done_steps(self) -> set[int]:
         """Steps of this series already scored (failed ones are retried)."""
-        return {e["step"] for e in _ok(self.series["entries"])}
+        return {e["step"] for e in ok_entries(self.series["entries"])}
 
     def setup(self, info: dict[str, Any]) -> None:
         """Build the evaluator from the first loadable checkpoint's data set, and open this settings' series."""
@@ -515,7 +521,7 @@ def run_label(run: Path) -> str:
 
 def summarize(entries: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     """Best and last FD of a series, and the first step and active time at which FD <= target."""
-    ok = _ok(entries)
+    ok = ok_entries(entries)
     best = min(ok, key=lambda e: e["fd"])
     reach = next((e for e in ok if target is not None and e["fd"] <= target), None)
     return {
@@ -545,7 +551,7 @@ def compare_runs(cfg: Config) -> dict[str, Any]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: run 'dimuon eval --run {run}' first")
         key, ev = pick_series(load_results(path), cfg, path)
-        if not _ok(ev["entries"]):
+        if not ok_entries(ev["entries"]):
             raise ValueError(f"{path}: series {key} has no successfully evaluated checkpoint")
         runs.append({"run": str(run), "name": run_label(Path(run)), "key": key, "series": ev})
     spaces = {r["series"]["settings"]["feature_key"] for r in runs}
@@ -556,18 +562,18 @@ def compare_runs(cfg: Config) -> dict[str, Any]:
     if len({r["series"]["settings"]["num_real"] for r in runs}) > 1:
         warnings.warn("the runs were scored against real sets of different sizes", stacklevel=2)
     # The FD every run reaches: the worst of the best. Time to reach it compares optimizers at equal quality.
-    target = max(min(e["fd"] for e in _ok(r["series"]["entries"])) for r in runs)
+    target = max(min(e["fd"] for e in ok_entries(r["series"]["entries"])) for r in runs)
     for r in runs:
         r["summary"] = summarize(r["series"]["entries"], target)
 
     settings = runs[0]["series"]["settings"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
-        ok = _ok(r["series"]["entries"])
+        ok = ok_entries(r["series"]["entries"])
         axes[0].plot([e["step"] for e in ok], [e["fd"] for e in ok], "o-", label=r["name"])
         timed = [e for e in ok if e.get("active_time_s") is not None]
         axes[1].plot([e["active_time_s"] for e in timed], [e["fd"] for e in timed], "o-", label=r["name"])
-    all_fd = [e["fd"] for r in runs for e in _ok(r["series"]["entries"])]
+    all_fd = [e["fd"] for r in runs for e in ok_entries(r["series"]["entries"])]
     for ax, xlabel in zip(axes, ("training step", "active training time (s)")):
         ax.set_xlabel(xlabel)
         _fd_axes(ax, all_fd)

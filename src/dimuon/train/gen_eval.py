@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dimuon.dit import EMA, DiT
-from dimuon.metrics.eval_run import RunEvaluation
+from dimuon.metrics.eval_run import RunEvaluation, feature_cache_dir
 from dimuon.metrics.eval_settings import EvalSettings, build_evaluator
 from dimuon.metrics.generation import GenerationEvaluator
 from dimuon.train.distributed import DistEnv, all_gather_objects, on_main
@@ -71,7 +71,7 @@ class TrainingEvaluator:
                 evaluator = self.store.evaluator
             else:
                 ds = meta["dataset"]
-                cache = RunEvaluation(run_dir, settings, env.device, progress=False).cache_dir
+                cache = feature_cache_dir(run_dir, settings)
                 evaluator = build_evaluator(
                     settings, ds["name"], dict(ds.get("kwargs") or {}), cache, env.device, progress=False
                 )
@@ -84,15 +84,6 @@ class TrainingEvaluator:
         store.setup(meta)
         store.save()
         self.store = store
-
-    @property
-    def key(self) -> str | None:
-        """Settings key of the results series (rank 0; None elsewhere)."""
-        return None if self.store is None else self.store.key
-
-    @property
-    def feature_space(self) -> str:
-        return self.evaluator.feature_space
 
     def __call__(self, model: nn.Module, ema: EMA, step: int, active_time_s: float) -> dict[str, Any]:
         """Evaluate the current weights on every rank; returns the recorded entry (on every rank)."""
