@@ -86,6 +86,16 @@ def test_state_dict_round_trip_continues_exactly() -> None:
         assert torch.equal(a, b)
 
 
+def test_state_dict_of_another_grouping_is_refused() -> None:
+    model = tiny_model()
+    state = build("torch_muon", model).state_dict()
+    matrices_only = TorchMuonAdamW([g for g in param_groups(model) if g["algorithm"] == "muon"])
+    with pytest.raises(ValueError, match="its 'adamw' part is present, but this optimizer has no adamw groups"):
+        matrices_only.load_state_dict(state)
+    with pytest.raises(ValueError, match="its 'adamw' part is missing, but this optimizer has adamw groups"):
+        build("torch_muon", model).load_state_dict({**state, "adamw": None})
+
+
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="'algorithm' key"):
         TorchMuonAdamW([nn.Parameter(torch.randn(4, 4))])

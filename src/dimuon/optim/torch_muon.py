@@ -92,8 +92,11 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         """Restore from :meth:`state_dict`, then share the reloaded group dicts again."""
         for key, opt in (("muon", self._muon), ("adamw", self._adamw)):
             if (opt is None) != (state_dict.get(key) is None):
-                raise ValueError(f"state dict has {'no ' if opt is not None else ''}{key} part, this optimizer "
-                                 f"{'has' if opt is not None else 'has none'}")
+                raise ValueError(
+                    f"state_dict does not match this optimizer: its {key!r} part is "
+                    f"{'missing' if opt is not None else 'present'}, but this optimizer has "
+                    f"{'' if opt is not None else 'no '}{key} groups"
+                )
             if opt is not None:
                 opt.load_state_dict(state_dict[key])
         reloaded = iter([*(self._muon.param_groups if self._muon else []),
