@@ -21,7 +21,8 @@ class Candidate:
     """One thing to time: ``fn`` is called ``calls`` times in a row per sample (e.g. a whole period).
 
     A sample is the mean time per call of those ``calls`` calls; ``warmup`` samples are taken first
-    and thrown away.
+    and thrown away. ``setup``, if given, runs untimed before every sample (e.g. to put the same
+    gradients back).
     """
 
     name: str
@@ -29,6 +30,7 @@ class Candidate:
     repeats: int
     warmup: int = 1
     calls: int = 1
+    setup: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -87,12 +89,16 @@ def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str
         for c in candidates:
             bar.set_postfix_str(f"{c.name} (warm-up)")
             for _ in range(c.warmup):
+                if c.setup is not None:
+                    c.setup()
                 time_calls(c.fn, c.calls)
                 bar.update(c.calls)
         for round_ in range(max(c.repeats for c in candidates)):
             for c in candidates:
                 if round_ < c.repeats:
                     bar.set_postfix_str(c.name)
+                    if c.setup is not None:
+                        c.setup()
                     results[c.name].samples.append(time_calls(c.fn, c.calls))
                     bar.update(c.calls)
     return results

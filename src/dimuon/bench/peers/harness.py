@@ -1,0 +1,55 @@
+"""What the benchmarks need to time a peer beside dimuon: the same gradients every step, a first step that
+may fail without ending the run, and a plain word on bf16 Newton-Schulz on this CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+# CPU features (``bench.report.cpu_flags``) that give bf16 matrix products their own hardware.
+BF16_UNITS = ("amx_bf16", "avx512_bf16")
+
+
+class GradientSnapshot:
+    """The gradients of ``params`` as they are now, put back before every timed step.
+
+    Some peers write into ``p.grad`` (muon-fsdp2 leaves its update there, dtensor-muon adds the
+    Nesterov term in place) or drop it; every optimizer of a run must step on the same gradients.
+    """
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        self._saved = [(p, p.grad.detach().clone()) for p in params if p.grad is not None]
+
+    def restore(self) -> None:
+        for p, saved in self._saved:
+            grad = p.grad
+            if (grad is not None and type(grad) is type(saved) and grad.shape == saved.shape
+                    and grad.dtype == saved.dtype and getattr(grad, "placements", None) == getattr(saved, "placements", None)):
+                grad.detach().copy_(saved)
+            else:
+                p.grad = saved.clone()
+
+
+def first_step(opt: Any, snapshot: GradientSnapshot) -> str | None:
+    """One untimed step on the saved gradients; the error in one line if it raises, None if it ran."""
+    snapshot.restore()
+    try:
+        opt.step()
+    except Exception as err:  # the row says why, the other optimizers still run
+        text = str(err).strip().splitlines()
+        return f"its step fails: {type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+    finally:
+        snapshot.restore()
+    return None
+
+
+def bf16_note(cpu_flags: Sequence[str], device_type: str = "cpu") -> str:
+    """What bf16 Newton-Schulz means for the speed on this machine (for the rows that hard-code it)."""
+    if device_type != "cpu":
+        return "bf16 NS"
+    units = [f for f in BF16_UNITS if f in cpu_flags]
+    if units:
+        return f"bf16 NS: this CPU has bf16 units ({', '.join(units)}), fast here; 7-100x slower on CPUs without"
+    return "bf16 NS on a CPU without bf16 units: slow here (fp32 would be faster)"
