@@ -66,6 +66,8 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     out["full_tensor"] = _count(lambda: shard.full_tensor())
     out["replicate_to_shard"] = _count(lambda: DTensor.from_local(torch.ones(8, 3), mesh, [Replicate()])
                                        .redistribute(mesh, [Shard(0)]).to_local())
+    out["shard0_to_shard1"] = _count(lambda: DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)])
+                                     .redistribute(mesh, [Shard(1)]).to_local())
     out["partial_to_replicate"] = _count(lambda: DTensor.from_local(torch.ones(4), mesh, [Partial()])
                                          .redistribute(mesh, [Replicate()]).to_local())
     dist.barrier()
@@ -110,29 +112,44 @@ def dimuon_counts(rank: int, world: int, steps: int = 3) -> dict[str, list[tuple
     return out
 
 
-def small_sharded(world: int) -> nn.Module:
-    """Two 32 x 32 hidden matrices (rows divide by 2 and 4), biases and a LayerNorm, FSDP2 on a 1-D mesh."""
+def small(world: int | None) -> nn.Module:
+    """Two 32 x 32 hidden matrices (rows divide by 2 and 4), biases and a LayerNorm, with seeded gradients;
+    FSDP2 on a 1-D mesh of ``world`` ranks unless ``world`` is None (the same values either way)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+    if world is None:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))
-    mesh = init_device_mesh("cpu", (world,))
-    fully_shard(model, mesh=mesh)
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, p.placements,
-                                   src_data_rank=None)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
     return model
+
+
+def first_update(key: str, model: nn.Module) -> list[torch.Tensor]:
+    """The change of every hidden matrix (whole, on every rank) in peer ``key``'s first step."""
+    muon, rest = muon_and_rest(model)
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in muon]
+    before = [t.clone() for t in full]
+    build_peer(key, muon, rest, lr=1e-2).step()
+    after = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in muon]
+    return [a - b for a, b in zip(after, before)]
 
 
 def peer_traffic(rank: int, world: int) -> dict[str, Any]:
     """Every peer on a small FSDP2 model: its status, and one step's call-boundary count after a first step."""
-    model = small_sharded(world)
+    out_update = first_update("torch_muon", small(world))
+    model = small(world)
     muon, rest = muon_and_rest(model)
     snapshot = GradientSnapshot(model.parameters())
-    out: dict[str, Any] = {"shard_bytes": [p.to_local().numel() * 4 for p in muon]}
+    out: dict[str, Any] = {"shard_bytes": [p.to_local().numel() * 4 for p in muon], "torch_muon_update": out_update}
     for key in PEERS:
         status = probe(key, "cpu", "fsdp2")
         entry: dict[str, Any] = {"status": status.to_dict()}

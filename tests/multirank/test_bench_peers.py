@@ -45,6 +45,7 @@ def test_dtensor_redistributions_are_seen_through_the_functional_collectives(col
     for c in collectives:
         assert c["full_tensor"] == _one("all_gather", 3 * 2 * 3 * F32)
         assert c["replicate_to_shard"] == {}  # a local slice, no communication
+        assert c["shard0_to_shard1"] == _one("all_to_all", 2 * 8 * F32 * 3 // 4)  # booked once, as an all-to-all
         assert c["partial_to_replicate"] == _one("all_reduce", 2 * 4 * F32 * 3 // 4)
 
 
@@ -64,6 +65,14 @@ def test_dimuon_comm_stats_equal_the_call_boundary_count(dimuon_counts, case):
 @pytest.fixture(scope="module")
 def peers():
     return run_gloo(ps.peer_traffic, 2, timeout_s=600)
+
+
+def test_torch_optim_muon_under_fsdp2_takes_the_whole_matrix_step(peers):
+    # DTensor's op rules gather what each product needs: the update is the one-process one, up to the
+    # rounding of its bf16 Newton-Schulz (orthogonalizing each half of a 32 x 32 matrix apart differs by 0.5).
+    local = ps.first_update("torch_muon", ps.small(None))
+    for sharded, one_process in zip(peers[0]["torch_muon_update"], local):
+        assert ((sharded - one_process).norm() / one_process.norm()).item() < 0.05
 
 
 @pytest.mark.parametrize("key", list(PEERS))

@@ -19,10 +19,11 @@ group size and ``N`` the bytes of the tensor named:
 - Only the outermost call is booked, under its own kind, so a collective implemented with others
   (``all_gather_into_tensor`` -> ``all_gather_single``) counts once. Object collectives
   (``all_gather_object``, ...) count one call and the bytes of the tensor collectives they issue.
+- DTensor's ``Shard(i) -> Shard(j)`` redistribution (``shard_dim_alltoall``) is booked as the
+  all-to-all it is, on every backend (gloo runs it as an all-gather plus a local chunk).
 
-Not seen: collectives called as ``torch.ops`` directly (e.g. ``torch.ops._dtensor.shard_dim_alltoall``
-on GPUs), inside a ``torch.compile``d graph, or through a reference bound before entering and held
-elsewhere than a module attribute.
+Not seen: collectives called as ``torch.ops`` directly by other code, inside a ``torch.compile``d
+graph, or through a reference bound before entering and held elsewhere than a module attribute.
 """
 
 from __future__ import annotations
@@ -228,6 +229,10 @@ def _funcol_permute(a: dict[str, Any]) -> int:
     return _nbytes(a["self"]) if sources and sources[0] != rank else 0
 
 
+def _dtensor_shard_dim_alltoall(a: dict[str, Any]) -> int:
+    return _all_but_own_share(_nbytes(a["input"]), a["mesh"].size(a["mesh_dim"]))
+
+
 @dataclass(frozen=True)
 class _Rule:
     kind: str
@@ -282,6 +287,13 @@ _FUNCOL_RULES: dict[str, _Rule] = {
     "all_to_all_single_autograd": _Rule("all_to_all", _funcol_all_to_all_single),
     "broadcast": _Rule("broadcast", _funcol_broadcast),
     "permute_tensor": _Rule("permute", _funcol_permute),
+}
+
+
+# DTensor's Shard(i) -> Shard(j) redistribution: an all-to-all on NCCL (through torch.ops, which no
+# Python wrapper sees), an all-gather and a local chunk on gloo; booked once, as the all-to-all it is.
+_DTENSOR_RULES: dict[str, _Rule] = {
+    "shard_dim_alltoall": _Rule("all_to_all", _dtensor_shard_dim_alltoall),
 }
 
 
@@ -345,9 +357,10 @@ def _wrap(original: Callable[..., Any], rule: _Rule) -> Callable[..., Any]:
 def _targets() -> list[tuple[ModuleType, str, _Rule]]:
     import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.tensor._collective_utils as dtensor_collectives
 
     out = []
-    for module, rules in ((c10d, _C10D_RULES), (funcol, _FUNCOL_RULES)):
+    for module, rules in ((c10d, _C10D_RULES), (funcol, _FUNCOL_RULES), (dtensor_collectives, _DTENSOR_RULES)):
         for name, rule in rules.items():
             if callable(getattr(module, name, None)):
                 out.append((module, name, rule))
