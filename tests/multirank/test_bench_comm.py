@@ -3,13 +3,16 @@
 import json
 
 import pytest
+import torch
 
 from dimuon.bench import comm
 from dimuon.optim import param_groups
 
 WORLD = 2
 TINY = ["--world", str(WORLD), "--model", "DiT-T/2", "--depth", "1", "--input-size", "8", "--num-classes", "10",
-        "--repeats", "1", "--warmup", "1", "--no-progress"]
+        "--repeats", "1", "--warmup", "1", "--no-progress",
+        # torch.optim.Muon runs everywhere; dtensor-muon never on a CPU (not installed, no Triton, or no CUDA).
+        "--peers", "torch_muon", "dtensor_muon"]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +38,13 @@ def _gather_bytes_per_step() -> int:
 @pytest.mark.multirank
 def test_every_optimizer_reported_with_bytes_calls_and_ratios(record):
     opts = record["optimizers"]
-    assert list(opts) == list(comm.VARIANTS)
+    assert list(opts) == [*comm.VARIANTS, "torch_muon"]
     assert record["world"] == WORLD and record["backend"] == "gloo" and record["threads_per_rank"] == 1
     assert record["launcher"] == "spawn" and record["machine"]["torch"] and record["machine"]["date"]
-    for key, o in opts.items():
+    for key in comm.VARIANTS:
+        o = opts[key]
+        assert o["own_matches_boundary"] is True, key  # dimuon's own counters = the call-boundary count
+        assert o["boundary_bytes_per_step"] == o["bytes_per_step"] + o["check"]["bytes_per_step"], key
         assert o["steps_timed"] == o["period"] == comm.VARIANTS[key].period, key
         assert o["step_ms"] > 0 and len(o["step_ms_samples"]) == 1, key
         assert o["bytes_ratio_to_gather"] is not None and o["time_ratio_to_gather"] is not None, key
@@ -63,11 +69,25 @@ def test_every_optimizer_reported_with_bytes_calls_and_ratios(record):
     assert opts["muon_owner"]["ideal_bytes_ratio"] == pytest.approx(2 / WORLD)
 
 
+@pytest.mark.multirank
+def test_peers_are_rows_with_version_ns_dtype_and_counted_bytes(record):
+    tm = record["optimizers"]["torch_muon"]
+    assert tm["peer"] and tm["version"] == f"torch {torch.__version__}" and tm["ns_dtype"] == "bfloat16"
+    assert tm["boundary_bytes_per_step"] > 0 and tm["boundary_by_kind"]["all_gather"]["calls_per_step"] > 0
+    assert tm["own_matches_boundary"] is None and tm["exposed_ms_per_step"] is None and tm["step_ms"] > 0
+    assert tm["boundary_bytes_ratio_to_gather"] > 0 and tm["ideal_bytes_formula"] == "-"
+    dm = record["peers"]["dtensor_muon"]
+    assert not dm["runnable"] and dm["reason"].startswith("cannot run here: ") and "dtensor_muon" not in record[
+        "optimizers"]
+    assert record["config"]["peers"] == ["torch_muon", "dtensor_muon"]
+
+
 def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
     def step(t, nbytes):
         stats = {"all_gather": {"calls": 1, "bytes": nbytes, "exposed_s": t / 4},
                  "all_reduce[check]": {"calls": 1, "bytes": 4, "exposed_s": 0.0}}
-        return {"time_s": t, "stats": stats}
+        boundary = {"all_gather": {"calls": 1, "bytes": nbytes}, "all_reduce": {"calls": 1, "bytes": 4}}
+        return {"time_s": t, "stats": stats, "boundary": boundary}
 
     # Two periods of K = 2 on two ranks; rank 1 is slower on the first step of each period.
     rank0 = [step(1.0, 10), step(1.0, 0), step(1.0, 10), step(3.0, 0)]
@@ -77,10 +97,19 @@ def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
     assert s["bytes_per_step"] == 10.0  # mean over ranks of (20 / 4, 60 / 4)
     assert s["check"]["bytes_per_step"] == 4.0 and s["check"]["calls_per_step"] == 1.0
     assert s["exposed_share"] == pytest.approx(0.25)  # every rank blocked a quarter of each step
+    assert s["own_matches_boundary"] is True and s["boundary_bytes_per_step"] == 14.0  # votes included: 36/4, 76/4
+    rank1[3]["boundary"] = {}  # a step the two counts disagree on
+    assert comm.summarize_variant("prm_k2", [rank0, rank1])["own_matches_boundary"] is False
+    # A peer has no counters of its own: bytes from the boundary only, no exposed time.
+    peer = [[{**st, "stats": None} for st in steps] for steps in (rank0, rank1)]
+    p = comm.summarize_steps("peer", 1, peer)
+    assert p["own_matches_boundary"] is None and p["exposed_share"] is None and p["boundary_calls_per_step"] == 1.75
 
 
 def test_bad_options_are_refused_before_any_rank_starts(capsys):
     assert comm.main(["--optimizers", "sgd"]) == 2
     assert "--optimizers must name" in capsys.readouterr().err
+    assert comm.main(["--peers", "heavyball", "sgd"]) == 2
+    assert "--peers got unknown peer(s) ['sgd']" in capsys.readouterr().err
     assert comm.main(["--device", "cuda", "--launcher", "spawn"]) == 2
     assert "needs torchrun" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dimuon.bench import optimizer as bench
+from dimuon.bench.peers import PEERS, Peer
 from dimuon.bench.report import format_markdown_table, format_table, write_json_atomic
 from dimuon.bench.timing import Candidate, interleave
 from dimuon.optim import linalg
@@ -15,15 +16,22 @@ TINY = [
     "--depth", "1", "--hidden-size", "64", "--num-heads", "2", "--input-size", "8", "--num-classes", "10",
     "--repeats", "1", "--warmup", "0", "--ns-repeats", "1", "--no-progress", "--threads", "1",
 ]
+# torch.optim.Muon runs everywhere; dtensor-muon never on a CPU (not installed, no Triton, or no CUDA).
+PEERS_HERE = ["--peers", "torch_muon", "dtensor_muon"]
 
 
 def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     out = tmp_path / "bench" / "optimizer.json"
     threads = torch.get_num_threads()
-    assert bench.main([*TINY, "--out", str(out), "--markdown", str(tmp_path / "o.md")]) == 0
+    assert bench.main([*TINY, *PEERS_HERE, "--out", str(out), "--markdown", str(tmp_path / "o.md")]) == 0
     assert torch.get_num_threads() == threads  # --threads holds for the run only
     record = json.loads(out.read_text())
-    assert set(record["optimizers"]) == set(bench.OPTIMIZERS)
+    assert set(record["optimizers"]) == {*bench.OPTIMIZERS, "torch_muon"}
+    torch_muon, dtensor_muon = record["peers"]["torch_muon"], record["peers"]["dtensor_muon"]
+    assert torch_muon["runnable"] and torch_muon["version"] == torch.__version__
+    assert record["optimizers"]["torch_muon"]["ns_dtype"] == "bfloat16" and record["optimizers"]["torch_muon"]["peer"]
+    assert record["optimizers"]["muon"]["ns_dtype"] == "float32" and record["optimizers"]["muon"]["version"]
+    assert not dtensor_muon["runnable"] and dtensor_muon["reason"].startswith("cannot run here: ")
     for name, r in record["optimizers"].items():
         assert r["median_ms"] > 0 and r["min_ms"] > 0, name
         assert r["ratio_to_adamw"] > 0 and r["ratio_to_reference"] > 0, name
@@ -38,17 +46,51 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     assert record["model"]["muon_matrices"] == 7  # qkv, proj, fc1, fc2, adaLN, t-MLP 2nd linear, final adaLN
     printed = capsys.readouterr().out
     assert "dimuon Muon (Gram NS)" in printed and "Targets:" in printed
+    assert dtensor_muon["reason"] in printed and "bfloat16" in printed
     assert "| dimuon Muon (Gram NS) |" in (tmp_path / "o.md").read_text()
 
 
 def test_skip_and_per_optimizer_repeats(tmp_path):
     out = tmp_path / "o.json"
-    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "--repeats-of", "muon=2", "--no-ns-rate", "--out", str(out)]
+    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "--repeats-of", "muon=2", "--no-ns-rate", "--out", str(out),
+            *PEERS_HERE]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert "torch_muon" not in record["optimizers"] and "adamw_fused" not in record["optimizers"]
     assert record["optimizers"]["muon"]["repeats"] == 2
     assert record["ns_flop_rate"] is None and record["targets"][2]["met"] is None
+
+
+def _peer(key: str, distribution: str, builder) -> Peer:
+    return Peer(key, f"{key} peer", distribution, "torch", "bfloat16", "test", "test", builder, "0")
+
+
+def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp_path, monkeypatch):
+    class Failing:
+        def step(self):
+            raise RuntimeError("only 1-D meshes")
+
+    monkeypatch.setitem(PEERS, "ghost", _peer("ghost", "dimuon-no-such-package", None))
+    monkeypatch.setitem(PEERS, "failing", _peer("failing", "torch", lambda mod, muon, rest, lr: Failing()))
+    out = tmp_path / "o.json"
+    argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_bf16", "muon_bp", "periodic_row_muon", "reference_muon",
+            "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out", str(out)]
+    assert bench.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert set(record["optimizers"]) == {"adamw_foreach", "muon", "torch_muon"}
+    assert record["peers"]["ghost"]["reason"] == (
+        "cannot run here: dimuon-no-such-package is not installed (pip install 'dimuon[peers]')")
+    assert record["peers"]["failing"]["reason"] == "cannot run here: its step fails: RuntimeError: only 1-D meshes"
+    assert record["config"]["peers"] == ["ghost", "failing", "torch_muon"]
+
+
+def test_no_peers_and_bad_peer_names(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert bench.main([*TINY, "--no-peers", "--skip", "muon_gram", "--no-ns-rate", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["peers"] == {} and not any(r["peer"] for r in record["optimizers"].values())
+    assert bench.main(["--peers", "sgd"]) == 2
+    assert "--peers got unknown peer(s) ['sgd']" in capsys.readouterr().err
 
 
 def test_bad_override_names_the_flag():

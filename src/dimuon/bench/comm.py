@@ -2,11 +2,14 @@
 
 A registry DiT is sharded with FSDP2 (each block, then the root, on a 1-D mesh) and every
 parameter gets a seeded random gradient (the same full tensor on every rank, each rank keeps its
-rows). AdamW, Muon (gather and owner refresh), PeriodicRowMuon (K = 2, 3, 4) and MuonBP (P = 5)
-then step on it in turns. Per step and rank the benchmark records the wall time of ``opt.step()``
-(after a barrier) and the optimizer's own counters: logical bytes and calls per collective kind,
-and the seconds the rank sat blocked on each (communication that Newton-Schulz did not hide).
-Periodic optimizers are timed over whole periods and reported per step.
+rows). AdamW, Muon (gather and owner refresh), PeriodicRowMuon (K = 2, 3, 4) and MuonBP (P = 5),
+and the peers (other installable Muon packages, :mod:`dimuon.bench.peers`, built over the same
+sharded matrices) then step on it in turns, each step from the same gradients. Per step and rank
+the benchmark records the wall time of ``opt.step()`` (after a barrier), the calls and logical bytes
+per collective kind counted at the ``torch.distributed`` call boundary (the same count for dimuon
+and the peers), and dimuon's own counters, which add the seconds the rank sat blocked on each kind
+(communication that Newton-Schulz did not hide). Periodic optimizers are timed over whole periods
+and reported per step. A peer that cannot run here gets a row saying why.
 
 Two ways to launch it:
 
@@ -33,10 +36,25 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
+import dimuon
+from dimuon.bench.peers import (
+    PEERS,
+    CallCounter,
+    GradientSnapshot,
+    PeerStatus,
+    bf16_note,
+    build_peer,
+    check_names,
+    count_collectives,
+    first_step,
+    fold_kinds,
+    muon_and_rest,
+    probe,
+)
 from dimuon.bench.report import format_table, machine_info, write_json_atomic
 from dimuon.bench.timing import Candidate, interleave
 from dimuon.dit.model import DiT, dit_arch
-from dimuon.optim import build, param_groups
+from dimuon.optim import build, linalg, param_groups
 
 CHECK = "all_reduce[check]"  # the 4-byte non-finite-gradient vote of every Muon-family step
 BASELINE = "muon_gather"
@@ -87,6 +105,11 @@ class Config:
     """Label-embedding rows (an AdamW parameter)."""
     optimizers: tuple[str, ...] = tuple(VARIANTS)
     """Which optimizers to run, from: adamw muon_gather muon_owner prm_k2 prm_k3 prm_k4 muon_bp_p5."""
+    peers: tuple[str, ...] = tuple(PEERS)
+    """Peers to run beside them, from: torch_muon muon_fsdp2 dtensor_muon heavyball (default: all; one
+    that is not installed or cannot run here gets a row saying why)."""
+    no_peers: bool = False
+    """Leave every peer out."""
     world: int = 4
     """Number of local gloo ranks to start (ignored under torchrun, which sets the world size)."""
     launcher: Literal["auto", "spawn", "torchrun"] = "auto"
@@ -129,6 +152,7 @@ def check_config(cfg: Config) -> None:
     unknown = [n for n in cfg.optimizers if n not in VARIANTS]
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
+    check_names(cfg.peers)
     dit_arch(cfg.model)  # raises on an unknown registry name
     for flag, value, low in (("--world", cfg.world, 1), ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0)):
         if value < low:
@@ -184,41 +208,83 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_period(opt: torch.optim.Optimizer, period: int, device: torch.device,
-                 log: list[dict[str, Any]]) -> Callable[[], None]:
-    """One whole period of ``opt``: per step a barrier, then ``step()`` timed, with its comm counters."""
+def timed_period(opt: Any, period: int, device: torch.device, log: list[dict[str, Any]],
+                 snapshot: GradientSnapshot, counter: CallCounter, own: bool = True) -> Callable[[], None]:
+    """One whole period of ``opt``: per step the saved gradients back and a barrier, then ``step()`` timed,
+    with the call-boundary count (``counter``) and, if ``own``, the optimizer's own counters (None else)."""
 
     def run() -> None:
         for _ in range(period):
+            snapshot.restore()
             _sync(device)
             dist.barrier()
             if hasattr(opt, "reset_comm_stats"):
                 opt.reset_comm_stats()
+            counter.reset()
             start = time.perf_counter()
             opt.step()
             _sync(device)
             elapsed = time.perf_counter() - start
-            stats = opt.comm_stats() if hasattr(opt, "comm_stats") else {}  # torch's AdamW issues none
-            log.append({"time_s": elapsed, "stats": stats})
+            boundary = counter.stats()
+            stats = None
+            if own:  # dimuon's own counters; torch's AdamW issues none
+                stats = opt.comm_stats() if hasattr(opt, "comm_stats") else {}
+            log.append({"time_s": elapsed, "stats": stats, "boundary": boundary})
 
     return run
 
 
+def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapshot: GradientSnapshot
+                    ) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
+    """The peers that run here (after one untimed first step on every rank), and every named peer's status.
+
+    The ranks agree: a peer whose first step failed on any rank is left out on all of them.
+    """
+    names = [] if cfg.no_peers else list(cfg.peers)
+    muon, rest = muon_and_rest(model)
+    opts: dict[str, Any] = {}
+    statuses: dict[str, PeerStatus] = {}
+    for name in names:
+        status = probe(name, device, "fsdp2")
+        error = None
+        if status.runnable:
+            try:
+                opts[name] = build_peer(name, muon, rest, cfg.lr)
+                error = first_step(opts[name], snapshot)
+            except Exception as err:  # a constructor that refuses the setting is a row too
+                error = f"its constructor fails: {type(err).__name__}: {err}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+        if error is not None:
+            opts.pop(name, None)
+            status = status.failed(error)
+        statuses[name] = status
+    return opts, statuses
+
+
 def measure(cfg: Config, device: torch.device) -> dict[str, Any]:
-    """This rank's part: per optimizer, the time and comm counters of every timed step (warm-up dropped)."""
+    """This rank's part: per optimizer and peer, the time and comm counts of every timed step (warm-up
+    dropped), and every peer's status."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard(build_model(cfg), device, world)
     seed_gradients(model, cfg.seed, device)
+    snapshot = GradientSnapshot(model.parameters())
     # All optimizers step the same model: values do not change the work, and memory stays one model.
-    logs: dict[str, list[dict[str, Any]]] = {key: [] for key in cfg.optimizers}
-    candidates = []
-    for key in cfg.optimizers:
-        opt = make_optimizer(cfg, key, model)
-        fn = timed_period(opt, VARIANTS[key].period, device, logs[key])
-        candidates.append(Candidate(key, fn, repeats=cfg.repeats, warmup=cfg.warmup))
+    opts: dict[str, Any] = {key: make_optimizer(cfg, key, model) for key in cfg.optimizers}
+    peers, statuses = peer_optimizers(cfg, model, device, snapshot)
+    periods = {**{key: VARIANTS[key].period for key in opts}, **dict.fromkeys(peers, 1)}
+    logs: dict[str, list[dict[str, Any]]] = {key: [] for key in periods}
+    counter = CallCounter()
+    candidates = [
+        Candidate(key, timed_period(opt, periods[key], device, logs[key], snapshot, counter, own=key not in peers),
+                  repeats=cfg.repeats, warmup=cfg.warmup)
+        for key, opt in {**opts, **peers}.items()
+    ]
     # interleave gives the round-robin order; its own rank-local times include the barriers and are unused.
-    interleave(candidates, progress=cfg.progress and rank == 0, desc=f"comm bench, {world} ranks")
-    steps = {key: log[cfg.warmup * VARIANTS[key].period :] for key, log in logs.items()}
+    with count_collectives(counter):
+        interleave(candidates, progress=cfg.progress and rank == 0, desc=f"comm bench, {world} ranks")
+    steps = {key: log[cfg.warmup * periods[key] :] for key, log in logs.items()}
     if cfg.trace_dir is not None:
         for c in candidates:
             trace(c, cfg.trace_dir / f"{c.name}-rank{rank}.json", device)
@@ -226,11 +292,13 @@ def measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     return {
         "rank": rank,
         "steps": steps,
+        "peers": {name: status.to_dict() for name, status in statuses.items()},
         "params": sum(p.numel() for p in model.parameters()),
         "muon_params": sum(p.numel() for p in muon),
         "muon_matrices": len(muon),
         "threads": torch.get_num_threads(),
         "backend": dist.get_backend(),
+        "device": device.type,
     }
 
 
@@ -253,47 +321,71 @@ def _spawned_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- summarizing
 
 
-def per_step(per_rank: Sequence[list[dict[str, Any]]], field: str, kinds: Callable[[str], bool]) -> list[float]:
-    """Per rank: ``field`` of the collective kinds selected by ``kinds``, summed and averaged over its steps."""
+def per_step(per_rank: Sequence[list[dict[str, Any]]], field: str, kinds: Callable[[str], bool],
+             source: str = "stats") -> list[float]:
+    """Per rank: ``field`` of the collective kinds selected by ``kinds`` in the steps' ``source`` counts
+    (``stats``: the optimizer's own, ``boundary``: the call-boundary count), summed and averaged over its steps."""
     return [
-        sum(v[field] for s in steps for k, v in s["stats"].items() if kinds(k)) / len(steps) for steps in per_rank
+        sum(v[field] for s in steps for k, v in (s[source] or {}).items() if kinds(k)) / len(steps)
+        for steps in per_rank
     ]
 
 
-def summarize_variant(key: str, per_rank: Sequence[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per-step averages over whole periods (bytes, calls, exposed time) and median period time."""
-    v = VARIANTS[key]
+def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per-step averages over whole periods (bytes, calls, exposed time) and median period time.
+
+    Bytes and calls come twice: counted at the call boundary (``boundary_*``, every collective of the
+    step, for every row) and from the optimizer's own counters (dimuon's rows only: the non-finite
+    vote apart under ``check``, and the exposed time). ``own_matches_boundary`` says whether the two
+    agreed on every step of every rank (None where there are no own counters).
+    """
     n = len(per_rank[0])
-    if any(len(steps) != n for steps in per_rank) or n % v.period:
-        raise RuntimeError(f"{key}: ranks recorded different or partial periods ({[len(s) for s in per_rank]})")
+    if any(len(steps) != n for steps in per_rank) or n % period:
+        raise RuntimeError(f"{name}: ranks recorded different or partial periods ({[len(s) for s in per_rank]})")
     # Step time: the slowest rank bounds every step; a sample is the mean step of one whole period.
     step_max = [max(steps[i]["time_s"] for steps in per_rank) for i in range(n)]
-    samples = [statistics.fmean(step_max[i : i + v.period]) for i in range(0, n, v.period)]
+    samples = [statistics.fmean(step_max[i : i + period]) for i in range(0, n, period)]
 
-    def mean(field: str, kinds: Callable[[str], bool]) -> float:
-        return statistics.fmean(per_step(per_rank, field, kinds))
+    def mean(field: str, kinds: Callable[[str], bool], source: str = "stats") -> float:
+        return statistics.fmean(per_step(per_rank, field, kinds, source))
 
-    optimizer, check = (lambda k: k != CHECK), (lambda k: k == CHECK)
-    exposed_r = per_step(per_rank, "exposed_s", optimizer)
-    time_r = [sum(s["time_s"] for s in steps) / n for steps in per_rank]
-    by_kind = {}
-    for kind in sorted({k for steps in per_rank for s in steps for k in s["stats"]} - {CHECK}):
-        def this(k: str, kind: str = kind) -> bool:
-            return k == kind
+    def by_kind(source: str, kinds: set[str]) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind in sorted(kinds):
+            def this(k: str, kind: str = kind) -> bool:
+                return k == kind
 
-        by_kind[kind] = {"bytes_per_step": mean("bytes", this), "calls_per_step": mean("calls", this),
-                         "exposed_ms_per_step": 1e3 * mean("exposed_s", this)}
-    return {
-        "label": v.label,
-        "build": {"name": v.name, **v.options},
-        "period": v.period,
+            out[kind] = {"bytes_per_step": mean("bytes", this, source), "calls_per_step": mean("calls", this, source)}
+            if source == "stats":
+                out[kind]["exposed_ms_per_step"] = 1e3 * mean("exposed_s", this)
+        return out
+
+    def every(kind: str) -> bool:
+        return True
+
+    summary: dict[str, Any] = {
+        "period": period,
         "steps_timed": n,
-        "bytes_per_step": mean("bytes", optimizer),
-        "bytes_per_step_by_rank": per_step(per_rank, "bytes", optimizer),
-        "calls_per_step": mean("calls", optimizer),
         "step_ms": 1e3 * statistics.median(samples),
         "step_ms_min": 1e3 * min(samples),
         "step_ms_samples": [1e3 * s for s in samples],
+        "boundary_bytes_per_step": mean("bytes", every, "boundary"),
+        "boundary_bytes_per_step_by_rank": per_step(per_rank, "bytes", every, "boundary"),
+        "boundary_calls_per_step": mean("calls", every, "boundary"),
+        "boundary_by_kind": by_kind("boundary", {k for steps in per_rank for s in steps for k in s["boundary"]}),
+    }
+    if any(s["stats"] is None for steps in per_rank for s in steps):
+        return {**summary, "own_matches_boundary": None, "bytes_per_step": None, "calls_per_step": None,
+                "exposed_ms_per_step": None, "exposed_share": None, "check": None, "by_kind": None}
+    optimizer, check = (lambda k: k != CHECK), (lambda k: k == CHECK)
+    exposed_r = per_step(per_rank, "exposed_s", optimizer)
+    time_r = [sum(s["time_s"] for s in steps) / n for steps in per_rank]
+    return {
+        **summary,
+        "own_matches_boundary": all(fold_kinds(s["stats"]) == s["boundary"] for steps in per_rank for s in steps),
+        "bytes_per_step": mean("bytes", optimizer),
+        "bytes_per_step_by_rank": per_step(per_rank, "bytes", optimizer),
+        "calls_per_step": mean("calls", optimizer),
         "exposed_ms_per_step": 1e3 * statistics.fmean(exposed_r),
         # Share of the step this rank sat blocked on the optimizer's collectives (mean over ranks).
         "exposed_share": statistics.fmean(e / t for e, t in zip(exposed_r, time_r)),
@@ -302,12 +394,35 @@ def summarize_variant(key: str, per_rank: Sequence[list[dict[str, Any]]]) -> dic
             "calls_per_step": mean("calls", check),
             "exposed_ms_per_step": 1e3 * mean("exposed_s", check),
         },
-        "by_kind": by_kind,
+        "by_kind": by_kind("stats", {k for steps in per_rank for s in steps for k in s["stats"]} - {CHECK}),
     }
 
 
-def ideal_ratio(key: str, world: int) -> tuple[float, str]:
+def summarize_variant(key: str, per_rank: Sequence[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One of dimuon's rows (or AdamW): :func:`summarize_steps` with its label and build options."""
+    v = VARIANTS[key]
+    version = f"torch {torch.__version__}" if v.name == "adamw" else f"dimuon {dimuon.__version__}"
+    return {"label": v.label, "build": {"name": v.name, **v.options}, "version": version,
+            **summarize_steps(key, v.period, per_rank)}
+
+
+def summarize_peer(status: dict[str, Any], per_rank: Sequence[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A peer's row: :func:`summarize_steps` with the peer's identity."""
+    return {"label": status["label"], "peer": True, "version": f"{status['package']} {status['version']}",
+            "ns_dtype": status["ns_dtype"], "sharded": status["sharded"],
+            **summarize_steps(status["key"], 1, per_rank)}
+
+
+def dimuon_ns_dtype(cfg: Config, device_type: str) -> str:
+    """The dtype dimuon's Newton-Schulz ran in: --ns-dtype, or the default for the device."""
+    dtype = DTYPES[cfg.ns_dtype] or linalg.default_ns_dtype(torch.device(device_type))
+    return str(dtype).removeprefix("torch.")
+
+
+def ideal_ratio(key: str, world: int) -> tuple[float | None, str]:
     """Logical bytes relative to Muon-gather under ALGORITHMS.md section 7, as a number and a formula."""
+    if key not in VARIANTS:
+        return None, "-"
     v = VARIANTS[key]
     if v.name == "adamw":
         return 0.0, "0"
@@ -324,17 +439,26 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
               argv: Sequence[str] | None) -> dict[str, Any]:
     """The JSON record: provenance, model, and per optimizer the numbers and ratios to Muon-gather."""
     world = len(results)
+    first = results[0]
+    machine = machine_info(argv)
     optimizers = {key: summarize_variant(key, [r["steps"][key] for r in results]) for key in cfg.optimizers}
+    for name, status in first["peers"].items():
+        if status["runnable"]:
+            optimizers[name] = summarize_peer(status, [r["steps"][name] for r in results])
     base = optimizers.get(BASELINE)
     for key, o in optimizers.items():
+        o.setdefault("ns_dtype", "-" if key == "adamw" else dimuon_ns_dtype(cfg, first["device"]))
+        o["note"] = bf16_note(machine["cpu_flags"], first["device"]) if o["ns_dtype"] == "bfloat16" else ""
         o["ideal_bytes_ratio"], o["ideal_bytes_formula"] = ideal_ratio(key, world)
-        o["bytes_ratio_to_gather"] = o["bytes_per_step"] / base["bytes_per_step"] if base and base["bytes_per_step"] else None
+        own, base_own = o["bytes_per_step"], base and base["bytes_per_step"]
+        o["bytes_ratio_to_gather"] = own / base_own if own is not None and base_own else None
+        o["boundary_bytes_ratio_to_gather"] = (o["boundary_bytes_per_step"] / base["boundary_bytes_per_step"]
+                                               if base and base["boundary_bytes_per_step"] else None)
         o["time_ratio_to_gather"] = o["step_ms"] / base["step_ms"] if base else None
     arch = dit_arch(cfg.model)
-    first = results[0]
     return {
         "benchmark": "comm",
-        "machine": machine_info(argv),
+        "machine": machine,
         "launcher": launcher,
         "world": world,
         "backend": first["backend"],
@@ -352,6 +476,7 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
             "fsdp": "fully_shard per block, then root; 1-D mesh",
         },
         "optimizers": optimizers,
+        "peers": first["peers"],
         "paper": PAPER,
     }
 
@@ -361,43 +486,60 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def render(record: dict[str, Any]) -> str:
-    """The human-readable report: one row per optimizer, the non-finite check apart, the paper's claims."""
+    """The human-readable report: one row per optimizer and peer (bytes counted at the call boundary), the
+    peers that cannot run here, the check of dimuon's own counters, the paper's claims."""
     m, mach = record["model"], record["machine"]
     lines = [
         f"{m['name']} with {m['depth']} blocks: {m['params'] / 1e6:.1f}M parameters, {m['muon_params'] / 1e6:.1f}M "
         f"in {m['muon_matrices']} Muon matrices; FSDP2 over {record['world']} {record['backend']} ranks "
         f"({record['launcher']}), {record['threads_per_rank']} thread(s) per rank; torch {mach['torch']}, "
         f"{mach['cuda'] or mach['cpu_model']} ({mach['logical_cpus']} logical CPUs)",
-        "Per rank and step, averaged over whole periods; step time: slowest rank per step, median over periods.",
+        "Per rank and step, averaged over whole periods; bytes and calls counted at the torch.distributed call "
+        "boundary (every collective of the step); step time: slowest rank per step, median over periods.",
         "",
     ]
     rows = []
     for o in record["optimizers"].values():
+        exposed, share = o["exposed_ms_per_step"], o["exposed_share"]
         rows.append([
             o["label"],
-            f"{o['bytes_per_step'] / 2**20:.2f}",
-            _fmt(o["bytes_ratio_to_gather"], ".3f"),
+            o.get("version", ""),
+            o.get("ns_dtype", ""),
+            f"{o['boundary_bytes_per_step'] / 2**20:.2f}",
+            _fmt(o["boundary_bytes_ratio_to_gather"], ".3f"),
             o["ideal_bytes_formula"],
-            f"{o['calls_per_step']:.2f}",
+            f"{o['boundary_calls_per_step']:.2f}",
             f"{o['step_ms']:.1f}",
             _fmt(o["time_ratio_to_gather"], ".3f"),
-            f"{o['exposed_ms_per_step']:.1f}",
-            f"{100 * o['exposed_share']:.1f}%",
+            _fmt(exposed, ".1f"),
+            "-" if share is None else f"{100 * share:.1f}%",
+            o.get("note", ""),
         ])
+    for p in record.get("peers", {}).values():
+        if not p["runnable"]:
+            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"],
+                         *["-"] * 8, p["reason"]])
     lines.append(format_table(
-        ["optimizer", "MiB/step", "x gather", "ideal", "calls/step", "step ms", "x gather", "exposed ms",
-         "exposed share"],
-        rows,
+        ["optimizer", "version", "NS dtype", "MiB/step", "x gather", "ideal", "calls/step", "step ms", "x gather",
+         "exposed ms", "exposed share", "note"],
+        rows, right=[False, False, False, *[True] * 8, False],
     ))
-    checks = [o["check"] for o in record["optimizers"].values() if o["check"]["calls_per_step"]]
-    if checks:
-        c = checks[0]
+    own = {o["label"]: o["own_matches_boundary"] for o in record["optimizers"].values()
+           if o["own_matches_boundary"] is not None}
+    if own:
+        differ = [label for label, same in own.items() if not same]
         lines.append(
-            f"\nNot counted above: the non-finite-gradient check, {c['calls_per_step']:.0f} all-reduce of 4 bytes "
-            f"per Muon-family step ({c['bytes_per_step']:.0f} logical bytes), exposed "
-            + ", ".join(f"{o['check']['exposed_ms_per_step']:.1f}" for o in record["optimizers"].values()
-                        if o["check"]["calls_per_step"])
-            + " ms per step (in table order)."
+            "\ndimuon's own comm_stats() (the 4-byte non-finite vote of every Muon-family step included) "
+            + ("equal the call-boundary count on every step and rank." if not differ
+               else "differ from the call-boundary count for: " + ", ".join(differ) + ".")
+        )
+    checks = [o for o in record["optimizers"].values() if o["check"] and o["check"]["calls_per_step"]]
+    if checks:
+        c = checks[0]["check"]
+        lines.append(
+            f"The vote is {c['calls_per_step']:.0f} all-reduce of 4 bytes per step ({c['bytes_per_step']:.0f} logical "
+            "bytes), exposed " + ", ".join(f"{o['check']['exposed_ms_per_step']:.1f}" for o in checks)
+            + " ms per step (dimuon's rows in table order); exposed ms above leaves it out."
         )
     p = record["paper"]
     lo, hi = (100 * x for x in p["optimizer_time_change"])
@@ -406,6 +548,7 @@ def render(record: dict[str, Any]) -> str:
         f"optimizer time {lo:.1f}% .. {hi:.1f}%.",
         "Ideal logical bytes vs Muon-gather (W ranks): PeriodicRowMuon K -> 1/K plus the small all-reduce of "
         "column norms on RowNorm steps; owner refresh -> 2/W; MuonBP P -> 1/P; AdamW -> 0.",
+        "Exposed ms comes from dimuon's own counters: '-' for the peers.",
     ]
     if record["backend"] == "nccl":
         lines.append("Exposed ms is host time blocked in the optimizer's collectives; NCCL's wait() only orders "

@@ -2,11 +2,14 @@
 
 Builds a registry DiT (optionally with fewer blocks), gives every parameter a seeded random
 gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
-``opt.step()`` for AdamW (foreach and fused), ``torch.optim.Muon``, the fp32 per-tensor reference
-Muon, dimuon's Muon (standard and Gram Newton-Schulz), PeriodicRowMuon and MuonBP. Periodic
-optimizers are timed over whole periods and reported per step. A second part measures the FLOP
-rate of the batched Newton-Schulz iteration on the model's stacked Muon shapes against bare
-``torch.bmm`` calls of the same products. Prints tables and writes a JSON record.
+``opt.step()`` for AdamW (foreach and fused), the fp32 per-tensor reference Muon, dimuon's Muon
+(standard and Gram Newton-Schulz, and standard in bf16), PeriodicRowMuon and MuonBP, and for the peers (other installable
+Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``, muon-fsdp2, dtensor-muon, heavyball)
+built over the same matrices; a peer that cannot run here gets a row that says why. Every sample
+starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
+step. A second part measures the FLOP rate of the batched Newton-Schulz iteration on the model's
+stacked Muon shapes against bare ``torch.bmm`` calls of the same products. Prints tables and writes
+a JSON record.
 
 Run ``dimuon bench optimizer --help`` (or ``python -m dimuon.bench.optimizer --help``).
 """
@@ -25,6 +28,19 @@ import torch
 import tyro
 from torch import Tensor, nn
 
+import dimuon
+from dimuon.bench.peers import (
+    PEERS,
+    GradientSnapshot,
+    PeerStatus,
+    bf16_note,
+    build_peer,
+    check_names,
+    first_step,
+    muon_and_rest,
+    probe,
+)
+from dimuon.bench.peers.registry import Paired, adamw_for_rest
 from dimuon.bench.report import (
     format_markdown_table,
     format_table,
@@ -38,14 +54,14 @@ from dimuon.optim import build, linalg, param_groups
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.reference import ReferenceMuon
 
-# Every optimizer the benchmark knows, in table order, with its table label.
+# Every optimizer of dimuon and the baselines, in table order, with its table label (the peers follow them).
 OPTIMIZERS: dict[str, str] = {
     "adamw_foreach": "AdamW (foreach)",
     "adamw_fused": "AdamW (fused)",
-    "torch_muon": "torch.optim.Muon (bf16 NS) + AdamW",
     "reference_muon": "reference Muon (fp32, per tensor) + AdamW",
     "muon": "dimuon Muon (standard NS)",
     "muon_gram": "dimuon Muon (Gram NS)",
+    "muon_bf16": "dimuon Muon (standard NS in bf16)",
     "periodic_row_muon": "dimuon PeriodicRowMuon",
     "muon_bp": "dimuon MuonBP",
 }
@@ -74,12 +90,17 @@ class Config:
     warmup: int = 1
     """Untimed samples per optimizer before timing (state allocation, allocator warm-up)."""
     repeats_of: tuple[str, ...] = ("torch_muon=2",)
-    """Per-optimizer repeats as NAME=N, overriding --repeats (torch.optim.Muon's bf16 NS is very slow on
-    CPUs without bf16 matrix units; on AMX CPUs it is fast, so raise it there)."""
+    """Per-optimizer (or peer) repeats as NAME=N, overriding --repeats (torch.optim.Muon's bf16 NS is very
+    slow on CPUs without bf16 matrix units; on AMX CPUs it is fast, so raise it there)."""
     warmup_of: tuple[str, ...] = ()
-    """Per-optimizer warm-up samples as NAME=N, overriding --warmup (e.g. torch_muon=0)."""
+    """Per-optimizer (or peer) warm-up samples as NAME=N, overriding --warmup (e.g. torch_muon=0)."""
     skip: tuple[str, ...] = ()
-    """Optimizers to leave out, e.g. --skip torch_muon."""
+    """Optimizers or peers to leave out, e.g. --skip adamw_fused heavyball."""
+    peers: tuple[str, ...] = tuple(PEERS)
+    """Peers to run beside dimuon, from: torch_muon muon_fsdp2 dtensor_muon heavyball (default: all; one
+    that is not installed or cannot run here gets a row saying why)."""
+    no_peers: bool = False
+    """Leave every peer out."""
     k: int = 3
     """PeriodicRowMuon period K (timed over whole periods)."""
     period: int = 5
@@ -109,11 +130,12 @@ class Config:
 
 def parse_overrides(items: Sequence[str], flag: str) -> dict[str, int]:
     """``("name=3", ...)`` -> ``{"name": 3}``, naming the flag and the valid names on a mistake."""
+    names = [*OPTIMIZERS, *PEERS]
     out: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or name not in OPTIMIZERS or not value.strip().isdigit():
-            raise ValueError(f"{flag} expects NAME=N with NAME in {list(OPTIMIZERS)}, got {item!r}")
+        if not sep or name not in names or not value.strip().isdigit():
+            raise ValueError(f"{flag} expects NAME=N with NAME in {names}, got {item!r}")
         out[name] = int(value)
     return out
 
@@ -130,15 +152,6 @@ def build_model(cfg: Config) -> DiT:
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
     return model
-
-
-def split_by_algorithm(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
-    """Matrices that ``param_groups`` sends to Muon, and every other trainable parameter."""
-    muon, rest = [], []
-    for group in param_groups(model):
-        for _, p in group["params"]:
-            (muon if group["algorithm"] == "muon" and p.ndim == 2 else rest).append(p)
-    return muon, rest
 
 
 def engine_batches(model: nn.Module) -> list[tuple[int, int, int]]:
@@ -161,23 +174,11 @@ def engine_batches(model: nn.Module) -> list[tuple[int, int, int]]:
     return batches
 
 
-def _adamw(params: list[Tensor], lr: float) -> torch.optim.Optimizer:
-    # The same AdamW hyperparameters as the Muon family's AdamW groups.
-    return build("adamw", params, lr=lr, foreach=True)
-
-
 def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str, tuple[Callable[[], None], int]]:
-    """For each optimizer: a function taking one step, and how many steps make one sample."""
-    muon_params, rest = split_by_algorithm(model)
+    """For each of dimuon's optimizers and the baselines: a function taking one step, and how many steps
+    make one sample."""
+    muon_params, rest = muon_and_rest(model)
     steps: dict[str, tuple[Callable[[], None], int]] = {}
-
-    def pair(main: Any, aux: torch.optim.Optimizer) -> Callable[[], None]:
-        def step() -> None:
-            main.step()
-            aux.step()
-
-        return step
-
     for name in names:
         if name == "adamw_foreach":
             opt = build("adamw", model, lr=cfg.lr, foreach=True)
@@ -185,16 +186,15 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
         elif name == "adamw_fused":
             opt = build("adamw", model, lr=cfg.lr, fused=True)
             steps[name] = (opt.step, 1)
-        elif name == "torch_muon":
-            main = torch.optim.Muon(muon_params, lr=cfg.lr, weight_decay=0.0)
-            steps[name] = (pair(main, _adamw(rest, cfg.lr)), 1)
         elif name == "reference_muon":
             ref = ReferenceMuon(muon_params, lr=cfg.lr, lr_scale="match_rms_adamw")
-            steps[name] = (pair(ref, _adamw(rest, cfg.lr)), 1)
+            steps[name] = (Paired(ref, adamw_for_rest(rest, cfg.lr)).step, 1)
         elif name == "muon":
             steps[name] = (build("muon", model, lr=cfg.lr).step, 1)
         elif name == "muon_gram":
             steps[name] = (build("muon", model, lr=cfg.lr, ns_algorithm="gram").step, 1)
+        elif name == "muon_bf16":  # the Newton-Schulz dtype the peers hard-code, for a like-for-like row
+            steps[name] = (build("muon", model, lr=cfg.lr, ns_dtype=torch.bfloat16).step, 1)
         elif name == "periodic_row_muon":
             steps[name] = (build("periodic_row_muon", model, lr=cfg.lr, k=cfg.k).step, cfg.k)
         elif name == "muon_bp":
@@ -205,8 +205,43 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
     return steps
 
 
+def make_peer_steps(cfg: Config, model: nn.Module, names: Sequence[str], snapshot: GradientSnapshot
+                    ) -> tuple[dict[str, tuple[Callable[[], None], int]], dict[str, PeerStatus]]:
+    """The peers that run here (one untimed first step each), and every named peer's status."""
+    muon_params, rest = muon_and_rest(model)
+    steps: dict[str, tuple[Callable[[], None], int]] = {}
+    statuses: dict[str, PeerStatus] = {}
+    for name in names:
+        status = probe(name, "cpu", "local")
+        if status.runnable:
+            try:
+                opt = build_peer(name, muon_params, rest, cfg.lr)
+                error = first_step(opt, snapshot)
+            except Exception as err:  # a constructor that refuses the setting is a row too
+                error = f"its constructor fails: {type(err).__name__}: {err}"
+            if error is None:
+                steps[name] = (opt.step, 1)
+            else:
+                status = status.failed(error)
+        statuses[name] = status
+    return steps, statuses
+
+
+def identity(name: str) -> tuple[str, str]:
+    """(package and version, Newton-Schulz dtype) of one of dimuon's or the baselines' rows."""
+    if name.startswith("adamw"):
+        return f"torch {torch.__version__}", "-"
+    if name == REFERENCE:
+        return f"dimuon {dimuon.__version__}", "float32"
+    if name == "muon_bf16":
+        return f"dimuon {dimuon.__version__}", "bfloat16"
+    return f"dimuon {dimuon.__version__}", str(linalg.default_ns_dtype(torch.device("cpu"))).removeprefix("torch.")
+
+
 def label(cfg: Config, name: str) -> str:
     """Table label, with the schedule hyperparameters that matter for the time."""
+    if name in PEERS:
+        return PEERS[name].label
     if name == "periodic_row_muon":
         return f"{OPTIMIZERS[name]} K={cfg.k} (per step)"
     if name == "muon_bp":
@@ -291,14 +326,26 @@ def measure_ns_rate(
 # ----------------------------------------------------------------------------------- reporting
 
 
-def summarize(cfg: Config, timings: dict[str, Timing]) -> dict[str, dict[str, Any]]:
-    """Per optimizer: times (ms per step) and ratios to AdamW (foreach) and to the reference Muon."""
+def summarize(cfg: Config, timings: dict[str, Timing], peers: dict[str, PeerStatus] | None = None,
+              cpu_flags: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per optimizer: times (ms per step), ratios to AdamW (foreach) and to the reference Muon, package
+    version and Newton-Schulz dtype (with a word on bf16 on this CPU)."""
+    peers = peers or {}
     base = timings[BASELINE].median if BASELINE in timings else None
     ref = timings[REFERENCE].median if REFERENCE in timings else None
     out = {}
     for name, t in timings.items():
+        if name in peers:
+            status = peers[name]
+            version, ns_dtype = f"{status.package} {status.version}", status.ns_dtype
+        else:
+            version, ns_dtype = identity(name)
         out[name] = {
             "label": label(cfg, name),
+            "peer": name in peers,
+            "version": version,
+            "ns_dtype": ns_dtype,
+            "note": bf16_note(cpu_flags) if ns_dtype == "bfloat16" else "",
             **t.to_dict(),
             "ratio_to_adamw": t.median / base if base else None,
             "ratio_to_reference": t.median / ref if ref else None,
@@ -346,14 +393,22 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     for r in record["optimizers"].values():
         rows.append([
             r["label"],
+            r.get("version", ""),
+            r.get("ns_dtype", ""),
             f"{r['median_ms']:.1f}",
             f"{r['min_ms']:.1f}",
             f"{r['repeats']}x{r['calls_per_sample']}",
             _fmt(r["ratio_to_adamw"], ".2f"),
             _fmt(r["ratio_to_reference"], ".2f"),
+            r.get("note", ""),
         ])
+    for p in record.get("peers", {}).values():
+        if not p["runnable"]:
+            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], "-", "-", "-", "-", "-",
+                         p["reason"]])
     lines.append(table(
-        ["optimizer", "ms/step (median)", "min", "samples x steps", "x AdamW", "x reference"], rows
+        ["optimizer", "version", "NS dtype", "ms/step (median)", "min", "samples x steps", "x AdamW", "x reference",
+         "note"], rows, right=[False, False, False, True, True, True, True, True, False],
     ))
     ns = record.get("ns_flop_rate")
     if ns:
@@ -391,30 +446,43 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(previous_threads)
 
 
-def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
-    unknown = set(cfg.skip) - set(OPTIMIZERS)
+def check_config(cfg: Config) -> None:
+    """One clear error per bad flag, before anything is built."""
+    unknown = set(cfg.skip) - set(OPTIMIZERS) - set(PEERS)
     if unknown:
-        raise ValueError(f"--skip got unknown optimizer(s) {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+        raise ValueError(f"--skip got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
+    check_names(cfg.peers)
+    parse_overrides(cfg.repeats_of, "--repeats-of")
+    parse_overrides(cfg.warmup_of, "--warmup-of")
+
+
+def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    check_config(cfg)
     repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of")
     warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
     names = [n for n in OPTIMIZERS if n not in cfg.skip]
+    peer_names = [] if cfg.no_peers else [n for n in cfg.peers if n not in cfg.skip]
+    machine = machine_info(argv)
     load_at_start = load_average()
     model = build_model(cfg)
+    snapshot = GradientSnapshot(model.parameters())
     steps = make_steps(cfg, model, names)
+    peer_steps, peers = make_peer_steps(cfg, model, peer_names, snapshot)
     candidates = [
         Candidate(name, fn, repeats=repeats_of.get(name, cfg.repeats), warmup=warmup_of.get(name, cfg.warmup),
-                  calls=calls)
-        for name, (fn, calls) in steps.items()
+                  calls=calls, setup=snapshot.restore)
+        for name, (fn, calls) in {**steps, **peer_steps}.items()
     ]
     timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps")
-    muon_params, _ = split_by_algorithm(model)
+    muon_params, _ = muon_and_rest(model)
     batches = engine_batches(model)
-    optimizers = summarize(cfg, timings)
+    optimizers = summarize(cfg, timings, peers, machine["cpu_flags"])
     ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed) if cfg.ns_rate else None
     arch = dit_arch(cfg.model)
     record: dict[str, Any] = {
         "benchmark": "optimizer",
         "machine": {**machine_info(argv), "load_average_at_start": load_at_start},
+        "peers": {name: status.to_dict() for name, status in peers.items()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "model": {
             "name": cfg.model,
@@ -437,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench optimizer`` and ``python -m dimuon.bench.optimizer``."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(Config, args=args, prog="dimuon bench optimizer")
+    try:
+        check_config(cfg)
+    except ValueError as err:
+        print(f"dimuon bench optimizer: {err}", file=sys.stderr)
+        return 2
     record = run(cfg, args)
     print(render(record))
     print(f"\nwrote {cfg.out}")
