@@ -3,6 +3,7 @@ and every installed peer stepping in one process (skipped, with the reason, wher
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -26,6 +27,7 @@ from dimuon.bench.peers import (
     muon_and_rest,
     probe,
     registry,
+    start_peer,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's deprecations of old names
@@ -232,6 +234,19 @@ def test_first_step_reports_a_failing_step_in_one_line_and_restores_gradients():
 
     assert first_step(Broken(), snapshot) == "its step fails: NameError: name 'muon_update' is not defined"
     assert torch.equal(next(model.parameters()).grad, before)
+
+
+def test_start_peer_turns_a_refusing_constructor_into_the_reason(monkeypatch):
+    def refuse(mod, muon, rest, lr):
+        raise ValueError("Unsupported mesh dimension: 2")
+
+    monkeypatch.setitem(PEERS, "refusing", dataclasses.replace(_fake_peer("refusing", "torch", "torch"), builder=refuse))
+    model = _small_model()
+    opt, status, error = start_peer("refusing", *muon_and_rest(model), 1e-3, GradientSnapshot(model.parameters()))
+    assert opt is None and status.runnable
+    assert error == "its constructor fails: ValueError: Unsupported mesh dimension: 2"
+    opt, status, error = start_peer("torch_muon", *muon_and_rest(model), 1e-3, GradientSnapshot(model.parameters()))
+    assert opt is not None and status.runnable and error is None
 
 
 def test_bf16_note_says_whether_this_cpu_has_bf16_units():

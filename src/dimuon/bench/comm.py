@@ -43,13 +43,11 @@ from dimuon.bench.peers import (
     GradientSnapshot,
     PeerStatus,
     bf16_note,
-    build_peer,
     check_names,
     count_collectives,
-    first_step,
     fold_kinds,
     muon_and_rest,
-    probe,
+    start_peer,
 )
 from dimuon.bench.report import format_table, machine_info, write_json_atomic
 from dimuon.bench.timing import Candidate, interleave
@@ -245,14 +243,9 @@ def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapsho
     opts: dict[str, Any] = {}
     statuses: dict[str, PeerStatus] = {}
     for name in names:
-        status = probe(name, device, "fsdp2")
-        error = None
-        if status.runnable:
-            try:
-                opts[name] = build_peer(name, muon, rest, cfg.lr)
-                error = first_step(opts[name], snapshot)
-            except Exception as err:  # a constructor that refuses the setting is a row too
-                error = f"its constructor fails: {type(err).__name__}: {err}"
+        opt, status, error = start_peer(name, muon, rest, cfg.lr, snapshot, device, "fsdp2")
+        if opt is not None:
+            opts[name] = opt
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)

@@ -34,11 +34,9 @@ from dimuon.bench.peers import (
     GradientSnapshot,
     PeerStatus,
     bf16_note,
-    build_peer,
     check_names,
-    first_step,
     muon_and_rest,
-    probe,
+    start_peer,
 )
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
 from dimuon.bench.report import (
@@ -212,18 +210,10 @@ def make_peer_steps(cfg: Config, model: nn.Module, names: Sequence[str], snapsho
     steps: dict[str, tuple[Callable[[], None], int]] = {}
     statuses: dict[str, PeerStatus] = {}
     for name in names:
-        status = probe(name, "cpu", "local")
-        if status.runnable:
-            try:
-                opt = build_peer(name, muon_params, rest, cfg.lr)
-                error = first_step(opt, snapshot)
-            except Exception as err:  # a constructor that refuses the setting is a row too
-                error = f"its constructor fails: {type(err).__name__}: {err}"
-            if error is None:
-                steps[name] = (opt.step, 1)
-            else:
-                status = status.failed(error)
-        statuses[name] = status
+        opt, status, error = start_peer(name, muon_params, rest, cfg.lr, snapshot, "cpu", "local")
+        if opt is not None:
+            steps[name] = (opt.step, 1)
+        statuses[name] = status.failed(error) if error else status
     return steps, statuses
 
 

@@ -8,7 +8,7 @@
 """
 
 from dimuon.bench.peers.boundary import CallCounter, count_collectives, fold_kinds
-from dimuon.bench.peers.harness import GradientSnapshot, bf16_note, first_step
+from dimuon.bench.peers.harness import GradientSnapshot, bf16_note, first_step, start_peer
 from dimuon.bench.peers.registry import (
     INSTALL_HINT,
     PEERS,
@@ -35,4 +35,5 @@ __all__ = [
     "fold_kinds",
     "muon_and_rest",
     "probe",
+    "start_peer",
 ]

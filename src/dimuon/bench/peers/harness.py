@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
+
+from dimuon.bench.peers.registry import PeerStatus, Setting, build_peer, probe
 
 # CPU features (``bench.report.cpu_flags``) that give bf16 matrix products their own hardware.
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
@@ -43,6 +46,21 @@ def first_step(opt: Any, snapshot: GradientSnapshot) -> str | None:
     finally:
         snapshot.restore()
     return None
+
+
+def start_peer(key: str, muon: list[Tensor], rest: list[Tensor], lr: float, snapshot: GradientSnapshot,
+               device: torch.device | str = "cpu", setting: Setting = "local") -> tuple[Any, PeerStatus, str | None]:
+    """Probe peer ``key``, build it and take its first step: (the optimizer or None, its status, why it did
+    not run or None). The error is returned apart so that ranks can agree on it before marking the status."""
+    status = probe(key, device, setting)
+    if not status.runnable:
+        return None, status, None
+    try:
+        opt = build_peer(key, muon, rest, lr)
+    except Exception as err:  # a constructor that refuses the setting is a row too
+        return None, status, f"its constructor fails: {type(err).__name__}: {err}"
+    error = first_step(opt, snapshot)
+    return (None if error else opt), status, error
 
 
 def bf16_note(cpu_flags: Sequence[str], device_type: str = "cpu") -> str:
