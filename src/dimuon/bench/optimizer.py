@@ -3,10 +3,10 @@
 Builds a registry DiT (optionally with fewer blocks), gives every parameter a seeded random
 gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
 ``opt.step()`` for AdamW (foreach and fused), the fp32 per-tensor reference Muon, dimuon's Muon
-(standard and Gram Newton-Schulz, and standard in bf16), PeriodicRowMuon and MuonBP, and for the peers (other installable
-Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``, muon-fsdp2, dtensor-muon, heavyball)
-built over the same matrices; a peer that cannot run here gets a row that says why. Every sample
-starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
+(standard and Gram Newton-Schulz, and standard in bf16), PeriodicRowMuon and MuonBP, and for the
+peers (other installable Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``,
+muon-fsdp2, dtensor-muon, heavyball) built over the same matrices; a peer that cannot run here gets
+a row that says why. Every sample starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
 step. A second part measures the FLOP rate of the batched Newton-Schulz iteration on the model's
 stacked Muon shapes against bare ``torch.bmm`` calls of the same products. Prints tables and writes
 a JSON record.

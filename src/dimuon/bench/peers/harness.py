@@ -26,13 +26,18 @@ class GradientSnapshot:
         self._saved = [(p, p.grad.detach().clone()) for p in params if p.grad is not None]
 
     def restore(self) -> None:
+        """Copy the saved values back into ``p.grad`` (a fresh copy where it was dropped or replaced)."""
         for p, saved in self._saved:
-            grad = p.grad
-            if (grad is not None and type(grad) is type(saved) and grad.shape == saved.shape
-                    and grad.dtype == saved.dtype and getattr(grad, "placements", None) == getattr(saved, "placements", None)):
-                grad.detach().copy_(saved)
+            if _same_layout(p.grad, saved):
+                p.grad.detach().copy_(saved)
             else:
                 p.grad = saved.clone()
+
+
+def _same_layout(grad: Tensor | None, saved: Tensor) -> bool:
+    """Whether ``saved`` can be copied into ``grad`` in place (same kind, shape, dtype and placements)."""
+    return (grad is not None and type(grad) is type(saved) and grad.shape == saved.shape
+            and grad.dtype == saved.dtype and getattr(grad, "placements", None) == getattr(saved, "placements", None))
 
 
 def first_step(opt: Any, snapshot: GradientSnapshot) -> str | None:
