@@ -3,7 +3,7 @@
 Deliberately plain: one matrix at a time, no batching, no engine, explicit orientation, its own
 Newton-Schulz loop written out (so it checks :mod:`dimuon.optim.linalg` rather than reusing it).
 Follows the update of ``torch.optim.Muon`` in the compute dtype you give it (fp32 by default)
-and extends it with the RowNorm and block steps of ALGORITHMS.md sections 3-5.
+and extends it with the RowNorm and block steps of docs/algorithms.md ("Direction maps", "Step size", "Schedules").
 """
 
 from __future__ import annotations
