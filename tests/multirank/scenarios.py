@@ -54,16 +54,16 @@ class DiTShaped(nn.Module):
 MODELS = {"odd": (OddShapes, 12, {"g.weight": 3}), "dit": (DiTShaped, 64, None)}
 
 
-def make(model_name: str, optimizer: str, opts: dict, world: int | None):
-    """Seeded model + optimizer; sharded with FSDP2 over ``world`` ranks when ``world`` is given."""
+def make(model_name: str, optimizer: str, opts: dict, world: int | None, device: str = "cpu"):
+    """Seeded model + optimizer on ``device``; sharded with FSDP2 over ``world`` ranks when ``world`` is given."""
     cls, _, splits = MODELS[model_name]
     torch.manual_seed(0)
-    model = cls()
+    model = cls().to(device)
     if world is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(torch.device(device).type, (world,))
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
@@ -99,9 +99,10 @@ def train(model, opt, model_name: str, start: int, stop: int) -> list[dict]:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter, whole and on the CPU."""
     out = {}
     for name, p in model.named_parameters():
-        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
     return out
 
 
@@ -323,3 +324,47 @@ def dcp_early_resume(rank: int, world: int, root: str) -> dict:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _train_dropping(model, opt, 0, 6, rank)
     return full_params(model)
+
+
+# Sharded paths that one process can run (world 1: gloo on CPU, NCCL on one GPU).
+ONE_PROCESS_CASES = [
+    ("gather", "muon", {"refresh": "gather"}),
+    ("owner", "muon", {"refresh": "owner"}),
+    ("rownorm", "periodic_row_muon", {"k": 2}),
+    ("blocks", "muon_bp", {"period": 2}),
+    ("replicated", "periodic_row_muon", {"k": 2, "process_group": "world"}),
+    ("adamw_only", "muon_adamw_only", {}),
+]
+
+
+def one_process_sharded(rank: int, world: int, device: str) -> dict:
+    """Each case sharded (or replicated) against the same optimizer in one process, on ``device``: the gap,
+    where every state tensor lives, and the exposed communication time."""
+    out = {}
+    for key, optimizer, opts in ONE_PROCESS_CASES:
+        replicated = opts.get("process_group") == "world"
+        if replicated:
+            opts = {**opts, "process_group": dist.group.WORLD}
+        model, opt = make("odd", optimizer, opts, None if replicated else world, device)
+        train_on(model, opt, device, 4)
+        local = {k: v for k, v in opts.items() if k not in ("refresh", "process_group")}
+        reference, ref_opt = make("odd", optimizer, local, None, device)
+        train_on(reference, ref_opt, device, 4)
+        got, expect = full_params(model), full_params(reference)
+        stats = opt.comm_stats()
+        out[key] = {
+            "gap": max((got[n] - expect[n]).abs().max().item() for n in expect),
+            "misplaced": [f"{k} on {v.device} for a parameter on {p.device}" for p, s in opt.state.items()
+                          for k, v in s.items() if isinstance(v, torch.Tensor) and v.device != p.device],
+            "exposed": [v["exposed_s"] for v in stats.values()],
+            "kinds": sorted(stats),
+        }
+    return out
+
+
+def train_on(model, opt, device: str, steps: int) -> None:
+    for t in range(steps):
+        x, y = batch("odd", t)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
