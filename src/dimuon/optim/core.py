@@ -210,7 +210,11 @@ class MuonFamily(torch.optim.Optimizer):
         common = [p.replace(kind=p.KEYWORD_ONLY) for name, p in core.items()
                   if name not in (*leading, *own) and p.kind is not p.VAR_KEYWORD]
         ordered = [*(own[name] for name in leading if name in own), *options, *common]
-        hints = {**typing.get_type_hints(MuonFamily.__init__), **typing.get_type_hints(init)}
+        try:
+            own_hints = typing.get_type_hints(init)
+        except NameError:  # an annotation its module cannot resolve: keep the subclass's own, as written
+            own_hints = dict(init.__annotations__)
+        hints = {**typing.get_type_hints(MuonFamily.__init__), **own_hints}
         init.__signature__ = inspect.Signature(
             [p.replace(annotation=hints.get(p.name, p.annotation)) for p in ordered], return_annotation=None
         )

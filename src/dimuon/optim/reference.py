@@ -87,7 +87,7 @@ class ReferenceMuon:
         self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
         self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
         self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
-        self.bufs = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.bufs = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self.t = 0
 
     def kind(self) -> StepKind:
