@@ -43,6 +43,7 @@ from dimuon.optim.linalg import (
     NsCoefficients,
 )
 from dimuon.optim.schedules import Schedule, StepKind
+from dimuon.optim.validation import check_choice, check_lr, check_number
 
 ALGORITHMS = ("muon", "adamw")
 Nonfinite = Literal["raise", "skip"]
@@ -71,40 +72,6 @@ def _is_dtensor(t: Tensor) -> bool:
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
     return t.to_local() if _is_dtensor(t) else t
-
-
-def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                  low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
-    """Raise a ValueError/TypeError naming ``name`` unless ``value`` lies in the stated range."""
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        want = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    bad_low = low is not None and (value <= low if low_open else value < low)
-    bad_high = high is not None and (value >= high if high_open else value > high)
-    if bad_low or bad_high:
-        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
-        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
-        interval = f"{lo or '(-inf'}, {hi or 'inf)'}"
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
-
-
-def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
-
-
-def _check_lr(value: Any, where: str) -> None:
-    """A number >= 0, or a one-element floating Tensor holding one (as torch's optimizers accept)."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"Tensor lr{where} must be 1-element, got shape {tuple(value.shape)}")
-        if not value.is_floating_point():
-            raise TypeError(f"Tensor lr{where} must be floating point, got {value.dtype}")
-        value = value.item()
-    _check_number(f"lr{where}", value, low=0.0)
 
 
 class MuonFamily(torch.optim.Optimizer):
@@ -170,9 +137,9 @@ class MuonFamily(torch.optim.Optimizer):
             )
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
-        _check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        _check_choice("refresh", refresh, REFRESH_STRATEGIES)
-        _check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        check_choice("refresh", refresh, REFRESH_STRATEGIES)
+        check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
             raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
         if not isinstance(ns_compile, bool):
@@ -227,16 +194,16 @@ class MuonFamily(torch.optim.Optimizer):
 
     def _validate_options(self, g: dict[str, Any], where: str) -> None:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""
-        _check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
-        _check_lr(g["lr"], where)
-        _check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
-        _check_number(f"momentum{where}", g["momentum"], low=0.0, high=1.0, high_open=True)
+        check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
+        check_lr(g["lr"], where)
+        check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
+        check_number(f"momentum{where}", g["momentum"], low=0.0, high=1.0, high_open=True)
         if not isinstance(g["nesterov"], bool):
             raise TypeError(f"nesterov{where} must be a bool, got {g['nesterov']!r}")
-        _check_choice(f"lr_scale{where}", g["lr_scale"], LR_SCALES)
-        _check_choice(f"ns_coefficients{where}", g["ns_coefficients"], COEFFICIENT_SETS)
-        _check_choice(f"ns_algorithm{where}", g["ns_algorithm"], NS_ALGORITHMS)
-        _check_number(f"ns_steps{where}", g["ns_steps"], low=1, high=100, integer=True)
+        check_choice(f"lr_scale{where}", g["lr_scale"], LR_SCALES)
+        check_choice(f"ns_coefficients{where}", g["ns_coefficients"], COEFFICIENT_SETS)
+        check_choice(f"ns_algorithm{where}", g["ns_algorithm"], NS_ALGORITHMS)
+        check_number(f"ns_steps{where}", g["ns_steps"], low=1, high=100, integer=True)
         if g["ns_dtype"] is not None and not (
             isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point
         ):
@@ -245,8 +212,8 @@ class MuonFamily(torch.optim.Optimizer):
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"adamw_betas{where} must be a pair (beta1, beta2), got {betas!r}")
         for i, b in enumerate(betas):
-            _check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
-        _check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
+            check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
+        check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
         for key in self._schedule_defaults():
             self._validate_schedule_option(key, g[key], where)
 

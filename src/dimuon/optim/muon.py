@@ -6,8 +6,9 @@ from typing import Any
 
 from torch import Tensor
 
-from dimuon.optim.core import MuonFamily, _check_number
+from dimuon.optim.core import MuonFamily
 from dimuon.optim.schedules import BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
+from dimuon.optim.validation import check_number
 
 _COMMON_DOC = """
     Args (shared by every Muon-family optimizer):
@@ -68,9 +69,9 @@ class PeriodicRowMuon(MuonFamily):
 
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
         if key == "k":
-            _check_number(f"k{where}", value, low=1, integer=True)
+            check_number(f"k{where}", value, low=1, integer=True)
         elif key == "gamma":
-            _check_number(f"gamma{where}", value, low=0.0, low_open=True)
+            check_number(f"gamma{where}", value, low=0.0, low_open=True)
 
 
 class MuonBP(MuonFamily):
@@ -97,9 +98,9 @@ class MuonBP(MuonFamily):
 
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
         if key in ("period", "blocks"):
-            _check_number(f"{key}{where}", value, low=1, integer=True)
+            check_number(f"{key}{where}", value, low=1, integer=True)
         elif key == "block_lr_ratio":
-            _check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
+            check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
 
 
 for _cls in (Muon, PeriodicRowMuon, MuonBP):
