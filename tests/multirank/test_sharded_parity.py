@@ -20,6 +20,7 @@ CASES = [
     ("prm_k3_owner", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.5, "refresh": "owner"}),
     ("muon_bp_p5", "odd", "muon_bp", {"period": 5, "block_lr_ratio": 0.8}),
     ("adamw", "odd", "adamw", {}),
+    ("muon_adamw_only", "odd", "muon_adamw_only", {}),
     ("bytes_muon_gather", "dit", "muon", {"refresh": "gather", "bucket_mb": 0.05}),
     ("bytes_muon_owner", "dit", "muon", {"refresh": "owner", "bucket_mb": 0.05}),
     ("bytes_prm_k3", "dit", "periodic_row_muon", {"k": 3, "bucket_mb": 0.05}),
@@ -39,12 +40,16 @@ def _reference(key, world):
     opts = dict(opts)
     if optimizer == "muon_bp":
         opts["blocks"] = world  # the single-process blocks that match the shard layout
+    if optimizer == "muon_adamw_only":
+        return sc.reference(model, "adamw", opts)  # the family's AdamW group is torch's AdamW
     opts.pop("refresh", None)
     opts.pop("bucket_mb", None)
     return sc.reference(model, optimizer, opts)
 
 
-@pytest.mark.parametrize("key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw"])
+@pytest.mark.parametrize(
+    "key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw", "muon_adamw_only"]
+)
 def test_parameters_match_single_process(sharded, key):
     world, results = sharded
     expect = _reference(key, world)
@@ -72,7 +77,17 @@ def test_rownorm_and_block_steps_are_local_except_norm_stats(sharded):
     for t, s in enumerate(bp):
         if t % 5:
             assert set(s) - {"all_reduce[check]"} == set()
-    assert all(set(s) <= {"all_reduce[check]"} for s in results[0]["adamw"]["stats"])
+
+
+def test_adamw_groups_communicate_only_the_vote(sharded):
+    # Sharded AdamW is elementwise on each shard: every step issues exactly the 4-byte non-finite vote.
+    world, results = sharded
+    for r in results:
+        stats = r["muon_adamw_only"]["stats"]
+        assert len(stats) == sc.STEPS
+        for s in stats:
+            assert set(s) == {"all_reduce[check]"}
+            assert (s["all_reduce[check]"]["calls"], s["all_reduce[check]"]["bytes"]) == (1, 2 * 4 * (world - 1) // world)
 
 
 def test_logical_bytes_ratios(sharded):

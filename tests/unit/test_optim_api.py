@@ -1,13 +1,16 @@
 """torch.optim behaviour: validation, state_dict/resume, non-finite gradients, closures, schedulers, AdamW."""
 
 import copy
+import inspect
 import io
+import typing
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from dimuon.optim import Muon, MuonBP, PeriodicRowMuon, build
+from dimuon.optim import DEFAULT_BUCKET_MB, FlattenedParameterWarning, Muon, MuonBP, PeriodicRowMuon, build
 
 
 class Net(nn.Module):
@@ -221,8 +224,10 @@ def test_params_without_grad_are_skipped():
     opt = Muon([a, b], lr=0.1)
     a.grad = torch.randn(4, 6)
     opt.step()
-    assert torch.equal(b, before) and b not in opt.state
-    assert a in opt.state
+    assert torch.equal(b, before)
+    # State exists from construction on (so checkpoints have the same keys whatever has stepped); b's is untouched.
+    assert torch.equal(opt.state[b]["momentum_buffer"], torch.zeros(6, 4))
+    assert opt.state[a]["momentum_buffer"].abs().sum() > 0
 
 
 def test_closure_scheduler_zero_grad():
@@ -274,3 +279,157 @@ def test_old_state_dict_without_new_keys_loads():
     opt2.__setstate__(state)
     assert all("ns_algorithm" in g for g in opt2.param_groups)
     _train(model, opt2, 1, 2)
+
+
+def test_complex_parameters_are_refused_by_name():
+    real, cplx = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"parameter 'z' is complex \(torch.complex64\)"):
+        Muon([{"params": [("w", real)]}, {"params": [("z", cplx)], "algorithm": "adamw"}])
+    with pytest.raises(ValueError, match=r"parameter 'params\[0\] of group 0' is complex"):
+        PeriodicRowMuon([cplx])
+
+
+def test_parameters_of_three_or_more_dims_are_flattened_with_one_warning():
+    conv, stacked = nn.Conv2d(4, 8, 3), nn.Parameter(torch.randn(3, 8, 8))
+    with pytest.warns(FlattenedParameterWarning) as record:
+        opt = Muon([{"params": [("conv.weight", conv.weight), ("experts", stacked)]}])
+    assert len(record) == 1
+    assert "conv.weight (8, 4, 3, 3), experts (3, 8, 8)" in str(record[0].message)
+    assert "split the parameter or put it in an 'adamw' group" in str(record[0].message)
+    with pytest.warns(FlattenedParameterWarning, match=r"heads \(2, 3, 4\)"):
+        opt.add_param_group({"params": [("heads", nn.Parameter(torch.randn(2, 3, 4)))]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([nn.Parameter(torch.randn(3, 4))])  # matrices: no warning
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by", "match"),
+    [
+        (PeriodicRowMuon, MuonBP, r"not saved by MuonBP: its parameter groups carry \['gamma', 'k'\] \(options of "
+                                  r"PeriodicRowMuon\) and lack \['block_lr_ratio', 'blocks', 'period'\]"),
+        (Muon, MuonBP, r"not saved by MuonBP: its parameter groups lack \['block_lr_ratio', 'blocks', 'period'\]"),
+        (MuonBP, Muon, r"not saved by Muon: its parameter groups carry \['block_lr_ratio', 'blocks', 'period'\] "
+                       r"\(options of MuonBP\) \(Muon's schedule options: none\)"),
+    ],
+)
+def test_state_of_another_optimizer_is_refused_at_load(saved_by, loaded_by, match):
+    model = Net()
+    source = saved_by(_groups(model), lr=0.01)
+    _train(model, source, 0, 1)
+    target = loaded_by(_groups(model), lr=0.01)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(source.state_dict())
+    assert after_equal(target.state_dict(), before)
+    with pytest.raises(ValueError, match="parameter group 0 has no 'algorithm': it was not saved by a Muon-family"):
+        target.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict() | {"param_groups": [
+            {"params": [0, 1, 2], "lr": 0.1}, {"params": [3, 4, 5, 6, 7], "lr": 0.1}]})
+
+
+def after_equal(a, b) -> bool:
+    return a["param_groups"] == b["param_groups"] and all(
+        torch.equal(a["state"][k][n], v) for k, st in b["state"].items() for n, v in st.items())
+
+
+def test_state_of_other_shapes_or_groups_is_refused_at_load():
+    model = Net()
+    opt = Muon(_groups(model), lr=0.01)
+    _train(model, opt, 0, 1)
+    saved = opt.state_dict()
+    other = Net()
+    other.fc2 = nn.Linear(20, 41)
+    named = [{"params": [(n, p) for n, p in other.named_parameters() if n.endswith("weight") and "norm" not in n]},
+             {"params": [(n, p) for n, p in other.named_parameters() if n.endswith("bias") or "norm" in n],
+              "algorithm": "adamw"}]
+    with pytest.raises(ValueError, match=r"does not fit parameter 'fc2.weight': its 'momentum_buffer' has shape "
+                                         r"\(40, 20\), the parameter \(41, 20\)"):
+        Muon(named, lr=0.01).load_state_dict(saved)
+    with pytest.raises(ValueError, match="state_dict has 2 parameter groups, this optimizer 1"):
+        Muon([model.fc1.weight], lr=0.01).load_state_dict(saved)
+    with pytest.raises(ValueError, match="parameter group 0 holds 2 parameters here but 3 in the state_dict"):
+        Muon([{"params": [model.fc1.weight, model.fc2.weight]}, _groups(model)[1]]).load_state_dict(saved)
+    swapped = [dict(_groups(model)[0], algorithm="adamw"), _groups(model)[1]]
+    with pytest.raises(ValueError, match="parameter group 0 is 'adamw' here but 'muon' in the state_dict"):
+        Muon(swapped).load_state_dict(saved)
+
+
+def test_bf16_parameters_keep_fp32_momentum_through_a_load():
+    w = nn.Parameter(torch.randn(6, 8, dtype=torch.bfloat16))
+    opt = Muon([w], lr=0.01)
+    w.grad = torch.randn(6, 8, dtype=torch.bfloat16)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt2 = Muon([w], lr=0.01)
+    opt2.load_state_dict(saved)  # torch casts state to the parameter dtype; the buffer keeps its fp32
+    assert opt2.state[w]["momentum_buffer"].dtype == torch.float32
+    assert torch.equal(opt2.state[w]["momentum_buffer"], saved["state"][0]["momentum_buffer"])
+
+
+def test_state_follows_a_model_cast_before_its_first_step():
+    model = Net()
+    opt = Muon(_groups(model), lr=0.01)
+    model.double()  # parameters swap their data in place; the optimizer still holds them
+    _train_double = [(x.double(), y.double()) for x, y in (_batch(0), _batch(1))]
+    for x, y in _train_double:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert {s["momentum_buffer"].dtype for s in opt.state.values() if "momentum_buffer" in s} == {torch.float64}
+    assert {s["exp_avg"].dtype for s in opt.state.values() if "exp_avg" in s} == {torch.float64}
+
+
+def test_skipped_steps_are_saved_with_the_state():
+    model = Net()
+    opt = Muon(_groups(model), lr=0.01, nonfinite="skip")
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    model.fc1.weight.grad[0, 0] = float("nan")
+    opt.step()
+    opt.step()
+    assert opt.skipped_steps == 2
+    fresh = Muon(_groups(model), lr=0.01, nonfinite="skip")
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert fresh.skipped_steps == 2 and fresh.param_groups[0]["step"] == 0
+
+
+@pytest.mark.parametrize("cls", [Muon, PeriodicRowMuon, MuonBP])
+def test_constructor_is_the_single_source_of_every_option(cls):
+    signature = inspect.signature(cls)
+    hints = typing.get_type_hints(cls.__init__)
+    options = {n: p for n, p in signature.parameters.items() if n != "params"}
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in options.values())
+    assert all(p.default is not inspect.Parameter.empty and n in hints for n, p in options.items())
+    for key, default in cls._schedule_defaults().items():
+        assert options[key].default == default
+    # The defaults in the signature are the ones an optimizer built without options carries.
+    opt = cls([nn.Parameter(torch.randn(3, 4))])
+    for name, value in opt.defaults.items():
+        if name in options:
+            assert (tuple(options[name].default) if name == "adamw_betas" else options[name].default) == value
+    assert options["bucket_mb"].default == DEFAULT_BUCKET_MB == opt.engine_options["bucket_mb"]
+    assert typing.get_args(hints["lr_scale"]) == ("match_rms_adamw", "original", "none")
+    assert set(signature.parameters) - {"params"} <= set(inspect.signature(cls).parameters)
+    built = build({Muon: "muon", PeriodicRowMuon: "periodic_row_muon", MuonBP: "muon_bp"}[cls], Net(),
+                  ns_compile=False, adamw_fused=True, **cls._schedule_defaults())
+    assert built.adamw_fused is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(ns_compile=1), TypeError, "ns_compile must be a bool"),
+        (dict(adamw_fused="yes"), TypeError, "adamw_fused must be None, True or False"),
+        (dict(lr=torch.tensor(1)), TypeError, "Tensor lr must be floating point"),
+        (dict(lr=torch.tensor(-0.1)), ValueError, r"lr must be in \[0.0, inf\)"),
+    ],
+)
+def test_bad_runtime_options_name_themselves(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Muon([nn.Parameter(torch.randn(3, 4))], **kwargs)
+
+
+def test_fused_adamw_refused_where_torch_has_none():
+    p = nn.Parameter(torch.randn(3, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"adamw_fused=True, but torch has no fused AdamW for parameter 'b'"):
+        Muon([{"params": [("b", p)], "algorithm": "adamw"}], adamw_fused=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dimuon.optim import Muon, MuonBP, PeriodicRowMuon, StepKind
+from dimuon.optim import FlattenedParameterWarning, Muon, MuonBP, PeriodicRowMuon, StepKind
 from dimuon.optim.reference import ReferenceMuon
 
 SHAPES = [(24, 40), (40, 24), (32, 32), (10, 70), (7, 3)]
@@ -183,7 +183,8 @@ def test_bf16_params_keep_fp32_momentum_without_aliasing():
 def test_conv_weight_is_flattened():
     conv = nn.Conv2d(4, 8, 3)
     ref = copy.deepcopy(conv)
-    opt = Muon([conv.weight], lr=0.1, lr_scale="none", momentum=0.0, nesterov=False, ns_dtype=torch.float32)
+    with pytest.warns(FlattenedParameterWarning, match=r"\(8, 4, 3, 3\)"):
+        opt = Muon([conv.weight], lr=0.1, lr_scale="none", momentum=0.0, nesterov=False, ns_dtype=torch.float32)
     g = torch.randn_like(conv.weight)
     conv.weight.grad = g
     opt.step()

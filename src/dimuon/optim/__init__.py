@@ -1,14 +1,17 @@
 """dimuon's optimizers: Muon, Periodic Row-wise Muon and MuonBP on one core, plus grouping and build."""
 
 from dimuon.optim.build import OPTIMIZERS, build
-from dimuon.optim.core import MuonFamily
+from dimuon.optim.core import FlattenedParameterWarning, MuonFamily
+from dimuon.optim.distributed.engine import DEFAULT_BUCKET_MB
 from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
 from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
 from dimuon.optim.schedules import StepKind
 
 __all__ = [
+    "DEFAULT_BUCKET_MB",
     "DIT_FUSED_SPLITS",
     "OPTIMIZERS",
+    "FlattenedParameterWarning",
     "Muon",
     "MuonBP",
     "MuonFamily",

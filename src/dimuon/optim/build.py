@@ -21,20 +21,14 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "torch_muon": TorchMuonAdamW,
 }
 
-# AdamW defaults that match the AdamW group of the Muon-family optimizers (ALGORITHMS.md 5).
+# AdamW defaults that match the AdamW group of the Muon-family optimizers (docs/algorithms.md, "AdamW group").
 _ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _accepted_options(cls: type) -> set[str]:
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass in (torch.optim.Optimizer, object):
-            break
-        if "__init__" in vars(klass):
-            names |= set(inspect.signature(klass.__init__).parameters) - {"self", "params", "kwargs"}
-    if issubclass(cls, MuonFamily):
-        names |= set(cls._schedule_defaults())
-    return names
+    """The keyword options of ``cls``: its constructor's named parameters (the Muon family's list them all)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name for name, p in inspect.signature(cls).parameters.items() if p.kind in named} - {"params"}
 
 
 def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimizer:

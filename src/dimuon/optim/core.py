@@ -1,39 +1,68 @@
 """One optimizer core for Muon, Periodic Row-wise Muon and MuonBP.
 
-The core owns everything the three share (ALGORITHMS.md sections 1, 4, 5): EMA momentum with
-optional Nesterov, decoupled weight decay, the shape-dependent lr scale, the auxiliary AdamW for
-``"algorithm": "adamw"`` groups, the per-group step counter and ``state_dict``. What differs is
-the :class:`~dimuon.optim.schedules.Schedule` (which direction map at step ``t``), and where the
-maps run is the engine's business (single process or sharded).
+The core owns everything the three share (docs/algorithms.md: "Momentum and weight decay", "Step
+size", "Schedules", "AdamW group"): EMA momentum with optional Nesterov, decoupled weight decay,
+the shape-dependent lr scale, the auxiliary AdamW for ``"algorithm": "adamw"`` groups, the
+per-group step counter, the optimizer state (created with the groups) and ``state_dict``. What
+differs is the :class:`~dimuon.optim.schedules.Schedule` (which direction map at step ``t``), and
+where the maps run is the engine's business (single process or sharded).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import typing
+import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from itertools import chain
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from dimuon.optim import linalg
 from dimuon.optim.distributed.engine import (
+    DEFAULT_BUCKET_MB,
     REFRESH_STRATEGIES,
     DirectionEngine,
     LocalEngine,
     MapConfig,
     MatrixJob,
+    Refresh,
+    read_flag,
     split_sizes_to_ranges,
 )
+from dimuon.optim.linalg import (
+    COEFFICIENT_SETS,
+    LR_SCALES,
+    NS_ALGORITHMS,
+    LrScale,
+    NsAlgorithm,
+    NsCoefficients,
+)
 from dimuon.optim.schedules import Schedule, StepKind
+from dimuon.optim.validation import check_choice, check_lr, check_number
 
 ALGORITHMS = ("muon", "adamw")
-NONFINITE_POLICIES = ("raise", "skip")
+Nonfinite = Literal["raise", "skip"]
+NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 
-# Keys a parameter group may carry besides "params" (torch adds "param_names"; LR schedulers add
-# "initial_lr"). Anything else is a typo that would otherwise be silently ignored.
-_EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step"}
+# Keys a parameter group may carry besides its options: "params", torch's "param_names", the LR
+# schedulers' "initial_lr", a free "name", and the counters this core keeps per group. Anything
+# else is a typo that would otherwise be silently ignored.
+_EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "skipped_steps"}
+
+# Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
+# so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
+_RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
+_ENGINE_DEFAULTS: dict[str, Any] = {"refresh": "gather", "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
+                                    "process_group": None}
+
+
+class FlattenedParameterWarning(UserWarning):
+    """A parameter with more than two dimensions in a "muon" group is updated as one (out, rest) matrix."""
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -45,59 +74,42 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                  low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
-    """Raise a ValueError/TypeError naming ``name`` unless ``value`` lies in the stated range."""
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        want = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    bad_low = low is not None and (value <= low if low_open else value < low)
-    bad_high = high is not None and (value >= high if high_open else value > high)
-    if bad_low or bad_high:
-        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
-        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
-        interval = f"{lo or '(-inf'}, {hi or 'inf)'}"
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
-
-
-def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
-
-
 class MuonFamily(torch.optim.Optimizer):
     """Muon-family optimizer: one core, a schedule picks the direction map per step.
 
     Groups with ``"algorithm": "muon"`` (the default) get the matrix update; groups with
     ``"algorithm": "adamw"`` get AdamW with ``adamw_betas``/``adamw_eps``. Use the subclasses
     :class:`~dimuon.optim.Muon`, :class:`~dimuon.optim.PeriodicRowMuon` and
-    :class:`~dimuon.optim.MuonBP`.
+    :class:`~dimuon.optim.MuonBP`. A subclass's own keyword arguments (after ``lr``) are its
+    schedule options; its ``__init__`` is given the full signature (own options, then every option
+    of this core, keyword-only), so ``inspect.signature`` lists every option with its type and default.
     """
 
     schedule: Schedule = Schedule()
+    _schedule_options: ClassVar[dict[str, Any]] = {}  # this class's schedule options and defaults
+    _schedule_owners: ClassVar[dict[str, str]] = {}  # every subclass's schedule option -> the first class taking it
 
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
-        lr_scale: str = "match_rms_adamw",
-        ns_coefficients: str = "quintic",
+        lr_scale: LrScale = "match_rms_adamw",
+        ns_coefficients: NsCoefficients = "quintic",
         ns_steps: int = 5,
         ns_dtype: torch.dtype | None = None,
-        ns_algorithm: str = "standard",
+        ns_algorithm: NsAlgorithm = "standard",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        nonfinite: str = "raise",
-        refresh: str = "gather",
-        bucket_mb: float = 16.0,
+        nonfinite: Nonfinite = "raise",
+        refresh: Refresh = "gather",
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         comm_dtype: torch.dtype | None = None,
         process_group: Any = None,
+        ns_compile: bool = False,
+        adamw_fused: bool | None = None,
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
@@ -125,35 +137,73 @@ class MuonFamily(torch.optim.Optimizer):
             )
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
-        _check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        _check_choice("refresh", refresh, REFRESH_STRATEGIES)
-        _check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        check_choice("refresh", refresh, REFRESH_STRATEGIES)
+        check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
             raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
+        if not isinstance(ns_compile, bool):
+            raise TypeError(f"ns_compile must be a bool, got {ns_compile!r}")
+        if adamw_fused is not None and not isinstance(adamw_fused, bool):
+            raise TypeError(f"adamw_fused must be None, True or False, got {adamw_fused!r}")
         self.nonfinite = nonfinite
+        self.ns_compile = ns_compile
+        self.adamw_fused = adamw_fused
         self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype,
                                "process_group": process_group}
         self._engine: DirectionEngine | None = engine
+        self._engine_given = engine is not None
+        self._constructing = True
+        self._flattened: list[str] = []
         super().__init__(params, defaults)
+        self._constructing = False
+        self._warn_flattened(stacklevel=4)
 
     # ----------------------------------------------------------------- configuration
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Record the subclass's schedule options and give its ``__init__`` the full signature."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        leading = ("self", "params", "lr")
+        own = inspect.signature(init).parameters
+        options = [p for name, p in own.items() if name not in leading
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        cls._schedule_options = {**cls._schedule_options, **{p.name: p.default for p in options}}
+        for p in options:
+            MuonFamily._schedule_owners.setdefault(p.name, cls.__name__)
+        core = inspect.signature(MuonFamily.__init__).parameters
+        common = [p.replace(kind=p.KEYWORD_ONLY) for name, p in core.items()
+                  if name not in (*leading, *own) and p.kind is not p.VAR_KEYWORD]
+        ordered = [*(own[name] for name in leading if name in own), *options, *common]
+        try:
+            own_hints = typing.get_type_hints(init)
+        except NameError:  # an annotation its module cannot resolve: keep the subclass's own, as written
+            own_hints = dict(init.__annotations__)
+        hints = {**typing.get_type_hints(MuonFamily.__init__), **own_hints}
+        init.__signature__ = inspect.Signature(
+            [p.replace(annotation=hints.get(p.name, p.annotation)) for p in ordered], return_annotation=None
+        )
+        init.__annotations__ = {p.name: hints[p.name] for p in ordered if p.name in hints} | {"return": None}
+
     @classmethod
     def _schedule_defaults(cls) -> dict[str, Any]:
-        """Schedule hyperparameters this optimizer accepts, with their defaults."""
-        return {}
+        """Schedule hyperparameters this optimizer accepts, with their defaults (from its ``__init__``)."""
+        return dict(cls._schedule_options)
 
     def _validate_options(self, g: dict[str, Any], where: str) -> None:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""
-        _check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
-        _check_number(f"lr{where}", g["lr"], low=0.0)
-        _check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
-        _check_number(f"momentum{where}", g["momentum"], low=0.0, high=1.0, high_open=True)
+        check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
+        check_lr(g["lr"], where)
+        check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
+        check_number(f"momentum{where}", g["momentum"], low=0.0, high=1.0, high_open=True)
         if not isinstance(g["nesterov"], bool):
             raise TypeError(f"nesterov{where} must be a bool, got {g['nesterov']!r}")
-        _check_choice(f"lr_scale{where}", g["lr_scale"], linalg.LR_SCALES)
-        _check_choice(f"ns_coefficients{where}", g["ns_coefficients"], linalg.COEFFICIENT_SETS)
-        _check_choice(f"ns_algorithm{where}", g["ns_algorithm"], linalg.NS_ALGORITHMS)
-        _check_number(f"ns_steps{where}", g["ns_steps"], low=1, high=100, integer=True)
+        check_choice(f"lr_scale{where}", g["lr_scale"], LR_SCALES)
+        check_choice(f"ns_coefficients{where}", g["ns_coefficients"], COEFFICIENT_SETS)
+        check_choice(f"ns_algorithm{where}", g["ns_algorithm"], NS_ALGORITHMS)
+        check_number(f"ns_steps{where}", g["ns_steps"], low=1, high=100, integer=True)
         if g["ns_dtype"] is not None and not (
             isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point
         ):
@@ -162,8 +212,8 @@ class MuonFamily(torch.optim.Optimizer):
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"adamw_betas{where} must be a pair (beta1, beta2), got {betas!r}")
         for i, b in enumerate(betas):
-            _check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
-        _check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
+            check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
+        check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
         for key in self._schedule_defaults():
             self._validate_schedule_option(key, g[key], where)
 
@@ -178,69 +228,221 @@ class MuonFamily(torch.optim.Optimizer):
                 f"{sorted(set(self.defaults) | {'params', 'param_names'})}"
             )
         super().add_param_group(param_group)
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            raise
         group = self.param_groups[-1]
-        where = f" (parameter group {len(self.param_groups) - 1})"
-        self._validate_options(group, where)
         group.setdefault("step", 0)
-        names = group.get("param_names")
-        if group["algorithm"] == "muon":
-            for i, p in enumerate(group["params"]):
-                pname = names[i] if names else f"params[{i}] of group {len(self.param_groups) - 1}"
-                if p.ndim < 2:
+        group.setdefault("skipped_steps", 0)
+        for p in group["params"]:
+            self._param_state(p, group)
+        if not self._constructing:
+            if not self._engine_given:
+                self._engine = None  # the engine learns the new parameters' process groups
+            self._warn_flattened(stacklevel=3)
+
+    def _check_group(self, gi: int) -> None:
+        """Options, parameter dtypes and shapes of group ``gi``, each error naming the parameter."""
+        group = self.param_groups[gi]
+        self._validate_options(group, f" (parameter group {gi})")
+        for i, p in enumerate(group["params"]):
+            pname = self._param_name(group, i, gi)
+            if p.is_complex():
+                raise ValueError(
+                    f"parameter {pname!r} is complex ({p.dtype}); dimuon's optimizers take real parameters "
+                    "(optimize torch.view_as_real of it instead)"
+                )
+            if group["algorithm"] == "adamw":
+                if self.adamw_fused and not self._fused_supported([p]):
                     raise ValueError(
-                        f"parameter {pname!r} with shape {tuple(p.shape)} is in a 'muon' group, but Muon "
-                        "updates matrices (ndim >= 2; conv weights are flattened to (out, in*k*k)); "
-                        "put it in an 'adamw' group (dimuon.optim.param_groups does this)"
+                        f"adamw_fused=True, but torch has no fused AdamW for parameter {pname!r} "
+                        f"({p.dtype} on {local_tensor(p).device.type}); pass adamw_fused=None or False"
                     )
-                split_sizes_to_ranges(p.shape[0], group["split_sizes"], pname)
+                continue
+            if p.ndim < 2:
+                raise ValueError(
+                    f"parameter {pname!r} with shape {tuple(p.shape)} is in a 'muon' group, but Muon "
+                    "updates matrices (ndim >= 2; conv weights are flattened to (out, in*k*k)); "
+                    "put it in an 'adamw' group (dimuon.optim.param_groups does this)"
+                )
+            if p.ndim > 2:
+                self._flattened.append(f"{pname} {tuple(p.shape)}")
+            split_sizes_to_ranges(p.shape[0], group["split_sizes"], pname)
+
+    def _warn_flattened(self, stacklevel: int) -> None:
+        """One warning for the parameters flattened since the last one (``stacklevel`` reaches the caller)."""
+        if self._flattened:
+            warnings.warn(
+                f"{type(self).__name__} updates these parameters as (shape[0], rest) matrices, as it does conv "
+                f"weights (out, in, *kernel): {', '.join(self._flattened)}; if a leading dimension stacks separate "
+                "matrices (heads, experts), split the parameter or put it in an 'adamw' group",
+                FlattenedParameterWarning,
+                stacklevel=stacklevel,
+            )
+            self._flattened = []
+
+    @staticmethod
+    def _param_name(group: dict[str, Any], i: int, gi: int) -> str:
+        names = group.get("param_names")
+        return names[i] if names else f"params[{i}] of group {gi}"
+
+    # ----------------------------------------------------------------- state
+    def _param_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The state of ``p``, made if missing: the same zeros a lazy first step would make.
+
+        State made at construction follows a model moved or cast before its first step (it is
+        all zeros until then). Parameters on the meta device get theirs at their first step.
+        """
+        state = self.state[p]
+        local = local_tensor(p)
+        if local.device.type == "meta":
+            return state
+        if group["algorithm"] == "muon":
+            # fp32 or the parameter dtype if wider; never aliases the gradient. Shaped (and for
+            # DTensor parameters, sharded) like the parameter, so checkpoints can reshard it.
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            buf = state.get("momentum_buffer")
+            if buf is None or (group["step"] == 0 and (buf.dtype, buf.device) != (dtype, p.device)):
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            return state
+        if "step" in state and not isinstance(state["step"], Tensor):  # a number in older state dicts
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
+        avg = state.get("exp_avg")
+        if avg is None or (group["step"] == 0 and (avg.dtype, avg.device) != (p.dtype, p.device)):
+            # torch's AdamW keeps ``step`` on the CPU unless fused; _adamw_step moves it where the kernel wants it.
+            state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (``nonfinite="skip"``); kept per group, so it is saved."""
+        return max((g["skipped_steps"] for g in self.param_groups), default=0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({key: getattr(self, key) for key in _RUNTIME_DEFAULTS})
+        state["engine_options"] = self.engine_options
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        engine_defaults = {"refresh": "gather", "bucket_mb": 16.0, "comm_dtype": None, "process_group": None}
-        for key, value in (("nonfinite", "raise"), ("_engine", None), ("engine_options", engine_defaults)):
+        self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
+        runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
+                   "_engine_given": False, "_constructing": False, "_flattened": []}
+        for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
-        for group in self.param_groups:
+        for group in self.param_groups:  # state dicts of earlier versions lack newer options
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             group.setdefault("step", 0)
+            group.setdefault("skipped_steps", 0)
+            for p in group["params"]:
+                self._param_state(p, group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, refusing (with what differs) a state_dict of another optimizer,
+        grouping or parameter shapes, and keeping momentum buffers in their saved (wider) dtype."""
+        saved: dict[int, Tensor] = {}  # id(parameter) -> its momentum buffer as loaded
+
+        def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+            self._check_loadable(loaded)
+            ids = chain.from_iterable(g["params"] for g in loaded["param_groups"])
+            params = chain.from_iterable(g["params"] for g in self.param_groups)
+            for key, p in zip(ids, params):
+                if "momentum_buffer" in loaded["state"].get(key, {}):
+                    saved[id(p)] = loaded["state"][key]["momentum_buffer"]
+
+        handle = self.register_load_state_dict_pre_hook(check)  # after the user's pre-hooks
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf, kept = self.state[p].get("momentum_buffer"), saved.get(id(p))
+                if buf is not None and kept is not None and kept.dtype != buf.dtype:
+                    self.state[p]["momentum_buffer"] = kept.to(device=buf.device)  # torch cast it to p.dtype
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise a ValueError naming what differs unless ``state_dict`` was saved by this kind of optimizer
+        over parameters of the same groups and shapes."""
+        groups, loaded = self.param_groups, state_dict["param_groups"]
+        if len(loaded) != len(groups):
+            raise ValueError(f"state_dict has {len(loaded)} parameter groups, this optimizer {len(groups)}")
+        mine = set(self._schedule_defaults())
+        for gi, (group, saved) in enumerate(zip(groups, loaded)):
+            if "algorithm" not in saved:
+                raise ValueError(f"state_dict parameter group {gi} has no 'algorithm': it was not saved by a "
+                                 "Muon-family optimizer")
+            stray = sorted(k for k in set(saved) - mine if k in MuonFamily._schedule_owners)
+            missing = sorted(mine - set(saved))
+            if stray or missing:
+                owners = ", ".join(sorted({MuonFamily._schedule_owners[k] for k in stray}))
+                found = ([f"carry {stray} (options of {owners})"] if stray else []) + (
+                    [f"lack {missing}"] if missing else [])
+                raise ValueError(
+                    f"state_dict was not saved by {type(self).__name__}: its parameter groups {' and '.join(found)}"
+                    f" ({type(self).__name__}'s schedule options: {sorted(mine) or 'none'})"
+                )
+            if saved["algorithm"] != group["algorithm"]:
+                raise ValueError(f"parameter group {gi} is {group['algorithm']!r} here but "
+                                 f"{saved['algorithm']!r} in the state_dict")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"parameter group {gi} holds {len(group['params'])} parameters here but "
+                                 f"{len(saved['params'])} in the state_dict")
+            for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
+                for name, value in state_dict["state"].get(key, {}).items():
+                    if isinstance(value, Tensor) and value.ndim > 0 and value.shape != p.shape:
+                        raise ValueError(
+                            f"state_dict does not fit parameter {self._param_name(group, i, gi)!r}: its "
+                            f"{name!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                        )
 
     # ----------------------------------------------------------------- execution
-    def _get_engine(self, params: Sequence[Tensor]) -> DirectionEngine:
+    def _get_engine(self) -> DirectionEngine:
         """Local engine for plain tensors; sharded engine for DTensors or when a process group is given."""
         if self._engine is None:
+            params = [p for g in self.param_groups for p in g["params"]]
             if self.engine_options["process_group"] is not None or any(_is_dtensor(p) for p in params):
                 from dimuon.optim.distributed.sharded import ShardedEngine
 
-                self._engine = ShardedEngine(**self.engine_options)
+                self._engine = ShardedEngine(**self.engine_options, params=params)
             else:
                 self._engine = LocalEngine()
         return self._engine
 
-    def _grads_are_finite(self) -> bool:
-        """One fused reduction over every gradient; sharded gradients agree across ranks."""
-        grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return True
-        # One pass per gradient: the extremes are finite exactly when every entry is (NaN propagates).
-        extremes = [torch.stack(torch.aminmax(g)) for g in grads if g.numel() > 0]
-        flag = torch.isfinite(torch.cat(extremes).float()).all() if extremes else torch.tensor(True)
-        return self._get_engine([]).all_true(flag)
+    def _local_grads_finite(self) -> Tensor:
+        """0-d bool on the parameters' device: every local gradient entry is finite (one pass per gradient:
+        the extremes are finite exactly when every entry is, NaN propagates)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = local_tensor(params[0]).device if params else torch.device("cpu")
+        extremes: dict[torch.device, list[Tensor]] = {}
+        for g in (local_tensor(p.grad) for p in params if p.grad is not None):
+            if g.numel() > 0:  # an empty local shard has nothing to check
+                extremes.setdefault(g.device, []).append(torch.stack(torch.aminmax(g)))
+        flag = torch.ones((), dtype=torch.bool, device=device)
+        for parts in extremes.values():
+            flag = flag & torch.isfinite(torch.cat(parts).float()).all().to(device)
+        return flag
 
     def _first_nonfinite(self) -> str:
         for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()):
-                    return names[i] if names else f"params[{i}] of group {gi} with shape {tuple(p.shape)}"
+                if p.grad is not None and not read_flag(torch.isfinite(local_tensor(p.grad)).all()):
+                    name = self._param_name(group, i, gi)
+                    return name if group.get("param_names") else f"{name} with shape {tuple(p.shape)}"
         return "a parameter on another rank"
 
     def _check_sparse(self) -> None:
         for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
-                    pname = names[i] if names else f"params[{i}] of group {gi}"
+                    pname = self._param_name(group, i, gi)
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients (parameter {pname!r})")
 
     @torch.no_grad()
@@ -251,11 +453,11 @@ class MuonFamily(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_sparse()
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        self._get_engine(all_params)
-        if not self._grads_are_finite():
+        # Every rank votes before any other collective of the step, so all of them raise or skip together.
+        if not self._get_engine().all_true(self._local_grads_finite()):
             if self.nonfinite == "skip":
-                self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+                for group in self.param_groups:
+                    group["skipped_steps"] += 1
                 return loss
             raise FloatingPointError(
                 f"non-finite gradient in {self._first_nonfinite()}; the step was not taken and the "
@@ -279,15 +481,8 @@ class MuonFamily(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(group["params"])}
         grads, bufs, jobs = [], [], []
         for p in params:
-            state = self.state[p]
-            g = local_tensor(p.grad)
-            if "momentum_buffer" not in state:
-                # fp32 or the parameter dtype if wider; never aliases the gradient. Shaped (and for
-                # DTensor parameters, sharded) like the parameter, so checkpoints can reshard it.
-                dtype = torch.promote_types(p.dtype, torch.float32)
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-            buf = local_tensor(state["momentum_buffer"])
-            grads.append(g.to(buf.dtype))
+            buf = local_tensor(self._param_state(p, group)["momentum_buffer"])
+            grads.append(local_tensor(p.grad).to(buf.dtype))
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
@@ -314,14 +509,19 @@ class MuonFamily(torch.optim.Optimizer):
             ns_algorithm=group["ns_algorithm"],
             ns_dtype=group["ns_dtype"],
             lr_scale=group["lr_scale"],
+            ns_compile=self.ns_compile,
         )
-        directions = self._get_engine(params).directions(jobs, kind, config)
+        directions = self._get_engine().directions(jobs, kind, config)
         step_size = lr * self.schedule.multiplier(kind, group)
         for p, d in zip(params, directions):
             w = local_tensor(p)
             if wd != 0:
                 w.mul_(1.0 - lr * wd)  # decoupled, with the unscaled lr
-            w.add_(d.reshape(w.shape).to(w.dtype), alpha=-step_size)
+            d = d.reshape(w.shape).to(w.dtype)
+            if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (add_'s alpha takes numbers only)
+                w.sub_(d.mul(step_size))
+            else:
+                w.add_(d, alpha=-step_size)
 
     @staticmethod
     def _nesterov_updates(
@@ -346,18 +546,31 @@ class MuonFamily(torch.optim.Optimizer):
                 out[i] = batch[j]
         return out
 
+    @staticmethod
+    def _fused_supported(params: Sequence[Tensor]) -> bool:
+        """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype)."""
+        devices = _get_fused_kernels_supported_devices()
+        return all(local_tensor(p).device.type in devices and p.is_floating_point() for p in params)
+
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        fused = self.adamw_fused if self.adamw_fused is not None else self._fused_supported(params)
+        # Under torch.compile the unfused kernel needs its capturable form (tensor step sizes).
+        capturable = not fused and torch.compiler.is_compiling()
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
         for p in params:
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = self._param_state(p, group)
+            # Where torch keeps the counter: on the parameter's device for the fused and capturable
+            # kernels, on the CPU otherwise (a checkpoint may bring it from either).
+            device = local_tensor(p).device if fused or capturable else torch.device("cpu")
+            if state["step"].device != device:
+                state["step"] = state["step"].to(device)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and not (fused or capturable):
+            lr = lr.item()  # the foreach kernel takes a number (a device sync if lr lives on an accelerator)
         beta1, beta2 = group["adamw_betas"]
         adamw_functional(
             params,
@@ -366,11 +579,13 @@ class MuonFamily(torch.optim.Optimizer):
             exp_avg_sqs,
             [],
             steps,
-            foreach=True,  # torch picks the per-tensor loop on CPU otherwise
+            foreach=not fused,  # torch picks the per-tensor loop on CPU otherwise
+            fused=fused,
+            capturable=capturable,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
-            lr=group["lr"],
+            lr=lr,
             weight_decay=group["weight_decay"],
             eps=group["adamw_eps"],
             maximize=False,

@@ -1,6 +1,6 @@
 """Role-based parameter grouping: hidden matrices to Muon, everything else to AdamW.
 
-ALGORITHMS.md section 6: Muon updates the hidden 2-D weights (attention qkv and out-proj, MLP,
+docs/algorithms.md, "Which parameters get Muon": Muon updates the hidden 2-D weights (attention qkv and out-proj, MLP,
 adaLN modulation, the timestep MLP's second linear); AdamW takes the patch/label embeddings, the
 final output projection, biases, norm gains and any other 1-D/0-D tensor. The decision is made
 by module role (module type plus name rules), not by ``ndim == 2`` alone, and user rules win.

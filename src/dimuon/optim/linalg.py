@@ -5,15 +5,17 @@ matrices ``(rows, cols)``. No optimizer state, no distributed code, no configura
 every part of dimuon that orthogonalizes or row-normalizes calls these functions, so the project
 has exactly one Newton-Schulz iteration.
 
-Orientation convention (ALGORITHMS.md section 2): a matrix with more rows than columns is
+Orientation convention (docs/algorithms.md, "Orientation"): a matrix with more rows than columns is
 transposed before the iteration so that the iterated matrix is wide (``rows <= cols``), and
 transposed back afterwards. Inputs are never modified in place.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -24,7 +26,11 @@ __all__ = [
     "GRAM_RESTART_EVERY",
     "LR_SCALES",
     "NS_ALGORITHMS",
+    "LrScale",
+    "NsAlgorithm",
+    "NsCoefficients",
     "coefficient_schedule",
+    "compiled_newton_schulz",
     "default_ns_dtype",
     "lr_scale_factor",
     "newton_schulz",
@@ -47,9 +53,13 @@ POLAR_EXPRESS: tuple[tuple[float, float, float], ...] = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
-COEFFICIENT_SETS: tuple[str, ...] = ("quintic", "polar_express")
-NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram")
-LR_SCALES: tuple[str, ...] = ("match_rms_adamw", "original", "none")
+# The named choices, as types (so signatures and command lines can list them) and as tuples.
+NsCoefficients = Literal["quintic", "polar_express"]
+NsAlgorithm = Literal["standard", "gram"]
+LrScale = Literal["match_rms_adamw", "original", "none"]
+COEFFICIENT_SETS: tuple[str, ...] = get_args(NsCoefficients)
+NS_ALGORITHMS: tuple[str, ...] = get_args(NsAlgorithm)
+LR_SCALES: tuple[str, ...] = get_args(LrScale)
 
 # The Gram iteration only pays off on clearly rectangular matrices: with five steps and one
 # restart it trades 6 of the 10 (rows x rows x cols) products of the standard iteration for 9 more
@@ -83,7 +93,7 @@ def coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, floa
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on accelerators (tensor cores), fp32 on CPU (bf16 matmul is far slower there)."""
+    """bf16 on accelerators (CUDA tensor cores and the like), fp32 on CPU (bf16 matmul is far slower there)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -93,7 +103,7 @@ def oriented_shape(rows: int, cols: int) -> tuple[int, int]:
 
 
 def lr_scale_factor(name: str, rows: int, cols: int) -> float:
-    """Shape-dependent step-size factor of ALGORITHMS.md section 4 for a ``(rows, cols)`` matrix."""
+    """Shape-dependent step-size factor (docs/algorithms.md, "Step size") for a ``(rows, cols)`` matrix."""
     if name == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     if name == "original":
@@ -293,6 +303,16 @@ def newton_schulz(
     return y.squeeze(0) if squeeze else y
 
 
+@functools.cache
+def compiled_newton_schulz() -> Callable[..., Tensor]:
+    """:func:`newton_schulz` through ``torch.compile`` (same arguments, same results within rounding).
+
+    Built once per process. The first call on a new shape compiles (seconds); after a second shape
+    dynamo compiles a shape-generic version, so a model's handful of matrix shapes costs a few compiles.
+    """
+    return torch.compile(newton_schulz)
+
+
 def uses_gram(algorithm: str, rows: int, cols: int) -> bool:
     """Whether ``newton_schulz(algorithm=algorithm)`` runs the Gram form on a ``(rows, cols)`` matrix."""
     short, long = oriented_shape(rows, cols)
@@ -338,7 +358,7 @@ def row_normalize(x: Tensor, eps: float = _EPS, scale: float = 1.0) -> Tensor:
     """RowNorm: each oriented row divided by its L2 norm (``max(norm, eps)``), times ``scale``.
 
     Oriented rows are the rows of ``x`` when it is wide or square and its columns when it is
-    tall (ALGORITHMS.md section 2). Works on ``(r, c)`` and ``(B, r, c)``; the result is in fp32
+    tall (docs/algorithms.md, "Orientation"). Works on ``(r, c)`` and ``(B, r, c)``; the result is in fp32
     or the input dtype, whichever is wider. ``scale`` is folded into the per-row factor, so the
     matrix is read once and written once.
     """

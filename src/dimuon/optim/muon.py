@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from dimuon.optim.core import MuonFamily, _check_number
+from torch import Tensor
+
+from dimuon.optim.core import MuonFamily
 from dimuon.optim.schedules import BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
+from dimuon.optim.validation import check_number
 
 _COMMON_DOC = """
     Args (shared by every Muon-family optimizer):
         params: parameters, named parameters or parameter groups (see :func:`param_groups`);
             a group with ``"algorithm": "adamw"`` is updated by AdamW.
-        lr: learning rate (shared by the AdamW groups unless a group sets its own).
+        lr: learning rate (shared by the AdamW groups unless a group sets its own); a number or a
+            one-element Tensor (lets a compiled step follow an LR schedule without recompiling).
         momentum: EMA momentum coefficient ``beta`` in [0, 1).
         nesterov: use ``U = (1-beta) G + beta M`` instead of ``U = M``.
         weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
@@ -26,11 +30,17 @@ _COMMON_DOC = """
             way no state is touched by such a step.
         refresh: spectral steps on sharded parameters: ``"gather"`` (all-gather the momentum, every
             rank orthogonalizes) or ``"owner"`` (one owner rank per matrix, all-to-all there and back).
-        bucket_mb: size of the communication buckets that overlap with Newton-Schulz.
+        bucket_mb: size of the communication buckets that overlap with Newton-Schulz, in MiB.
         comm_dtype: dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math
             stays in the compute dtype.
         process_group: for plain parameters replicated across ranks (DDP): split the Newton-Schulz
             work over this group and broadcast the results. DTensor parameters need nothing.
+        ns_compile: run Newton-Schulz through ``torch.compile`` (the first step on each new matrix
+            shape compiles, seconds each; same results within rounding).
+        adamw_fused: the AdamW groups' kernel: ``True`` fused, ``False`` foreach, ``None`` (default)
+            fused wherever torch has a fused AdamW for the parameters' device and dtype.
+        engine: where the direction maps run (tests); ``None`` picks the single-process or the
+            sharded engine from the parameters.
 """
 
 
@@ -39,7 +49,7 @@ class Muon(MuonFamily):
 
     schedule = Schedule()
 
-    def __init__(self, params: Any, lr: float = 1e-3, **kwargs: Any) -> None:
+    def __init__(self, params: Any, lr: float | Tensor = 1e-3, **kwargs: Any) -> None:
         super().__init__(params, lr=lr, **kwargs)
 
 
@@ -52,18 +62,16 @@ class PeriodicRowMuon(MuonFamily):
 
     schedule = PeriodicRowSchedule()
 
-    def __init__(self, params: Any, lr: float = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any) -> None:
+    def __init__(
+        self, params: Any, lr: float | Tensor = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any
+    ) -> None:
         super().__init__(params, lr=lr, k=k, gamma=gamma, **kwargs)
-
-    @classmethod
-    def _schedule_defaults(cls) -> dict[str, Any]:
-        return {"k": 3, "gamma": 0.15}
 
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
         if key == "k":
-            _check_number(f"k{where}", value, low=1, integer=True)
+            check_number(f"k{where}", value, low=1, integer=True)
         elif key == "gamma":
-            _check_number(f"gamma{where}", value, low=0.0, low_open=True)
+            check_number(f"gamma{where}", value, low=0.0, low_open=True)
 
 
 class MuonBP(MuonFamily):
@@ -80,7 +88,7 @@ class MuonBP(MuonFamily):
     def __init__(
         self,
         params: Any,
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         period: int = 5,
         blocks: int = 1,
         block_lr_ratio: float = 1.0,
@@ -88,15 +96,11 @@ class MuonBP(MuonFamily):
     ) -> None:
         super().__init__(params, lr=lr, period=period, blocks=blocks, block_lr_ratio=block_lr_ratio, **kwargs)
 
-    @classmethod
-    def _schedule_defaults(cls) -> dict[str, Any]:
-        return {"period": 5, "blocks": 1, "block_lr_ratio": 1.0}
-
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
         if key in ("period", "blocks"):
-            _check_number(f"{key}{where}", value, low=1, integer=True)
+            check_number(f"{key}{where}", value, low=1, integer=True)
         elif key == "block_lr_ratio":
-            _check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
+            check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
 
 
 for _cls in (Muon, PeriodicRowMuon, MuonBP):

@@ -3,7 +3,7 @@
 Deliberately plain: one matrix at a time, no batching, no engine, explicit orientation, its own
 Newton-Schulz loop written out (so it checks :mod:`dimuon.optim.linalg` rather than reusing it).
 Follows the update of ``torch.optim.Muon`` in the compute dtype you give it (fp32 by default)
-and extends it with the RowNorm and block steps of ALGORITHMS.md sections 3-5.
+and extends it with the RowNorm and block steps of docs/algorithms.md ("Direction maps", "Step size", "Schedules").
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ReferenceMuon:
         self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
         self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
         self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
-        self.bufs = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.bufs = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self.t = 0
 
     def kind(self) -> StepKind:

@@ -1,6 +1,6 @@
 """Schedules: which direction map a Muon-family group applies at step ``t``, and its step multiplier.
 
-The three optimizers share one core and differ only here (ALGORITHMS.md section 5). A schedule
+The three optimizers share one core and differ only here (docs/algorithms.md, "Schedules"). A schedule
 reads its hyperparameters from the parameter group, so they live in ``state_dict`` with the
 step counter and a resumed run continues the exact same sequence of step kinds.
 """

@@ -48,7 +48,8 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         unknown = sorted({g["algorithm"] for g in groups} - {"muon", "adamw"})
         if unknown:
             raise ValueError(f"group algorithm must be 'muon' or 'adamw', got {unknown}")
-        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        # "momentum" among the defaults: OneCycleLR and CyclicLR cycle it (torch's Muon's) as for dimuon's Muon.
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
         for group in self.param_groups:
             for p in _tensors(group):
                 if hasattr(p, "device_mesh"):
@@ -56,19 +57,49 @@ class TorchMuonAdamW(torch.optim.Optimizer):
                         "torch_muon runs in one process only: on sharded (DTensor) parameters torch.optim.Muon would "
                         "orthogonalize each shard; use 'muon' (sharded Newton-Schulz) instead"
                     )
-        muon = [g for g in self.param_groups if g["algorithm"] == "muon"]
-        adamw = [g for g in self.param_groups if g["algorithm"] == "adamw"]
-        # The inner optimizers adopt these dicts (add_param_group keeps the object), so lr changes reach them.
-        self._muon = torch.optim.Muon(
-            muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        ) if muon else None
-        self._adamw = torch.optim.AdamW(
-            adamw, lr=lr, weight_decay=weight_decay, betas=adamw_betas, eps=adamw_eps
-        ) if adamw else None
+        self._inner_options = {
+            "muon": dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
+            "adamw": dict(betas=adamw_betas, eps=adamw_eps),
+        }
+        self._muon: torch.optim.Muon | None = None
+        self._adamw: torch.optim.AdamW | None = None
+        for group in self.param_groups:
+            self._adopt(group)
+
+    def _adopt(self, group: dict[str, Any]) -> None:
+        """Hand ``group`` (the very dict) to the inner optimizer of its algorithm, so lr changes reach it."""
+        kind = group["algorithm"]
+        inner = self._muon if kind == "muon" else self._adamw
+        if inner is not None:
+            inner.add_param_group(group)
+            return
+        cls = torch.optim.Muon if kind == "muon" else torch.optim.AdamW
+        inner = cls([group], lr=self.defaults["lr"], weight_decay=self.defaults["weight_decay"],
+                    **self._inner_options[kind])
+        if kind == "muon":
+            self._muon = inner
+        else:
+            self._adamw = inner
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group with an ``algorithm`` key ("muon" or "adamw"), stepped by that inner optimizer from now on."""
+        if param_group.get("algorithm") not in ("muon", "adamw"):
+            raise ValueError(f"group algorithm must be 'muon' or 'adamw', got {param_group.get('algorithm')!r}")
+        super().add_param_group(param_group)
+        if hasattr(self, "_inner_options"):  # after construction (the constructor adopts its groups itself)
+            self._adopt(self.param_groups[-1])
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         return [opt for opt in (self._muon, self._adamw) if opt is not None]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state plus the inner optimizers (pickled together, so they keep sharing the group dicts)."""
+        return {**super().__getstate__(), "_muon": self._muon, "_adamw": self._adamw,
+                "_inner_options": self._inner_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; the groups take no such option
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -78,18 +109,27 @@ class TorchMuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for opt in self._inner():
-            opt.step()
+            # The inner steps without torch's step hooks: hooks (global ones too) fire once, for this optimizer.
+            type(opt).step.__wrapped__(opt)
         return loss
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizers' state dicts (one process: save with ``torch.save``)."""
-        return {
+        """The inner optimizers' state dicts (one process: save with ``torch.save``); state_dict hooks run."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state: dict[str, Any] = {
             "muon": None if self._muon is None else self._muon.state_dict(),
             "adamw": None if self._adamw is None else self._adamw.state_dict(),
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore from :meth:`state_dict`, then share the reloaded group dicts again."""
+        """Restore from :meth:`state_dict`, then share the reloaded group dicts again; load hooks run."""
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         for key, opt in (("muon", self._muon), ("adamw", self._adamw)):
             if (opt is None) != (state_dict.get(key) is None):
                 raise ValueError(
@@ -105,6 +145,8 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         for group in reloaded:
             by_algorithm[group["algorithm"]].append(group)
         self.param_groups = [by_algorithm[g["algorithm"]].pop(0) for g in self.param_groups]
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _tensors(group: dict[str, Any]) -> list[torch.Tensor]:

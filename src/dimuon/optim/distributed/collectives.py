@@ -1,16 +1,22 @@
-"""The optimizer's collectives, each counted in logical bytes (ALGORITHMS.md section 7).
+"""The optimizer's collectives, counted in logical bytes (docs/algorithms.md, "Logical communication volume").
 
 Logical bytes are what reaches *this* rank from other ranks under the textbook algorithm:
 all-gather ``(W-1)/W`` of its output, all-reduce ``2(W-1)/W`` of its tensor (ring), all-to-all
 what arrives from the other ranks. They are exact, deterministic and cheap to keep, so tests
 assert on them and benchmarks report them next to measured times.
+
+Exposed time is measured where the waiting happens: on the host for CPU tensors (gloo blocks the
+calling thread), on the stream for CUDA tensors (NCCL's ``wait()`` only makes the current stream
+wait, so two CUDA events around it time the stall without blocking the host; they are read when
+the statistics are asked for).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,11 +28,13 @@ class CommCounter:
     """Per collective kind since the last reset: calls, logical bytes, and seconds this rank sat blocked.
 
     ``exposed_s`` is the communication time not hidden behind computation: the whole duration of a
-    blocking call, and only the time spent in ``wait()`` for an asynchronous one.
+    blocking call, and only the time spent in ``wait()`` for an asynchronous one (host time on CPU,
+    stream time on CUDA).
     """
 
     def __init__(self) -> None:
         self._stats: dict[str, dict[str, Any]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "exposed_s": 0.0})
+        self._pending: deque[tuple[str, Any, Any]] = deque()  # (kind, start, end) CUDA events not yet read
 
     def record(self, kind: str, logical_bytes: int) -> None:
         entry = self._stats[kind]
@@ -36,10 +44,38 @@ class CommCounter:
     def add_exposed(self, kind: str, seconds: float) -> None:
         self._stats[kind]["exposed_s"] += seconds
 
+    @contextmanager
+    def exposed(self, kind: str, device: torch.device) -> Iterator[None]:
+        """Book the time the body keeps this rank waiting as exposed ``kind`` time."""
+        if device.type != "cuda":
+            start = time.perf_counter()
+            yield
+            self.add_exposed(kind, time.perf_counter() - start)
+            return
+        stream = torch.cuda.current_stream(device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        yield
+        end.record(stream)
+        self._pending.append((kind, begin, end))
+        self._read_events(block=False)
+
+    def _read_events(self, block: bool) -> None:
+        """Book the CUDA intervals that have completed (all of them, waiting if ``block``)."""
+        while self._pending:
+            kind, begin, end = self._pending[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self.add_exposed(kind, begin.elapsed_time(end) / 1e3)
+            self._pending.popleft()
+
     def stats(self) -> dict[str, dict[str, Any]]:
+        self._read_events(block=True)
         return {k: dict(v) for k, v in self._stats.items()}
 
     def reset(self) -> None:
+        self._pending.clear()  # intervals of the window being dropped: discarded unread, no sync
         self._stats.clear()
 
 
@@ -48,25 +84,24 @@ def _nbytes(t: Tensor) -> int:
 
 
 class _TimedWork:
-    """An async collective handle whose ``wait()`` books the blocked time as exposed."""
+    """An async collective handle: ``wait()`` books the blocked time as exposed and only then lets go of the
+    tensors the collective reads and writes, so none is freed (and reused) while it may still be in flight."""
 
-    def __init__(self, work: Any, counter: CommCounter, kind: str) -> None:
-        self.work, self.counter, self.kind = work, counter, kind
+    def __init__(self, work: Any, counter: CommCounter, kind: str, tensors: tuple[Tensor, ...]) -> None:
+        self.work, self.counter, self.kind, self.tensors = work, counter, kind, tensors
 
     def wait(self) -> None:
-        start = time.perf_counter()
-        self.work.wait()
-        self.counter.add_exposed(self.kind, time.perf_counter() - start)
+        with self.counter.exposed(self.kind, self.tensors[0].device):
+            self.work.wait()
+        self.tensors = ()
 
 
-def _timed(counter: CommCounter, kind: str, async_op: bool, call: Callable[[], Any]) -> Any:
-    """Run a collective; time it all when blocking, or wrap its handle when asynchronous."""
+def _timed(counter: CommCounter, kind: str, async_op: bool, tensors: tuple[Tensor, ...], call: Callable[[], Any]) -> Any:
+    """Run a collective over ``tensors``; time it all when blocking, or wrap its handle when asynchronous."""
     if async_op:
-        return _TimedWork(call(), counter, kind)
-    start = time.perf_counter()
-    result = call()
-    counter.add_exposed(kind, time.perf_counter() - start)
-    return result
+        return _TimedWork(call(), counter, kind, tensors)
+    with counter.exposed(kind, tensors[0].device):
+        return call()
 
 
 class Collectives:
@@ -82,21 +117,22 @@ class Collectives:
         """``output`` (W * local.numel()) receives every rank's ``local`` in rank order."""
         self.counter.record("all_gather", _nbytes(output) * (self.world - 1) // self.world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return _timed(self.counter, "all_gather", async_op,
+        return _timed(self.counter, "all_gather", async_op, (output, local),
                       lambda: gather(output, local, group=self.group, async_op=async_op))
 
     def all_reduce(self, tensor: Tensor, async_op: bool = False, kind: str = "all_reduce"):
         """Sum ``tensor`` over ranks in place."""
         self.counter.record(kind, 2 * _nbytes(tensor) * (self.world - 1) // self.world)
-        return _timed(self.counter, kind, async_op, lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
+        return _timed(self.counter, kind, async_op, (tensor,),
+                      lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
-    def all_true(self, flag: Tensor) -> bool:
-        """Whether a boolean holds on every rank (one 4-byte all-reduce)."""
+    def all_true(self, flag: Tensor) -> Tensor:
+        """``flag`` (0-d bool) AND-ed over the ranks by one 4-byte all-reduce, on ``flag``'s device (no host read)."""
         value = flag.to(torch.int32).reshape(1)
         self.counter.record("all_reduce[check]", 2 * 4 * (self.world - 1) // self.world)
-        _timed(self.counter, "all_reduce[check]", False,
+        _timed(self.counter, "all_reduce[check]", False, (value,),
                lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group))
-        return bool(value.item())
+        return value[0] > 0
 
     def all_to_all(
         self,
@@ -109,7 +145,7 @@ class Collectives:
         """Flat all-to-all: ``send`` is cut by ``input_splits`` per destination, ``output`` by source."""
         arrived = sum(n for r, n in enumerate(output_splits) if r != self.rank)
         self.counter.record("all_to_all", arrived * output.element_size())
-        return _timed(self.counter, "all_to_all", async_op, lambda: dist.all_to_all_single(
+        return _timed(self.counter, "all_to_all", async_op, (output, send), lambda: dist.all_to_all_single(
             output, send, list(output_splits), list(input_splits), group=self.group, async_op=async_op
         ))
 
@@ -117,5 +153,5 @@ class Collectives:
         """``tensor`` from group rank ``src`` to every rank."""
         self.counter.record("broadcast", _nbytes(tensor) if self.rank != src else 0)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return _timed(self.counter, "broadcast", async_op,
+        return _timed(self.counter, "broadcast", async_op, (tensor,),
                       lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op))

@@ -3,7 +3,7 @@
 The optimizer core hands a list of :class:`MatrixJob` (one per parameter, holding the rows of the
 Nesterov momentum this process owns) and a step kind; an engine returns, for each job, the
 direction for exactly those rows, already multiplied by the shape scale of the matrix the map was
-applied to (ALGORITHMS.md section 4). :class:`LocalEngine` is the single-process engine; the
+applied to (docs/algorithms.md, "Step size"). :class:`LocalEngine` is the single-process engine; the
 sharded engine implements the same call with collectives. Tests hold the two against each other.
 """
 
@@ -12,18 +12,22 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
 
-from dimuon.optim import linalg
+from dimuon.optim.linalg import compiled_newton_schulz, lr_scale_factor, newton_schulz, row_normalize
 from dimuon.optim.schedules import StepKind
 
 RowRange = tuple[int, int]
 
-# Spectral-step strategies of the sharded engine (ALGORITHMS.md section 7).
-REFRESH_STRATEGIES: tuple[str, ...] = ("gather", "owner")
+# Spectral-step strategies of the sharded engine (docs/algorithms.md, "Sharded execution").
+Refresh = Literal["gather", "owner"]
+REFRESH_STRATEGIES: tuple[str, ...] = get_args(Refresh)
+
+# Size of the communication buckets that overlap with Newton-Schulz, in MiB (the one default).
+DEFAULT_BUCKET_MB: float = 16.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class MapConfig:
     ns_algorithm: str = "standard"
     ns_dtype: torch.dtype | None = None
     lr_scale: str = "match_rms_adamw"
+    ns_compile: bool = False  # run Newton-Schulz through torch.compile
 
 
 @dataclass
@@ -70,7 +75,7 @@ class DirectionEngine(Protocol):
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]: ...
 
     def all_true(self, flag: Tensor) -> bool:
-        """Whether ``flag`` (a 0-d bool tensor) is true on every process."""
+        """Whether ``flag`` (a 0-d bool tensor) is true on every process (every process must call it)."""
         ...
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -78,6 +83,11 @@ class DirectionEngine(Protocol):
         ...
 
     def reset_comm_stats(self) -> None: ...
+
+
+def read_flag(flag: Tensor) -> bool:
+    """The host reads a 0-d flag (one device-to-host copy): the only data-dependent read of a step."""
+    return bool(flag)
 
 
 def chunk_ranges(start: int, stop: int, chunks: int) -> list[RowRange]:
@@ -148,13 +158,14 @@ def apply_map_batched(
     by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
         by_shape[tuple(piece.shape)].append(i)
+    orthogonalize = compiled_newton_schulz() if config.ns_compile else newton_schulz
     for (rows, cols), idx in by_shape.items():
         batch = as_batch([pieces[i] for i in idx])
-        scale = linalg.lr_scale_factor(config.lr_scale, rows, cols)
+        scale = lr_scale_factor(config.lr_scale, rows, cols)
         if kind is StepKind.ROWNORM:
-            result = linalg.row_normalize(batch, scale=scale)
+            result = row_normalize(batch, scale=scale)
         else:
-            result = linalg.newton_schulz(
+            result = orthogonalize(
                 batch,
                 steps=config.ns_steps,
                 coefficients=config.ns_coefficients,
@@ -180,7 +191,7 @@ class LocalEngine:
     """Single-process engine: every job holds its whole matrix; no communication."""
 
     def all_true(self, flag: Tensor) -> bool:
-        return bool(flag)
+        return read_flag(flag)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return {}

@@ -1,7 +1,8 @@
-"""Run a function on W local processes joined in a gloo process group (tests and CPU benchmarks).
+"""Run a function on W local processes joined in a process group (tests and CPU benchmarks).
 
 On real clusters use ``torchrun --nproc-per-node N``; this helper exists so a test or a benchmark
-can start its own small CPU "cluster" and collect what each rank returns.
+can start its own small "cluster" (gloo on CPU, or NCCL with one GPU per rank) and collect what
+each rank returns.
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, out_dir: str, threads: int, timeout_s: float, fn: Callable, args: tuple
+    rank: int, world: int, port: int, out_dir: str, threads: int, timeout_s: float, backend: str, fn: Callable,
+    args: tuple,
 ) -> None:
     if timeout_s > 0:  # a hung collective dumps every thread's stack and fails the run instead of hanging
         faulthandler.dump_traceback_later(timeout_s, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     # On an exception the rank exits at once (no barrier): mp.spawn then reports its traceback.
     result = fn(rank, world, *args)
     tmp = Path(out_dir) / f".rank{rank}.tmp"
@@ -46,14 +50,18 @@ def _worker(
 
 
 def run_gloo(
-    fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout_s: float = 600.0
+    fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout_s: float = 600.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result in rank order.
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return each rank's result in rank order.
 
     ``fn`` must be importable (a module-level function). ``threads`` is the intra-op thread count
     per rank (keep ``world * threads`` at or below the core count). A rank still running after
     ``timeout_s`` seconds prints its stacks and exits, so a hang fails instead of blocking forever.
+    ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r`` (results come back as they are: move
+    tensors to the CPU before returning them).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), out_dir, threads, timeout_s, fn, args), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world,
+                 join=True)
         return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(world)]

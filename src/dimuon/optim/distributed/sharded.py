@@ -1,7 +1,7 @@
 """Sharded execution of the direction maps for DTensor parameters (FSDP2 ``Shard(0)`` on a 1-D mesh).
 
 Each rank holds rows ``[r0, r1)`` of every matrix (as ``torch.chunk`` cuts them; shards may be
-uneven or empty). ALGORITHMS.md section 7:
+uneven or empty). docs/algorithms.md, "Sharded execution":
 
 - RowNorm, ``m <= n`` (oriented rows are rows of ``W``): purely local.
 - RowNorm, ``m > n``: one bucketed all-reduce of the local column sums of squares, then local.
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dimuon.optim import linalg
 from dimuon.optim.distributed.collectives import Collectives, CommCounter
 from dimuon.optim.distributed.engine import (
+    DEFAULT_BUCKET_MB,
     REFRESH_STRATEGIES,
     LocalEngine,
     MapConfig,
@@ -39,7 +39,10 @@ from dimuon.optim.distributed.engine import (
     RowRange,
     apply_map_batched,
     intersect,
+    map_ranges,
+    read_flag,
 )
+from dimuon.optim.linalg import lr_scale_factor, oriented_shape, row_normalize
 from dimuon.optim.schedules import StepKind
 
 
@@ -78,9 +81,23 @@ def _process_group(param: Tensor) -> tuple[dist.ProcessGroup, bool]:
     raise NotImplementedError(f"sharded Muon supports Shard(0) and Replicate() placements, got {placement}")
 
 
+def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | None) -> list[dist.ProcessGroup]:
+    """Every process group the ranks sharing these parameters span: each mesh dimension of each DTensor's
+    mesh, and ``process_group``; the non-finite vote runs over all of them (in this order on every rank)."""
+    groups: dict[int, dist.ProcessGroup] = {}
+    for p in params:
+        if type(p).__name__ == "DTensor":
+            for dim in range(p.device_mesh.ndim):
+                group = p.device_mesh.get_group(dim)
+                groups.setdefault(id(group), group)
+    if process_group is not None:
+        groups.setdefault(id(process_group), process_group)
+    return list(groups.values())
+
+
 def _ns_cost(rows: int, cols: int) -> float:
     """Relative Newton-Schulz FLOPs of one matrix (oriented ``r <= c``): 5 x (2 r^2 c + r^3)."""
-    r, c = linalg.oriented_shape(rows, cols)
+    r, c = oriented_shape(rows, cols)
     return 5.0 * (2.0 * r * r * c + r**3)
 
 
@@ -113,14 +130,19 @@ def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 
 class ShardedEngine:
-    """Direction engine for DTensor parameters; counts the logical bytes of every collective it issues."""
+    """Direction engine for DTensor parameters; counts the logical bytes of every collective it issues.
+
+    ``params`` are all the optimizer's parameters: the process groups they span are known from the
+    start, so every rank votes on the non-finite check before any other collective, first step included.
+    """
 
     def __init__(
         self,
         refresh: str = "gather",
-        bucket_mb: float = 16.0,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
+        params: Sequence[Tensor] = (),
     ):
         if refresh not in REFRESH_STRATEGIES:
             raise ValueError(f"refresh must be one of {REFRESH_STRATEGIES}, got {refresh!r}")
@@ -133,6 +155,7 @@ class ShardedEngine:
         self.counter = CommCounter()
         self._comms: dict[int, Collectives] = {}
         self._local = LocalEngine()
+        self._voters = [self._collectives(g) for g in vote_groups(params, process_group)]
 
     # ----------------------------------------------------------------- bookkeeping
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -148,9 +171,9 @@ class ShardedEngine:
         return self._comms[key]
 
     def all_true(self, flag: Tensor) -> bool:
-        if not self._comms:
-            return bool(flag)
-        return next(iter(self._comms.values())).all_true(flag)
+        for comm in self._voters:
+            flag = comm.all_true(flag)
+        return read_flag(flag)
 
     def _prepare(self, jobs: Sequence[MatrixJob]) -> tuple[Collectives | None, list[_Shard]]:
         """Shard layout of each job; plain-tensor jobs (none sharded) fall back to the local engine."""
@@ -220,13 +243,13 @@ class ShardedEngine:
             job = s.job
             for a, b in job.logical_ranges():
                 rows, cols = b - a, job.cols
-                scale = linalg.lr_scale_factor(config.lr_scale, rows, cols)
+                scale = lr_scale_factor(config.lr_scale, rows, cols)
                 local = intersect((a, b), job.local_range)
                 if rows > cols and not s.replicated:
                     split_pieces.append((j, local, scale))
                 elif local is not None:
                     lo, hi = local[0] - job.row_offset, local[1] - job.row_offset
-                    outs[j][lo:hi] = linalg.row_normalize(job.update[lo:hi], scale=scale)
+                    outs[j][lo:hi] = row_normalize(job.update[lo:hi], scale=scale)
         if split_pieces:
             sums = []
             for j, local, _ in split_pieces:
@@ -311,7 +334,8 @@ class ShardedEngine:
             parts = [[shards[j].job.update.reshape(-1) for j in bucket if owners[j] == dst] for dst in range(world)]
             out_splits = [sum(shards[j].rows_of(src) * shards[j].job.cols for j in bucket if owners[j] == me)
                           for src in range(world)]
-            return _exchange(comm, parts, out_splits, self._payload_dtype(shards[bucket[0]]))
+            return _exchange(comm, parts, out_splits, self._payload_dtype(shards[bucket[0]]),
+                             shards[bucket[0]].job.update.device)
 
         returns = []
         pending = launch(buckets[0])
@@ -338,17 +362,17 @@ class ShardedEngine:
                     pieces.append(full[a:bnd])
                     where.append((j, a, bnd))
             results = apply_map_batched(pieces, StepKind.SPECTRAL, config)
-            full_dirs = {j: torch.empty(shards[j].job.rows, shards[j].job.cols) for j in owned}
+            full_dirs = {j: torch.empty(shards[j].job.rows, shards[j].job.cols, dtype=_wide(shards[j].job.update),
+                                        device=shards[j].job.update.device) for j in owned}
             for (j, a, bnd), d in zip(where, results):
-                if full_dirs[j].dtype != d.dtype:
-                    full_dirs[j] = full_dirs[j].to(d.dtype)
                 full_dirs[j][a:bnd] = d
             # Send each rank its rows of the owned results.
             parts = [[full_dirs[j][shards[j].offset_of(dst) : shards[j].offset_of(dst) + shards[j].rows_of(dst)]
                       .reshape(-1) for j in owned] for dst in range(world)]
             back_splits = [sum(shards[j].rows_of(me) * shards[j].job.cols for j in bucket if owners[j] == src)
                            for src in range(world)]
-            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(shards[bucket[0]]))
+            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(shards[bucket[0]]),
+                                                shards[bucket[0]].job.update.device)
             returns.append((bucket, recv_back, back_splits, work_back))
         for bucket, recv_back, back_splits, work in returns:
             work.wait()
@@ -369,7 +393,8 @@ class ShardedEngine:
         owners = assign_owners([(s.job.rows, s.job.cols) for s in shards], comm.world)
         mine = [j for j in range(len(shards)) if owners[j] == comm.rank]
         local = self._local.directions([shards[j].job for j in mine], StepKind.SPECTRAL, config)
-        outs: list[Tensor] = [torch.empty(s.job.update.shape, dtype=_wide(s.job.update)) for s in shards]
+        outs: list[Tensor] = [torch.empty(s.job.update.shape, dtype=_wide(s.job.update), device=s.job.update.device)
+                              for s in shards]
         for j, d in zip(mine, local):
             outs[j] = d.contiguous()
         works = []
@@ -378,7 +403,7 @@ class ShardedEngine:
             if not owned:
                 continue
             flat = torch.cat([outs[j].reshape(-1) for j in owned]) if src == comm.rank else torch.empty(
-                sum(outs[j].numel() for j in owned), dtype=outs[owned[0]].dtype)
+                sum(outs[j].numel() for j in owned), dtype=outs[owned[0]].dtype, device=outs[owned[0]].device)
             works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
         for owned, flat, work in works:
             work.wait()
@@ -388,12 +413,13 @@ class ShardedEngine:
 
 
 def _exchange(
-    comm: Collectives, parts_by_dst: Sequence[Sequence[Tensor]], out_splits: list[int], dtype: torch.dtype
+    comm: Collectives, parts_by_dst: Sequence[Sequence[Tensor]], out_splits: list[int], dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[Tensor, list[int], object]:
     """Async flat all-to-all of per-destination tensor lists; ``out_splits`` counts what each source sends."""
     in_splits = [sum(t.numel() for t in parts) for parts in parts_by_dst]
     flat = [t for parts in parts_by_dst for t in parts]
-    send = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+    send = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype, device=device)
     recv = send.new_empty(sum(out_splits))
     return recv, out_splits, comm.all_to_all(recv, send, out_splits, in_splits, async_op=True)
 
@@ -422,6 +448,4 @@ def _assemble(shards: Sequence[_Shard], where: Sequence[tuple[int, int, int]], r
 
 
 def _unsharded_block_ranges(job: MatrixJob) -> list[RowRange]:
-    from dimuon.optim.distributed.engine import map_ranges
-
     return map_ranges(job, StepKind.BLOCK)

@@ -1,0 +1,44 @@
+"""Checks of option values that raise one clear error naming the option and what it allows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
+    """Raise a ValueError/TypeError naming ``name`` unless ``value`` lies in the stated range."""
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        want = "an int" if integer else "a number"
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    bad_low = low is not None and (value <= low if low_open else value < low)
+    bad_high = high is not None and (value >= high if high_open else value > high)
+    if bad_low or bad_high:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+        interval = f"{lo or '(-inf'}, {hi or 'inf)'}"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    """Raise a ValueError naming ``name`` and the allowed values unless ``value`` is one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def check_lr(value: Any, where: str) -> None:
+    """A number >= 0, or a one-element floating Tensor holding one (as torch's optimizers accept)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor lr{where} must be 1-element, got shape {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise TypeError(f"Tensor lr{where} must be floating point, got {value.dtype}")
+        value = value.item()
+    check_number(f"lr{where}", value, low=0.0)

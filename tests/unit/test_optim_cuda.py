@@ -1,0 +1,113 @@
+"""The optimizer on a CUDA GPU (one process): bf16 Newton-Schulz by default, state and kernels on the device,
+fused AdamW, compiled paths. Skipped without CUDA; the sharded paths on a GPU are in
+tests/multirank/test_sharded_devices.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dimuon.optim import build
+from dimuon.optim.linalg import newton_schulz
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# Relative Frobenius error of bf16 Newton-Schulz against fp64, twice what bf16 on a CPU gives on the same
+# random matrices (standard 1.3-2.0e-2; Gram up to 7.5e-2 with Polar Express, whose first steps are steep).
+BF16_TOLERANCE = {"standard": 4e-2, "gram": 1.5e-1}
+
+
+def model_on(device: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
+
+
+def train(model: nn.Module, step, opt: torch.optim.Optimizer, steps: int) -> None:
+    device = next(model.parameters()).device
+    for t in range(steps):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(16, 64, generator=g).to(device)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        step()
+
+
+def max_relative_gap(a: nn.Module, b: nn.Module) -> float:
+    return max(((p.double() - q.double()).norm() / q.double().norm()).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+@pytest.mark.parametrize("shape", [(4, 64, 256), (3, 256, 64)], ids=["wide", "tall"])
+def test_newton_schulz_runs_in_bf16_on_cuda_and_tracks_fp64(shape, coefficients, algorithm):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).cuda()
+    y = newton_schulz(x, coefficients=coefficients, algorithm=algorithm)  # ns_dtype None: bf16 on CUDA
+    assert y.dtype is torch.bfloat16 and y.device == x.device and y.shape == x.shape
+    ref = newton_schulz(x.double().cpu(), coefficients=coefficients, algorithm=algorithm, dtype=torch.float64)
+    rel = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+    assert rel < BF16_TOLERANCE[algorithm], rel
+
+
+@pytest.mark.parametrize("name", ["muon", "periodic_row_muon", "muon_bp"])
+def test_default_step_on_cuda_is_the_bf16_step_with_state_on_the_device(name):
+    models = [model_on("cuda") for _ in range(3)]
+    opts = [build(name, m, lr=0.02, weight_decay=0.1, **kw)
+            for m, kw in zip(models, ({}, {"ns_dtype": torch.bfloat16}, {"ns_dtype": torch.float32}))]
+    for m, o in zip(models, opts):
+        train(m, o.step, o, 4)
+    default, bf16, fp32 = models
+    assert max_relative_gap(default, bf16) == 0.0  # None means bf16 on CUDA
+    assert max_relative_gap(default, fp32) < 5e-2  # and bf16 stays close to fp32
+    for p, state in opts[0].state.items():
+        for key, value in state.items():
+            # The AdamW groups run fused on CUDA by default, which keeps even the step counter on the device.
+            assert value.device == p.device, (key, value.device)
+
+
+def test_fused_adamw_on_cuda_matches_foreach():
+    fused, foreach = model_on("cuda"), model_on("cuda")
+    # fp32 Newton-Schulz: bf16 rounding would amplify the kernels' last-bit differences through the steps.
+    opt_fused = build("muon", fused, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)  # fused: the default
+    opt_foreach = build("muon", foreach, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, adamw_fused=False)
+    train(fused, opt_fused.step, opt_fused, 4)
+    train(foreach, opt_foreach.step, opt_foreach, 4)
+    for p, q in zip(fused.parameters(), foreach.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    steps = {opt: {s["step"].device.type for s in opt.state.values() if "step" in s}
+             for opt in (opt_fused, opt_foreach)}
+    assert steps == {opt_fused: {"cuda"}, opt_foreach: {"cpu"}}  # torch's placement for each kernel
+
+
+def test_checkpoint_moves_between_cpu_and_cuda():
+    cpu_model = model_on("cpu")
+    cpu_opt = build("periodic_row_muon", cpu_model, lr=0.02, ns_dtype=torch.float32)
+    train(cpu_model, cpu_opt.step, cpu_opt, 2)
+    cuda_model = model_on("cuda")
+    cuda_model.load_state_dict(cpu_model.state_dict())
+    cuda_opt = build("periodic_row_muon", cuda_model, lr=0.02, ns_dtype=torch.float32)
+    cuda_opt.load_state_dict(copy.deepcopy(cpu_opt.state_dict()))  # AdamW steps arrive on the CPU; fused wants CUDA
+    train(cuda_model, cuda_opt.step, cuda_opt, 2)
+    train(cpu_model, cpu_opt.step, cpu_opt, 2)
+    assert max_relative_gap(cuda_model.cpu(), cpu_model) < 1e-4
+
+
+def test_compiled_newton_schulz_on_cuda_matches_eager():
+    a, b = model_on("cuda"), model_on("cuda")
+    opt_a = build("periodic_row_muon", a, lr=0.02, k=2, ns_compile=True, ns_dtype=torch.float32)
+    opt_b = build("periodic_row_muon", b, lr=0.02, k=2, ns_dtype=torch.float32)
+    train(a, opt_a.step, opt_a, 3)
+    train(b, opt_b.step, opt_b, 3)
+    assert max_relative_gap(a, b) < 1e-4
+
+
+def test_compiled_step_on_cuda_matches_eager():
+    a, b = model_on("cuda"), model_on("cuda")
+    opt_a = build("periodic_row_muon", a, lr=torch.tensor(0.02), k=2, ns_dtype=torch.float32)
+    opt_b = build("periodic_row_muon", b, lr=torch.tensor(0.02), k=2, ns_dtype=torch.float32)
+    train(a, torch.compile(opt_a.step), opt_a, 4)
+    train(b, opt_b.step, opt_b, 4)
+    assert max_relative_gap(a, b) < 1e-4

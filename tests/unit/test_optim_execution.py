@@ -1,0 +1,132 @@
+"""How a step runs, not what it computes: fused AdamW, compiled Newton-Schulz, a compiled ``opt.step``, dtypes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dimuon.optim import Muon, PeriodicRowMuon, build
+from dimuon.optim.distributed.collectives import CommCounter
+from dimuon.optim.linalg import compiled_newton_schulz, default_ns_dtype, newton_schulz
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def run(model: nn.Module, step, opt: torch.optim.Optimizer, steps: int) -> None:
+    for t in range(steps):
+        g = torch.Generator().manual_seed(t)
+        opt.zero_grad()
+        model(torch.randn(5, 8, generator=g)).square().mean().backward()
+        step()
+
+
+def test_fused_adamw_group_matches_foreach_and_is_the_default_on_cpu(monkeypatch):
+    import dimuon.optim.core as core
+
+    kernels = []
+    adamw = core.adamw_functional
+    monkeypatch.setattr(core, "adamw_functional", lambda *a, **kw: kernels.append(kw["fused"]) or adamw(*a, **kw))
+    models = [small_model() for _ in range(3)]
+    opts = [build("muon", m, lr=0.02, weight_decay=0.1, adamw_fused=f) for m, f in zip(models, (True, False, None))]
+    for m, o in zip(models, opts):
+        run(m, o.step, o, 4)
+    assert kernels == [True] * 4 + [False] * 4 + [True] * 4  # None: torch has a fused kernel for CPU floats
+    fused, foreach, default = (list(m.parameters()) for m in models)
+    for a, b, c in zip(fused, foreach, default):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize(("shape", "algorithm"), [((3, 12, 28), "gram"), ((2, 20, 12), "standard")], ids=["wide", "tall"])
+def test_compiled_newton_schulz_matches_eager(shape, algorithm):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # the second call runs the compiled code
+        eager = newton_schulz(x, 5, "quintic", algorithm, torch.float32)
+        compiled = compiled_newton_schulz()(x, 5, "quintic", algorithm, torch.float32)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_ns_compile_steps_like_eager():
+    a, b = small_model(), small_model()
+    opt_a = PeriodicRowMuon(_groups(a), lr=0.02, k=2, ns_compile=True)
+    opt_b = PeriodicRowMuon(_groups(b), lr=0.02, k=2)
+    run(a, opt_a.step, opt_a, 3)
+    run(b, opt_b.step, opt_b, 3)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("adamw_fused", [None, False], ids=["fused", "foreach"])
+def test_compiled_step_matches_eager_with_adamw_groups(adamw_fused):
+    # torch.compile(opt.step) over Muon and AdamW groups, a Tensor lr driven by a scheduler (no recompiles
+    # for a new lr): the same parameters as the eager step within fp32 rounding.
+    models = [small_model(), small_model()]
+    opts = [build("periodic_row_muon", m, lr=torch.tensor(0.02), k=2, weight_decay=0.1, adamw_fused=adamw_fused)
+            for m in models]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.8**s) for o in opts]
+    compiled = torch.compile(opts[0].step)
+    for t in range(4):
+        for model, step, opt, sched in zip(models, (compiled, opts[1].step), opts, scheds):
+            run_one(model, opt, t)
+            step()
+            sched.step()
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert opts[0].param_groups[0]["step"] == 4
+    torch.testing.assert_close(opts[0].param_groups[0]["lr"], torch.tensor(0.02 * 0.8**4))
+
+
+def run_one(model: nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    opt.zero_grad()
+    model(torch.randn(5, 8, generator=g)).square().mean().backward()
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    return [{"params": weights}, {"params": [p for p in model.parameters() if p.ndim < 2], "algorithm": "adamw"}]
+
+
+def test_default_newton_schulz_dtype_is_bf16_on_accelerators():
+    assert default_ns_dtype(torch.device("cpu")) is torch.float32
+    for device in ("cuda", "cuda:1", "xpu", "mps"):
+        assert default_ns_dtype(torch.device(device)) is torch.bfloat16
+    assert newton_schulz(torch.randn(4, 6)).dtype is torch.float32  # None: by the input's device
+
+
+def test_bf16_newton_schulz_is_what_ns_dtype_none_runs_off_cpu(monkeypatch):
+    # Stand in for a GPU: make the default pick bf16, and the step equals an explicit ns_dtype=bf16 step.
+    import dimuon.optim.linalg as linalg
+
+    monkeypatch.setattr(linalg, "default_ns_dtype", lambda device: torch.bfloat16)
+    a, b = nn.Parameter(torch.randn(12, 20)), nn.Parameter(torch.randn(12, 20))
+    b.data.copy_(a.data)
+    g = torch.randn(12, 20)
+    for p, opt in ((a, Muon([a], lr=0.1)), (b, Muon([b], lr=0.1, ns_dtype=torch.bfloat16))):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(a, b)
+
+
+def test_exposed_time_on_cpu_is_host_time():
+    counter = CommCounter()
+    with counter.exposed("all_gather", torch.device("cpu")):
+        sum(range(10000))
+    stats = counter.stats()["all_gather"]
+    assert stats["exposed_s"] > 0 and stats["calls"] == 0
+    counter.reset()
+    assert counter.stats() == {}
+
+
+def test_deepcopy_of_a_compiled_options_optimizer_keeps_them():
+    opt = Muon([nn.Parameter(torch.randn(4, 4))], ns_compile=True, adamw_fused=False)
+    twin = copy.deepcopy(opt)
+    assert (twin.ns_compile, twin.adamw_fused) == (True, False)
