@@ -33,9 +33,10 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
-from dimuon.bench.report import format_table, machine_info, write_json_atomic
+from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave
 from dimuon.dit.model import DiT, dit_arch
+from dimuon.io import write_json_atomic
 from dimuon.optim import build, param_groups
 
 CHECK = "all_reduce[check]"  # the 4-byte non-finite-gradient vote of every Muon-family step

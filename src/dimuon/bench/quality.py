@@ -39,9 +39,9 @@ from dimuon.bench.quality_report import (
     run_row,
 )
 from dimuon.bench.quality_runs import eval_interval, run_grid, threads_per_run
-from dimuon.bench.report import machine_info, write_json_atomic
+from dimuon.bench.report import machine_info
 from dimuon.dit import DATASETS, DIT_MODELS
-from dimuon.metrics.eval_run import write_text_atomic
+from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.metrics.eval_settings import check_eval_settings
 from dimuon.optim import OPTIMIZERS
 

@@ -19,10 +19,10 @@ from typing import Any
 from dimuon.bench.quality_config import Config
 from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, series_entries, train_command
 from dimuon.bench.report import format_markdown_table, format_table
+from dimuon.io import read_jsonl, save_figure_atomic
 from dimuon.metrics import eval_run
-from dimuon.metrics.eval_run import describe_settings, save_figure_atomic
+from dimuon.metrics.eval_run import describe_settings
 from dimuon.metrics.eval_settings import EvalSettings
-from dimuon.train.logger import read_jsonl
 
 # The optimizer the others are set against (the x AdamW columns)
 BASELINE = "adamw"
@@ -200,7 +200,7 @@ def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], pat
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure_atomic(fig, path)
+    save_figure_atomic(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

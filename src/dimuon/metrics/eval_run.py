@@ -16,10 +16,7 @@ import datetime
 import hashlib
 import importlib
 import json
-import math
-import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -31,6 +28,15 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
+from dimuon.io import (
+    RunLayout,
+    read_jsonl,
+    remove_steps_after,
+    save_figure_atomic,
+    save_grid,
+    write_json_atomic,
+    write_text_atomic,
+)
 from dimuon.metrics.eval_settings import (
     EvalSettings,
     build_evaluator,
@@ -68,32 +74,6 @@ class Config(EvalSettings):
 # --------------------------------------------------------------------------------------------------
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and ``os.replace``: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_figure_atomic(fig: Any, path: Path) -> None:
-    """Save a matplotlib figure as PNG through a temporary file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load_results(path: Path) -> dict[str, Any]:
     """The results file, or an empty one; a file of another format is an error rather than overwritten."""
     if not path.is_file():
@@ -121,15 +101,8 @@ def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int) -> l
 
 def active_time_from_metrics(run: Path, step: int) -> float | None:
     """Active training seconds at `step` from ``metrics.jsonl`` (last row at or before it), if logged."""
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return None
     best: tuple[int, float] | None = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
+    for row in read_jsonl(RunLayout(run).metrics):
         s, t = row.get("step"), row.get("active_time_s")
         if (
             isinstance(s, int)
@@ -143,51 +116,33 @@ def active_time_from_metrics(run: Path, step: int) -> float | None:
 
 def feature_cache_dir(run: Path, settings: EvalSettings) -> Path:
     """The feature cache of a run's evaluations: ``settings.cache_dir``, or ``<run>/eval/feature_cache``."""
-    return Path(settings.cache_dir or Path(run) / "eval" / "feature_cache")
+    return Path(settings.cache_dir or RunLayout(run).feature_cache)
 
 
 def truncate_results(run: Path, max_step: int) -> int:
     """Drop every series' entries (and grids) after `max_step`: a run resumed there rewrites them; returns how many."""
-    path = Path(run) / "eval" / "results.json"
-    if not path.is_file():
+    layout = RunLayout(run)
+    if not layout.results.is_file():
         return 0
-    results = load_results(path)
+    results = load_results(layout.results)
     dropped = 0
     for key, ev in results["evaluations"].items():
         kept = [e for e in ev["entries"] if e["step"] <= max_step]
         dropped += len(ev["entries"]) - len(kept)
         ev["entries"] = kept
-        for png in (path.parent / "grids" / key).glob("step_*.png"):
-            if int(png.stem.split("_")[1]) > max_step:
-                png.unlink()
+        remove_steps_after(layout.eval_grids(key), max_step)
     if dropped:
-        write_text_atomic(path, json.dumps(results, indent=2) + "\n")
-        write_text_atomic(path.parent / "results.md", markdown(results, Path(run).name))
+        write_json_atomic(layout.results, results)
+        write_text_atomic(layout.results_md, markdown(results, layout.root.name))
     return dropped
 
 
-def save_grid(images: torch.Tensor, num_classes: int, path: Path, max_images: int = 100) -> None:
-    """The first samples as a PNG grid; with at most 16 classes each column is one class."""
-    from PIL import Image
-
+def save_eval_grid(images: torch.Tensor, num_classes: int, path: Path, max_images: int = 100) -> None:
+    """The first samples as a PNG grid on white; with at most 16 classes each column is one class."""
     ncol = num_classes if num_classes <= 16 else 10
     n = min(images.shape[0], max_images - max_images % ncol if max_images >= ncol else ncol)
-    x = ((images[:n].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (n, C, H, W)
-    c, h, w = x.shape[1:]
-    scale = max(1, 64 // max(h, w))  # tiny images are enlarged (nearest) to stay visible
-    rows = math.ceil(n / ncol)
-    canvas = torch.full((c, rows * (h + 1) + 1, ncol * (w + 1) + 1), 255, dtype=torch.uint8)
-    for i in range(n):
-        r, q = divmod(i, ncol)
-        canvas[:, 1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + q * (w + 1) : 1 + q * (w + 1) + w] = x[i]
-    arr = canvas.permute(1, 2, 0).numpy()
-    img = Image.fromarray(arr[..., 0] if c == 1 else arr)
-    img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    img.save(tmp)
-    os.replace(tmp, path)
+    side = max(images.shape[-2:])
+    save_grid(images[:n], path, nrow=ncol, scale=max(1, 64 // side), pad=1, background=1.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,7 +245,7 @@ def plot_series(ev: dict[str, Any], run_name: str, out_dir: Path) -> list[Path]:
         )
         _fd_axes(ax, [p[1] for p in pts] + ([ref["fd"]] if ref else []))
         ax.legend(fontsize=8)
-        save_figure_atomic(fig, out_dir / name)
+        save_figure_atomic(fig, out_dir / name, dpi=120, bbox_inches="tight")
         plt.close(fig)
         written.append(out_dir / name)
     return written
@@ -394,7 +349,7 @@ class RunEvaluation:
     def save(self) -> None:
         """Write ``results.json`` and ``results.md`` atomically."""
         self.results["run"] = str(self.run)
-        write_text_atomic(self.results_path, json.dumps(self.results, indent=2) + "\n")
+        write_json_atomic(self.results_path, self.results)
         write_text_atomic(self.out_dir / "results.md", markdown(self.results, self.run.name))
 
     def record_scores(
@@ -404,7 +359,7 @@ class RunEvaluation:
         assert self.evaluator is not None and self.key is not None
         if self.settings.grid:
             grid = self.out_dir / "grids" / self.key / f"step_{step:07d}.png"
-            save_grid(images, self.evaluator.num_classes, grid)
+            save_eval_grid(images, self.evaluator.num_classes, grid)
         entry = {"step": step, "status": "ok", "active_time_s": active_time_s, **row, **extra}
         self.record(entry)
         return entry
@@ -584,7 +539,7 @@ def compare_runs(cfg: Config) -> dict[str, Any]:
         fontsize=10,
     )
     out = Path(cfg.out)
-    save_figure_atomic(fig, out / "compare_fd.png")
+    save_figure_atomic(fig, out / "compare_fd.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     lines = [
@@ -612,7 +567,7 @@ def compare_runs(cfg: Config) -> dict[str, Any]:
         "target_fd": target,
         "runs": [{k: r[k] for k in ("run", "name", "key", "summary")} for r in runs],
     }
-    write_text_atomic(out / "compare.json", json.dumps(record, indent=2) + "\n")
+    write_json_atomic(out / "compare.json", record)
     return {**record, "outputs": [str(out / n) for n in ("compare.md", "compare.json", "compare_fd.png")]}
 
 

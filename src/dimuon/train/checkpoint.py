@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from dimuon.dit import EMA, DiT
+from dimuon.io import atomic_path, fsync_dir, write_json_atomic
 from dimuon.train.distributed import DistEnv, all_gather_objects, barrier, on_main
-from dimuon.train.logger import atomic_write_json
 
 __all__ = [
     "FORMAT_VERSION",
@@ -208,27 +208,13 @@ def save_checkpoint(
             **meta,
             "files": files,
         }
-        atomic_write_json(tmp / META_FILE, record)
+        write_json_atomic(tmp / META_FILE, record)
         if final.exists():  # a checkpoint of an abandoned trajectory (see remove_checkpoints_after)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     barrier(env)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _save_single(
@@ -242,12 +228,8 @@ def _save_single(
         "progress": dict(progress),
         "rng": rng,
     }
-    partial = tmp / (STATE_FILE + ".partial")
-    with partial.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, tmp / STATE_FILE)
+    with atomic_path(tmp / STATE_FILE) as partial:
+        torch.save(state, partial)
     return {STATE_FILE: _describe(tmp / STATE_FILE)}
 
 

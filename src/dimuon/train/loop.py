@@ -32,6 +32,7 @@ from dimuon.dit import (
     sample,
 )
 from dimuon.dit import validation_loss as flow_validation_loss
+from dimuon.io import JsonlLog, read_jsonl, save_grid, truncate_jsonl, write_json_atomic
 from dimuon.metrics.eval_run import truncate_results
 from dimuon.optim import build
 from dimuon.train import checkpoint as ckpt
@@ -46,15 +47,7 @@ from dimuon.train.config import (
 )
 from dimuon.train.distributed import DistEnv, barrier, mean_over_ranks, on_main, setup, shard_model
 from dimuon.train.gen_eval import TrainingEvaluator
-from dimuon.train.images import save_grid
-from dimuon.train.logger import (
-    JsonlLog,
-    TensorBoardLog,
-    atomic_write_json,
-    read_jsonl,
-    tensorboard_available,
-    truncate_jsonl,
-)
+from dimuon.train.logger import TensorBoardLog, tensorboard_available
 from dimuon.train.plots import plot_losses
 from dimuon.train.schedule import lr_factor
 
@@ -450,4 +443,4 @@ def _prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume_from: Path | None, 
             log.close()
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / "config.json", config_to_dict(cfg))
+    write_json_atomic(run_dir / "config.json", config_to_dict(cfg))
