@@ -50,7 +50,8 @@ def test_default_demo_leaves_metrics_plots_samples_and_a_checkpoint(demo_run: tu
 
 def test_default_demo_samples_are_recognisable_digits(demo_run: tuple[Path, float], tmp_path: Path) -> None:
     """A classifier trained on MNIST itself (99 % held-out accuracy) must read most samples as their label."""
-    from dimuon.dit import build_dataset, get_batch, sample
+    from dimuon.data import build_dataset, get_batch
+    from dimuon.dit import sample
     from dimuon.metrics.features.classifier import load_or_train_classifier
     from dimuon.train import list_checkpoints, load_model_for_eval
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dimuon.dit import build_dataset, build_dit
+from dimuon.data import build_dataset
+from dimuon.dit import build_dit
 from dimuon.metrics import generation
 from dimuon.metrics.eval_run import (
     Config,

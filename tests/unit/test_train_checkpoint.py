@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_train_loop import tiny_config
 
-from dimuon.dit import DiT, build_dataset
+from dimuon.data import build_dataset
+from dimuon.dit import DiT
 from dimuon.train import CheckpointError, list_checkpoints, load_model_for_eval, train
 from dimuon.train.checkpoint import find_checkpoint, prune_checkpoints, read_meta, verify_checkpoint
 from dimuon.train.run import main as train_main

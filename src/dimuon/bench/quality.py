@@ -40,7 +40,8 @@ from dimuon.bench.quality_report import (
 )
 from dimuon.bench.quality_runs import eval_interval, run_grid, threads_per_run
 from dimuon.bench.report import machine_info
-from dimuon.dit import DATASETS, DIT_MODELS
+from dimuon.data import DATASETS
+from dimuon.dit import DIT_MODELS
 from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.metrics.eval_settings import check_eval_settings
 from dimuon.optim import OPTIMIZERS

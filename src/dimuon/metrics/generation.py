@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from dimuon.dit.data import build_dataset, get_batch
+from dimuon.data import build_dataset, get_batch
 from dimuon.dit.sampler import sample
 from dimuon.io import read_tensors, write_tensors_atomic
 from dimuon.metrics.evaluate import evaluate_features, extract_features

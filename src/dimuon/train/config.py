@@ -16,7 +16,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dimuon.dit import DATASETS, DIT_MODELS, dit_arch
+from dimuon.data import DATASETS
+from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS, build
 

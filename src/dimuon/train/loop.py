@@ -21,16 +21,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from dimuon.dit import (
-    EMA,
-    BatchSchedule,
-    TimestepDist,
-    build_dataset,
-    build_dit,
-    flow_loss,
-    get_batch,
-    sample,
-)
+from dimuon.data import BatchSchedule, build_dataset, get_batch
+from dimuon.dit import EMA, TimestepDist, build_dit, flow_loss, sample
 from dimuon.dit import validation_loss as flow_validation_loss
 from dimuon.io import JsonlLog, read_jsonl, save_grid, truncate_jsonl, write_json_atomic
 from dimuon.metrics.eval_run import truncate_results
