@@ -13,7 +13,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "train": "dimuon.train.run",
     "sample": "dimuon.train.sample",
-    "eval": "dimuon.metrics.eval_run",
+    "eval": "dimuon.eval.run",
 }
 BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",

@@ -1,19 +1,10 @@
 """The DiT training harness: ``dimuon train`` (config, loop, checkpoints, logs) and ``dimuon sample``.
 
 It uses ``dimuon.dit`` and ``dimuon.optim`` like any user script: the optimizer is built by name with
-``dimuon.optim.build``. Checkpoints are read back with :func:`load_model_for_eval`.
+``dimuon.optim.build``. Checkpoints are read back with ``dimuon.dit.load_model_for_eval``.
 """
 
-from dimuon.train.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval
 from dimuon.train.config import ConfigError, OptimOptions, TrainConfig
 from dimuon.train.loop import train
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "OptimOptions",
-    "TrainConfig",
-    "list_checkpoints",
-    "load_model_for_eval",
-    "train",
-]
+__all__ = ["ConfigError", "OptimOptions", "TrainConfig", "train"]

@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 from dimuon.data import BatchSchedule, build_dataset, get_batch
 from dimuon.dit import EMA, TimestepDist, build_dit, flow_loss, sample
 from dimuon.dit import validation_loss as flow_validation_loss
+from dimuon.dit.checkpoint import find_checkpoint
 from dimuon.io import JsonlLog, read_jsonl, save_grid, truncate_jsonl, write_json_atomic
-from dimuon.metrics.eval_run import truncate_results
+from dimuon.metrics.results import truncate_results
 from dimuon.optim import build
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import (
@@ -81,7 +82,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig, env: DistEnv, stop_after: int | None) -> dict[str, Any]:
     run_dir = Path(cfg.out)
-    resume_from = on_main(lambda: ckpt.find_checkpoint(cfg.resume) if cfg.resume else None, env)
+    resume_from = on_main(lambda: find_checkpoint(cfg.resume) if cfg.resume else None, env)
     on_main(lambda: _check_run_dir(run_dir, cfg, resume_from), env)
     if cfg.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)")

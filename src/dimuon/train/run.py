@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import tyro
 
-from dimuon.train.checkpoint import CheckpointError, find_checkpoint, read_meta
+from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, read_meta
 from dimuon.train.config import ConfigError, TrainConfig, config_from_dict
 from dimuon.train.loop import train
 
