@@ -10,7 +10,7 @@ import torch
 import tyro
 
 from dimuon.optim import PeriodicRowMuon
-from dimuon.train.config import ConfigError, TrainConfig, config_from_dict, config_to_dict, validate
+from dimuon.train.config import ConfigError, TrainConfig, config_from_dict, config_to_dict
 from dimuon.train.optim_options import (
     OPTION_SPECS,
     OptimOptions,
@@ -19,6 +19,7 @@ from dimuon.train.optim_options import (
     optimizer_kwargs,
     options_dataclass,
 )
+from dimuon.train.plan import resolve
 
 # The flags dimuon train has always taken.
 FLAGS = ("weight_decay", "betas", "eps", "momentum", "nesterov", "lr_scale", "ns_coefficients", "ns_steps",
@@ -98,8 +99,8 @@ def test_build_receives_each_optimizer_s_own_keywords() -> None:
         "lr": 0.01, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6, "ns_dtype": torch.bfloat16, "k": 4}
     assert optimizer_kwargs("adamw", OptimOptions(betas=(0.9, 0.99)), 0.1) == {"lr": 0.1, "betas": (0.9, 0.99)}
     with pytest.raises(ConfigError, match="--optimizer adamw rejects its options"):
-        validate(TrainConfig(optimizer="adamw", optim=OptimOptions(k=3)))  # k is passed on, and refused by name
-    validate(TrainConfig(optimizer="adamw", optim=OptimOptions(fused=False, weight_decay=0.1)))
+        resolve(TrainConfig(optimizer="adamw", optim=OptimOptions(k=3)))  # k is passed on, and refused by name
+    resolve(TrainConfig(optimizer="adamw", optim=OptimOptions(fused=False, weight_decay=0.1)))
 
 
 def test_a_config_saved_with_fewer_optim_keys_still_loads() -> None:

@@ -2,7 +2,9 @@
 
 Every field is a command-line flag (``batch_size`` is ``--batch-size``, ``optim.k`` is ``--optim.k``);
 unknown flags are rejected by the parser. ``validate`` raises :class:`ConfigError` naming the flag and
-the allowed values, so a bad run fails in the first second instead of after the model is built.
+the allowed values, so a bad run fails in the first second instead of after the model is built;
+``dimuon.train.plan.resolve`` then turns the checked flags into the parts a run needs. The
+``--optim.*`` group is derived from the optimizers' signatures (``dimuon.train.optim_options``).
 """
 
 from __future__ import annotations
@@ -14,24 +16,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
-from dimuon.optim import OPTIMIZERS, build
+from dimuon.optim import OPTIMIZERS
 from dimuon.train.optim_options import OptimOptions, options_from_dict
-from dimuon.train.optim_options import optimizer_kwargs as derived_optimizer_kwargs
 
 __all__ = [
     "ConfigError",
     "EvalOptions",
     "OptimOptions",
     "TrainConfig",
+    "check_patch_size",
     "config_from_dict",
     "config_to_dict",
-    "dataset_kwargs",
-    "optimizer_kwargs",
     "validate",
 ]
 
@@ -172,25 +171,6 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Keyword options for ``dimuon.optim.build`` from the set ``--optim.*`` flags (and ``--lr``)."""
-    return derived_optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr)
-
-
-def dataset_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Keyword options of ``build_dataset(cfg.dataset, split, **kwargs)`` (JSON-ready)."""
-    kwargs: dict[str, Any] = {}
-    if cfg.dataset == "folder":
-        kwargs["root"] = cfg.data_path
-    elif cfg.dataset == "arrays":
-        kwargs["path"] = cfg.data_path
-    if cfg.image_size is not None:
-        kwargs["image_size"] = cfg.image_size
-    if cfg.channels is not None:
-        kwargs["channels"] = cfg.channels
-    return kwargs
-
-
 # --------------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +220,6 @@ def validate(cfg: TrainConfig) -> None:
         _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
     _require(bool(cfg.out), "--out must name a directory")
     _validate_data(cfg)
-    _validate_optimizer(cfg)
     _validate_eval(cfg)
 
 
@@ -268,15 +247,6 @@ def check_patch_size(model: str, image_size: int) -> None:
         f"--model {model} has patch size {patch}, which does not divide the image size {image_size}; "
         f"choose a patch size that divides {image_size} or change --image-size",
     )
-
-
-def _validate_optimizer(cfg: TrainConfig) -> None:
-    """Build the optimizer on a two-parameter stand-in, so its own checks run before the real model exists."""
-    stand_in = nn.Linear(4, 4)
-    try:
-        build(cfg.optimizer, stand_in, **optimizer_kwargs(cfg))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--optimizer {cfg.optimizer} rejects its options (--lr / --optim.*): {e}") from None
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
