@@ -163,20 +163,6 @@ def test_real_features_are_cached_by_dataset_and_extractor(cache_dir, evaluator,
     torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[:50])
 
 
-def test_metric_modules_do_not_import_the_commands() -> None:
-    import ast
-
-    import dimuon.metrics
-
-    root = Path(dimuon.metrics.__file__).parent
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            assert not any(n.startswith(("dimuon.train", "dimuon.eval", "dimuon.bench")) for n in names), path
-
-
 # --------------------------------------------------------------------------------------------------
 # Small helpers of the command
 # --------------------------------------------------------------------------------------------------
