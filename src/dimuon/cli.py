@@ -1,7 +1,8 @@
 """``dimuon train | sample | eval | bench <name>``: one entry point, one typed config per command.
 
 Each command lives in its own module and parses its own flags; this file only dispatches, so
-``dimuon bench optimizer --help`` and ``python -m dimuon.bench.optimizer --help`` are the same.
+``dimuon bench optimizer --help`` and ``python -m dimuon.bench.optimizer --help`` are the same. It is
+the top layer and imports no command until one is asked for (the one place that loads modules by name).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "train": "dimuon.train.run",
     "sample": "dimuon.train.sample",
-    "eval": "dimuon.metrics.eval_run",
+    "eval": "dimuon.eval.run",
 }
 BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dimuon.metrics.eval_run import load_results
-from dimuon.metrics.eval_run import main as eval_main
+from dimuon.eval.run import main as eval_main
+from dimuon.metrics.results import load_results
 from dimuon.optim.distributed.launch import run_gloo
 from dimuon.train.config import EvalOptions
 

@@ -36,7 +36,7 @@ def test_default_demo_finishes_within_the_budget(demo_run: tuple[Path, float]) -
 
 
 def test_default_demo_leaves_metrics_plots_samples_and_a_checkpoint(demo_run: tuple[Path, float]) -> None:
-    from dimuon.train import list_checkpoints
+    from dimuon.dit import list_checkpoints
 
     run, _ = demo_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -50,9 +50,9 @@ def test_default_demo_leaves_metrics_plots_samples_and_a_checkpoint(demo_run: tu
 
 def test_default_demo_samples_are_recognisable_digits(demo_run: tuple[Path, float], tmp_path: Path) -> None:
     """A classifier trained on MNIST itself (99 % held-out accuracy) must read most samples as their label."""
-    from dimuon.dit import build_dataset, get_batch, sample
+    from dimuon.data import build_dataset, get_batch
+    from dimuon.dit import list_checkpoints, load_model_for_eval, sample
     from dimuon.metrics.features.classifier import load_or_train_classifier
-    from dimuon.train import list_checkpoints, load_model_for_eval
 
     run, _ = demo_run
     model, info = load_model_for_eval(list_checkpoints(run)[-1][1])

@@ -8,8 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dimuon.bench import optimizer as bench
 from dimuon.bench.peers import PEERS, Peer
-from dimuon.bench.report import format_markdown_table, format_table, write_json_atomic
+from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.bench.timing import Candidate, interleave
+from dimuon.io import write_json_atomic
 from dimuon.optim import linalg
 
 TINY = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dimuon.dit.data import BatchSchedule, build_dataset, get_batch
+from dimuon.data import BatchSchedule, build_dataset, get_batch
 from dimuon.dit.flow import (
     DEFAULT_T_GRID,
     TimestepDist,

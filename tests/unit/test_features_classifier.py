@@ -109,7 +109,9 @@ def test_a_failed_write_leaves_no_partial_file(digits, tmp_path, monkeypatch) ->
         Path(filename).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(classifier_mod, "save_file", broken_save)
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken_save)  # what the atomic writer calls
     with pytest.raises(OSError, match="disk full"):
         load_or_train_classifier(
             *digits, cache_dir=tmp_path, recipe=ClassifierRecipe(epochs=1), num_threads=1

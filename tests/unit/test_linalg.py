@@ -93,7 +93,7 @@ def test_rownorm_gives_unit_oriented_rows(shape):
 
 
 def test_rownorm_rms_equals_spectral_rms_for_wide():
-    # ALGORITHMS.md 3: unit oriented rows have the RMS of an orthogonal-rows matrix.
+    # docs/algorithms.md, RowNorm: unit oriented rows have the RMS of an orthogonal-rows matrix.
     x = torch.randn(16, 64, dtype=torch.float64)
     assert torch.isclose(linalg.row_normalize(x).pow(2).mean().sqrt(), _polar(x).pow(2).mean().sqrt())
 

@@ -11,9 +11,18 @@ import pytest
 import torch
 from test_train_loop import tiny_config
 
-from dimuon.dit import DiT, build_dataset
-from dimuon.train import CheckpointError, list_checkpoints, load_model_for_eval, train
-from dimuon.train.checkpoint import find_checkpoint, prune_checkpoints, read_meta, verify_checkpoint
+from dimuon.data import build_dataset
+from dimuon.dit import DiT
+from dimuon.dit.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    list_checkpoints,
+    load_model_for_eval,
+    read_meta,
+    verify_checkpoint,
+)
+from dimuon.train import train
+from dimuon.train.checkpoint import prune_checkpoints
 from dimuon.train.run import main as train_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,10 +14,9 @@ from dimuon.train.config import (
     TrainConfig,
     config_from_dict,
     config_to_dict,
-    dataset_kwargs,
-    optimizer_kwargs,
     validate,
 )
+from dimuon.train.plan import data_spec, resolve
 from dimuon.train.run import main, parse_config
 from dimuon.train.schedule import lr_factor
 
@@ -55,20 +54,23 @@ def test_config_round_trips_through_its_dict() -> None:
 
 def test_optimizer_kwargs_use_each_optimizer_s_own_names() -> None:
     muon = TrainConfig(optimizer="muon", optim=OptimOptions(betas=(0.9, 0.99), eps=1e-6, ns_dtype="float32"))
-    assert optimizer_kwargs(muon) == {"lr": muon.lr, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6,
-                                      "ns_dtype": torch.float32}
+    assert resolve(muon).optimizer.kwargs == {"lr": muon.lr, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6,
+                                              "ns_dtype": torch.float32}
     adamw = TrainConfig(optimizer="adamw", optim=OptimOptions(betas=(0.9, 0.99), weight_decay=0.1))
-    assert optimizer_kwargs(adamw) == {"lr": adamw.lr, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    assert resolve(adamw).optimizer.kwargs == {"lr": adamw.lr, "betas": (0.9, 0.99), "weight_decay": 0.1}
 
 
 def test_dataset_kwargs_rebuild_the_data_set() -> None:
-    assert dataset_kwargs(TrainConfig()) == {}
+    assert data_spec(TrainConfig()).kwargs == {}
     folder = TrainConfig(dataset="folder", data_path="/d", image_size=32, channels=1)
-    assert dataset_kwargs(folder) == {"root": "/d", "image_size": 32, "channels": 1}
+    assert data_spec(folder).as_record() == {"name": "folder", "kwargs": {"root": "/d", "image_size": 32, "channels": 1}}
 
 
 def test_defaults_are_valid() -> None:
     validate(TrainConfig())
+    plan = resolve(TrainConfig())
+    assert plan.optimizer.name == "periodic_row_muon" and plan.evaluation is None
+    assert plan.layout.root.as_posix() == "runs/mnist-demo" and plan.record == config_to_dict(TrainConfig())
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dimuon.metrics.eval_run import load_results
-from dimuon.metrics.eval_run import main as eval_main
+from dimuon.dit import list_checkpoints, load_model_for_eval
+from dimuon.eval.run import main as eval_main
 from dimuon.metrics.generation import SampleSettings, generate_samples, iter_samples
-from dimuon.train import ConfigError, TrainConfig, list_checkpoints, load_model_for_eval, train
+from dimuon.metrics.results import load_results
+from dimuon.train import ConfigError, TrainConfig, train
 from dimuon.train.config import EvalOptions, config_from_dict, config_to_dict, validate
 from dimuon.train.gen_eval import rank_slice
 from dimuon.train.run import parse_config

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dimuon.train import ConfigError, TrainConfig, list_checkpoints, train
+from dimuon.dit import list_checkpoints
+from dimuon.train import ConfigError, TrainConfig, train
 from dimuon.train.run import main as train_main
 from dimuon.train.sample import main as sample_main
 

@@ -1,1 +1,7 @@
+"""Benchmarks: ``dimuon bench optimizer`` (step time), ``comm`` (communication) and ``quality`` (a grid of runs).
 
+Layering: a command. It may import the building blocks (``dimuon.dit``, ``dimuon.data``,
+``dimuon.metrics``), ``dimuon.optim``, ``dimuon.io`` and ``dimuon.log``, and, alone among the commands,
+the other two: ``bench quality`` launches ``dimuon train`` runs (it shares their typed config) and
+compares them with ``dimuon eval --compare``. ``dimuon.train`` and ``dimuon.eval`` never import it.
+"""

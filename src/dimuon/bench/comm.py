@@ -49,10 +49,11 @@ from dimuon.bench.peers import (
     muon_and_rest,
     start_peer,
 )
-from dimuon.bench.report import format_table, machine_info, write_json_atomic
+from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave
 from dimuon.dit.model import DiT, dit_arch
-from dimuon.optim import build, linalg, param_groups
+from dimuon.io import write_json_atomic
+from dimuon.optim import DEFAULT_BUCKET_MB, build, linalg, param_groups
 
 CHECK = "all_reduce[check]"  # the 4-byte non-finite-gradient vote of every Muon-family step
 BASELINE = "muon_gather"
@@ -121,7 +122,7 @@ class Config:
     """Untimed periods per optimizer first (state allocation, first collectives)."""
     repeats: int = 3
     """Timed periods per optimizer (taken round-robin over the optimizers); medians are reported."""
-    bucket_mb: float = 16.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     """Communication bucket size of the Muon-family optimizers."""
     comm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the communicated momentum/directions (auto: the momentum's dtype)."""
@@ -413,7 +414,7 @@ def dimuon_ns_dtype(cfg: Config, device_type: str) -> str:
 
 
 def ideal_ratio(key: str, world: int) -> tuple[float | None, str]:
-    """Logical bytes relative to Muon-gather under ALGORITHMS.md section 7, as a number and a formula."""
+    """Logical bytes relative to Muon-gather under docs/algorithms.md, "Logical communication volume", as a number and a formula."""
     if key not in VARIANTS:
         return None, "-"
     v = VARIANTS[key]

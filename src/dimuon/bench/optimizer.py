@@ -39,15 +39,10 @@ from dimuon.bench.peers import (
     start_peer,
 )
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
-from dimuon.bench.report import (
-    format_markdown_table,
-    format_table,
-    load_average,
-    machine_info,
-    write_json_atomic,
-)
+from dimuon.bench.report import format_markdown_table, format_table, load_average, machine_info
 from dimuon.bench.timing import Candidate, Timing, interleave
 from dimuon.dit.model import DiT, dit_arch
+from dimuon.io import write_json_atomic
 from dimuon.optim import build, linalg, param_groups
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.reference import ReferenceMuon

@@ -39,9 +39,11 @@ from dimuon.bench.quality_report import (
     run_row,
 )
 from dimuon.bench.quality_runs import eval_interval, run_grid, threads_per_run
-from dimuon.bench.report import machine_info, write_json_atomic
-from dimuon.dit import DATASETS, DIT_MODELS
-from dimuon.metrics.eval_run import write_text_atomic
+from dimuon.bench.report import machine_info
+from dimuon.data import DATASETS
+from dimuon.dit import DIT_MODELS
+from dimuon.io import write_json_atomic, write_text_atomic
+from dimuon.log import configure
 from dimuon.metrics.eval_settings import check_eval_settings
 from dimuon.optim import OPTIMIZERS
 
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench quality``; 0 when every run finished, 1 when some failed, 2 on bad flags."""
     args = join_flag_values(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(Config, args=args, prog="dimuon bench quality")
+    configure("dimuon bench quality")
     try:
         record = run(cfg, args)
     except FlagError as exc:

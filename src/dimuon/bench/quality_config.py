@@ -81,3 +81,8 @@ class RunSpec:
     def name(self) -> str:
         """Directory name of the run, e.g. ``muon-lr0.01-s0``."""
         return f"{self.optimizer}-lr{self.lr:g}-s{self.seed}"
+
+
+def run_directory(cfg: Config, spec: RunSpec) -> Path:
+    """Where the run of ``spec`` lives: ``<out>/runs/<name>/``."""
+    return cfg.out / "runs" / spec.name

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import shlex
 import statistics
-import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dimuon.bench.quality_config import Config
+from dimuon.bench.quality_config import Config, run_directory
 from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, series_entries, train_command
 from dimuon.bench.report import format_markdown_table, format_table
-from dimuon.metrics import eval_run
-from dimuon.metrics.eval_run import describe_settings, save_figure_atomic
-from dimuon.metrics.eval_settings import EvalSettings
-from dimuon.train.logger import read_jsonl
+from dimuon.eval.compare import compare_runs
+from dimuon.io import RunLayout, read_jsonl, save_figure_atomic
+from dimuon.log import get_logger
+from dimuon.metrics.plots import SAVE_KWARGS
+from dimuon.metrics.results import METRICS, describe_settings, summarize
+
+log = get_logger(__name__)
 
 # The optimizer the others are set against (the x AdamW columns)
 BASELINE = "adamw"
@@ -66,12 +67,12 @@ def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
         return {"evaluations": 0, "eval_step": None, "fd": None, "best_fd": None, "best_fd_step": None,
                 "precision": None, "recall": None, "density": None, "coverage": None,
                 "reference_fd": None, "feature_space": None}
-    best, last = eval_run.summarize(ok, None), ok[-1]
+    best, last = summarize(ok, None), ok[-1]
     reference = series.get("reference") or {}
     return {
         "evaluations": len(ok),
         "eval_step": last["step"],
-        **{m: last[m] for m in eval_run.METRICS},
+        **{m: last[m] for m in METRICS},
         "best_fd": best["best_fd"],
         "best_fd_step": best["best_step"],
         "reference_fd": reference.get("fd"),
@@ -82,7 +83,7 @@ def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
 def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, Any]:
     """One run of the table: grid point, status, what it reached, what it cost, its commands."""
     spec = outcome.spec
-    run_dir = cfg.out / "runs" / spec.name
+    run_dir = run_directory(cfg, spec)
     series = find_series(run_dir, cfg.eval) if outcome.action != "refused" else None
     quality = quality_summary(series)
     status = "ok" if quality["eval_step"] == cfg.steps and not outcome.error else "failed"
@@ -94,7 +95,7 @@ def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, An
         "status": status,
         "action": outcome.action,
         "error": outcome.error,
-        **cost_summary(read_jsonl(run_dir / "metrics.jsonl") if outcome.action != "refused" else []),
+        **cost_summary(read_jsonl(RunLayout(run_dir).metrics) if outcome.action != "refused" else []),
         **quality,
         "train_s": round(outcome.seconds, 2),
         "run_dir": str(run_dir),
@@ -161,11 +162,10 @@ def compare_best(cfg: Config, summary: dict[str, dict[str, Any]]) -> dict[str, A
     runs = [cfg.out / "runs" / name for s in summary.values() for name in s["runs"]]
     if not runs:
         return None
-    settings = {f.name: getattr(cfg.eval, f.name) for f in fields(EvalSettings)}
     try:
-        record = eval_run.compare_runs(eval_run.Config(**settings, compare=tuple(runs), out=cfg.out / "best_lr"))
+        record = compare_runs(runs, cfg.eval, cfg.out / "best_lr")
     except ValueError as exc:
-        warnings.warn(f"no best-lr comparison: {exc}", stacklevel=2)
+        log.warning("no best-lr comparison: %s", exc)
         return None
     reached = {Path(r["run"]).name: r["summary"] for r in record["runs"]}
     for s in summary.values():
@@ -200,7 +200,7 @@ def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], pat
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure_atomic(fig, path)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
     plt.close(fig)
     return path
 

@@ -24,10 +24,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from dimuon.bench.quality_config import Config, RunSpec
-from dimuon.metrics.eval_run import load_results, ok_entries, pick_series
+from dimuon.bench.quality_config import Config, RunSpec, run_directory
+from dimuon.dit.checkpoint import list_checkpoints
+from dimuon.io import RunLayout
 from dimuon.metrics.eval_settings import EvalSettings
-from dimuon.train.checkpoint import list_checkpoints
+from dimuon.metrics.results import load_results, ok_entries, pick_series
 
 LOG_NAME = "train.log"
 TAIL_LINES = 15
@@ -75,7 +76,7 @@ def eval_flags(cfg: Config) -> list[str]:
 
 def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = "new") -> list[str]:
     """The ``dimuon train`` command of one run; ``mode`` resume continues it, restart replaces its files."""
-    run_dir = cfg.out / "runs" / spec.name
+    run_dir = run_directory(cfg, spec)
     cmd = [sys.executable, "-m", "dimuon.cli", "train", "--out", str(run_dir),
            "--optimizer", spec.optimizer, "--lr", repr(spec.lr), "--seed", str(spec.seed),
            "--model", cfg.model, "--dataset", cfg.dataset, "--steps", str(cfg.steps),
@@ -93,7 +94,7 @@ def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = 
 
 def find_series(run_dir: Path, settings: EvalSettings) -> dict[str, Any] | None:
     """The run's evaluation series made with ``settings``, or None while it has none."""
-    path = run_dir / "eval" / "results.json"
+    path = RunLayout(run_dir).results
     if not path.is_file():
         return None
     try:
@@ -125,7 +126,7 @@ def run_mode(run_dir: Path, settings: EvalSettings, steps: int) -> str:
 
 def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
     """Why ``run_dir`` holds a run of another task, grid point or a longer schedule (not to be reused), else None."""
-    path = run_dir / "config.json"
+    path = RunLayout(run_dir).config
     if not path.is_file():
         return None
     try:
@@ -163,7 +164,7 @@ def launch(cmd: Sequence[str], log_path: Path, threads: int | None) -> int:
 
 def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
     """Bring one run to its evaluated last step: skip it if it is there, else start, resume or restart it."""
-    run_dir = cfg.out / "runs" / spec.name
+    run_dir = run_directory(cfg, spec)
     foreign = foreign_run(run_dir, cfg, spec)
     if foreign is not None:
         return Outcome(spec, "refused", error=foreign)
@@ -186,7 +187,7 @@ def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
 
 def failure_message(cfg: Config, outcome: Outcome) -> str:
     """A failed run's error, log path and the tail of its log."""
-    log = cfg.out / "runs" / outcome.spec.name / LOG_NAME
+    log = run_directory(cfg, outcome.spec) / LOG_NAME
     tail = log_tail(log) if outcome.command else ""
     text = f"run {outcome.spec.name} failed: {outcome.error}"
     if tail:

@@ -1,16 +1,13 @@
-"""Provenance and output shared by the benchmarks: machine facts, plain-text tables, atomic JSON."""
+"""Provenance and output shared by the benchmarks: machine facts and plain-text / Markdown tables."""
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import shlex
 import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,21 +93,3 @@ def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     rule = ["---:" if r else "---" for r in right]
     cells = [list(map(str, headers)), rule] + [["" if v is None else str(v) for v in row] for row in rows]
     return "\n".join("| " + " | ".join(row) + " |" for row in cells)
-
-
-def write_json_atomic(path: str | Path, payload: Any) -> Path:
-    """Write ``payload`` as JSON via a temporary file and ``os.replace``: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -2,7 +2,8 @@
 
 The model maps a noisy image ``x`` (N, C, H, W), a flow time ``t`` in [0, 1] of shape (N,) and class
 labels ``y`` (N,) to a velocity with the same layout as ``x``. Module names are part of the API: the
-optimizer's parameter grouping routes parameters by these names (see ``ALGORITHMS.md`` section 6).
+optimizer's parameter grouping routes parameters by these names (see "Which parameters get Muon" in
+``docs/algorithms.md``).
 
 Time scale: the timestep embedder multiplies ``t`` by ``t_scale`` (1000) before the sinusoidal features,
 so the frequencies cover [0, 1] as densely as they cover DiT's integer steps 0..999.

@@ -1,4 +1,12 @@
-"""Generation-quality metrics: Frechet distance and precision/recall/density/coverage in a named feature space."""
+"""Generation-quality metrics: Frechet distance and precision/recall/density/coverage in a named feature space.
+
+What scores samples (``frechet``, ``prdc``, ``features``, ``evaluate``, ``generation``: the
+:class:`GenerationEvaluator`, ``eval_settings``) and the results store of a run's evaluations
+(``results``, ``series``, ``plots``), shared by ``dimuon eval`` and the training loop.
+
+Layering: a building block. It may import ``dimuon.data``, ``dimuon.dit``, ``dimuon.io`` and
+``dimuon.log``; it must not import ``dimuon.optim`` or the commands (``train``, ``eval``, ``bench``).
+"""
 
 from dimuon.metrics.evaluate import evaluate_features, extract_features
 from dimuon.metrics.features import (

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -20,13 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from dimuon.dit.data import build_dataset, get_batch
+from dimuon.data import build_dataset, get_batch
 from dimuon.dit.sampler import sample
+from dimuon.io import read_tensors, write_tensors_atomic
 from dimuon.metrics.evaluate import evaluate_features, extract_features
 from dimuon.metrics.features import build_extractor
 from dimuon.metrics.features.base import FeatureExtractor
@@ -176,22 +173,6 @@ def file_digest(path: str | Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def _atomic_save(tensors: dict[str, Tensor], meta: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            tmp,
-            metadata={"meta": json.dumps(meta, default=str)},
-        )
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def cached_features(
     extractor: FeatureExtractor,
     images: Callable[[], Tensor],
@@ -203,14 +184,13 @@ def cached_features(
     """Features of `images()` (called only on a miss), read from or written to a safetensors file at `cache_path`."""
     path = None if cache_path is None else Path(cache_path)
     if path is not None and path.is_file():
-        with safe_open(str(path), framework="pt") as f:
-            stored = json.loads(f.metadata()["meta"])
-            if stored.get("feature_space") == extractor.name and stored.get("format") == FEATURE_CACHE_FORMAT:
-                return f.get_tensor("features")
+        tensors, stored = read_tensors(path)
+        if stored.get("feature_space") == extractor.name and stored.get("format") == FEATURE_CACHE_FORMAT:
+            return tensors["features"]
     feats = extract_features(extractor, images(), batch_size=batch_size, progress=progress)
     if path is not None:
         info = {**(meta or {}), "feature_space": extractor.name, "format": FEATURE_CACHE_FORMAT}
-        _atomic_save({"features": feats}, info, path)
+        write_tensors_atomic(path, {"features": feats}, info)
     return feats
 
 

@@ -1,4 +1,7 @@
-"""dimuon's optimizers: Muon, Periodic Row-wise Muon and MuonBP on one core, plus grouping and build."""
+"""dimuon's optimizers: Muon, Periodic Row-wise Muon and MuonBP on one core, plus grouping and build.
+
+The product. It imports torch only, nothing else of dimuon, so a training script can use it alone.
+"""
 
 from dimuon.optim.build import OPTIMIZERS, build
 from dimuon.optim.core import FlattenedParameterWarning, MuonFamily

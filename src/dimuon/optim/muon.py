@@ -58,6 +58,10 @@ class PeriodicRowMuon(MuonFamily):
 
     RowNorm steps are scaled by ``gamma`` (1 = as large as a spectral step; the paper uses 0.15).
     Takes every :class:`Muon` argument plus ``k`` and ``gamma``.
+
+    Args (schedule):
+        k: a spectral (Newton-Schulz) step every ``k`` steps, RowNorm steps in between (``k=1`` is Muon).
+        gamma: step multiplier of the RowNorm steps (1 = as large as a spectral step).
     """
 
     schedule = PeriodicRowSchedule()
@@ -81,6 +85,11 @@ class MuonBP(MuonFamily):
     row chunks (as ``torch.chunk`` cuts them) for unsharded ones. Block steps use the step size
     ``lr * block_lr_ratio`` and the shape scale of the block. Takes every :class:`Muon` argument
     plus ``period``, ``blocks`` and ``block_lr_ratio``.
+
+    Args (schedule):
+        period: a full spectral step every ``period`` steps, block steps in between.
+        blocks: row blocks per matrix of a block step on unsharded parameters (sharded ones use their shards).
+        block_lr_ratio: step multiplier of the block steps.
     """
 
     schedule = BlockPeriodicSchedule()

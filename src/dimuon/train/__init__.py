@@ -1,19 +1,18 @@
 """The DiT training harness: ``dimuon train`` (config, loop, checkpoints, logs) and ``dimuon sample``.
 
-It uses ``dimuon.dit`` and ``dimuon.optim`` like any user script: the optimizer is built by name with
-``dimuon.optim.build``. Checkpoints are read back with :func:`load_model_for_eval`.
+The flow of a run: ``config`` (the flags, checked) -> ``plan`` (resolved once into data, model,
+optimizer, schedule, evaluation and run layout) -> ``loop`` (a :class:`~dimuon.train.loop.Trainer`: the
+step and its log / validate / sample / evaluate / checkpoint hooks), writing through ``records``,
+``rundir``, ``checkpoint``, ``gen_eval`` and ``plots``.
+
+Layering: a command. It may import the building blocks (``dimuon.dit``, ``dimuon.data``,
+``dimuon.metrics``), ``dimuon.optim``, ``dimuon.io`` and ``dimuon.log``; it must not import the other
+commands (``dimuon.eval``, ``dimuon.bench``). It uses ``dimuon.optim`` like any user script: the
+optimizer is built by name with ``dimuon.optim.build``, and its ``--optim.*`` flags are derived from
+the optimizers' signatures. Checkpoints are read back with ``dimuon.dit.load_model_for_eval``.
 """
 
-from dimuon.train.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval
 from dimuon.train.config import ConfigError, OptimOptions, TrainConfig
 from dimuon.train.loop import train
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "OptimOptions",
-    "TrainConfig",
-    "list_checkpoints",
-    "load_model_for_eval",
-    "train",
-]
+__all__ = ["ConfigError", "OptimOptions", "TrainConfig", "train"]

@@ -2,7 +2,9 @@
 
 Every field is a command-line flag (``batch_size`` is ``--batch-size``, ``optim.k`` is ``--optim.k``);
 unknown flags are rejected by the parser. ``validate`` raises :class:`ConfigError` naming the flag and
-the allowed values, so a bad run fails in the first second instead of after the model is built.
+the allowed values, so a bad run fails in the first second instead of after the model is built;
+``dimuon.train.plan.resolve`` then turns the checked flags into the parts a run needs. The
+``--optim.*`` group is derived from the optimizers' signatures (``dimuon.train.optim_options``).
 """
 
 from __future__ import annotations
@@ -14,78 +16,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from dimuon.dit import DATASETS, DIT_MODELS, dit_arch
+from dimuon.data import DATASETS
+from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
-from dimuon.optim import OPTIMIZERS, build
+from dimuon.optim import OPTIMIZERS
+from dimuon.train.optim_options import OptimOptions, options_from_dict
 
 __all__ = [
     "ConfigError",
     "EvalOptions",
     "OptimOptions",
     "TrainConfig",
+    "check_patch_size",
     "config_from_dict",
     "config_to_dict",
-    "dataset_kwargs",
-    "optimizer_kwargs",
     "validate",
 ]
 
-# Options that the Muon family spells with an ``adamw_`` prefix (they drive its AdamW groups).
-_MUON_FAMILY_RENAMES = {"betas": "adamw_betas", "eps": "adamw_eps"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag and what is allowed."""
-
-
-@dataclass
-class OptimOptions:
-    """Optimizer options; None keeps the optimizer's own default.
-
-    An option the chosen optimizer does not take (e.g. --optim.k with muon) is an error.
-    """
-
-    weight_decay: float | None = None
-    """Decoupled weight decay (all optimizers)."""
-    betas: tuple[float, float] | None = None
-    """AdamW betas (adamw, and the AdamW groups of the Muon family)."""
-    eps: float | None = None
-    """AdamW epsilon (adamw, and the AdamW groups of the Muon family)."""
-    momentum: float | None = None
-    """Muon family: momentum coefficient in [0, 1)."""
-    nesterov: bool | None = None
-    """Muon family: Nesterov momentum."""
-    lr_scale: str | None = None
-    """Muon family: match_rms_adamw | original | none."""
-    ns_coefficients: str | None = None
-    """Muon family: quintic | polar_express."""
-    ns_steps: int | None = None
-    """Muon family: Newton-Schulz iterations."""
-    ns_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Muon family: Newton-Schulz compute dtype (default: fp32 on CPU, bf16 on accelerators)."""
-    ns_algorithm: str | None = None
-    """Muon family: standard | gram."""
-    refresh: str | None = None
-    """Muon family, sharded: spectral-step strategy, gather | owner."""
-    bucket_mb: float | None = None
-    """Muon family, sharded: communication bucket size (MiB)."""
-    comm_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Muon family, sharded: dtype of the optimizer's collectives."""
-    nonfinite: str | None = None
-    """Muon family: raise | skip a step whose gradients hold inf/nan."""
-    k: int | None = None
-    """periodic_row_muon: a spectral step every k steps, RowNorm in between."""
-    gamma: float | None = None
-    """periodic_row_muon: step multiplier of the RowNorm steps."""
-    period: int | None = None
-    """muon_bp: a full spectral step every period steps, block steps in between."""
-    blocks: int | None = None
-    """muon_bp: row blocks per matrix of a single-process block step."""
-    block_lr_ratio: float | None = None
-    """muon_bp: step multiplier of the block steps."""
 
 
 @dataclass
@@ -211,46 +161,14 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     )
     if unknown:
         raise ConfigError(f"saved config has unknown keys {unknown}")
-    if optim.get("betas") is not None:
-        optim["betas"] = tuple(optim["betas"])
     for key in ("dinov2_weights", "cache_dir"):
         if evals.get(key) is not None:
             evals[key] = Path(evals[key])
-    return TrainConfig(**data, optim=OptimOptions(**optim), eval=EvalOptions(**evals))
+    return TrainConfig(**data, optim=options_from_dict(optim), eval=EvalOptions(**evals))
 
 
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
-
-
-def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Keyword options for ``dimuon.optim.build`` from the set ``--optim.*`` flags (and ``--lr``)."""
-    opts: dict[str, Any] = {"lr": cfg.lr}
-    for f in dataclasses.fields(OptimOptions):
-        value = getattr(cfg.optim, f.name)
-        if value is None:
-            continue
-        if f.name in ("ns_dtype", "comm_dtype"):
-            value = _DTYPES[value]
-        name = f.name
-        if cfg.optimizer != "adamw":
-            name = _MUON_FAMILY_RENAMES.get(name, name)
-        opts[name] = value
-    return opts
-
-
-def dataset_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Keyword options of ``build_dataset(cfg.dataset, split, **kwargs)`` (JSON-ready)."""
-    kwargs: dict[str, Any] = {}
-    if cfg.dataset == "folder":
-        kwargs["root"] = cfg.data_path
-    elif cfg.dataset == "arrays":
-        kwargs["path"] = cfg.data_path
-    if cfg.image_size is not None:
-        kwargs["image_size"] = cfg.image_size
-    if cfg.channels is not None:
-        kwargs["channels"] = cfg.channels
-    return kwargs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,7 +220,6 @@ def validate(cfg: TrainConfig) -> None:
         _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
     _require(bool(cfg.out), "--out must name a directory")
     _validate_data(cfg)
-    _validate_optimizer(cfg)
     _validate_eval(cfg)
 
 
@@ -330,15 +247,6 @@ def check_patch_size(model: str, image_size: int) -> None:
         f"--model {model} has patch size {patch}, which does not divide the image size {image_size}; "
         f"choose a patch size that divides {image_size} or change --image-size",
     )
-
-
-def _validate_optimizer(cfg: TrainConfig) -> None:
-    """Build the optimizer on a two-parameter stand-in, so its own checks run before the real model exists."""
-    stand_in = nn.Linear(4, 4)
-    try:
-        build(cfg.optimizer, stand_in, **optimizer_kwargs(cfg))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--optimizer {cfg.optimizer} rejects its options (--lr / --optim.*): {e}") from None
 
 
 def _validate_eval(cfg: TrainConfig) -> None:

@@ -19,14 +19,12 @@ import torch
 from torch import nn
 
 from dimuon.dit import EMA, DiT
-from dimuon.metrics.eval_run import RunEvaluation, feature_cache_dir
 from dimuon.metrics.eval_settings import EvalSettings, build_evaluator
 from dimuon.metrics.generation import GenerationEvaluator
+from dimuon.metrics.series import GRID_SAMPLES, RunEvaluation, feature_cache_dir
 from dimuon.train.distributed import DistEnv, all_gather_objects, on_main
 
 __all__ = ["TrainingEvaluator", "full_weights", "rank_slice"]
-
-GRID_SAMPLES = 100
 
 
 def rank_slice(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dimuon.train.logger import atomic_write_bytes
+from dimuon.io import save_figure_atomic
 
 __all__ = ["plot_losses"]
 
@@ -53,9 +52,7 @@ def plot_losses(records: Sequence[dict[str, Any]], out_dir: str | Path, title: s
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        save_figure_atomic(fig, out_dir / name)
         plt.close(fig)
-        atomic_write_bytes(out_dir / name, buf.getvalue())
         written.append(out_dir / name)
     return written

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import tyro
 
-from dimuon.train.checkpoint import CheckpointError, find_checkpoint, read_meta
+from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, read_meta
+from dimuon.log import configure
 from dimuon.train.config import ConfigError, TrainConfig, config_from_dict
 from dimuon.train.loop import train
 
@@ -46,6 +47,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon train``; returns 2 with a one-line message on a bad config or checkpoint."""
     args = list(sys.argv[1:] if argv is None else argv)
+    configure("dimuon train")
     try:
         train(parse_config(args))
     except (ConfigError, CheckpointError) as e:

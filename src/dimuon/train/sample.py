@@ -11,8 +11,8 @@ import torch
 import tyro
 
 from dimuon.dit import sample
-from dimuon.train.checkpoint import CheckpointError, find_checkpoint, load_model_for_eval
-from dimuon.train.images import save_grid
+from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, load_model_for_eval
+from dimuon.io import save_grid
 
 __all__ = ["SampleConfig", "main"]
 

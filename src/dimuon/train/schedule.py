@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-__all__ = ["lr_factor"]
+__all__ = ["LrSchedule", "lr_factor"]
 
 
 def lr_factor(step: int, steps: int, warmup_steps: int, shape: str, min_ratio: float) -> float:
@@ -24,3 +25,18 @@ def lr_factor(step: int, steps: int, warmup_steps: int, shape: str, min_ratio: f
     if shape == "linear":
         return 1.0 - (1.0 - min_ratio) * progress
     raise ValueError(f"unknown lr schedule {shape!r}; choose cosine, linear or constant")
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning rate of every step: ``peak`` times :func:`lr_factor`."""
+
+    peak: float
+    steps: int
+    warmup_steps: int
+    shape: str
+    min_ratio: float
+
+    def lr(self, step: int) -> float:
+        """The learning rate of 0-based ``step``."""
+        return self.peak * lr_factor(step, self.steps, self.warmup_steps, self.shape, self.min_ratio)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from dimuon.io import read_tensors, write_tensors_atomic
 from dimuon.metrics.features.base import FeatureExtractor
 from dimuon.metrics.features.preprocess import check_images
 
@@ -185,25 +182,6 @@ def _torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
-    """Write a safetensors file via a temporary file in the same folder, then `os.replace` it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _load_cached(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["meta"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    return tensors, meta
-
-
 def load_or_train_classifier(
     images: torch.Tensor | np.ndarray,
     labels: torch.Tensor | np.ndarray,
@@ -247,7 +225,7 @@ def load_or_train_classifier(
     name = f"classifier-{dataset_name}-{key[:8]}"
     path = Path(cache_dir) / f"{name}.safetensors"
     if path.is_file():
-        tensors, meta = _load_cached(path)
+        tensors, meta = read_tensors(path)
         arch = meta["recipe"]
         size = min(meta["height"], meta["width"])
         net = SmallCNN(
@@ -278,6 +256,5 @@ def load_or_train_classifier(
         "format": CACHE_FORMAT,
     }
     meta = json.loads(json.dumps(meta))  # the same plain-JSON form a cache hit returns
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_save(net.state_dict(), meta, path)
+    write_tensors_atomic(path, net.state_dict(), meta)
     return ClassifierFeatures(net, name, meta)

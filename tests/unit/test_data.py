@@ -8,9 +8,10 @@ import torch
 from PIL import Image
 from safetensors.numpy import save_file
 
-from dimuon.dit.data import (
+from dimuon.data import (
     DATASETS,
     BatchSchedule,
+    DataSpec,
     build_dataset,
     check_image_shape,
     get_batch,
@@ -274,3 +275,14 @@ def test_batch_schedule_errors():
         BatchSchedule(5, 8)
     with pytest.raises(ValueError, match="step must be >= 0"):
         BatchSchedule(10, 2).indices(-1)
+
+
+def test_a_data_spec_rebuilds_its_data_set_from_its_checkpoint_record() -> None:
+    spec = DataSpec("digits", {"image_size": 16})
+    record = spec.as_record()
+    assert record == {"name": "digits", "kwargs": {"image_size": 16}}
+    again = DataSpec.from_record(record)
+    assert again == spec
+    val = again.build("val")
+    assert (len(val), val.image_size) == (180, 16)
+    assert DataSpec.from_record({"name": "mnist"}) == DataSpec("mnist", {})

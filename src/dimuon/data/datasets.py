@@ -1,4 +1,4 @@
-"""Offline image data sets for the harness, and a deterministic, resumable, rank-sharded batch order.
+"""Offline image data sets for the harness, built by name.
 
 Every data set returns ``(image, label)`` with ``image`` a float32 tensor (C, H, W) in [-1, 1] (raw
 values for latents) and ``label`` an int, and exposes ``num_classes``, ``image_size`` and ``channels``.
@@ -13,8 +13,8 @@ Held-out splits are fixed: a permutation with a constant seed puts the same item
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "SPLITS",
     "ArrayDataset",
-    "BatchSchedule",
+    "DataSpec",
     "ImageFolderDataset",
     "build_dataset",
     "check_image_shape",
@@ -395,85 +395,23 @@ def check_image_shape(dataset: Any, image_size: int, channels: int) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------
-# Batch order
-# --------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
-class BatchSchedule:
-    """The index batch of every global step, as a pure function of ``(seed, step)``.
+class DataSpec:
+    """A data set by registry name and build arguments: what a run trains on, recorded in its checkpoints.
 
-    Epoch ``e`` visits the items in the permutation drawn from ``(seed, e)``; step ``s`` takes the
-    ``s % steps_per_epoch``-th run of ``global_batch_size`` items of epoch ``s // steps_per_epoch``
-    (the incomplete tail of each permutation is dropped). Rank ``r`` of ``world_size`` gets the ``r``-th
-    contiguous slice of ``global_batch_size / world_size`` items. A resumed run that asks for the same
-    steps sees the same data.
+    ``kwargs`` are JSON-ready; ``as_record()`` is the ``dataset`` entry of a checkpoint's metadata,
+    from which ``dimuon eval`` rebuilds the held-out split.
     """
 
-    num_samples: int
-    global_batch_size: int
-    seed: int = 0
-    rank: int = 0
-    world_size: int = 1
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
-        if self.num_samples < self.global_batch_size:
-            raise ValueError(
-                f"data set has {self.num_samples} items, fewer than one global batch of {self.global_batch_size}"
-            )
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
-            )
-        if self.global_batch_size % self.world_size:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not divisible by world_size {self.world_size}"
-            )
+    def build(self, split: str = "train") -> ArrayDataset | ImageFolderDataset:
+        return build_dataset(self.name, split, **self.kwargs)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch_size
+    def as_record(self) -> dict[str, Any]:
+        return {"name": self.name, "kwargs": dict(self.kwargs)}
 
-    @property
-    def local_batch_size(self) -> int:
-        return self.global_batch_size // self.world_size
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        """The item order of ``epoch`` (the same on every rank)."""
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-
-    def global_indices(self, step: int) -> np.ndarray:
-        """All ``global_batch_size`` indices of ``step``, across ranks."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        j = step % self.steps_per_epoch
-        perm = self.permutation(self.epoch_of(step))
-        return perm[j * self.global_batch_size : (j + 1) * self.global_batch_size]
-
-    def indices(self, step: int) -> np.ndarray:
-        """This rank's ``local_batch_size`` indices of ``step``."""
-        b = self.local_batch_size
-        return self.global_indices(step)[self.rank * b : (self.rank + 1) * b]
-
-    def iter_from(self, start_step: int = 0, stop_step: int | None = None) -> Iterator[np.ndarray]:
-        """This rank's index batches for steps ``start_step, start_step + 1, ...`` (up to ``stop_step``)."""
-        step = start_step
-        epoch, perm = -1, np.empty(0, dtype=np.int64)
-        b, g = self.local_batch_size, self.global_batch_size
-        while stop_step is None or step < stop_step:
-            if self.epoch_of(step) != epoch:
-                epoch = self.epoch_of(step)
-                perm = self.permutation(epoch)
-            j = step % self.steps_per_epoch
-            yield perm[j * g + self.rank * b : j * g + (self.rank + 1) * b]
-            step += 1
-
-    def num_epochs(self, steps: int) -> float:
-        """How many passes over the data ``steps`` global steps make."""
-        return steps * self.global_batch_size / self.num_samples
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> DataSpec:
+        return cls(record["name"], dict(record.get("kwargs") or {}))

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 import json
+import logging
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from dimuon.dit import build_dataset, build_dit
+from dimuon.data import build_dataset
+from dimuon.dit import build_dit
+from dimuon.dit.checkpoint import list_checkpoints
+from dimuon.eval.compare import compare_runs
+from dimuon.eval.run import Config, active_time_from_metrics, main, select_checkpoints
 from dimuon.metrics import generation
-from dimuon.metrics.eval_run import (
-    Config,
-    active_time_from_metrics,
-    compare_runs,
-    load_results,
-    main,
-    select_checkpoints,
-)
 from dimuon.metrics.generation import (
     GenerationEvaluator,
     SampleSettings,
@@ -29,6 +24,7 @@ from dimuon.metrics.generation import (
     load_images,
     sample_noise,
 )
+from dimuon.metrics.results import load_results
 
 FAST = SampleSettings(num_samples=40, seed=0, sampler="heun", sample_steps=3, cfg_scale=2.0)
 FAST_FLAGS = [
@@ -167,22 +163,6 @@ def test_real_features_are_cached_by_dataset_and_extractor(cache_dir, evaluator,
     torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[:50])
 
 
-def test_metric_modules_do_not_import_the_training_code() -> None:
-    import ast
-
-    import dimuon.metrics
-
-    root = Path(dimuon.metrics.__file__).parent
-    for path in root.rglob("*.py"):
-        if path.name == "eval_run.py":  # the command module may reach up to the checkpoints
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            assert not any(n.startswith("dimuon.train") for n in names), path
-
-
 # --------------------------------------------------------------------------------------------------
 # Small helpers of the command
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +204,17 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
     ):
         assert flag in out
     assert "1000" in out and "heun" in out
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["python -m dimuon.eval", "--help"]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module("dimuon.eval", run_name="__main__")  # python -m dimuon.eval
+    finally:
+        sys.argv = argv
+    assert exit_.value.code == 0 and "--every" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
         main(["--run", ".", "--bogus-flag", "1"])
     assert exit_.value.code == 2
@@ -238,17 +229,10 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def checkpoint_module():
-    try:
-        return importlib.import_module("dimuon.train.checkpoint")
-    except ImportError:
-        pytest.skip("dimuon.train.checkpoint is not available")
-
-
 def make_run(root: Path, steps=(10, 20, 30), seed: int = 0) -> Path:
     """A run directory with checkpoints of a tiny digits DiT whose weights drift from step to step."""
-    ckpt = checkpoint_module()
     from dimuon.dit import EMA
+    from dimuon.train import checkpoint as ckpt
     from dimuon.train.distributed import DistEnv
 
     model = tiny_dit(seed)
@@ -277,7 +261,6 @@ def make_run(root: Path, steps=(10, 20, 30), seed: int = 0) -> Path:
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
-    checkpoint_module()
     return make_run(tmp_path / "run")
 
 
@@ -357,16 +340,14 @@ def test_same_settings_give_the_same_numbers(cache_dir, tmp_path) -> None:
     )
 
 
-def test_corrupt_checkpoint_is_reported_and_the_others_evaluated(run_dir, cache_dir, capsys) -> None:
-    ckpt = checkpoint_module()
-    state = dict(ckpt.list_checkpoints(run_dir))[20] / "state.pt"
+def test_corrupt_checkpoint_is_reported_and_the_others_evaluated(run_dir, cache_dir, capsys, caplog) -> None:
+    state = dict(list_checkpoints(run_dir))[20] / "state.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: the manifest's SHA-256 no longer matches
     state.write_bytes(bytes(data))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="dimuon"):
         assert run_eval(run_dir, cache_dir) == 0
-    assert any("step_0000020" in str(w.message) for w in caught)
+    assert any("step_0000020" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     assert "evaluated 2, skipped 0 (already in results.json), failed 1" in capsys.readouterr().out
     _, series = only_series(run_dir)
     status = {e["step"]: e["status"] for e in series["entries"]}
@@ -375,7 +356,6 @@ def test_corrupt_checkpoint_is_reported_and_the_others_evaluated(run_dir, cache_
 
 
 def test_run_without_checkpoints_fails_cleanly(tmp_path, capsys) -> None:
-    checkpoint_module()
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert main(["--run", str(tmp_path / "empty"), "--no-progress"]) == 1
     assert "no complete checkpoints" in capsys.readouterr().err
@@ -398,4 +378,4 @@ def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path) -> None:
     md = (out / "compare.md").read_text()
     assert "| run | best FD" in md and "| other (muon) |" in md and "| run |" in md
     with pytest.raises(ValueError, match="no series"):
-        compare_runs(Config(compare=(run_dir,), seed=7))
+        compare_runs((run_dir,), Config(seed=7), tmp_path / "cmp7")

@@ -1,0 +1,210 @@
+"""``dimuon eval``: generation quality (FD, precision/recall/density/coverage) over a run's checkpoints.
+
+For every complete checkpoint of ``--run`` (EMA weights by default) it draws a fixed, seeded, class-balanced
+set of samples, scores them against the run's held-out split in one feature space, and writes
+``<run>/eval/results.json``, ``results.md``, ``fd_vs_step.png`` and ``fd_vs_time.png``. Results are keyed by
+a hash of everything that changes the numbers (feature space, sampler, seed, counts, EMA), so changing a
+setting starts a new series instead of mixing numbers, and a rerun skips the checkpoints already scored.
+``--compare RUN ...`` plots and tabulates already-evaluated runs side by side.
+
+Run ``dimuon eval --help`` (or ``python -m dimuon.eval --help``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import tyro
+from tqdm.auto import tqdm
+
+from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval
+from dimuon.eval.compare import compare_runs
+from dimuon.io import RunLayout, read_jsonl
+from dimuon.log import configure, get_logger
+from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
+from dimuon.metrics.results import markdown
+from dimuon.metrics.series import RunEvaluation, timestamp
+
+__all__ = [
+    "Config",
+    "NoCheckpointsError",
+    "active_time_from_metrics",
+    "check_config",
+    "evaluate_checkpoints",
+    "main",
+    "select_checkpoints",
+]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Config(EvalSettings):
+    """Generation quality (FD, precision/recall/density/coverage) over a run's checkpoints."""
+
+    run: Path | None = None
+    """Run directory (holds checkpoints/ and metrics.jsonl); outputs go to <run>/eval/."""
+    compare: tuple[Path, ...] = ()
+    """Instead of evaluating: compare already-evaluated runs (FD vs step and vs active time, best FD)."""
+    every: int = 1
+    """Evaluate every K-th checkpoint in step order (always including the latest)."""
+    device: str = "auto"
+    """Device for sampling and features: auto (cuda if available), cpu, cuda, cuda:1, ..."""
+    threads: int | None = None
+    """CPU intra-op threads (default: torch's; 1 is much faster for tiny models on busy cores)."""
+    out: Path = Path("eval-compare")
+    """Output directory of --compare."""
+    progress: bool = True
+    """Progress bars."""
+
+
+class NoCheckpointsError(FileNotFoundError):
+    """The run directory holds no complete checkpoint (yet)."""
+
+
+def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int) -> list[tuple[int, Path]]:
+    """Every `every`-th checkpoint in step order, plus the latest."""
+    if every < 1:
+        raise ValueError(f"--every must be >= 1, got {every}")
+    chosen = [c for i, c in enumerate(checkpoints) if i % every == 0]
+    if checkpoints and chosen[-1] != checkpoints[-1]:
+        chosen.append(checkpoints[-1])
+    return chosen
+
+
+def active_time_from_metrics(run: Path, step: int) -> float | None:
+    """Active training seconds at `step` from ``metrics.jsonl`` (last row at or before it), if logged."""
+    best: tuple[int, float] | None = None
+    for row in read_jsonl(RunLayout(run).metrics):
+        s, t = row.get("step"), row.get("active_time_s")
+        if isinstance(s, int) and isinstance(t, (int, float)) and s <= step and (best is None or s >= best[0]):
+            best = (s, float(t))
+    return None if best is None else best[1]
+
+
+def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1) -> dict[str, Any]:
+    """Evaluate every `every`-th checkpoint of the run (and the latest) into its series; counts and output paths.
+
+    Checkpoints already in the series are skipped; one that fails to load is recorded as failed and
+    the others are evaluated. The evaluator is built from the first loadable checkpoint's data set.
+    """
+    run = evaluation.run
+    listed = list_checkpoints(run)
+    checkpoints = select_checkpoints(listed, every)
+    if not checkpoints:
+        raise NoCheckpointsError(f"no complete checkpoints under {RunLayout(run).checkpoints}")
+    counts = {"evaluated": 0, "skipped": 0, "failed": 0}
+    pending_failures: list[dict[str, Any]] = []
+    bar = tqdm(checkpoints, desc="checkpoints", unit="ckpt", disable=not evaluation.progress)
+    for step, path in bar:
+        bar.set_postfix(step=step)
+        if evaluation.key is not None and step in evaluation.done_steps():
+            counts["skipped"] += 1
+            continue
+        t0 = time.perf_counter()
+        try:
+            model, info = load_model_for_eval(path, use_ema=evaluation.settings.ema, map_location="cpu")
+            load_s = time.perf_counter() - t0
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+            counts["failed"] += 1
+            failure = {"step": step, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            if evaluation.key is None:
+                pending_failures.append(failure)
+            else:
+                evaluation.record(failure)
+            continue
+        if evaluation.evaluator is None:
+            evaluation.setup(info)
+            for failure in pending_failures:
+                evaluation.record(failure)
+            if step in evaluation.done_steps():
+                counts["skipped"] += 1
+                continue
+        assert evaluation.evaluator is not None
+        t0 = time.perf_counter()  # the one-off setup (classifier, real features) is not counted
+        row, images = evaluation.evaluator.evaluate_with_samples(model)
+        active = info.get("active_time_s")
+        if active is None:
+            active = active_time_from_metrics(run, step)
+        checkpoint = str(path.relative_to(run)) if path.is_relative_to(run) else str(path)
+        entry = evaluation.record_scores(
+            step,
+            row,
+            images,
+            active,
+            wall_s=round(load_s + time.perf_counter() - t0, 3),  # load, sample, score, grid
+            device=str(evaluation.device),
+            evaluated_at=timestamp(),
+            checkpoint=checkpoint,
+        )
+        counts["evaluated"] += 1
+        bar.set_postfix(step=step, fd=f"{entry['fd']:.3g}")
+    bar.close()
+    outputs: list[Path] = []
+    if evaluation.key is not None:
+        # A failure of a checkpoint that is gone (e.g. pruned by the training run) is no longer news.
+        evaluation.forget_failures_except({step for step, _ in listed})
+        evaluation.save()
+        outputs = [evaluation.layout.results, evaluation.layout.results_md, *evaluation.plot()]
+    else:
+        log.warning("no checkpoint of %s could be loaded; nothing was written", run)
+    return {"key": evaluation.key, **counts, "outputs": [str(p) for p in outputs]}
+
+
+def check_config(cfg: Config) -> None:
+    """Reject inconsistent flags before any work starts."""
+    if bool(cfg.run) == bool(cfg.compare):
+        raise ValueError("pass either --run RUN_DIR (evaluate) or --compare RUN_DIR ... (compare), not both")
+    if cfg.compare:
+        return
+    check_eval_settings(cfg)
+    if not Path(cfg.run).is_dir():
+        raise ValueError(f"--run {cfg.run}: no such directory")
+    if cfg.every < 1:
+        raise ValueError(f"--every must be >= 1, got {cfg.every}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dimuon eval`` and ``python -m dimuon.eval``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = tyro.cli(Config, args=args, prog="dimuon eval")
+    configure("dimuon eval")
+    try:
+        check_config(cfg)
+    except ValueError as exc:
+        print(f"dimuon eval: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.compare:
+        record = compare_runs(cfg.compare, cfg, cfg.out)
+        print(Path(record["outputs"][0]).read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(record["outputs"]))
+        return 0
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    evaluation = RunEvaluation(cfg.run, cfg, cfg.device, cfg.progress)
+    try:
+        summary = evaluate_checkpoints(evaluation, cfg.every)
+    except NoCheckpointsError as exc:
+        print(f"dimuon eval: {exc}", file=sys.stderr)
+        return 1
+    if evaluation.key is not None:
+        print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
+    print(
+        f"evaluated {summary['evaluated']}, skipped {summary['skipped']} (already in results.json), "
+        f"failed {summary['failed']}; series {summary['key']}"
+    )
+    print("wrote " + ", ".join(summary["outputs"]))
+    return 0 if summary["evaluated"] + summary["skipped"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

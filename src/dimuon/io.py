@@ -1,0 +1,358 @@
+"""Files and runs: atomic writes under one policy, JSONL records, image grids and the run-directory layout.
+
+The lowest layer beside ``dimuon.optim``: it imports nothing else of dimuon, and every module that
+writes a file or touches a run directory goes through it.
+
+- Atomic writes (:func:`atomic_path` and the writers built on it): the data goes to a temporary file
+  in the target's directory, is flushed and fsynced, renamed over the target, and the directory is
+  fsynced; on any failure the temporary file is removed. A reader sees the old file or the new one,
+  never half of one, and a kill leaves at most a hidden ``.<name>.*.tmp`` file beside it.
+- JSONL: :class:`JsonlLog` appends one record per line and flushes it; :func:`read_jsonl` is the one
+  parser, and skips a torn line (a write cut short by a kill).
+- :class:`RunLayout` names every file of a run directory once; step-numbered files
+  (``step_0000250.png``, ``checkpoints/step_0000250/``) are named by :func:`step_name` and parsed by
+  :func:`step_of`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "JsonlLog",
+    "RunLayout",
+    "atomic_path",
+    "fsync_dir",
+    "make_grid",
+    "read_jsonl",
+    "read_tensors",
+    "remove_steps_after",
+    "save_figure_atomic",
+    "save_grid",
+    "step_name",
+    "step_of",
+    "truncate_jsonl",
+    "write_bytes_atomic",
+    "write_json_atomic",
+    "write_tensors_atomic",
+    "write_text_atomic",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic writes
+# --------------------------------------------------------------------------------------------------
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; on a clean exit it replaces ``path`` durably.
+
+    For writers that need a file name (``safetensors``, ``torch.save``). The parent directory is
+    created if needed; if the block raises, the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the path."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON (paths and other objects as strings) atomically; returns the path."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def save_figure_atomic(fig: Any, path: str | Path, **savefig_kwargs: Any) -> Path:
+    """Render a matplotlib figure in the format of ``path``'s suffix and write it atomically."""
+    path = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lstrip(".") or "png", **savefig_kwargs)
+    return write_bytes_atomic(path, buf.getvalue())
+
+
+def write_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write tensors as a safetensors file with ``meta`` (JSON) in its metadata, atomically; returns the path."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"meta": json.dumps(meta, default=str)})
+    return Path(path)
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and the ``meta`` dict of a file written by :func:`write_tensors_atomic`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    return tensors, meta
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL records
+# --------------------------------------------------------------------------------------------------
+
+
+def _parsed_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` of every parseable line; a torn line is skipped."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield line, json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file (none if it does not exist); a torn line (a write cut short) is skipped."""
+    path = Path(path)
+    return [record for _, record in _parsed_lines(path)] if path.is_file() else []
+
+
+def truncate_jsonl(path: str | Path, max_step: int) -> int:
+    """Keep only records with ``step <= max_step`` (a resumed run rewrites the rest); return how many went."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    total = len(path.read_text(encoding="utf-8").splitlines())
+    kept = [line for line, record in _parsed_lines(path) if int(record.get("step", 0)) <= max_step]
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return total - len(kept)
+
+
+class JsonlLog:
+    """Append-only JSONL log: one record per line, flushed at once so a killed run keeps what it wrote."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Image grids
+# --------------------------------------------------------------------------------------------------
+
+
+def make_grid(images: torch.Tensor, nrow: int | None = None, pad: int = 2, background: float = -1.0) -> np.ndarray:
+    """Tile images (N, C, H, W) in [-1, 1] into a uint8 array (rows, cols) or (rows, cols, 3).
+
+    ``nrow`` images per row (default: a square-ish grid), ``pad`` pixels of ``background`` (a value in
+    [-1, 1]: -1 black, 1 white) around each. One channel gives grayscale, three RGB; other channel
+    counts (latents) show the channel mean in grayscale.
+    """
+    if images.ndim != 4 or images.shape[0] == 0:
+        raise ValueError(f"expected a non-empty (N, C, H, W) batch, got shape {tuple(images.shape)}")
+    x = images.detach().float().cpu()
+    if x.shape[1] not in (1, 3):
+        x = x.mean(dim=1, keepdim=True)
+    n, c, h, w = x.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / nrow)
+    grid = torch.full((c, rows * (h + pad) + pad, nrow * (w + pad) + pad), float(background))
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        top, left = pad + r * (h + pad), pad + col * (w + pad)
+        grid[:, top : top + h, left : left + w] = x[i]
+    pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (C, rows, cols)
+    return pixels[0].numpy() if c == 1 else pixels.permute(1, 2, 0).numpy()
+
+
+def save_grid(
+    images: torch.Tensor,
+    path: str | Path,
+    nrow: int | None = None,
+    scale: int = 1,
+    pad: int = 2,
+    background: float = -1.0,
+) -> Path:
+    """Write ``make_grid(images, nrow, pad, background)`` as a PNG atomically (``scale``: nearest upscaling)."""
+    from PIL import Image
+
+    img = Image.fromarray(make_grid(images, nrow, pad, background))
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), resample=Image.Resampling.NEAREST)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return write_bytes_atomic(path, buf.getvalue())
+
+
+# --------------------------------------------------------------------------------------------------
+# Step-numbered names and the run directory
+# --------------------------------------------------------------------------------------------------
+
+_STEP_NAME = re.compile(r"^step_(\d{7})$")
+
+
+def step_name(step: int, suffix: str = "") -> str:
+    """``step_0000250`` (plus ``suffix``): the name of what a run writes after ``step`` optimizer steps."""
+    return f"step_{step:07d}{suffix}"
+
+
+def step_of(path: str | Path, suffix: str = "") -> int | None:
+    """The step in a name made by :func:`step_name` with this ``suffix``, else None."""
+    name = Path(path).name
+    if suffix:
+        if not name.endswith(suffix):
+            return None
+        name = name[: -len(suffix)]
+    m = _STEP_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def remove_steps_after(directory: str | Path, step: int, suffix: str = ".png") -> list[Path]:
+    """Delete the step-numbered files of ``directory`` written after ``step`` (a resumed run rewrites them).
+
+    Only names :func:`step_name` makes are touched; returns the deleted paths.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    doomed = []
+    for path in sorted(directory.iterdir()):
+        written = step_of(path, suffix)
+        if written is not None and written > step and path.is_file():
+            doomed.append(path)
+    for path in doomed:
+        path.unlink()
+    return doomed
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where every file of a run directory lives: ``dimuon train`` writes them, ``dimuon eval`` and the benchmarks read them.
+
+    ```
+    config.json              the run's config            metrics.jsonl     one record per line
+    checkpoints/step_N/      one directory per checkpoint samples/step_N.png sample grids
+    plots/                   loss curves                 tensorboard/      with --tensorboard
+    eval/results.json, results.md, fd_vs_*.png, grids/<series>/step_N.png, feature_cache/
+    ```
+    """
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    # The top-level entries a run consists of: what --overwrite replaces and what marks a run directory.
+    ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "samples", "plots", "tensorboard", "eval")
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def results(self) -> Path:
+        return self.eval / "results.json"
+
+    @property
+    def results_md(self) -> Path:
+        return self.eval / "results.md"
+
+    @property
+    def feature_cache(self) -> Path:
+        """The default cache of the feature classifier and the real-set features."""
+        return self.eval / "feature_cache"
+
+    def checkpoint(self, step: int) -> Path:
+        """Final directory of the checkpoint taken after ``step`` optimizer steps."""
+        return self.checkpoints / step_name(step)
+
+    def sample_grid(self, step: int) -> Path:
+        return self.samples / step_name(step, ".png")
+
+    def eval_grids(self, key: str) -> Path:
+        """Sample grids of the evaluation series ``key``."""
+        return self.eval / "grids" / key
+
+    def eval_grid(self, key: str, step: int) -> Path:
+        return self.eval_grids(key) / step_name(step, ".png")
+
+    def entries(self) -> list[Path]:
+        """The top-level paths a run consists of (whether they exist or not)."""
+        return [self.root / name for name in self.ENTRIES]
+
+    def holds_run(self) -> bool:
+        """Whether the directory already holds (part of) a run."""
+        return any(p.exists() for p in self.entries())

@@ -1,0 +1,172 @@
+"""The results store of a run's generation-quality evaluations: ``<run>/eval/results.json`` and ``results.md``.
+
+A results file holds one *series* per set of settings (everything that changes the numbers: feature
+space, data set, sample counts, seed, sampler, steps, guidance, EMA), keyed by a hash of them; each
+series lists one entry per evaluated step. ``dimuon eval`` and ``dimuon train --eval.*`` write the
+same series, ``dimuon eval --compare`` and ``dimuon bench quality`` read them. This module loads,
+filters, picks a series, truncates, summarizes and renders Markdown; it computes no metric.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from dimuon.io import RunLayout, remove_steps_after, write_json_atomic, write_text_atomic
+from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
+
+__all__ = [
+    "METRICS",
+    "RESULTS_FORMAT",
+    "describe_settings",
+    "format_value",
+    "load_results",
+    "markdown",
+    "ok_entries",
+    "pick_series",
+    "save_results",
+    "settings_key",
+    "summarize",
+    "truncate_results",
+]
+
+RESULTS_FORMAT = 1
+METRICS = ("fd", "precision", "recall", "density", "coverage")
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The results file, or an empty one; a file of another format is an error rather than overwritten."""
+    if not path.is_file():
+        return {"format": RESULTS_FORMAT, "evaluations": {}}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("format") != RESULTS_FORMAT or not isinstance(data.get("evaluations"), dict):
+        raise ValueError(f"{path} is not a dimuon eval results file of format {RESULTS_FORMAT}")
+    return data
+
+
+def save_results(layout: RunLayout, results: dict[str, Any]) -> None:
+    """Write ``results.json`` and its Markdown rendering ``results.md`` atomically."""
+    write_json_atomic(layout.results, results)
+    write_text_atomic(layout.results_md, markdown(results, layout.root.name))
+
+
+def settings_key(settings: dict[str, Any]) -> str:
+    """Ten hex digits of a hash of the settings: one results series per key."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def ok_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The successfully scored entries of a series (failed checkpoints are recorded too)."""
+    return [e for e in entries if e.get("status") == "ok"]
+
+
+def truncate_results(run: Path, max_step: int) -> int:
+    """Drop every series' entries (and grids) after `max_step`: a run resumed there rewrites them; returns how many."""
+    layout = RunLayout(run)
+    if not layout.results.is_file():
+        return 0
+    results = load_results(layout.results)
+    dropped = 0
+    for key, ev in results["evaluations"].items():
+        kept = [e for e in ev["entries"] if e["step"] <= max_step]
+        dropped += len(ev["entries"]) - len(kept)
+        ev["entries"] = kept
+        remove_steps_after(layout.eval_grids(key), max_step)
+    if dropped:
+        save_results(layout, results)
+    return dropped
+
+
+def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
+    """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
+    want = sampling_settings(cfg)
+    matches = [
+        (key, ev)
+        for key, ev in results["evaluations"].items()
+        if all(ev["settings"].get(k) == v for k, v in want.items())
+        and ev["settings"]["feature_space"].startswith(cfg.features)
+    ]
+    if not matches:
+        have = "\n".join(
+            f"  {k}: {describe_settings(ev['settings'])}" for k, ev in results["evaluations"].items()
+        )
+        raise ValueError(
+            f"{where} has no series with {cfg.features} features and {want}; pass the flags used to evaluate it. "
+            f"It has:\n{have or '  (nothing)'}"
+        )
+    return max(matches, key=lambda kv: kv[1].get("updated", ""))
+
+
+def summarize(entries: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """Best and last FD of a series, and the first step and active time at which FD <= target."""
+    ok = ok_entries(entries)
+    best = min(ok, key=lambda e: e["fd"])
+    reach = next((e for e in ok if target is not None and e["fd"] <= target), None)
+    return {
+        "best_fd": best["fd"],
+        "best_step": best["step"],
+        "best_active_time_s": best.get("active_time_s"),
+        "best_precision": best["precision"],
+        "best_recall": best["recall"],
+        "last_fd": ok[-1]["fd"],
+        "last_step": ok[-1]["step"],
+        "checkpoints": len(ok),
+        "target_step": None if reach is None else reach["step"],
+        "target_active_time_s": None if reach is None else reach.get("active_time_s"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------------
+
+
+def format_value(v: Any, digits: int = 3) -> str:
+    """A table cell: floats with ``digits`` decimals, a dash for a missing value."""
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def describe_settings(s: dict[str, Any]) -> str:
+    """One line naming everything behind a series' numbers."""
+    return (
+        f"feature space `{s['feature_space']}` · {s['num_samples']} samples (class-balanced, seed {s['seed']}) · "
+        f"{s['sampler']} {s['sample_steps']} steps, cfg {s['cfg_scale']:g} · "
+        f"{'EMA' if s['ema'] else 'raw'} weights · real set: {s['num_real']} images of the "
+        f"`{s['dataset']['name']}` val split"
+    )
+
+
+def markdown(results: dict[str, Any], run_name: str) -> str:
+    """All series of a results file as Markdown tables (most recently updated first)."""
+    lines = [f"# Generation quality: `{run_name}`", ""]
+    series = sorted(results["evaluations"].items(), key=lambda kv: kv[1].get("updated", ""), reverse=True)
+    for key, ev in series:
+        s = ev["settings"]
+        lines += [f"## Settings `{key}`", "", describe_settings(s), ""]
+        ref = ev.get("reference")
+        if ref:
+            lines += [
+                f"Reference ({ref['n_fake']} training images against the same real set, i.e. a generator "
+                f"equal to the data at this sample count): FD {ref['fd']:.3f}, precision {ref['precision']:.3f}, "
+                f"recall {ref['recall']:.3f}, density {ref['density']:.3f}, coverage {ref['coverage']:.3f}.",
+                "",
+            ]
+        lines += [
+            "| step | active time (s) | FD | precision | recall | density | coverage | eval (s) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in ev["entries"]:
+            if e.get("status") != "ok":
+                lines.append(f"| {e['step']} | — | failed: {e.get('error', '?')} | | | | | |")
+                continue
+            t = format_value(e.get("active_time_s"), 1)
+            vals = " | ".join(format_value(e[m]) for m in METRICS)
+            lines.append(f"| {e['step']} | {t} | {vals} | {format_value(e.get('eval_s'), 1)} |")
+        lines.append("")
+    return "\n".join(lines)

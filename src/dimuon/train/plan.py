@@ -1,0 +1,111 @@
+"""``dimuon train``'s flags resolved once, at start-up, into the parts a run needs.
+
+:func:`resolve` checks the flags (:func:`dimuon.train.config.validate`), lets the optimizer check its
+own options, and returns a :class:`TrainPlan`: the run directory's layout, the data set, the model,
+the optimizer (name and ``build`` keywords), the learning-rate schedule and the evaluation settings.
+The training loop is handed these parts; nothing re-derives them from the flags later. The parallel
+environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the process group is set up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dimuon.data import DataSpec
+from dimuon.dit import DiT, build_dit
+from dimuon.io import RunLayout
+from dimuon.optim import build
+from dimuon.train.config import ConfigError, EvalOptions, TrainConfig, config_to_dict, validate
+from dimuon.train.optim_options import optimizer_kwargs
+from dimuon.train.schedule import LrSchedule
+
+__all__ = ["ModelSpec", "OptimizerSpec", "TrainPlan", "data_spec", "resolve"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A DiT by registry name; its input size, channels and classes come from the data set."""
+
+    name: str
+    class_dropout: float
+
+    def build(self, image_shape: tuple[int, int, int], num_classes: int) -> DiT:
+        return build_dit(self.name, input_size=image_shape[1], in_channels=image_shape[0],
+                         num_classes=num_classes, class_dropout_prob=self.class_dropout)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer by name with the keyword options ``dimuon.optim.build`` receives."""
+
+    name: str
+    kwargs: dict[str, Any]
+
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over ``model``; a combination it refuses (e.g. a one-process baseline on FSDP) names the flag."""
+        try:
+            return build(self.name, model, **self.kwargs)
+        except NotImplementedError as e:
+            raise ConfigError(f"--optimizer {self.name}: {e}") from None
+
+    def check(self) -> None:
+        """Build it on a two-parameter stand-in, so its own checks run before the real model exists."""
+        try:
+            build(self.name, nn.Linear(4, 4), **self.kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--optimizer {self.name} rejects its options (--lr / --optim.*): {e}") from None
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run as its parts: what each component needs, resolved from the flags once."""
+
+    cfg: TrainConfig  # the flags as given: the loop's own settings (steps, intervals, seeds, ...)
+    record: dict[str, Any]  # the flags as JSON: config.json and every checkpoint's "config"
+    layout: RunLayout
+    data: DataSpec
+    model: ModelSpec
+    optimizer: OptimizerSpec
+    schedule: LrSchedule
+    evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
+
+    @property
+    def resume(self) -> Path | None:
+        """The checkpoint or run directory of ``--resume`` (found on disk at start-up)."""
+        return Path(self.cfg.resume) if self.cfg.resume else None
+
+
+def data_spec(cfg: TrainConfig) -> DataSpec:
+    """The data set of ``--dataset`` with the build arguments of ``--data-path``, ``--image-size``, ``--channels``."""
+    kwargs: dict[str, Any] = {}
+    if cfg.dataset == "folder":
+        kwargs["root"] = cfg.data_path
+    elif cfg.dataset == "arrays":
+        kwargs["path"] = cfg.data_path
+    if cfg.image_size is not None:
+        kwargs["image_size"] = cfg.image_size
+    if cfg.channels is not None:
+        kwargs["channels"] = cfg.channels
+    return DataSpec(cfg.dataset, kwargs)
+
+
+def resolve(cfg: TrainConfig) -> TrainPlan:
+    """Check the flags and resolve them into a :class:`TrainPlan`; :class:`ConfigError` names a bad flag."""
+    validate(cfg)
+    optimizer = OptimizerSpec(cfg.optimizer, optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr))
+    optimizer.check()
+    return TrainPlan(
+        cfg=cfg,
+        record=config_to_dict(cfg),
+        layout=RunLayout(Path(cfg.out)),
+        data=data_spec(cfg),
+        model=ModelSpec(cfg.model, cfg.class_dropout),
+        optimizer=optimizer,
+        schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
+        evaluation=cfg.eval if cfg.eval.interval > 0 else None,
+    )

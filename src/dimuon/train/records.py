@@ -1,0 +1,142 @@
+"""What a training run writes into ``metrics.jsonl`` (and TensorBoard): the records and the clock that stamps them.
+
+Every record after the ``start`` record carries ``active_time_s`` (seconds spent in training steps,
+summed over the run and its resumptions) and ``wall_s`` (the run's elapsed time, without the time
+between a kill and its resume); :class:`RunClock` keeps both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dimuon.data import BatchSchedule
+from dimuon.dit import EMA
+from dimuon.dit import validation_loss as flow_validation_loss
+from dimuon.io import JsonlLog
+from dimuon.train.distributed import DistEnv, mean_over_ranks
+from dimuon.train.logger import TensorBoardLog
+
+__all__ = ["RunClock", "RunLog", "StepTimes", "Window", "train_record", "validation_record"]
+
+
+@dataclass
+class RunClock:
+    """Active training time and wall time of a run across its resumptions (the ``progress`` a checkpoint keeps)."""
+
+    active_s: float = 0.0
+    wall_before_s: float = 0.0  # wall time of the sessions before this one
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def resumed(cls, progress: dict[str, float]) -> RunClock:
+        """The clock of a run continuing from a checkpoint's ``progress``."""
+        return cls(float(progress.get("active_time_s", 0.0)), float(progress.get("wall_time_s", 0.0)))
+
+    def restart(self) -> None:
+        """This session's wall time counts from now (set-up and resuming are not the run's time)."""
+        self.started = time.perf_counter()
+
+    def wall(self) -> float:
+        return self.wall_before_s + time.perf_counter() - self.started
+
+    def progress(self) -> dict[str, float]:
+        """The counters a checkpoint stores and a resumed run restores."""
+        return {"active_time_s": self.active_s, "wall_time_s": self.wall()}
+
+    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        return {**record, "active_time_s": round(self.active_s, 4), "wall_s": round(self.wall(), 4)}
+
+
+@dataclass
+class StepTimes:
+    """Where one training step's seconds went: data, forward/backward (with clipping), optimizer, all."""
+
+    data_s: float
+    fwd_bwd_s: float
+    opt_s: float
+    step_s: float
+
+
+@dataclass
+class Window:
+    """Sums over the steps since the last training record."""
+
+    steps: int = 0
+    loss: torch.Tensor | float = 0.0
+    grad_norm: torch.Tensor | float = 0.0
+    data_s: float = 0.0
+    fwd_bwd_s: float = 0.0
+    opt_s: float = 0.0
+    step_s: float = 0.0
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, times: StepTimes) -> None:
+        """Account one step (the loss stays a tensor: no device sync per step)."""
+        self.steps += 1
+        self.loss = self.loss + loss.detach().float()
+        self.grad_norm = self.grad_norm + grad_norm
+        self.data_s += times.data_s
+        self.fwd_bwd_s += times.fwd_bwd_s
+        self.opt_s += times.opt_s
+        self.step_s += times.step_s
+
+
+def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, env: DistEnv,
+                 comm: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The ``train`` record of a window: mean loss over its steps and the ranks, timing split, communication."""
+    n = window.steps
+    rec: dict[str, Any] = {
+        "kind": "train",
+        "step": done,
+        "epoch": round(batches.num_epochs(done), 4),
+        "lr": lr,
+        "loss": mean_over_ranks(torch.as_tensor(window.loss, dtype=torch.float32) / n, env),
+        "grad_norm": float(window.grad_norm) / n if isinstance(window.grad_norm, torch.Tensor) else None,
+        "step_ms": 1e3 * window.step_s / n,
+        "data_ms": 1e3 * window.data_s / n,
+        "fwd_bwd_ms": 1e3 * window.fwd_bwd_s / n,
+        "opt_ms": 1e3 * window.opt_s / n,
+        "samples_per_s": batches.global_batch_size * n / window.step_s,
+    }
+    rec["comm_bytes_per_step"] = sum(v["bytes"] for v in comm.values()) / n
+    rec["comm"] = {kind: {"calls": v["calls"] / n, "bytes": v["bytes"] / n} for kind, v in comm.items()}
+    return rec
+
+
+def validation_record(model: torch.nn.Module, ema: EMA, val_x: torch.Tensor, val_y: torch.Tensor,
+                      seed: int) -> dict[str, Any]:
+    """Validation loss of the training weights and of the EMA weights (same images, times and noise)."""
+    raw = flow_validation_loss(model, val_x, val_y, seed=seed)
+    with ema.swapped_into(model):
+        avg = flow_validation_loss(model, val_x, val_y, seed=seed)
+    return {
+        "kind": "val",
+        "val_loss": raw.mean,
+        "val_loss_ema": avg.mean,
+        "val_per_t": {f"{t:g}": v for t, v in raw.per_t.items()},
+        "val_per_t_ema": {f"{t:g}": v for t, v in avg.per_t.items()},
+    }
+
+
+class RunLog:
+    """The run's records: appended to ``metrics.jsonl`` and mirrored to TensorBoard, on rank 0 only."""
+
+    def __init__(self, metrics: Path, tensorboard: Path | None, enabled: bool) -> None:
+        self._jsonl = JsonlLog(metrics) if enabled else None
+        self._tb = TensorBoardLog(tensorboard) if enabled and tensorboard is not None else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(record)
+        if self._tb is not None:
+            self._tb.write(record)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
