@@ -167,21 +167,27 @@ class MuonFamily(torch.optim.Optimizer):
         if init is None:
             return
         leading = ("self", "params", "lr")
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         own = inspect.signature(init).parameters
-        options = [p for name, p in own.items() if name not in leading
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        cls._schedule_options = {**cls._schedule_options, **{p.name: p.default for p in options}}
-        for p in options:
-            MuonFamily._schedule_owners.setdefault(p.name, cls.__name__)
         core = inspect.signature(MuonFamily.__init__).parameters
-        common = [p.replace(kind=p.KEYWORD_ONLY) for name, p in core.items()
-                  if name not in (*leading, *own) and p.kind is not p.VAR_KEYWORD]
-        ordered = [*(own[name] for name in leading if name in own), *options, *common]
+        parent_init = cls.__mro__[1].__init__
+        parent = inspect.signature(parent_init).parameters
+        # Schedule options: the ones this class adds, then those it inherits (a subclass of a schedule keeps them).
+        added = [p for name, p in own.items() if name not in leading and name not in core and p.kind in kinds]
+        inherited = [parent[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                     for name in cls._schedule_options if name not in own and name in parent]
+        cls._schedule_options = {**cls._schedule_options, **{p.name: p.default for p in added}}
+        for p in added:
+            MuonFamily._schedule_owners.setdefault(p.name, cls.__name__)
+        # The core's options, keyword-only; one the subclass re-declares keeps its own default.
+        common = [own.get(name, p).replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                  for name, p in core.items() if name not in leading and p.kind is not p.VAR_KEYWORD]
+        ordered = [*(own[name] for name in leading if name in own), *added, *inherited, *common]
         try:
             own_hints = typing.get_type_hints(init)
         except NameError:  # an annotation its module cannot resolve: keep the subclass's own, as written
             own_hints = dict(init.__annotations__)
-        hints = {**typing.get_type_hints(MuonFamily.__init__), **own_hints}
+        hints = {**typing.get_type_hints(parent_init), **own_hints}
         init.__signature__ = inspect.Signature(
             [p.replace(annotation=hints.get(p.name, p.annotation)) for p in ordered], return_annotation=None
         )

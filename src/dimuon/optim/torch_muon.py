@@ -2,8 +2,10 @@
 
 The baseline as PyTorch ships it, behind the same parameter groups and the same ``build`` call as dimuon's
 optimizers, so the harness and the benchmarks can train with it side by side. One process only: on
-sharded (DTensor) parameters ``torch.optim.Muon`` would orthogonalize each rank's shard, which is MuonBP's
-block step, not Muon.
+sharded (DTensor) parameters ``torch.optim.Muon`` computes the right update, but through DTensor's generic
+operator rules, which gather and re-shard inside every Newton-Schulz product (about 3.5x the bytes of
+dimuon's ``refresh="gather"`` on FSDP2, measured by ``dimuon bench comm``); the peer rows of the
+benchmarks run it that way on purpose, the harness uses dimuon's sharded Muon instead.
 
 The two inner optimizers hold the very group dicts this optimizer lists in ``param_groups``, so a
 training loop or LR scheduler that sets ``group["lr"]`` drives both.
@@ -54,8 +56,9 @@ class TorchMuonAdamW(torch.optim.Optimizer):
             for p in _tensors(group):
                 if hasattr(p, "device_mesh"):
                     raise NotImplementedError(
-                        "torch_muon runs in one process only: on sharded (DTensor) parameters torch.optim.Muon would "
-                        "orthogonalize each shard; use 'muon' (sharded Newton-Schulz) instead"
+                        "torch_muon runs in one process only: on sharded (DTensor) parameters torch.optim.Muon "
+                        "gathers and re-shards inside every Newton-Schulz product (several times the bytes of a "
+                        "sharded refresh); use 'muon' (dimuon's sharded Newton-Schulz) instead"
                     )
         self._inner_options = {
             "muon": dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
