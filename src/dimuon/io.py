@@ -205,7 +205,7 @@ def make_grid(images: torch.Tensor, nrow: int | None = None, pad: int = 2, backg
     n, c, h, w = x.shape
     nrow = nrow or math.ceil(math.sqrt(n))
     rows = math.ceil(n / nrow)
-    grid = torch.full((c, rows * (h + pad) + pad, nrow * (w + pad) + pad), float(background))
+    grid = torch.full((c, rows * (h + pad) + pad, nrow * (w + pad) + pad), float(background), device="cpu")
     for i in range(n):
         r, col = divmod(i, nrow)
         top, left = pad + r * (h + pad), pad + col * (w + pad)

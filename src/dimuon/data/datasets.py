@@ -318,7 +318,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def get_batch(self, indices: Sequence[int] | np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
         items = [self[int(i)] for i in indices]
-        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64)
+        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64, device="cpu")
 
 
 def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
@@ -383,7 +383,8 @@ def get_batch(dataset: Any, indices: Sequence[int] | np.ndarray | Tensor) -> tup
     if hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
     items = [dataset[int(i)] for i in indices]
-    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.int64)
+    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.int64,
+                                                            device="cpu")
 
 
 def check_image_shape(dataset: Any, image_size: int, channels: int) -> None:

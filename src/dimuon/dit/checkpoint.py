@@ -181,7 +181,8 @@ def load_model_for_eval(
     """
     ckpt_dir = Path(ckpt_dir)
     meta = verify_checkpoint(ckpt_dir)
-    model = DiT(**meta["model"]["kwargs"])
+    with torch.device("cpu"):  # built where the weights are read, then moved once
+        model = DiT(**meta["model"]["kwargs"])
     which = "ema" if use_ema else "model"
     if meta["kind"] == "single":
         state = torch_load(ckpt_dir / STATE_FILE, "cpu")

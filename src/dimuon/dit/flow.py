@@ -131,11 +131,14 @@ class ValidationLoss(NamedTuple):
 
 
 def _fixed_noise(start: int, stop: int, shape: Sequence[int], seed: int) -> Tensor:
-    """Noise rows ``start:stop`` of a fixed sequence: row ``i`` depends only on ``(seed, i)``, on the CPU."""
+    """Noise rows ``start:stop`` of a fixed sequence: row ``i`` depends only on ``(seed, i)``.
+
+    Drawn on the CPU whatever the model's device, so a validation loss is comparable across devices.
+    """
     blocks = []
     for b in range(start // _NOISE_BLOCK, (stop - 1) // _NOISE_BLOCK + 1):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
-        blocks.append(torch.randn(_NOISE_BLOCK, *shape, generator=g))
+        g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + b)
+        blocks.append(torch.randn(_NOISE_BLOCK, *shape, generator=g, device="cpu"))
     noise = torch.cat(blocks)
     offset = (start // _NOISE_BLOCK) * _NOISE_BLOCK
     return noise[start - offset : stop - offset]
@@ -173,7 +176,7 @@ def validation_loss(
         raise ValueError("t_grid is empty")
     device = _model_device(model, images.device)
     n = images.shape[0]
-    sums = torch.zeros(len(t_grid), dtype=torch.float64)
+    sums = torch.zeros(len(t_grid), dtype=torch.float64, device=device)  # summed on the device: one host read
     with eval_mode(model):
         for start in range(0, n, batch_size):
             stop = min(start + batch_size, n)
@@ -184,7 +187,7 @@ def validation_loss(
                 t = torch.full((stop - start,), float(tk), device=device)
                 x_t = interpolate(x0, x1, t)
                 err = (predict_velocity(model, x_t, t, y).float() - velocity_target(x0, x1)).square()
-                sums[k] += err.sum(dtype=torch.float64).item()
+                sums[k] += err.sum(dtype=torch.float64)
     per_t = (sums / (n * math.prod(images.shape[1:]))).tolist()
     return ValidationLoss(
         mean=sum(per_t) / len(per_t), per_t=dict(zip((float(t) for t in t_grid), per_t, strict=True))

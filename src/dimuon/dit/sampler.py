@@ -25,7 +25,7 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]
 def _time_grid(steps: int, t_start: float, t_end: float) -> list[float]:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return torch.linspace(t_start, t_end, steps + 1, dtype=torch.float64).tolist()
+    return torch.linspace(t_start, t_end, steps + 1, dtype=torch.float64, device="cpu").tolist()
 
 
 def euler(velocity: VelocityFn, x: Tensor, steps: int, t_start: float = 0.0, t_end: float = 1.0) -> Tensor:

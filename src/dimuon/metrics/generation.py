@@ -72,11 +72,11 @@ class SampleSettings:
             raise ValueError(f"sample_steps must be >= 1, got {self.sample_steps}")
 
 
-def balanced_labels(n: int, num_classes: int) -> Tensor:
-    """Labels `(n,)` cycling through the classes in order, so every class gets n // num_classes or one more."""
+def balanced_labels(n: int, num_classes: int, device: str | torch.device = "cpu") -> Tensor:
+    """Labels `(n,)` on `device`, cycling through the classes in order (each gets n // num_classes or one more)."""
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    return torch.arange(n, dtype=torch.int64) % num_classes
+    return torch.arange(n, dtype=torch.int64, device=device) % num_classes
 
 
 def sample_noise(seed: int, start: int, stop: int, shape: tuple[int, ...]) -> Tensor:
@@ -88,7 +88,7 @@ def sample_noise(seed: int, start: int, stop: int, shape: tuple[int, ...]) -> Te
     rows = [
         np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32) for i in range(start, stop)
     ]
-    return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, *shape)
+    return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, *shape, device="cpu")
 
 
 def iter_samples(
@@ -113,14 +113,14 @@ def iter_samples(
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:
         raise ValueError(f"sample range [{start}, {stop}) is not inside [0, {n})")
-    labels = balanced_labels(n, num_classes)
+    labels = balanced_labels(n, num_classes, device)
     with tqdm(total=stop - start, desc="sampling", unit="img", disable=not progress, leave=False) as bar:
         for first in range(start, stop, batch_size):
             last = min(first + batch_size, stop)
             noise = sample_noise(settings.seed, first, last, tuple(image_shape)).to(device)
             x = sample(
                 model,
-                labels[first:last].to(device),
+                labels[first:last],
                 image_shape,
                 steps=settings.sample_steps,
                 method=settings.sampler,  # type: ignore[arg-type]
@@ -371,7 +371,7 @@ class GenerationEvaluator:
         t0 = time.perf_counter()
         feats = extract_features(self.extractor, batches(), batch_size=self.batch_size, progress=False)
         features_s = time.perf_counter() - t0 - sample_s
-        images = torch.cat(kept) if kept else torch.empty(0, *self.image_shape)
+        images = torch.cat(kept) if kept else torch.empty(0, *self.image_shape, device="cpu")
         return feats, images, {"sample_s": sample_s, "features_s": features_s}
 
     def scores(self, fake: Tensor, timings: dict[str, float]) -> dict[str, Any]:
@@ -409,6 +409,7 @@ class GenerationEvaluator:
         name, kwargs = self.train_split
         train = build_dataset(name, split="train", **kwargs)
         n = min(num or self.settings.num_samples, len(train))
-        idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:n].sort().values
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        idx = torch.randperm(len(train), generator=gen, device="cpu")[:n].sort().values
         images, _ = get_batch(train, idx.numpy())
         return self.score(images.float())

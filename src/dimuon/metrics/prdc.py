@@ -38,13 +38,13 @@ def knn_sq_radii(
     """Squared distance of every row of `x` to its k-th nearest other row, for each k in `ks`."""
     n = x.shape[0]
     sq = (x * x).sum(dim=1)
-    out = {k: torch.empty(n, dtype=x.dtype) for k in ks}
+    out = {k: torch.empty(n, dtype=x.dtype, device=x.device) for k in ks}
     kmax = max(ks)
     for rows in _row_chunks(n, n, chunk_bytes):
         d2 = _sq_dists(x[rows], sq[rows], x, sq)  # (c, n)
         # Mark each row's distance to itself below every other, so the (k+1)-th smallest is the k-th nearest
         # *other* point (exact duplicates of the row still count as neighbours at distance zero).
-        own = torch.arange(rows.start, rows.stop)
+        own = torch.arange(rows.start, rows.stop, device=x.device)
         d2[own - rows.start, own] = -1.0
         smallest = torch.topk(d2, kmax + 1, dim=1, largest=False, sorted=True).values  # (c, kmax+1)
         for k in ks:
@@ -88,10 +88,10 @@ def prdc(
     fake_radii_pr = knn_sq_radii(f, (k_pr,), chunk_bytes)[k_pr]
     r_sq, f_sq = (r * r).sum(dim=1), (f * f).sum(dim=1)
 
-    fake_in_real_manifold = torch.zeros(m, dtype=torch.bool)  # precision: inside some real k_pr-ball
+    fake_in_real_manifold = torch.zeros(m, dtype=torch.bool, device=f.device)  # precision: inside some real k_pr-ball
     ball_hits = 0  # density: (real k_dc-ball, fake point inside it) pairs
-    real_in_fake_manifold = torch.zeros(n, dtype=torch.bool)  # recall: inside some fake k_pr-ball
-    real_covered = torch.zeros(n, dtype=torch.bool)  # coverage: its k_dc-ball holds some fake point
+    real_in_fake_manifold = torch.zeros(n, dtype=torch.bool, device=r.device)  # recall: inside some fake k_pr-ball
+    real_covered = torch.zeros(n, dtype=torch.bool, device=r.device)  # coverage: its k_dc-ball holds some fake point
     for rows in _row_chunks(n, m, chunk_bytes):
         d2 = _sq_dists(r[rows], r_sq[rows], f, f_sq)  # (c, m): real rows against all fake points
         rad_pr = real_radii[k_pr][rows, None]  # (c, 1)

@@ -51,8 +51,12 @@ def setup(device: str = "auto", threads: int | None = None) -> DistEnv:
     dev = _pick_device(device, local_rank)
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
+            # The current device first: NCCL, object collectives and barriers use it. device_id binds the
+            # group to it (the communicator forms now, so a broken NCCL set-up fails here, not mid-step).
             torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
     if dist.is_initialized():
         return DistEnv(rank=dist.get_rank(), world=dist.get_world_size(), device=dev)
     return DistEnv(rank=0, world=1, device=dev)

@@ -87,7 +87,11 @@ class TrainingEvaluator:
         """Evaluate the current weights on every rank; returns the recorded entry (on every rank)."""
         env, start = self.env, time.perf_counter()
         with _rng_untouched(env.device), torch.no_grad():
-            replica = DiT(**self.model_kwargs).to(env.device)
+            # Built on the host as the trained model and `dimuon eval`'s are (the same fixed position table
+            # to the last bit, so both evaluations of a step agree exactly), then moved.
+            with torch.device("cpu"):
+                replica = DiT(**self.model_kwargs)
+            replica.to(env.device)
             replica.load_state_dict(full_weights(model, ema if self.settings.ema else None))
             replica.eval()
             lo, hi = rank_slice(self.settings.num_samples, env.rank, env.world)

@@ -94,7 +94,7 @@ def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, e
         "step": done,
         "epoch": round(batches.num_epochs(done), 4),
         "lr": lr,
-        "loss": mean_over_ranks(torch.as_tensor(window.loss, dtype=torch.float32) / n, env),
+        "loss": mean_over_ranks(torch.as_tensor(window.loss, dtype=torch.float32, device=env.device) / n, env),
         "grad_norm": float(window.grad_norm) / n if isinstance(window.grad_norm, torch.Tensor) else None,
         "step_ms": 1e3 * window.step_s / n,
         "data_ms": 1e3 * window.data_s / n,

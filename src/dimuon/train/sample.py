@@ -56,7 +56,7 @@ def run(cfg: SampleConfig) -> torch.Tensor:
                           else "cpu")
     model, info = load_model_for_eval(find_checkpoint(cfg.ckpt), use_ema=not cfg.raw, map_location=device)
     num_classes = int(info["num_classes"])
-    base = torch.tensor(cfg.labels if cfg.labels else range(num_classes), dtype=torch.long)
+    base = torch.tensor(cfg.labels if cfg.labels else range(num_classes), dtype=torch.long, device="cpu")
     if base.min() < 0 or base.max() >= num_classes:
         raise ValueError(f"--labels must lie in [0, {num_classes}), got {cfg.labels}")
     labels = base.repeat(-(-cfg.n // len(base)))[: cfg.n].to(device)
