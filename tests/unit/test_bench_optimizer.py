@@ -35,7 +35,11 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     assert not dtensor_muon["runnable"] and dtensor_muon["reason"].startswith("cannot run here: ")
     for name, r in record["optimizers"].items():
         assert r["median_ms"] > 0 and r["min_ms"] > 0, name
-        assert r["ratio_to_adamw"] > 0 and r["ratio_to_reference"] > 0, name
+        assert r["ratio_to_adamw"] > 0 and r["ratio_to_reference"] > 0 and r["ratio_to_muon"] > 0, name
+        assert r["first_ms"] is None, name  # --warmup 0: no first step apart
+    assert record["optimizers"]["muon"]["ratio_to_muon"] == 1.0
+    assert record["optimizers"]["muon_compiled"]["label"] == "dimuon Muon (standard NS, compiled)"
+    assert record["ns_flop_rate"]["dtype"] == "float32" and record["machine"]["gpu"] is None
     assert record["optimizers"]["periodic_row_muon"]["calls_per_sample"] == 3
     assert record["optimizers"]["muon_bp"]["calls_per_sample"] == 5
     for algorithm in linalg.NS_ALGORITHMS:
@@ -53,8 +57,8 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
 
 def test_skip_and_per_optimizer_repeats(tmp_path):
     out = tmp_path / "o.json"
-    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "--repeats-of", "muon=2", "--no-ns-rate", "--out", str(out),
-            *PEERS_HERE]
+    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "muon_compiled", "--repeats-of", "muon=2", "--no-ns-rate",
+            "--out", str(out), *PEERS_HERE]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert "torch_muon" not in record["optimizers"] and "adamw_fused" not in record["optimizers"]
@@ -74,8 +78,8 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
     monkeypatch.setitem(PEERS, "ghost", _peer("ghost", "dimuon-no-such-package", None))
     monkeypatch.setitem(PEERS, "failing", _peer("failing", "torch", lambda mod, muon, rest, lr: Failing()))
     out = tmp_path / "o.json"
-    argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_bf16", "muon_bp", "periodic_row_muon", "reference_muon",
-            "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out", str(out)]
+    argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_compiled", "muon_bf16", "muon_bp", "periodic_row_muon",
+            "reference_muon", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out", str(out)]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert set(record["optimizers"]) == {"adamw_foreach", "muon", "torch_muon"}
@@ -87,7 +91,7 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
 
 def test_no_peers_and_bad_peer_names(tmp_path, capsys):
     out = tmp_path / "o.json"
-    assert bench.main([*TINY, "--no-peers", "--skip", "muon_gram", "--no-ns-rate", "--out", str(out)]) == 0
+    assert bench.main([*TINY, "--no-peers", "--skip", "muon_gram", "muon_compiled", "--no-ns-rate", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["peers"] == {} and not any(r["peer"] for r in record["optimizers"].values())
     assert bench.main(["--peers", "sgd"]) == 2
@@ -152,3 +156,30 @@ def test_report_helpers(tmp_path):
     assert format_markdown_table(["name", "ms"], [["muon", 1.5]]).splitlines() == [
         "| name | ms |", "| --- | ---: |", "| muon | 1.5 |"
     ]
+
+
+def test_the_first_warm_up_sample_is_kept_apart_and_sync_brackets_every_sample():
+    events: list[str] = []
+    cands = [Candidate("a", lambda: events.append("a"), repeats=2, warmup=2)]
+    timings = interleave(cands, progress=False, sync=lambda: events.append("sync"))
+    assert events == ["sync", "a", "sync"] * 4  # 2 warm-up samples, then 2 timed ones
+    assert timings["a"].first is not None and timings["a"].to_dict()["first_ms"] == 1e3 * timings["a"].first
+    assert len(timings["a"].samples) == 2
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--device", "cuda", "--no-progress"]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_every_row_runs_in_bf16_with_the_gpu_recorded(tmp_path):
+    out = tmp_path / "o.json"
+    assert bench.main([*TINY, "--device", "cuda", "--warmup", "1", "--peers", "torch_muon", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["optimizers"]) == {*bench.OPTIMIZERS, "torch_muon"}
+    assert record["optimizers"]["muon"]["ns_dtype"] == "bfloat16" and record["ns_flop_rate"]["dtype"] == "bfloat16"
+    assert all(r["first_ms"] > 0 for r in record["optimizers"].values())
+    assert record["machine"]["gpu"]["name"] and record["machine"]["gpu"]["cuda"]

@@ -50,7 +50,7 @@ from dimuon.bench.peers import (
     start_peer,
 )
 from dimuon.bench.report import format_table, machine_info
-from dimuon.bench.timing import Candidate, interleave
+from dimuon.bench.timing import Candidate, interleave, synchronizer
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, build, linalg, param_groups
@@ -202,27 +202,24 @@ def make_optimizer(cfg: Config, key: str, model: nn.Module) -> torch.optim.Optim
     return build(v.name, model, **opts)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_period(opt: Any, period: int, device: torch.device, log: list[dict[str, Any]],
                  snapshot: GradientSnapshot, counter: CallCounter, own: bool = True) -> Callable[[], None]:
     """One whole period of ``opt``: per step the saved gradients back and a barrier, then ``step()`` timed,
     with the call-boundary count (``counter``) and, if ``own``, the optimizer's own counters (None else)."""
 
+    sync = synchronizer(device)
+
     def run() -> None:
         for _ in range(period):
             snapshot.restore()
-            _sync(device)
+            sync()
             dist.barrier()
             if hasattr(opt, "reset_comm_stats"):
                 opt.reset_comm_stats()
             counter.reset()
             start = time.perf_counter()
             opt.step()
-            _sync(device)
+            sync()
             elapsed = time.perf_counter() - start
             boundary = counter.stats()
             stats = None

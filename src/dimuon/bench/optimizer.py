@@ -1,15 +1,17 @@
 """``dimuon bench optimizer``: the time of one optimizer step on the parameter shapes of a DiT.
 
-Builds a registry DiT (optionally with fewer blocks), gives every parameter a seeded random
-gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
+Builds a registry DiT (optionally with fewer blocks) on ``--device``, gives every parameter a seeded
+random gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
 ``opt.step()`` for AdamW (foreach and fused), the fp32 per-tensor reference Muon, dimuon's Muon
-(standard and Gram Newton-Schulz, and standard in bf16), PeriodicRowMuon and MuonBP, and for the
-peers (other installable Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``,
+(standard and Gram Newton-Schulz, compiled with ``ns_compile=True``, and standard in bf16),
+PeriodicRowMuon and MuonBP, and for the peers (other installable Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``,
 muon-fsdp2, dtensor-muon, heavyball) built over the same matrices; a peer that cannot run here gets
 a row that says why. Every sample starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
 step. A second part measures the FLOP rate of the batched Newton-Schulz iteration on the model's
-stacked Muon shapes against bare ``torch.bmm`` calls of the same products. Prints tables and writes
-a JSON record.
+stacked Muon shapes against bare ``torch.bmm`` calls of the same products, in the dtype Newton-Schulz
+computes in on the device (fp32 on a CPU, bf16 on a GPU). On a GPU every sample is bracketed by
+``torch.cuda.synchronize``; each optimizer's first (warm-up) step, which holds state allocation and,
+for the compiled row, compilation, is reported apart. Prints tables and writes a JSON record.
 
 Run ``dimuon bench optimizer --help`` (or ``python -m dimuon.bench.optimizer --help``).
 """
@@ -22,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import tyro
@@ -39,8 +41,8 @@ from dimuon.bench.peers import (
     start_peer,
 )
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
-from dimuon.bench.report import format_markdown_table, format_table, load_average, machine_info
-from dimuon.bench.timing import Candidate, Timing, interleave
+from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info
+from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
 from dimuon.optim import build, linalg, param_groups
@@ -54,12 +56,14 @@ OPTIMIZERS: dict[str, str] = {
     "reference_muon": "reference Muon (fp32, per tensor) + AdamW",
     "muon": "dimuon Muon (standard NS)",
     "muon_gram": "dimuon Muon (Gram NS)",
+    "muon_compiled": "dimuon Muon (standard NS, compiled)",
     "muon_bf16": "dimuon Muon (standard NS in bf16)",
     "periodic_row_muon": "dimuon PeriodicRowMuon",
     "muon_bp": "dimuon MuonBP",
 }
 BASELINE = "adamw_foreach"
 REFERENCE = "reference_muon"
+MUON = "muon"
 
 
 @dataclass
@@ -67,7 +71,9 @@ class Config:
     """Time one optimizer step on DiT parameter shapes and the Newton-Schulz FLOP rate."""
 
     model: str = "DiT-S/2"
-    """Registry name of the DiT whose parameter shapes are used (e.g. DiT-S/2, DiT-B/2)."""
+    """Registry name of the DiT whose parameter shapes are used (e.g. DiT-S/2, DiT-B/2, DiT-XL/2)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where parameters, gradients and optimizer state live (cuda: the current GPU, bf16 Newton-Schulz)."""
     depth: Annotated[int | None, tyro.conf.arg(aliases=("--blocks",))] = None
     """Number of transformer blocks (default: the registry's; 2 for a quick run)."""
     hidden_size: int | None = None
@@ -134,16 +140,18 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, int]:
 
 
 def build_model(cfg: Config) -> DiT:
-    """The registry DiT with the requested overrides, with seeded random gradients on every parameter."""
+    """The registry DiT with the requested overrides on ``cfg.device``, with seeded random gradients on every
+    parameter (built and drawn on the device itself: no host copy of a large model)."""
     arch = dit_arch(cfg.model)
     for key in ("depth", "hidden_size", "num_heads"):
         if getattr(cfg, key) is not None:
             arch[key] = getattr(cfg, key)
     torch.manual_seed(cfg.seed)
-    model = DiT(**arch, input_size=cfg.input_size, num_classes=cfg.num_classes)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    with torch.device(cfg.device):
+        model = DiT(**arch, input_size=cfg.input_size, num_classes=cfg.num_classes)
+    gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 1)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype, device=cfg.device)
     return model
 
 
@@ -186,6 +194,8 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
             steps[name] = (build("muon", model, lr=cfg.lr).step, 1)
         elif name == "muon_gram":
             steps[name] = (build("muon", model, lr=cfg.lr, ns_algorithm="gram").step, 1)
+        elif name == "muon_compiled":  # its first step compiles (reported apart as the first step)
+            steps[name] = (build("muon", model, lr=cfg.lr, ns_compile=True).step, 1)
         elif name == "muon_bf16":  # the Newton-Schulz dtype the peers hard-code, for a like-for-like row
             steps[name] = (build("muon", model, lr=cfg.lr, ns_dtype=torch.bfloat16).step, 1)
         elif name == "periodic_row_muon":
@@ -205,22 +215,22 @@ def make_peer_steps(cfg: Config, model: nn.Module, names: Sequence[str], snapsho
     steps: dict[str, tuple[Callable[[], None], int]] = {}
     statuses: dict[str, PeerStatus] = {}
     for name in names:
-        opt, status, error = start_peer(name, muon_params, rest, cfg.lr, snapshot, "cpu", "local")
+        opt, status, error = start_peer(name, muon_params, rest, cfg.lr, snapshot, cfg.device, "local")
         if opt is not None:
             steps[name] = (opt.step, 1)
         statuses[name] = status.failed(error) if error else status
     return steps, statuses
 
 
-def identity(name: str) -> tuple[str, str]:
-    """(package and version, Newton-Schulz dtype) of one of dimuon's or the baselines' rows."""
+def identity(name: str, device: torch.device | str = "cpu") -> tuple[str, str]:
+    """(package and version, Newton-Schulz dtype) of one of dimuon's or the baselines' rows on ``device``."""
     if name.startswith("adamw"):
         return f"torch {torch.__version__}", "-"
     if name == REFERENCE:
         return f"dimuon {dimuon.__version__}", "float32"
     if name == "muon_bf16":
         return f"dimuon {dimuon.__version__}", "bfloat16"
-    return f"dimuon {dimuon.__version__}", str(linalg.default_ns_dtype(torch.device("cpu"))).removeprefix("torch.")
+    return f"dimuon {dimuon.__version__}", str(linalg.default_ns_dtype(torch.device(device))).removeprefix("torch.")
 
 
 def label(cfg: Config, name: str) -> str:
@@ -238,30 +248,37 @@ def label(cfg: Config, name: str) -> str:
 
 
 def _bmm_operands(batch: int, product: tuple[int, int, int], wide: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Operands and output buffer of one bare batched product, laid out as the NS iteration has them."""
+    """Operands and output buffer of one bare batched product, laid out as the NS iteration has them (on
+    ``wide``'s device, in its dtype)."""
     m, k, n = product
     _, r, c = wide.shape
+    like = {"dtype": wide.dtype, "device": wide.device}
     if (m, k, n) == (r, c, r):  # X X^T reads X twice, the second time transposed
         a, bb = wide, wide.mT
     elif (m, k, n) == (r, r, c):  # (r, r) @ X
-        a, bb = torch.randn(batch, r, r), wide
+        a, bb = torch.randn(batch, r, r, **like), wide
     else:  # (r, r) @ (r, r)
-        a, bb = torch.randn(batch, m, k), torch.randn(batch, k, n)
-    return a, bb, torch.empty(batch, m, n)
+        a, bb = torch.randn(batch, m, k, **like), torch.randn(batch, k, n, **like)
+    return a, bb, torch.empty(batch, m, n, **like)
 
 
 def measure_ns_rate(
-    batches: Sequence[tuple[int, int, int]], repeats: int, progress: bool, seed: int
+    batches: Sequence[tuple[int, int, int]], repeats: int, progress: bool, seed: int,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """Achieved FLOP/s of ``newton_schulz`` (standard and Gram) vs bare ``torch.bmm`` of its products.
 
     FLOPs are those of the products the iteration issues (``linalg.newton_schulz_products``): per
     standard step on a wide ``(r, c)`` matrix ``2 r^2 c`` (Gram) + ``2 r^3`` (polynomial) +
     ``2 r^2 c`` (update). The bmm time of an algorithm on a stack is the sum of the median times of
-    its products issued as bare ``torch.bmm(..., out=...)`` calls on operands of the same shapes.
+    its products issued as bare ``torch.bmm(..., out=...)`` calls on operands of the same shapes. Both
+    run in the dtype Newton-Schulz computes in on ``device`` (``linalg.default_ns_dtype``: fp32 on a
+    CPU, bf16 on a GPU), so the rate is held against the device's own matmul rate in that dtype.
     """
-    gen = torch.Generator().manual_seed(seed)
-    inputs = {shape: torch.randn(shape, generator=gen) for shape in batches}
+    device = torch.device(device)
+    dtype = linalg.default_ns_dtype(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs = {shape: torch.randn(shape, generator=gen, device=device, dtype=dtype) for shape in batches}
     candidates: list[Candidate] = []
     for shape, x in inputs.items():
         for algorithm in linalg.NS_ALGORITHMS:
@@ -276,8 +293,8 @@ def measure_ns_rate(
                 Candidate(f"bmm/{product}/{shape}", lambda a=a, b=b, out=out: torch.bmm(a, b, out=out),
                           repeats=repeats)
             )
-    timings = interleave(candidates, progress=progress, desc="NS FLOP rate")
-    result: dict[str, Any] = {}
+    timings = interleave(candidates, progress=progress, desc="NS FLOP rate", sync=synchronizer(device))
+    result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch.")}
     for algorithm in linalg.NS_ALGORITHMS:
         rows, total_flops, total_ns, total_mm = [], 0.0, 0.0, 0.0
         for shape in batches:
@@ -308,32 +325,42 @@ def measure_ns_rate(
     return result
 
 
+def ns_algorithms(ns: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-algorithm results of :func:`measure_ns_rate` (without its ``dtype`` entry)."""
+    return {k: v for k, v in ns.items() if k in linalg.NS_ALGORITHMS}
+
+
 # ----------------------------------------------------------------------------------- reporting
 
 
 def summarize(cfg: Config, timings: dict[str, Timing], peers: dict[str, PeerStatus] | None = None,
               cpu_flags: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Per optimizer: times (ms per step), ratios to AdamW (foreach) and to the reference Muon, package
-    version and Newton-Schulz dtype (with a word on bf16 on this CPU)."""
+    """Per optimizer: times (ms per step), ratios to AdamW (foreach), to the reference Muon and to dimuon's
+    Muon, package version and Newton-Schulz dtype (with a word on bf16 on this CPU)."""
     peers = peers or {}
-    base = timings[BASELINE].median if BASELINE in timings else None
-    ref = timings[REFERENCE].median if REFERENCE in timings else None
+
+    def median(name: str) -> float | None:
+        return timings[name].median if name in timings else None
+
+    base, ref, muon = median(BASELINE), median(REFERENCE), median(MUON)
+    device_type = torch.device(cfg.device).type
     out = {}
     for name, t in timings.items():
         if name in peers:
             status = peers[name]
             version, ns_dtype = f"{status.package} {status.version}", status.ns_dtype
         else:
-            version, ns_dtype = identity(name)
+            version, ns_dtype = identity(name, cfg.device)
         out[name] = {
             "label": label(cfg, name),
             "peer": name in peers,
             "version": version,
             "ns_dtype": ns_dtype,
-            "note": bf16_note(cpu_flags) if ns_dtype == "bfloat16" else "",
+            "note": bf16_note(cpu_flags, device_type) if ns_dtype == "bfloat16" else "",
             **t.to_dict(),
             "ratio_to_adamw": t.median / base if base else None,
             "ratio_to_reference": t.median / ref if ref else None,
+            "ratio_to_muon": t.median / muon if muon else None,
         }
     return out
 
@@ -366,11 +393,13 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     """The human-readable report (plain text, or Markdown for docs): step times, NS FLOP rate, targets."""
     table = format_markdown_table if markdown else format_table
     m, machine = record["model"], record["machine"]
+    gpu = machine.get("gpu")
+    where = (f"{gpu['name']} (driver {gpu['driver']}, CUDA {gpu['cuda']})" if gpu else
+             f"{machine['torch_threads']} thread{'' if machine['torch_threads'] == 1 else 's'}, {machine['cpu_model']}")
     lines = [
         f"{m['name']} with {m['depth']} blocks (hidden {m['hidden_size']}): {m['params'] / 1e6:.1f}M parameters, "
         f"{m['muon_params'] / 1e6:.1f}M in {m['muon_matrices']} Muon matrices; "
-        f"torch {machine['torch']}, {machine['torch_threads']} thread{'' if machine['torch_threads'] == 1 else 's'}, "
-        f"{machine['cpu_model']}; "
+        f"torch {machine['torch']}, {where}; "
         f"load average {machine.get('load_average_at_start')} at start, {machine.get('load_average')} at end",
         "",
     ]
@@ -385,29 +414,35 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
             f"{r['repeats']}x{r['calls_per_sample']}",
             _fmt(r["ratio_to_adamw"], ".2f"),
             _fmt(r["ratio_to_reference"], ".2f"),
+            _fmt(r.get("ratio_to_muon"), ".2f"),
+            _fmt(r.get("first_ms"), ".0f"),
             r.get("note", ""),
         ])
     for p in record.get("peers", {}).values():
         if not p["runnable"]:
-            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], "-", "-", "-", "-", "-",
+            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], *["-"] * 7,
                          p["reason"]])
     lines.append(table(
         ["optimizer", "version", "NS dtype", "ms/step (median)", "min", "samples x steps", "x AdamW", "x reference",
-         "note"], rows, right=[False, False, False, True, True, True, True, True, False],
+         "x Muon", "first ms", "note"], rows, right=[False, False, False, *[True] * 7, False],
     ))
+    lines += ["", "first ms: the first (warm-up) sample, per step: state allocation and, compiled, the compilation."]
     ns = record.get("ns_flop_rate")
     if ns:
-        lines += ["", "Newton-Schulz (5 quintic steps, fp32) on the stacked Muon shapes vs bare torch.bmm:", ""]
+        tera = gpu is not None  # GPU rates read better in TFLOP/s
+        unit, scale = ("TFLOP/s", 1e-3) if tera else ("GFLOP/s", 1.0)
+        lines += ["", f"Newton-Schulz (5 quintic steps, {ns.get('dtype', 'float32')}) on the stacked Muon shapes "
+                      f"vs bare torch.bmm in the same dtype:", ""]
         rows = []
-        for algorithm, res in ns.items():
+        for algorithm, res in ns_algorithms(ns).items():
             for b in res["per_batch"]:
                 form = "gram" if b["uses_gram"] else "standard"
-                rows.append([algorithm, "x".join(map(str, b["batch"])), form, f"{b['gflop']:.1f}", f"{b['ns_ms']:.1f}",
-                             f"{b['ns_gflops']:.1f}", f"{b['bmm_gflops']:.1f}", f"{b['ratio']:.2f}"])
-            rows.append([algorithm, "total", "", f"{res['gflop']:.1f}", f"{res['ns_ms']:.1f}",
-                         f"{res['ns_gflops']:.1f}", f"{res['bmm_gflops']:.1f}", f"{res['ratio']:.2f}"])
+                rows.append([algorithm, "x".join(map(str, b["batch"])), form, f"{b['gflop']:.1f}", f"{b['ns_ms']:.2f}",
+                             f"{b['ns_gflops'] * scale:.1f}", f"{b['bmm_gflops'] * scale:.1f}", f"{b['ratio']:.2f}"])
+            rows.append([algorithm, "total", "", f"{res['gflop']:.1f}", f"{res['ns_ms']:.2f}",
+                         f"{res['ns_gflops'] * scale:.1f}", f"{res['bmm_gflops'] * scale:.1f}", f"{res['ratio']:.2f}"])
         lines.append(table(
-            ["ns_algorithm", "stack BxRxC", "form", "GFLOP", "ms", "GFLOP/s", "bmm GFLOP/s", "NS/bmm rate"], rows,
+            ["ns_algorithm", "stack BxRxC", "form", "GFLOP", "ms", unit, f"bmm {unit}", "NS/bmm rate"], rows,
             right=[False, False, False, True, True, True, True, True],
         ))
     lines += ["", "Targets:", ""]
@@ -433,6 +468,8 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def check_config(cfg: Config) -> None:
     """One clear error per bad flag, before anything is built."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available here (choose --device cpu)")
     unknown = set(cfg.skip) - set(OPTIMIZERS) - set(PEERS)
     if unknown:
         raise ValueError(f"--skip got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
@@ -458,15 +495,15 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
                   calls=calls, setup=snapshot.restore)
         for name, (fn, calls) in {**steps, **peer_steps}.items()
     ]
-    timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps")
+    timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps", sync=synchronizer(cfg.device))
     muon_params, _ = muon_and_rest(model)
     batches = engine_batches(model)
     optimizers = summarize(cfg, timings, peers, machine["cpu_flags"])
-    ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed) if cfg.ns_rate else None
+    ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed, cfg.device) if cfg.ns_rate else None
     arch = dit_arch(cfg.model)
     record: dict[str, Any] = {
         "benchmark": "optimizer",
-        "machine": {**machine_info(argv), "load_average_at_start": load_at_start},
+        "machine": {**machine_info(argv), "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
         "peers": {name: status.to_dict() for name, status in peers.items()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "model": {

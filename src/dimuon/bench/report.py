@@ -6,6 +6,8 @@ import datetime
 import os
 import platform
 import shlex
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +50,39 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version ``nvidia-smi`` reports (torch does not expose it), None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+def gpu_info(device: torch.device | str = "cuda") -> dict[str, Any] | None:
+    """The GPU a CUDA number was measured on: name, memory, capability, driver, CUDA, cuDNN and NCCL versions."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    return {
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "count": torch.cuda.device_count(),
+        "driver": nvidia_driver(),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    }
 
 
 def machine_info(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -3,6 +3,10 @@
 On a shared or throttling machine the load drifts during a run. Taking one sample of every
 candidate per round (instead of all samples of one candidate, then the next) spreads that drift
 over all of them, so the ratios between candidates stay meaningful even when absolute times wander.
+
+On a GPU the host only queues kernels: a sample starts and ends with ``torch.cuda.synchronize``
+(:func:`synchronizer`), so it measures the work done, launch overhead included, as a training step
+experiences it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 
@@ -35,10 +40,11 @@ class Candidate:
 
 @dataclass
 class Timing:
-    """Samples of one candidate, in seconds per call."""
+    """Samples of one candidate, in seconds per call; ``first`` is its first (warm-up) sample, if it had one."""
 
     samples: list[float] = field(default_factory=list)
     calls: int = 1
+    first: float | None = None
 
     @property
     def median(self) -> float:
@@ -61,21 +67,37 @@ class Timing:
             "repeats": len(self.samples),
             "calls_per_sample": self.calls,
             "samples_ms": [1e3 * s for s in self.samples],
+            "first_ms": None if self.first is None else 1e3 * self.first,
         }
 
 
-def time_calls(fn: Callable[[], Any], calls: int = 1) -> float:
-    """Seconds per call of ``calls`` back-to-back calls of ``fn`` (``time.perf_counter``)."""
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """What waits for a device's queued work: ``torch.cuda.synchronize`` on a GPU, nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def time_calls(fn: Callable[[], Any], calls: int = 1, sync: Callable[[], None] | None = None) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn`` (``time.perf_counter``), between two ``sync``."""
+    if sync is not None:
+        sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if sync is not None:
+        sync()
     return (time.perf_counter() - start) / calls
 
 
-def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing") -> dict[str, Timing]:
+def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing",
+               sync: Callable[[], None] | None = None) -> dict[str, Timing]:
     """Warm every candidate up, then sample them round-robin; returns a :class:`Timing` per name.
 
-    Candidates with fewer repeats than others take their samples in the first rounds.
+    Candidates with fewer repeats than others take their samples in the first rounds. ``sync`` waits for
+    the device before and after every sample (see :func:`synchronizer`). The first warm-up sample is kept
+    apart (``Timing.first``): it holds one-off costs such as state allocation and compilation.
     """
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
@@ -88,10 +110,12 @@ def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str
     with tqdm(total=total, desc=desc, unit="call", disable=not progress, leave=False) as bar:
         for c in candidates:
             bar.set_postfix_str(f"{c.name} (warm-up)")
-            for _ in range(c.warmup):
+            for i in range(c.warmup):
                 if c.setup is not None:
                     c.setup()
-                time_calls(c.fn, c.calls)
+                elapsed = time_calls(c.fn, c.calls, sync)
+                if i == 0:
+                    results[c.name].first = elapsed
                 bar.update(c.calls)
         for round_ in range(max(c.repeats for c in candidates)):
             for c in candidates:
@@ -99,6 +123,6 @@ def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str
                     bar.set_postfix_str(c.name)
                     if c.setup is not None:
                         c.setup()
-                    results[c.name].samples.append(time_calls(c.fn, c.calls))
+                    results[c.name].samples.append(time_calls(c.fn, c.calls, sync))
                     bar.update(c.calls)
     return results
