@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",
     "comm": "dimuon.bench.comm",
     "quality": "dimuon.bench.quality",
+    "gpu": "dimuon.bench.gpu",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -31,6 +32,7 @@ commands:
   bench optimizer    optimizer step time on DiT parameter shapes
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid
+  bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
 'dimuon <command> --help' lists each command's options."""
 

@@ -10,9 +10,11 @@ its own, and tests can replace ``launch`` with fabricated runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -150,8 +152,12 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def launch(cmd: Sequence[str], log_path: Path, threads: int | None) -> int:
-    """Run one command with its output appended to ``log_path`` (after a ``$ command`` line); its exit status."""
+def launch(cmd: Sequence[str], log_path: Path, threads: int | None, timeout_s: float | None = None) -> int:
+    """Run one command with its output appended to ``log_path`` (after a ``$ command`` line); its exit status.
+
+    With ``timeout_s`` the command runs in its own process group, which is killed (the command and every
+    process it started) once that many seconds have passed; then ``subprocess.TimeoutExpired`` is raised.
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -159,7 +165,16 @@ def launch(cmd: Sequence[str], log_path: Path, threads: int | None) -> int:
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        return subprocess.run(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        if timeout_s is None:
+            return subprocess.run(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except BaseException:  # the time is up, or this process is interrupted: the group goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
 
 
 def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:

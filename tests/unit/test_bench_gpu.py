@@ -1,0 +1,85 @@
+"""The GPU check, dry-run on the CPU (every part on tiny sizes), so that it works the day a GPU is at hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dimuon.bench import gpu
+from dimuon.bench.optimizer import OPTIMIZERS
+from dimuon.cli import main as cli_main
+
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict]:
+    out = tmp_path / "gpu-check.json"
+    code = cli_main(["bench", "gpu", "--device", "cpu", "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
+                     "--tests", TESTS, *flags])
+    return code, json.loads(out.read_text())
+
+
+def test_the_dry_run_runs_every_part_and_records_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, record = dry_run(tmp_path)
+    assert code == 0, {name: (p["status"], p["tail"]) for name, p in record["parts"].items()}
+    parts = record["parts"]
+    assert {name: p["status"] for name, p in parts.items()} == {"tests": "ok", "bench": "ok", "train": "ok"}
+    assert all(0 < p["seconds"] <= p["budget_s"] for p in parts.values())
+    tests = parts["tests"]["results"]  # the CUDA-marked tests were collected and skip themselves here
+    assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == tests["passed"] == 0
+    bench = parts["bench"]["results"]
+    assert set(bench["optimizers"]) == {*OPTIMIZERS, "torch_muon"} - {"muon_compiled"}  # compiling: CPU only
+    assert bench["config"]["device"] == "cpu" and bench["ns_flop_rate"]["dtype"] == "float32"
+    train = parts["train"]["results"]
+    assert train["steps"] == 4 and train["device"] == "cpu" and train["steps_per_s"] > 0
+    assert 0 < train["opt_ms"] < train["step_ms"] and 0 < train["fwd_bwd_ms"] < train["step_ms"]
+    machine = record["machine"]
+    assert machine["torch"] == torch.__version__ and machine["cpu_model"] and machine["gpu"] is None
+    printed = capsys.readouterr().out
+    assert record["readme"] in printed and "| dimuon PeriodicRowMuon K=3 (per step) |" in printed
+    assert "| training (demo task, bf16 autocast) |" in printed and "CUDA-marked tests: ok" in printed
+
+
+def test_a_part_over_its_budget_is_recorded_and_the_others_still_run(tmp_path: Path, capsys) -> None:
+    code, record = dry_run(tmp_path, "--parts", "tests", "train", "--tests-budget-s", "0.5")
+    parts = record["parts"]
+    assert code == 1
+    assert (parts["tests"]["status"], parts["bench"]["status"], parts["train"]["status"]) == ("timeout", "not run", "ok")
+    assert parts["tests"]["seconds"] < 30  # stopped at its budget, not when it finished
+    assert "Did not complete: tests (timeout)" in record["readme"]
+
+
+def test_bad_flags_are_refused_before_anything_runs(tmp_path: Path, capsys, monkeypatch) -> None:
+    assert gpu.main(["--tests-budget-s", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--tests-budget-s must be > 0 seconds" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_junit_counts_reads_every_outcome(tmp_path: Path) -> None:
+    report = tmp_path / "r.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="t" name="ok"/>'
+        '<testcase classname="t" name="bad"><failure message="x"/></testcase>'
+        '<testcase classname="t" name="broken"><error message="y"/></testcase>'
+        '<testcase classname="t" name="gpu"><skipped message="needs a CUDA GPU"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert gpu.junit_counts(report) == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1,
+                                        "failures": ["t::bad", "t::broken"]}
+
+
+def test_the_script_is_the_command(tmp_path: Path) -> None:
+    import subprocess
+
+    root = Path(TESTS).parent
+    done = subprocess.run([str(root / "scripts" / "gpu-check"), "--help"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "dimuon bench gpu" in done.stdout and "--quick" in done.stdout
