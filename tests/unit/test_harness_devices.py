@@ -18,18 +18,31 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torc
                                                                          reason="needs a CUDA GPU")])
 
 
+def assert_same(a: dict, b: dict, device: str) -> None:
+    """Equal on the CPU; on a GPU, whose backward kernels may sum in another order from run to run, close
+    (a score on the k-NN border may move by a sample)."""
+    if device == "cpu":
+        assert a == b
+        return
+    assert a.keys() == b.keys()
+    for key in a:
+        tolerance = {"abs": 2 / 12} if key in ("precision", "recall", "density", "coverage") else {"rel": 1e-2}
+        assert a[key] == pytest.approx(b[key], **tolerance), key
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_a_run_under_the_trap_computes_what_it_computes_without(device: str, tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")  # the feature classifier trains once
     trapped = dt.run_harness(0, 1, device, str(tmp_path / "trapped"), cache, True)
     plain = dt.run_harness(0, 1, device, str(tmp_path / "plain"), cache, False)
-    assert trapped["summary"] == plain["summary"] and trapped["eval"] == plain["eval"]
+    assert_same(trapped["summary"], plain["summary"], device)
+    assert_same(trapped["eval"], plain["eval"], device)
     for name, p in trapped["resumed"].items():
-        assert torch.equal(p, plain["resumed"][name]), name
         if device == "cpu":  # the restored trainer steps exactly as the one that wrote the checkpoint
-            assert torch.equal(p, trapped["straight"][name]), name
-        else:  # CUDA backward kernels may sum in another order from run to run
-            torch.testing.assert_close(p, trapped["straight"][name], rtol=1e-5, atol=1e-6)
+            assert torch.equal(p, plain["resumed"][name]) and torch.equal(p, trapped["straight"][name]), name
+        else:
+            torch.testing.assert_close(p, plain["resumed"][name], rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(p, trapped["straight"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_trap_catches_a_tensor_made_without_its_device(monkeypatch: pytest.MonkeyPatch) -> None:

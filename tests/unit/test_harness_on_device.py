@@ -6,6 +6,7 @@ RNG state in checkpoints, fused AdamW counters on the device, moving a checkpoin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def test_guided_heun_sampling_on_the_device_matches_the_cpu(device: str, exact_f
     model = model.to(device)
     got = sample(model, labels.to(device), (1, 8, 8), steps=3, method="heun", cfg_scale=2.5, noise=noise.to(device))
     assert got.device.type == device and got.dtype == torch.float32
-    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-4)  # other attention kernels on a GPU
     # Seeded noise drawn by a generator on the device: the same seed, the same images.
     draws = [sample(model, labels.to(device), (1, 8, 8), steps=2, cfg_scale=2.5,
                     generator=torch.Generator(device=device).manual_seed(7)) for _ in range(2)]
@@ -78,7 +79,7 @@ def test_a_run_keeps_its_state_on_the_device(device: str, tmp_path: Path) -> Non
     assert {t.device.type for t in trainer.ema.weights().values()} == {expected}
     for state in trainer.opt.state.values():  # fused AdamW keeps even its step counters on the device
         assert {v.device.type for v in state.values() if isinstance(v, torch.Tensor)} == {expected}
-    assert all(v == v for v in (trainer.summary["train_loss"], trainer.summary["val_loss"]))  # finite, not NaN
+    assert math.isfinite(trainer.summary["train_loss"]) and math.isfinite(trainer.summary["val_loss"])
 
 
 def rng_draws(device: str) -> list[torch.Tensor]:
