@@ -172,3 +172,18 @@ def test_mnist_default_recipe_accuracy_and_time(tmp_path) -> None:
     assert ex.test_accuracy >= 0.95
     assert seconds < 180  # loose: the machine is shared
     assert re.fullmatch(r"classifier-mnist28-[0-9a-f]{8}", ex.name)
+
+
+def test_training_is_announced_with_progress_and_a_cache_hit_is_silent(digits, tmp_path, caplog, capsys) -> None:
+    images, labels = digits[0][:200], digits[1][:200]
+    recipe = ClassifierRecipe(epochs=1)
+    with caplog.at_level("INFO", logger="dimuon"):
+        load_or_train_classifier(images, labels, cache_dir=tmp_path, dataset_name="few", recipe=recipe, progress=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("training the feature classifier of few on 180 images (1 epochs; once: it is cached as")
+    assert said[1].startswith("feature classifier trained in")
+    assert "feature classifier" in capsys.readouterr().err  # the bar over its steps
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dimuon"):
+        load_or_train_classifier(images, labels, cache_dir=tmp_path, dataset_name="few", recipe=recipe, progress=True)
+    assert caplog.records == [] and capsys.readouterr().err == ""

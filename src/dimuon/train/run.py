@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import tyro
 
 from dimuon.dit.checkpoint import CheckpointError
-from dimuon.log import configure
+from dimuon.log import configure, run_command
 from dimuon.train.checkpoint import CheckpointWriteError
 from dimuon.train.config import ConfigError, TrainConfig, config_from_dict
 from dimuon.train.failures import RunFailed
@@ -69,24 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 130 interrupted."""
     args = list(sys.argv[1:] if argv is None else argv)
     configure("dimuon train")
-    try:
+
+    def body() -> int:
         train(parse_config(args))
-    except (ConfigError, CheckpointError) as e:
-        print(f"dimuon train: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"dimuon train: error: {e}", file=sys.stderr)
-        if e.hint:
-            print(f"dimuon train: {e.hint}", file=sys.stderr)
-        return 1
-    except (CheckpointWriteError, OSError) as e:  # before the loop: writing the run directory
-        print(f"dimuon train: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("dimuon train: interrupted; dimuon train --resume <out> continues from the newest checkpoint",
-              file=sys.stderr)
-        return 130
-    return 0
+        return 0
+
+    return run_command("dimuon train", body, usage=(ConfigError, CheckpointError),
+                       failures=(RunFailed, CheckpointWriteError),
+                       interrupted="dimuon train --resume <out> continues from the newest checkpoint")
 
 
 if __name__ == "__main__":
