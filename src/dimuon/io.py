@@ -167,7 +167,7 @@ def write_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], met
 
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"meta": json.dumps(meta, default=str)})
+                  metadata={"meta": to_json(meta)})
     return Path(path)
 
 
