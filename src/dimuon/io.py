@@ -7,21 +7,30 @@ writes a file or touches a run directory goes through it.
   in the target's directory, is flushed and fsynced, renamed over the target, and the directory is
   fsynced; on any failure the temporary file is removed. A reader sees the old file or the new one,
   never half of one, and a kill leaves at most a hidden ``.<name>.*.tmp`` file beside it.
+- Strict JSON everywhere: every JSON file and JSONL record goes through :func:`to_json`, which writes
+  a non-finite number (NaN, +-inf) as ``null``, so any JSON parser reads what dimuon writes.
 - JSONL: :class:`JsonlLog` appends one record per line and flushes it; :func:`read_jsonl` is the one
   parser, and skips a torn line (a write cut short by a kill).
-- :class:`RunLayout` names every file of a run directory once; step-numbered files
+- :class:`RunLayout` names every file of a run directory once, marks a directory as a run
+  (:attr:`RunLayout.marker`, written when dimuon creates the run) and tells dimuon's own files from
+  anything else there (:meth:`RunLayout.owned_files`, :meth:`RunLayout.clear`); step-numbered files
   (``step_0000250.png``, ``checkpoints/step_0000250/``) are named by :func:`step_name` and parsed by
   :func:`step_of`.
+- :func:`unwritable_reason` and :func:`free_bytes` let commands refuse an output they cannot write
+  before any work starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import fnmatch
 import io
 import json
 import math
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,10 +41,14 @@ import numpy as np
 import torch
 
 __all__ = [
+    "OWNED_FILES",
+    "SUPERSEDED_SUFFIX",
     "JsonlLog",
     "RunLayout",
     "atomic_path",
+    "free_bytes",
     "fsync_dir",
+    "json_ready",
     "make_grid",
     "read_jsonl",
     "read_tensors",
@@ -44,12 +57,41 @@ __all__ = [
     "save_grid",
     "step_name",
     "step_of",
+    "to_json",
     "truncate_jsonl",
+    "unwritable_reason",
     "write_bytes_atomic",
     "write_json_atomic",
     "write_tensors_atomic",
     "write_text_atomic",
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict JSON
+# --------------------------------------------------------------------------------------------------
+
+
+def json_ready(obj: Any) -> Any:
+    """``obj`` with non-finite floats as ``None`` and NumPy / one-element torch scalars as Python numbers.
+
+    Containers are copied (tuples become lists, as JSON has them); other objects are left to the
+    serializer's ``default``.
+    """
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, np.generic) or (isinstance(obj, torch.Tensor) and obj.numel() == 1):
+        return json_ready(obj.item())
+    return obj
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON text of ``obj``: non-finite numbers become ``null``, paths and other objects strings."""
+    return json.dumps(json_ready(obj), indent=indent, default=str, allow_nan=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,8 +149,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented JSON (paths and other objects as strings) atomically; returns the path."""
-    return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+    """Write ``obj`` as indented strict JSON (:func:`to_json`) atomically; returns the path."""
+    return write_text_atomic(path, to_json(obj, indent=2) + "\n")
 
 
 def save_figure_atomic(fig: Any, path: str | Path, **savefig_kwargs: Any) -> Path:
@@ -125,7 +167,7 @@ def write_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], met
 
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"meta": json.dumps(meta, default=str)})
+                  metadata={"meta": to_json(meta)})
     return Path(path)
 
 
@@ -178,7 +220,8 @@ class JsonlLog:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, default=float) + "\n")
+        """Append ``record`` as one line of strict JSON (:func:`to_json`) and flush it."""
+        self._file.write(to_json(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -274,16 +317,71 @@ def remove_steps_after(directory: str | Path, step: int, suffix: str = ".png") -
     return doomed
 
 
+_STEP_GLOB = "step_" + "[0-9]" * 7
+# Checkpoint directories: complete, being assembled, and set aside by a resume from an earlier one.
+SUPERSEDED_SUFFIX = ".superseded"
+_CHECKPOINT_DIRS = (_STEP_GLOB, ".tmp-" + _STEP_GLOB, _STEP_GLOB + SUPERSEDED_SUFFIX)
+# What a checkpoint holds: its manifest, a one-process state, or the DCP files of every rank.
+_CHECKPOINT_FILES = ("meta.json", "state.pt", ".metadata", "__*_*.distcp")
+
+# Every file dimuon writes in a run directory, relative to it ("*", "?", "[0-9]" match within one name).
+# Atomic writes also leave, while they run, a hidden ".<name>.<random>.tmp" beside each of these.
+OWNED_FILES: tuple[str, ...] = (
+    ".dimuon-run.json",
+    "config.json",
+    "metrics.jsonl",
+    *(f"checkpoints/{d}/{f}" for d in _CHECKPOINT_DIRS for f in _CHECKPOINT_FILES),
+    f"samples/{_STEP_GLOB}.png",
+    "plots/loss_vs_step.png",
+    "plots/loss_vs_time.png",
+    "tensorboard/events.out.tfevents.*",
+    "eval/results.json",
+    "eval/results.md",
+    "eval/fd_vs_step.png",
+    "eval/fd_vs_time.png",
+    f"eval/grids/*/{_STEP_GLOB}.png",
+    "eval/feature_cache/classifier-*.safetensors",
+    "eval/feature_cache/real-*.safetensors",
+)
+
+
+def _matches(parts: tuple[str, ...], pattern: str) -> bool:
+    """Whether a relative path (its parts) matches a pattern of :data:`OWNED_FILES`, name by name."""
+    wanted = pattern.split("/")
+    if len(parts) != len(wanted) or not all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts[:-1], wanted[:-1])):
+        return False
+    name = parts[-1]
+    names = [name]
+    if name.endswith(".tmp"):  # a temporary of that name: "<name>.tmp" (DCP) or atomic_path's ".<name>.<random>.tmp"
+        names.append(name[: -len(".tmp")])
+        if name.startswith("."):
+            names.append(name[1 : -len(".tmp")].rsplit(".", 1)[0])
+    return any(fnmatch.fnmatchcase(n, wanted[-1]) for n in names)
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    """Every file (or link) under ``root``, in sorted order; directories are descended, links are not."""
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and not path.is_symlink():
+            yield from _walk_files(path)
+        else:
+            yield path
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Where every file of a run directory lives: ``dimuon train`` writes them, ``dimuon eval`` and the benchmarks read them.
 
     ```
+    .dimuon-run.json         the marker: this directory is a dimuon run (written when the run is created)
     config.json              the run's config            metrics.jsonl     one record per line
     checkpoints/step_N/      one directory per checkpoint samples/step_N.png sample grids
     plots/                   loss curves                 tensorboard/      with --tensorboard
     eval/results.json, results.md, fd_vs_*.png, grids/<series>/step_N.png, feature_cache/
     ```
+
+    Only the files of :data:`OWNED_FILES` are dimuon's: a user's ``eval/run_eval.py`` or
+    ``plots/fig1.png`` beside them is never touched.
     """
 
     root: Path
@@ -291,8 +389,14 @@ class RunLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
 
-    # The top-level entries a run consists of: what --overwrite replaces and what marks a run directory.
+    # The top-level entries a run consists of (directories hold dimuon's files among, possibly, a user's).
     ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "samples", "plots", "tensorboard", "eval")
+    MARKER = ".dimuon-run.json"
+
+    @property
+    def marker(self) -> Path:
+        """The file that makes a directory a dimuon run; written first when a run is created."""
+        return self.root / self.MARKER
 
     @property
     def config(self) -> Path:
@@ -339,6 +443,10 @@ class RunLayout:
         """Final directory of the checkpoint taken after ``step`` optimizer steps."""
         return self.checkpoints / step_name(step)
 
+    def superseded(self, step: int) -> Path:
+        """Where a checkpoint later than a resumed run's start waits until the run replaces it."""
+        return self.checkpoints / step_name(step, SUPERSEDED_SUFFIX)
+
     def sample_grid(self, step: int) -> Path:
         return self.samples / step_name(step, ".png")
 
@@ -353,6 +461,76 @@ class RunLayout:
         """The top-level paths a run consists of (whether they exist or not)."""
         return [self.root / name for name in self.ENTRIES]
 
-    def holds_run(self) -> bool:
-        """Whether the directory already holds (part of) a run."""
-        return any(p.exists() for p in self.entries())
+    def is_run(self) -> bool:
+        """Whether the directory is a dimuon run: it holds the marker."""
+        return self.marker.is_file()
+
+    def mark(self, created_by: str) -> Path:
+        """Make the directory (created if needed) a dimuon run: write the marker, naming what created it and when."""
+        stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        return write_json_atomic(self.marker, {"format": 1, "created_by": created_by, "created": stamp})
+
+    def owns(self, path: str | Path) -> bool:
+        """Whether ``path`` (inside the run directory) is a file dimuon writes there."""
+        try:
+            parts = Path(path).relative_to(self.root).parts
+        except ValueError:
+            return False
+        return any(_matches(parts, pattern) for pattern in OWNED_FILES)
+
+    def owned_files(self) -> list[Path]:
+        """dimuon's files in the directory (see :data:`OWNED_FILES`), in sorted order."""
+        if not self.root.is_dir():
+            return []
+        return [p for p in _walk_files(self.root) if self.owns(p)]
+
+    def foreign_files(self) -> list[Path]:
+        """Everything else in the directory: files dimuon did not write there."""
+        if not self.root.is_dir():
+            return []
+        return [p for p in _walk_files(self.root) if not self.owns(p)]
+
+    def clear(self) -> list[Path]:
+        """Delete dimuon's files (and the marker) and then whatever directories they leave empty; return
+        the deleted files. Anything else (a user's files, and the directories holding them) stays."""
+        doomed = self.owned_files()
+        for path in doomed:
+            path.unlink()
+        for directory in sorted({d for p in doomed for d in p.parents if self.root in d.parents},
+                                key=lambda d: len(d.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only when empty
+        return doomed
+
+
+# --------------------------------------------------------------------------------------------------
+# Output checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def unwritable_reason(directory: str | Path) -> str | None:
+    """Why files cannot be created in ``directory`` (creating it first if needed), or None if they can.
+
+    Checks without writing anything: the directory, or the nearest existing parent it would be created
+    in, must be a directory that this process may write to (a read-only file system fails this too).
+    """
+    directory = Path(directory)
+    existing = _nearest_existing(directory)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it is" if existing == directory.absolute() else f"its parent {existing} is"
+        return f"{where} not writable (read-only file system or no write permission)"
+    return None
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Free bytes for this process on the file system ``directory`` is (or would be created) on."""
+    return shutil.disk_usage(_nearest_existing(Path(directory))).free

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
-__all__ = ["ALL_RANKS", "configure", "get_logger"]
+__all__ = ["ALL_RANKS", "configure", "get_logger", "run_command"]
 
 ALL_RANKS = {"all_ranks": True}  # extra= of a record every rank should emit
 _HANDLER_NAME = "dimuon-command"
@@ -72,3 +73,33 @@ def configure(prog: str, level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter(f"{prog}: %(rank_prefix)s%(message)s", defaults={"rank_prefix": ""}))
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def run_command(
+    prog: str,
+    body: Callable[[], int],
+    *,
+    usage: tuple[type[BaseException], ...] = (),
+    failures: tuple[type[BaseException], ...] = (),
+    interrupted: str = "",
+) -> int:
+    """``body()``'s exit status, or one ``<prog>: error: ...`` line on stderr and the status of what went wrong.
+
+    2: a ``usage`` error (a bad flag, input or checkpoint, found before any work); 1: one of ``failures``
+    (the command stopped before doing all it was asked to; an exception's ``hint`` is printed on a second
+    line) or an ``OSError`` (an output that could not be written); 130: interrupted, with ``interrupted``
+    saying how to go on.
+    """
+    try:
+        return body()
+    except usage as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (*failures, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        if getattr(e, "hint", ""):
+            print(f"{prog}: {e.hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted" + (f"; {interrupted}" if interrupted else ""), file=sys.stderr)
+        return 130

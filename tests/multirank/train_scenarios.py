@@ -29,3 +29,30 @@ def config_error(rank: int, world: int, base: dict[str, Any], out: str) -> str |
     except ConfigError as e:
         return str(e)
     return None
+
+
+def outcomes(rank: int, world: int, configs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """Train each config in turn: ``("done", skipped steps)`` or ``(error type, message)`` on this rank."""
+    from dimuon.train import ConfigError
+    from dimuon.train.failures import RunFailed
+
+    found: list[tuple[str, Any]] = []
+    for cfg in configs:
+        try:
+            found.append(("done", train(TrainConfig(**cfg))["skipped_steps"]))
+        except (ConfigError, RunFailed) as e:
+            found.append((type(e).__name__, str(e)))
+    return found
+
+
+def resumed_options(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Set up (not train) a resumed run: what its optimizer groups and EMA run with on this rank."""
+    from dimuon.train.distributed import setup
+    from dimuon.train.loop import Trainer
+    from dimuon.train.plan import resolve
+
+    trainer = Trainer(resolve(TrainConfig(**cfg)), setup("cpu"))
+    muon = [g for g in trainer.opt.param_groups if g["algorithm"] == "muon"]
+    return {"k": {g["k"] for g in muon}, "gamma": {g["gamma"] for g in muon},
+            "weight_decay": {g["weight_decay"] for g in trainer.opt.param_groups},
+            "steps": {g["step"] for g in muon}, "ema": (trainer.ema.decay, trainer.ema.warmup, trainer.ema.num_updates)}

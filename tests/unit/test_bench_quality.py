@@ -175,6 +175,18 @@ def test_main_reports_bad_flags_with_status_2(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for flag in ("--out", "--eval.cache-dir"):
+        target = tmp_path / "file" / "sub"
+        extra = [flag, str(target)] if flag != "--out" else []
+        out = target if flag == "--out" else tmp_path / "bench"
+        assert quality.main(["--optimizers", "adamw", "--out", str(out), *extra]) == 2
+        assert capsys.readouterr().err == (f"dimuon bench quality: error: {flag} {target} cannot be written: "
+                                           f"{tmp_path / 'file'} is a file, not a directory\n")
+    assert not (tmp_path / "bench").exists()
+
+
 def test_train_args_value_may_start_with_dashes():
     args = quality.join_flag_values(["--steps", "4", "--train-args", "--ema-decay 0.9", "--jobs", "2"])
     assert args == ["--steps", "4", "--train-args=--ema-decay 0.9", "--jobs", "2"]

@@ -1,4 +1,5 @@
-"""Data sets, fixed held-out splits, the resumable rank-sharded batch order and the error messages."""
+"""Data sets, fixed held-out splits, the resumable rank-sharded batch order, the error messages, and the
+start-up check that finds unusable items (by file or row) before a run draws them."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from dimuon.data import (
     DataSpec,
     build_dataset,
     check_image_shape,
+    find_problems,
     get_batch,
+    infer_num_classes,
+    problems_message,
     split_indices,
 )
+from dimuon.data import validation as data_validation
 
 # --------------------------------------------------------------------------------------------------
 # Built-in data sets
@@ -144,6 +149,26 @@ def test_image_folder_errors_name_the_problem(tmp_path):
         build_dataset("folder", root=tmp_path / "hollow", image_size=8)
     with pytest.raises(ValueError, match="channels must be 1"):
         build_dataset("folder", root=_write_folder(tmp_path / "ok", {"a": 1}), image_size=8, channels=2)
+
+
+def test_image_folder_check_decodes_every_file_and_names_the_broken_ones(tmp_path, monkeypatch, capsys):
+    root = _write_folder(tmp_path / "imgs", {"a": 3, "b": 3})
+    good = build_dataset("folder", "all", root=root, image_size=4)
+    assert find_problems(good) == []
+    data = (root / "b" / "1.png").read_bytes()
+    (root / "b" / "1.png").write_bytes(data[: len(data) // 2])  # truncated: the header still opens
+    (root / "a" / "2.png").write_bytes(b"not a png at all")
+    ds = build_dataset("folder", "all", root=root, image_size=4)
+    found = find_problems(ds)
+    assert [line.split(" cannot be decoded ")[0] for line in found] == [str(root / "a" / "2.png"),
+                                                                       str(root / "b" / "1.png")]
+    assert "UnidentifiedImageError" in found[0] and "truncated" in found[1]
+    # Each process checks its contiguous share; together they cover every item once.
+    assert find_problems(ds, 0, 2) + find_problems(ds, 1, 2) == found
+    assert problems_message(found, "the train split").startswith("2 items of the train split cannot be used: ")
+    monkeypatch.setattr(data_validation, "PROGRESS_MIN_ITEMS", 2)
+    find_problems(good, progress=True)
+    assert "checking data" in capsys.readouterr().err  # the bar of a large folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,3 +311,41 @@ def test_a_data_spec_rebuilds_its_data_set_from_its_checkpoint_record() -> None:
     val = again.build("val")
     assert (len(val), val.image_size) == (180, 16)
     assert DataSpec.from_record({"name": "mnist"}) == DataSpec("mnist", {})
+
+
+def test_array_check_names_the_rows_with_nan_or_inf_in_their_shard_file(tmp_path):
+    shards = tmp_path / "latents"
+    shards.mkdir()
+    parts = [np.zeros((4, 1, 4, 4), dtype=np.float32), np.zeros((5, 1, 4, 4), dtype=np.float32)]
+    parts[0][2, 0, 1, 1] = np.nan
+    parts[1][3, 0, 0, 0] = -np.inf
+    for k, lat in enumerate(parts):
+        save_file({"latents": lat, "labels": np.arange(len(lat)) % 2}, str(shards / f"{k}.safetensors"))
+    ds = build_dataset("arrays", "all", path=shards)
+    assert find_problems(ds) == [f"row 2 of {shards / '0.safetensors'} holds NaN or inf values",
+                                 f"row 3 of {shards / '1.safetensors'} holds NaN or inf values"]
+    ints = build_dataset("arrays", "all", path=_npz(tmp_path / "u8.npz", np.zeros((6, 1, 4, 4), np.uint8), [0, 1] * 3))
+    assert find_problems(ints) == []
+
+
+def _npz(path, images, labels):
+    np.savez(path, images=images, labels=np.asarray(labels))
+    return path
+
+
+def test_classes_are_inferred_as_the_distinct_labels_and_a_stray_label_is_an_error(tmp_path):
+    assert infer_num_classes(np.array([1, 0, 2, 1]), "x") == 3
+    labels = [0, 1] * 5 + [12]
+    path = _npz(tmp_path / "two.npz", np.zeros((11, 1, 4, 4), np.uint8), labels)
+    with pytest.raises(ValueError, match=r"labels of .*two.npz are not the class indices 0..2 of their 3 distinct "
+                                         r"values \(0, 1, 12\): label 12 is out of range; .*--num-classes"):
+        build_dataset("arrays", "train", path=path)
+    assert build_dataset("arrays", "all", path=path, num_classes=13).num_classes == 13  # stated: 13 classes
+    with pytest.raises(ValueError, match=r"1 label\(s\) outside \[0, 2\) for 2 classes, the first 12 at row 10 of"):
+        build_dataset("arrays", "all", path=path, num_classes=2)
+    negative = _npz(tmp_path / "neg.npz", np.zeros((3, 1, 4, 4), np.uint8), [0, -1, 1])
+    with pytest.raises(ValueError, match="label -1 is out of range"):
+        build_dataset("arrays", "all", path=negative)
+    fractional = _npz(tmp_path / "frac.npz", np.zeros((2, 1, 4, 4), np.uint8), [0.0, 0.5])
+    with pytest.raises(ValueError, match="labels must be integer class indices"):
+        build_dataset("arrays", "all", path=fractional)

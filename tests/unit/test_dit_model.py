@@ -227,7 +227,7 @@ def test_config_rebuilds_the_same_architecture():
 
 @pytest.fixture(scope="module")
 def diffusers_dit():
-    pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers", reason="the diffusers adapter needs the optional extra: pip install 'dimuon[diffusers]'")
     from dimuon.dit.diffusers_adapter import build_diffusers_dit
 
     torch.manual_seed(0)

@@ -224,6 +224,20 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
     assert "dimuon eval: error" in capsys.readouterr().err
 
 
+def test_outputs_that_cannot_be_written_and_runs_without_checkpoints_are_error_lines(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eval").write_text("a file where the results directory goes")
+    assert main(["--run", str(run)]) == 2
+    assert capsys.readouterr().err == (f"dimuon eval: error: --run: the results directory {run / 'eval'} cannot be "
+                                       f"written: {run / 'eval'} is a file, not a directory\n")
+    assert main(["--compare", str(run), "--out", str(run / "eval" / "cmp")]) == 2
+    assert "--out: the output directory" in capsys.readouterr().err
+    (run / "eval").unlink()
+    assert main(["--run", str(run), "--no-progress"]) == 1
+    assert capsys.readouterr().err.startswith(f"dimuon eval: error: no complete checkpoints under {run / 'checkpoints'}")
+
+
 # --------------------------------------------------------------------------------------------------
 # End to end over a run directory written by the training code's checkpoint module
 # --------------------------------------------------------------------------------------------------

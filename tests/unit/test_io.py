@@ -1,4 +1,5 @@
-"""Files and runs: one atomic-write policy, JSONL that survives a torn last line, grids, step names, the run layout."""
+"""Files and runs: one atomic-write policy, strict JSON, JSONL that survives a torn last line, grids, step names,
+the run layout (its marker, dimuon's own files among a user's) and the output checks."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+import dimuon.io as dio
 from dimuon.io import (
     JsonlLog,
     RunLayout,
     atomic_path,
+    free_bytes,
     make_grid,
     read_jsonl,
     read_tensors,
@@ -22,6 +25,7 @@ from dimuon.io import (
     step_name,
     step_of,
     truncate_jsonl,
+    unwritable_reason,
     write_bytes_atomic,
     write_json_atomic,
     write_tensors_atomic,
@@ -124,11 +128,70 @@ def test_run_layout_names_every_file_of_a_run(tmp_path: Path) -> None:
     run = RunLayout(tmp_path / "run")
     assert run.config == tmp_path / "run" / "config.json" and run.metrics.name == "metrics.jsonl"
     assert run.checkpoint(250) == tmp_path / "run" / "checkpoints" / "step_0000250"
+    assert run.superseded(750) == tmp_path / "run" / "checkpoints" / "step_0000750.superseded"
     assert run.sample_grid(8) == tmp_path / "run" / "samples" / "step_0000008.png"
     assert run.results == tmp_path / "run" / "eval" / "results.json"
     assert run.eval_grid("abc", 3) == tmp_path / "run" / "eval" / "grids" / "abc" / "step_0000003.png"
     assert run.feature_cache == tmp_path / "run" / "eval" / "feature_cache"
-    assert not run.holds_run()
-    run.plots.mkdir(parents=True)
-    assert run.holds_run()
     assert [p.name for p in run.entries()] == list(RunLayout.ENTRIES)
+    assert not run.is_run()
+    run.plots.mkdir(parents=True)
+    assert not run.is_run()  # a directory is a run by its marker, not by the names it holds
+    write_json_atomic(run.marker, {"format": 1})
+    assert run.is_run()
+
+
+def _touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    return path
+
+
+def test_only_dimuon_s_own_files_are_its_and_clear_leaves_the_user_s(tmp_path: Path) -> None:
+    run = RunLayout(tmp_path / "run")
+    ours = [run.marker, run.config, run.metrics, run.checkpoint(250) / "meta.json", run.checkpoint(250) / "state.pt",
+            run.checkpoint(500) / "__0_0.distcp", run.checkpoint(500) / ".metadata",
+            run.checkpoints / ".tmp-step_0000750" / ".state.pt.k2j_x1.tmp", run.superseded(1000) / "meta.json",
+            run.sample_grid(250), run.plots / "loss_vs_step.png", run.plots / ".loss_vs_time.png.abc123.tmp",
+            run.tensorboard / "events.out.tfevents.1.host", run.results, run.results_md, run.eval / "fd_vs_step.png",
+            run.eval_grid("3f2a", 250), run.feature_cache / "classifier-mnist28-12345678.safetensors",
+            run.feature_cache / "real-mnist-0a1b2c3d-val-n500-classifier.safetensors"]
+    theirs = [run.eval / "run_eval.py", run.plots / "fig1.png", run.root / "notes.txt", run.root / "config.yaml",
+              run.checkpoint(250) / "notes.md", run.samples / "best.png", run.checkpoints / "step_12" / "meta.json",
+              run.root / "data" / "config.json"]
+    for path in ours + theirs:
+        _touch(path)
+    assert run.owned_files() == sorted(ours)
+    assert run.foreign_files() == sorted(theirs)
+    assert sorted(run.clear()) == sorted(ours)
+    left = sorted(p for p in run.root.rglob("*") if p.is_file())
+    assert left == sorted(theirs)
+    # Directories dimuon's files left empty are gone; those holding a user's file stay.
+    assert not run.tensorboard.exists() and not (run.eval / "grids").exists() and not run.checkpoint(500).exists()
+    assert run.plots.is_dir() and run.checkpoint(250).is_dir() and not run.is_run()
+
+
+def test_json_files_and_records_are_strict_json(tmp_path: Path) -> None:
+    record = {"loss": float("nan"), "grad_norm": torch.tensor(float("inf")), "lr": np.float32(0.5),
+              "per_t": {"0.05": -float("inf")}, "items": (1, np.int64(2)), "path": tmp_path}
+    log = JsonlLog(tmp_path / "m.jsonl")
+    log.write(record)
+    log.close()
+    write_json_atomic(tmp_path / "r.json", record)
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    expected = {"loss": None, "grad_norm": None, "lr": 0.5, "per_t": {"0.05": None}, "items": [1, 2],
+                "path": str(tmp_path)}
+    assert json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=refuse) == expected
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse) == expected
+
+
+def test_output_checks_name_what_is_wrong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert unwritable_reason(tmp_path / "new" / "deeper") is None
+    _touch(tmp_path / "file")
+    assert unwritable_reason(tmp_path / "file" / "run") == f"{tmp_path / 'file'} is a file, not a directory"
+    monkeypatch.setattr(dio.os, "access", lambda path, mode: False)
+    assert "its parent" in unwritable_reason(tmp_path / "new") and "not writable" in unwritable_reason(tmp_path)
+    assert free_bytes(tmp_path / "not" / "yet") > 0

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dimuon.dit import list_checkpoints, load_model_for_eval
 from dimuon.eval.run import main as eval_main
+from dimuon.io import RunLayout
 from dimuon.metrics.generation import SampleSettings, generate_samples, iter_samples
 from dimuon.metrics.results import load_results
 from dimuon.train import ConfigError, TrainConfig, train
@@ -91,6 +92,13 @@ def test_run_logs_and_stores_generation_quality_at_the_interval(evaluated_run) -
         assert (run / "eval" / name).is_file(), name
     grids = sorted(p.name for p in (run / "eval" / "grids").rglob("*.png"))
     assert grids == ["step_0000003.png", "step_0000006.png"]
+
+
+def test_every_file_an_evaluated_run_writes_is_one_dimuon_recognises_as_its_own(evaluated_run, cache_dir) -> None:
+    run = RunLayout(evaluated_run[0])
+    assert run.foreign_files() == []  # so --overwrite can replace all of it, and nothing else
+    cached = sorted(cache_dir.iterdir())  # the files of <run>/eval/feature_cache when the cache is the run's own
+    assert len(cached) >= 2 and all(run.owns(run.feature_cache / p.name) for p in cached)
 
 
 def test_in_training_scores_equal_dimuon_eval_of_the_checkpoints(evaluated_run, cache_dir, tmp_path, capsys) -> None:

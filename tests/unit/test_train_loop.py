@@ -104,7 +104,7 @@ def test_resume_through_the_cli_keeps_the_saved_config_and_extends_the_run(tmp_p
 def test_an_existing_run_is_never_overwritten_silently(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny_config(run, steps=2, ckpt_interval=0))
-    with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
+    with pytest.raises(ConfigError, match=r"already holds a run \(.*\); pass --resume"):
         train(tiny_config(run, steps=2))
     train(tiny_config(run, steps=3, ckpt_interval=0, overwrite=True))
     assert [s for s, _ in list_checkpoints(run)] == [3]
@@ -121,6 +121,13 @@ def test_sample_command_writes_a_grid_from_a_checkpoint(tmp_path: Path, capsys: 
         assert img.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, one class per column, two rows
     assert sample_main(["--ckpt", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    for args, message in ((["--out", str(tmp_path)], f"--out {tmp_path} is a directory; name the PNG file"),
+                          (["--out", str(tmp_path / "file" / "g.png")], f"--out {tmp_path / 'file' / 'g.png'} cannot be written: "),
+                          (["--nrow", "0"], "--nrow must be >= 1, got 0"),
+                          (["--cfg", "-1"], "--cfg must be >= 0")):
+        assert sample_main(["--ckpt", str(run), *args]) == 2
+        assert capsys.readouterr().err.startswith(f"dimuon sample: error: {message}")
 
 
 def test_tensorboard_without_its_package_is_a_start_up_error(tmp_path: Path) -> None:

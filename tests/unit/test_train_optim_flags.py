@@ -21,16 +21,16 @@ from dimuon.train.optim_options import (
 )
 from dimuon.train.plan import resolve
 
-# The flags dimuon train has always taken.
+# The flags dimuon train has always taken (the non-finite policy is the harness's own --nonfinite).
 FLAGS = ("weight_decay", "betas", "eps", "momentum", "nesterov", "lr_scale", "ns_coefficients", "ns_steps",
-         "ns_dtype", "ns_algorithm", "refresh", "bucket_mb", "comm_dtype", "nonfinite", "k", "gamma", "period",
+         "ns_dtype", "ns_algorithm", "refresh", "bucket_mb", "comm_dtype", "k", "gamma", "period",
          "blocks", "block_lr_ratio")
 
 
 def test_every_known_flag_is_derived_and_non_cli_arguments_are_not() -> None:
     names = {f.name for f in dataclasses.fields(OptimOptions)}
     assert set(FLAGS) <= names
-    assert not names & {"lr", "params", "process_group", "engine", "schedule_options", "kwargs"}
+    assert not names & {"lr", "nonfinite", "params", "process_group", "engine", "schedule_options", "kwargs"}
     assert all(f.default is None for f in dataclasses.fields(OptimOptions))
     assert OPTION_SPECS["betas"].keywords == {"adamw": "betas", "muon": "adamw_betas", "periodic_row_muon": "adamw_betas",
                                               "muon_bp": "adamw_betas", "torch_muon": "adamw_betas"}
@@ -108,3 +108,10 @@ def test_a_config_saved_with_fewer_optim_keys_still_loads() -> None:
     saved["optim"] = {"k": 4, "betas": [0.5, 0.6], "ns_dtype": None}  # an older config.json
     cfg = config_from_dict(saved)
     assert cfg.optim.k == 4 and cfg.optim.betas == (0.5, 0.6) and cfg.optim.fused is None
+
+
+def test_a_config_saved_with_the_optimizer_s_nonfinite_option_keeps_its_policy() -> None:
+    saved = config_to_dict(TrainConfig())
+    del saved["nonfinite"]
+    saved["optim"] = {"nonfinite": "skip"}  # a config.json of when the policy was an --optim.* flag
+    assert config_from_dict(saved).nonfinite == "skip"

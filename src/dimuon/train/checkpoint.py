@@ -30,10 +30,26 @@ from dimuon.dit.checkpoint import (
     torch_load,
     verify_checkpoint,
 )
-from dimuon.io import RunLayout, atomic_path, fsync_dir, write_json_atomic
+from dimuon.io import (
+    SUPERSEDED_SUFFIX,
+    RunLayout,
+    atomic_path,
+    free_bytes,
+    fsync_dir,
+    step_of,
+    write_json_atomic,
+)
 from dimuon.train.distributed import DistEnv, all_gather_objects, barrier, on_main
 
-__all__ = ["load_training_state", "prune_checkpoints", "remove_checkpoints_after", "save_checkpoint"]
+__all__ = [
+    "CheckpointWriteError",
+    "checkpoint_bytes",
+    "drop_superseded",
+    "load_training_state",
+    "prune_checkpoints",
+    "save_checkpoint",
+    "set_aside_checkpoints_after",
+]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -55,6 +71,10 @@ def _set_rng_state(states: list[torch.Tensor], env: DistEnv) -> None:
         torch.cuda.set_rng_state(states[1].cpu(), env.device)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a vanished directory); nothing of it was left behind."""
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -69,20 +89,17 @@ def save_checkpoint(
     """Write the checkpoint after ``step`` steps atomically (every rank calls this); return its directory.
 
     ``progress`` holds run counters restored on resume (e.g. ``active_time_s``); ``meta`` holds the
-    run description stored in ``meta.json`` (config, data set, model, ...).
+    run description stored in ``meta.json`` (config, data set, model, ...). A failed write raises
+    :class:`CheckpointWriteError` on every rank and leaves no partial checkpoint behind.
     """
     final = RunLayout(run_dir).checkpoint(step)
     tmp = final.with_name(TMP_PREFIX + final.name)
-    if env.is_main:
+
+    def begin() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir(parents=True)
-    barrier(env)
-    rng = all_gather_objects(_rng_state(env), env)  # every rank's states, so each can get its own back
-    if env.distributed:
-        files = _save_dcp(tmp, model, optimizer, ema, progress, rng, env)
-    else:
-        files = _save_single(tmp, model, optimizer, ema, progress, rng)
-    if env.is_main:
+
+    def complete(files: dict[str, Any]) -> None:
         record = {
             "format": FORMAT_VERSION,
             "kind": "dcp" if env.distributed else "single",
@@ -94,12 +111,37 @@ def save_checkpoint(
             "files": files,
         }
         write_json_atomic(tmp / META_FILE, record)
-        if final.exists():  # a checkpoint of an abandoned trajectory (see remove_checkpoints_after)
+        if final.exists():  # left by an earlier trajectory that was not set aside
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    barrier(env)
+
+    try:
+        on_main(begin, env)
+        rng = all_gather_objects(_rng_state(env), env)  # every rank's states, so each can get its own back
+        if env.distributed:
+            files = _save_dcp(tmp, model, optimizer, ema, progress, rng, env)
+        else:
+            files = _save_single(tmp, model, optimizer, ema, progress, rng)
+        on_main(lambda: complete(files), env)
+    except Exception as e:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = f"; {free_bytes(final.parent) / (1 << 20):.0f} MiB free there" if final.parent.exists() else ""
+        raise CheckpointWriteError(
+            f"could not write the checkpoint of step {step} to {final} ({type(e).__name__}: {e}){free}; "
+            "nothing of it was left behind"
+        ) from e
     return final
+
+
+def checkpoint_bytes(model: nn.Module, ema: EMA) -> int:
+    """About how many bytes one checkpoint of this run takes: the model, its EMA and an optimizer state of
+    at most two buffers per parameter (AdamW's; the Muon family keeps one per matrix)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    ema_bytes = sum(t.numel() * t.element_size() for t in ema.weights().values())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model_bytes + ema_bytes + 2 * param_bytes
 
 
 def _save_single(
@@ -160,20 +202,50 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
-def remove_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
-    """Delete checkpoints later than ``step`` and leftover temporary ones: a resumed run rewrites that future."""
-    removed = [path for s, path in list_checkpoints(run_dir) if s > step]
-    root = RunLayout(run_dir).checkpoints
-    if root.is_dir():
-        removed += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
-    for path in removed:
+def set_aside_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Rename the checkpoints later than ``step`` to ``step_N.superseded`` (and delete leftover temporary ones).
+
+    A run resumed in place from an earlier checkpoint rewrites that future. Its old checkpoints stay on
+    disk until the run replaces them (:func:`drop_superseded`), but under a name that nothing lists, so
+    that after a crash ``--resume <run>`` and ``dimuon eval`` never pick a checkpoint of the abandoned
+    trajectory. Returns their new paths.
+    """
+    layout = RunLayout(run_dir)
+    moved = []
+    for s, path in list_checkpoints(run_dir):
+        if s > step:
+            target = layout.superseded(s)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(path, target)
+            moved.append(target)
+    if layout.checkpoints.is_dir():
+        for leftover in layout.checkpoints.glob(TMP_PREFIX + "*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    if moved:
+        fsync_dir(layout.checkpoints)
+    return moved
+
+
+def drop_superseded(run_dir: str | Path, up_to: int | None = None) -> list[Path]:
+    """Delete the set-aside checkpoints of steps ``<= up_to`` (all of them with None): the run has replaced them."""
+    layout = RunLayout(run_dir)
+    if not layout.checkpoints.is_dir():
+        return []
+    doomed = [p for p in sorted(layout.checkpoints.iterdir())
+              if (s := step_of(p, SUPERSEDED_SUFFIX)) is not None and (up_to is None or s <= up_to)]
+    for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
-    return removed
+    return doomed
 
 
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
+
+
+# What a parameter group carries besides its options: its parameters and the counters a resume continues.
+_GROUP_COUNTERS = frozenset({"params", "param_names", "step", "skipped_steps", "initial_lr"})
 
 
 def load_training_state(
@@ -186,10 +258,16 @@ def load_training_state(
 ) -> dict[str, Any]:
     """Restore model, optimizer, EMA and RNG from a verified checkpoint (every rank calls this).
 
-    Returns the metadata with the restored ``progress``. One-process checkpoints resume in one
-    process; DCP checkpoints resume at any world size (bitwise continuation needs the same one).
+    The saved state brings what evolves (weights, buffers, step counters); the hyperparameters stay
+    this run's, as the optimizer and the EMA were built from its flags: every option in the optimizer's
+    parameter groups and the EMA's decay and warmup are put back after loading, so that the run does
+    what its recorded config says. Returns the metadata with the restored ``progress``. One-process
+    checkpoints resume in one process; DCP checkpoints resume at any world size (bitwise continuation
+    needs the same one).
     """
     ckpt_dir = Path(ckpt_dir)
+    options = [{k: v for k, v in g.items() if k not in _GROUP_COUNTERS} for g in optimizer.param_groups]
+    ema_settings = (ema.decay, ema.warmup)
     meta = on_main(lambda: verify_checkpoint(ckpt_dir), env)  # rank 0 reads every byte once
     if meta["kind"] == "single":
         if env.distributed:
@@ -209,6 +287,9 @@ def load_training_state(
         progress, rng = _load_dcp(ckpt_dir, meta, model, optimizer, ema, env)
     if len(rng) == env.world:
         _set_rng_state(rng[env.rank], env)
+    for group, own in zip(optimizer.param_groups, options, strict=True):
+        group.update(own)
+    ema.decay, ema.warmup = ema_settings
     return {**meta, "progress": progress}
 
 

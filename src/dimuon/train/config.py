@@ -21,14 +21,17 @@ from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS
-from dimuon.train.optim_options import OptimOptions, options_from_dict
+from dimuon.train.optim_options import OPTION_SPECS, OptimOptions, accepted_parameters, options_from_dict
 
 __all__ = [
+    "FROZEN_ON_RESUME",
+    "FROZEN_OPTIM_ON_RESUME",
     "ConfigError",
     "EvalOptions",
     "OptimOptions",
     "TrainConfig",
     "check_patch_size",
+    "check_resume_flags",
     "config_from_dict",
     "config_to_dict",
     "validate",
@@ -65,6 +68,8 @@ class TrainConfig:
     """Image side in pixels; default: the data set's own (28 for mnist). Required for folder."""
     channels: int | None = None
     """folder only: 1 (grayscale) or 3 (RGB, the default)."""
+    num_classes: int | None = None
+    """arrays only: the number of classes (default: the number K of distinct labels, which must be 0..K-1)."""
     class_dropout: float = 0.1
     """Probability of replacing a label by the null label (needed for classifier-free guidance)."""
 
@@ -96,6 +101,12 @@ class TrainConfig:
     """Ramp the EMA decay as min(decay, (1 + k) / (10 + k)) so early averages forget the init."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16 runs forward/backward under autocast; parameters and optimizer state stay fp32."""
+    nonfinite: Literal["raise", "skip"] = "raise"
+    """A step whose loss or gradient norm is NaN/inf, with any optimizer: raise stops the run with an error
+    naming the step (and the data, where known); skip drops the step (weights, optimizer and EMA unchanged)
+    and counts it in the log."""
+    skip_limit: int = 10
+    """With --nonfinite skip: this many skipped steps in a row stop the run as diverged (0: never)."""
 
     # --- logging, validation, sampling, checkpoints
     log_interval: int = 10
@@ -126,7 +137,9 @@ class TrainConfig:
     out: str = "runs/mnist-demo"
     """Run directory: config.json, metrics.jsonl, checkpoints/, samples/, plots/."""
     resume: str | None = None
-    """Continue from a checkpoint directory, or from the newest complete one of a run directory."""
+    """Continue from a checkpoint directory, or from the newest complete one of a run directory (a run
+    without one restarts from step 0 with its config); --resume with no value: the run in --out. Flags not
+    given keep the run's saved values; those that fix the model, the data or the data order cannot change."""
     overwrite: bool = False
     """Start afresh in an --out that already holds a run (its old files are deleted)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -154,6 +167,9 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     data = dict(data)
     optim = dict(data.pop("optim", {}) or {})
     evals = dict(data.pop("eval", {}) or {})
+    if "nonfinite" in optim:  # saved before the policy became the harness's own --nonfinite
+        value = optim.pop("nonfinite")
+        data.setdefault("nonfinite", value if value is not None else "raise")
     unknown = sorted(
         (set(data) - _field_names(TrainConfig))
         | {f"optim.{k}" for k in set(optim) - _field_names(OptimOptions)}
@@ -202,6 +218,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (0 disables clipping), got {cfg.grad_clip}")
     _require(0.0 <= cfg.ema_decay <= 1.0, f"--ema-decay must be in [0, 1], got {cfg.ema_decay}")
     _require(0.0 <= cfg.class_dropout < 1.0, f"--class-dropout must be in [0, 1), got {cfg.class_dropout}")
+    _check_positive_int("--skip-limit", cfg.skip_limit, 0)
     _check_positive_int("--log-interval", cfg.log_interval)
     for flag, value in (
         ("--val-interval", cfg.val_interval),
@@ -234,6 +251,10 @@ def _validate_data(cfg: TrainConfig) -> None:
         _require(cfg.image_size is not None, "--dataset folder needs --image-size")
     else:
         _require(cfg.channels is None, "--channels only applies to --dataset folder")
+    if cfg.num_classes is not None:
+        _require(cfg.dataset == "arrays", f"--num-classes only applies to --dataset arrays (the classes of "
+                 f"--dataset {cfg.dataset} are known)")
+        _check_positive_int("--num-classes", cfg.num_classes)
     if cfg.image_size is not None:
         _check_positive_int("--image-size", cfg.image_size)
         check_patch_size(cfg.model, cfg.image_size)
@@ -257,3 +278,65 @@ def _validate_eval(cfg: TrainConfig) -> None:
             check_eval_settings(cfg.eval, prefix="--eval.")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming: which flags may change
+# --------------------------------------------------------------------------------------------------
+
+# Flags a resumed run cannot change, with the reason. Every other flag may change: the loop reads
+# them afresh (lr, schedule, steps, intervals, evaluation, ...), and the optimizer's options and the
+# EMA's decay are applied after the saved state is loaded (dimuon.train.checkpoint.load_training_state).
+FROZEN_ON_RESUME: dict[str, str] = {
+    "model": "the saved weights have its shapes",
+    "dataset": "the model and the data order were made for it",
+    "data_path": "the model and the data order were made for it",
+    "image_size": "the model's input size is made for it",
+    "channels": "the model's input channels are made for it",
+    "num_classes": "the model's label table is made for it",
+    "class_dropout": "it is part of the model's definition (its label table)",
+    "optimizer": "the saved optimizer state belongs to that optimizer",
+    "batch_size": "it decides which items every step reads (the data order)",
+    "seed": "it fixes the data order and the training noise of every step",
+}
+# Optimizer options the saved state's layout depends on, per optimizer.
+FROZEN_OPTIM_ON_RESUME: dict[str, dict[str, str]] = {
+    "adamw": {
+        "amsgrad": "AdamW keeps a max_exp_avg_sq buffer only with it",
+        "fused": "where torch keeps AdamW's step counters depends on it",
+        "capturable": "where torch keeps AdamW's step counters depends on it",
+    },
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+    if name == "data_path" and a is not None and b is not None:
+        return Path(a).absolute() == Path(b).absolute()
+    return a == b
+
+
+def check_resume_flags(cfg: TrainConfig, saved: dict[str, Any], where: str) -> None:
+    """Refuse a flag that a run resumed from ``saved`` (its config dict, in ``where``) cannot change."""
+    fresh = config_to_dict(cfg)
+    saved_cfg = config_to_dict(config_from_dict(saved))  # defaults filled in, as it ran
+    for name, reason in FROZEN_ON_RESUME.items():
+        if not _same(name, fresh[name], saved_cfg[name]):
+            raise ConfigError(
+                f"{_flag(name)} cannot change on resume ({reason}): {where} was trained with "
+                f"{_flag(name)} {saved_cfg[name]}, this run asks for {fresh[name]}; resume without "
+                f"{_flag(name)}, or start a new run (another --out, or --overwrite)"
+            )
+    defaults = {name: p.default for name, (p, _) in accepted_parameters(OPTIMIZERS[cfg.optimizer]).items()}
+    for name, reason in FROZEN_OPTIM_ON_RESUME.get(cfg.optimizer, {}).items():
+        keyword = OPTION_SPECS[name].keywords[cfg.optimizer]
+        old, new = saved_cfg["optim"][name], fresh["optim"][name]
+        old, new = (defaults[keyword] if v is None else v for v in (old, new))
+        if old != new:
+            raise ConfigError(
+                f"--optim.{name.replace('_', '-')} cannot change on resume of --optimizer {cfg.optimizer} "
+                f"({reason}): {where} was trained with {old}, this run asks for {new}"
+            )

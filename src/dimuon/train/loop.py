@@ -6,8 +6,11 @@ the learning rate from the schedule. A resumed run therefore needs only the mode
 EMA state (plus the global RNG, restored for anything else that draws from it) to continue exactly.
 
 :func:`train` resolves the flags into a plan, joins the process group and hands both to a
-:class:`Trainer`: set-up in ``__init__``, then :meth:`Trainer.fit` runs :meth:`Trainer.train_step`
-and, after each step, the hooks that are due (log, validate, sample, evaluate, checkpoint).
+:class:`Trainer`: set-up in ``__init__`` (data checked, output checked, state restored), then
+:meth:`Trainer.fit` runs :meth:`Trainer.train_step` and, after each step, the hooks that are due (log,
+validate, sample, evaluate, checkpoint). A step whose loss or gradient norm is not finite is never
+applied (``--nonfinite``, :mod:`dimuon.train.failures`); a run that stops early raises
+:class:`~dimuon.train.failures.RunFailed` saying how to continue it.
 """
 
 from __future__ import annotations
@@ -24,19 +27,20 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from dimuon.data import BatchSchedule, get_batch
+from dimuon.data import BatchSchedule, DataSpec, describe_item, find_problems, get_batch, problems_message
 from dimuon.dit import EMA, TimestepDist, flow_loss, sample
-from dimuon.dit.checkpoint import find_checkpoint
+from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.io import read_jsonl, save_grid
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import ConfigError, TrainConfig, check_patch_size
-from dimuon.train.distributed import DistEnv, barrier, on_main, setup, shard_model
+from dimuon.train.distributed import DistEnv, all_gather_objects, mean_over_ranks, on_main, setup, shard_model
+from dimuon.train.failures import NonFiniteGuard, RunFailed, all_finite
 from dimuon.train.gen_eval import TrainingEvaluator
 from dimuon.train.logger import tensorboard_available
 from dimuon.train.plan import TrainPlan, resolve
 from dimuon.train.plots import plot_losses
 from dimuon.train.records import RunClock, RunLog, StepTimes, Window, train_record, validation_record
-from dimuon.train.rundir import check_run_dir, prepare_run_dir
+from dimuon.train.rundir import check_free_space, check_run_dir, prepare_run_dir
 
 __all__ = ["Trainer", "train"]
 
@@ -61,12 +65,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
 @dataclass
 class TrainData:
-    """The opened data: the training split, the batch of every step, the fixed validation images."""
+    """The opened data: the training split, the batch of every step, the fixed validation images, and the
+    data set as recorded in checkpoints (with the number of classes once inferred)."""
 
     train_set: Any
     batches: BatchSchedule
     val_x: torch.Tensor
     val_y: torch.Tensor
+    spec: DataSpec
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -78,19 +84,40 @@ class TrainData:
 
 
 def open_data(plan: TrainPlan, env: DistEnv) -> TrainData:
-    """Both splits (errors become start-up errors naming the flags), checked against the model's patch size."""
+    """Both splits, checked before anything is built: every item usable (all ranks share the reading), the
+    splits' classes alike, the model's patch size and one batch fitting; errors name the flags."""
     cfg, spec = plan.cfg, plan.data
+    where = f"--dataset {spec.name}" + (f" --data-path {cfg.data_path}" if cfg.data_path else "")
     try:
-        train_set, val_set = spec.build("train"), spec.build("val")
+        train_set = spec.build("train")
+        if spec.name == "arrays" and "num_classes" not in spec.kwargs:
+            # Classes inferred from the training split hold for the held-out one, and for every later reader.
+            spec = DataSpec(spec.name, {**spec.kwargs, "num_classes": train_set.num_classes})
+        val_set = spec.build("val")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--dataset {spec.name} {spec.kwargs or ''}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
     check_patch_size(plan.model.name, train_set.image_size)
+    if getattr(train_set, "classes", None) != getattr(val_set, "classes", None) or (
+        train_set.num_classes != val_set.num_classes
+    ):
+        raise ConfigError(f"{where}: the train and val splits have different classes "
+                          f"({train_set.num_classes} and {val_set.num_classes})")
+    if len(train_set) < cfg.batch_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training items of "
+                          f"{where}; pass --batch-size {len(train_set)} or less")
+    problems = []
+    for split, dataset in (("train", train_set), ("val", val_set)):
+        found = find_problems(dataset, env.rank, env.world, progress=env.is_main and cfg.progress,
+                              what=f"the {split} split")
+        problems += [p for part in all_gather_objects(found, env) for p in part]
+    if problems:
+        raise ConfigError(f"{where}: {problems_message(problems, 'the data set')}")
     n_val = len(val_set) if cfg.val_samples == 0 else min(cfg.val_samples, len(val_set))
     if n_val == 0:
-        raise ConfigError(f"--dataset {spec.name} has an empty validation split")
+        raise ConfigError(f"{where} has an empty validation split")
     batches = BatchSchedule(len(train_set), cfg.batch_size, cfg.seed, env.rank, env.world)
     val_x, val_y = get_batch(val_set, np.arange(n_val))
-    return TrainData(train_set, batches, val_x, val_y)
+    return TrainData(train_set, batches, val_x, val_y, spec)
 
 
 def due(done: int, interval: int, steps: int) -> bool:
@@ -104,8 +131,8 @@ class Trainer:
     def __init__(self, plan: TrainPlan, env: DistEnv) -> None:
         cfg, layout = plan.cfg, plan.layout
         self.plan, self.cfg, self.layout, self.env = plan, cfg, layout, env
-        self.resume_from = on_main(lambda: find_checkpoint(plan.resume) if plan.resume else None, env)
-        on_main(lambda: check_run_dir(layout, self.resume_from, cfg.overwrite), env)
+        self.resume_from = plan.resume.checkpoint if plan.resume is not None else None
+        on_main(lambda: check_run_dir(layout, plan.resume, cfg.overwrite), env)
         if cfg.tensorboard and not tensorboard_available():
             raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)")
         if cfg.batch_size % env.world:
@@ -117,7 +144,7 @@ class Trainer:
         self.model = plan.model.build(self.data.image_shape, self.data.num_classes)
         self.meta = {
             "config": plan.record,
-            "dataset": plan.data.as_record(),
+            "dataset": self.data.spec.as_record(),
             "image_shape": list(self.data.image_shape),
             "num_classes": self.data.num_classes,
             "model": {"name": plan.model.name, "kwargs": dict(self.model.config)},
@@ -128,18 +155,17 @@ class Trainer:
             shard_model(self.model, env)
         self.opt = plan.optimizer.build(self.model)
         self.ema = EMA(self.model, cfg.ema_decay, warmup=cfg.ema_warmup)
+        self.checkpoint_bytes = ckpt.checkpoint_bytes(self.model, self.ema)
+        on_main(lambda: check_free_space(layout, self.checkpoint_bytes), env)
 
         self.clock, self.start = RunClock(), 0
+        self.guard = NonFiniteGuard(cfg.nonfinite, cfg.skip_limit)
         if self.resume_from is not None:
             restored = ckpt.load_training_state(self.resume_from, model=self.model, optimizer=self.opt,
                                                 ema=self.ema, env=env)
             self.start, self.clock = int(restored["step"]), RunClock.resumed(restored["progress"])
-            if self.start > cfg.steps:
-                raise ConfigError(f"--steps {cfg.steps} is behind the checkpoint's step {self.start}; "
-                                  f"pass --steps >= {self.start}")
-        if env.is_main:
-            prepare_run_dir(layout, plan.record, self.resume_from, self.start)
-        barrier(env)
+            self.guard.skipped = int(restored["progress"].get("skipped_steps", 0))
+        on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start), env)
 
         self.generation = None
         if plan.evaluation is not None:
@@ -150,7 +176,7 @@ class Trainer:
         self.log = RunLog(layout.metrics, layout.tensorboard if cfg.tensorboard else None, enabled=env.is_main)
         self.timesteps = TimestepDist(cfg.timesteps)
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-        self.summary: dict[str, Any] = {"run_dir": str(layout.root), "step": self.start}
+        self.summary: dict[str, Any] = {"run_dir": str(layout.root), "step": self.start, "skipped_steps": 0}
         self.window = Window()
 
     # ----------------------------------------------------------------------------------------------
@@ -170,6 +196,7 @@ class Trainer:
             for step in range(self.start, cfg.steps):
                 self.train_step(step)
                 done = step + 1
+                self.summary["step"] = done  # where the run stands if a hook fails
                 self.bar.update(1)
                 if due(done, cfg.log_interval, cfg.steps):
                     self.log_train(done)
@@ -181,9 +208,10 @@ class Trainer:
                     self.evaluate(done)
                 if due(done, cfg.ckpt_interval, cfg.steps):
                     self.checkpoint(done)
-                self.summary["step"] = done
                 if stop_after is not None and done >= stop_after:
                     break
+        except (RunFailed, ckpt.CheckpointWriteError, OSError) as e:
+            raise RunFailed(str(e), self.how_to_continue()) from e
         finally:
             self.bar.close()
             self.log.close()
@@ -215,6 +243,14 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
         sync(env)
         t_fb = time.perf_counter()
+        if not all_finite(loss, grad_norm, env):  # never applied, whatever the optimizer
+            self.opt.zero_grad(set_to_none=True)
+            self.nonfinite(step, loss, grad_norm, x1)
+            step_s = time.perf_counter() - t0
+            self.clock.active_s += step_s
+            self.window.skip(StepTimes(t_data - t0, t_fb - t_data, 0.0, step_s))
+            return
+        self.guard.passed()
         self.opt.step()
         sync(env)
         t_opt = time.perf_counter()
@@ -224,6 +260,22 @@ class Trainer:
         step_s = time.perf_counter() - t0
         self.clock.active_s += step_s
         self.window.add(loss, grad_norm, StepTimes(t_data - t0, t_fb - t_data, t_opt - t_fb, step_s))
+
+    def nonfinite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float, x1: torch.Tensor) -> None:
+        """A step with a non-finite loss or gradient norm: log it, then skip it or stop (``--nonfinite``)."""
+        bad = (~torch.isfinite(x1.flatten(1)).all(dim=1)).nonzero().flatten().tolist()
+        items = self.data.batches.indices(step)
+        mine = [describe_item(self.data.train_set, int(items[i])) for i in bad]
+        bad_items = [d for part in all_gather_objects(mine, self.env) for d in part]
+        global_loss = torch.tensor(mean_over_ranks(loss.detach().float(), self.env))  # as every rank sees it
+        record, message = self.guard.event(step + 1, self.cfg.steps, global_loss, grad_norm, bad_items,
+                                           self.data.batches.global_batch_size)
+        self.record(record)
+        self.summary["skipped_steps"] = self.guard.skipped
+        if self.guard.stops():
+            raise RunFailed(message)
+        if self.env.is_main:
+            self.bar.write(f"dimuon train: {message}")
 
     # ----------------------------------------------------------------------------------------------
     # Hooks
@@ -238,8 +290,8 @@ class Trainer:
         rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.comm_stats())
         self.reset_comm_stats()
         self.record(rec)
-        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", step_ms=f"{rec['step_ms']:.0f}",
-                             opt_ms=f"{rec['opt_ms']:.1f}", refresh=False)
+        loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"  # every step of the window skipped
+        self.bar.set_postfix(loss=loss, step_ms=f"{rec['step_ms']:.0f}", opt_ms=f"{rec['opt_ms']:.1f}", refresh=False)
         self.window = Window()
         self.summary["train_loss"] = rec["loss"]
 
@@ -283,9 +335,12 @@ class Trainer:
     def checkpoint(self, done: int) -> None:
         """Save the training state (every rank), keep the newest checkpoints, redraw the loss plots."""
         t = time.perf_counter()
+        progress = {**self.clock.progress(), "skipped_steps": self.guard.skipped}
         path = ckpt.save_checkpoint(self.layout.root, done, model=self.model, optimizer=self.opt, ema=self.ema,
-                                    progress=self.clock.progress(), meta=self.meta, env=self.env)
+                                    progress=progress, meta=self.meta, env=self.env)
         if self.env.is_main:
+            # Checkpoints set aside by a resume from an earlier one are replaced now (all of them at the end).
+            ckpt.drop_superseded(self.layout.root, None if done == self.cfg.steps else done)
             ckpt.prune_checkpoints(self.layout.root, self.cfg.keep_checkpoints)
             self.plot()
         self.record({"kind": "checkpoint", "step": done, "path": str(path),
@@ -311,6 +366,8 @@ class Trainer:
         )
         if self.resume_from is not None:
             print(f"dimuon train: resumed from {self.resume_from} at step {self.start}")
+        elif self.plan.resume is not None:
+            print(f"dimuon train: restarted {self.plan.resume.run} from step 0 (it had no checkpoint)")
         self.log.write({"kind": "start", "step": self.start, "world_size": env.world, "device": str(env.device),
                         "params": n_params, "torch_version": torch.__version__,
                         "resumed_from": str(self.resume_from or "")})
@@ -327,6 +384,19 @@ class Trainer:
             f"{self.clock.active_s:.1f} s of {self.clock.wall():.1f} s; samples {s.get('samples', '-')}"
             + (f"; FD {s['fd']:.3f} ({s['feature_space']})" if "fd" in s else "")
         )
+        if self.guard.skipped:
+            print(f"dimuon train: {self.guard.skipped} step(s) of this run were skipped for a non-finite loss or "
+                  f"gradient (--nonfinite skip); the nonfinite records of {self.layout.metrics} name them")
+
+    def how_to_continue(self) -> str:
+        """What the user can do with the run directory after a failure (rank 0's view of it)."""
+        out, at = self.layout.root, self.summary["step"]
+        found = list_checkpoints(out)
+        if found:
+            return (f"the run stopped after step {at}; its newest checkpoint is step {found[-1][0]}: continue with "
+                    f"dimuon train --resume {out} (flags such as --lr or --nonfinite may change)")
+        return (f"the run stopped after step {at}, before its first checkpoint: dimuon train --resume {out} "
+                "restarts it from step 0 (flags such as --lr or --nonfinite may change)")
 
     def plot(self) -> list[Path]:
         cfg = self.cfg
@@ -355,11 +425,12 @@ def step_generator(seed: int, step: int, rank: int, device: torch.device) -> tor
     return torch.Generator(device=device).manual_seed(int(state) & ((1 << 63) - 1))
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
-    """Clip the global gradient norm (sharded gradients included) and return it before clipping."""
-    if max_norm <= 0:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (sharded gradients included) before clipping, clipped to ``max_norm`` if > 0."""
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
 
 

@@ -6,8 +6,9 @@ so an option added to an optimizer appears as a flag, in ``config.json`` and in 
 edit here. The rules:
 
 - The flags are the union of the options of every optimizer in ``dimuon.optim.OPTIMIZERS``, except
-  ``lr`` (it is ``--lr``) and arguments that cannot be typed on a command line (``process_group``,
-  ``engine``: anything whose type is not a number, string, bool, dtype or a tuple of those).
+  ``lr`` (it is ``--lr``), ``nonfinite`` (the harness applies one policy to every optimizer: ``--nonfinite``)
+  and arguments that cannot be typed on a command line (``process_group``, ``engine``: anything whose
+  type is not a number, string, bool, dtype or a tuple of those).
 - Every flag defaults to ``None``: keep the optimizer's own default. A flag the chosen optimizer does
   not take is passed on anyway, so ``build`` rejects it with the list of what it accepts.
 - The Muon family drives its AdamW groups with ``adamw_*`` options (``adamw_betas``, ``adamw_eps``);
@@ -49,7 +50,7 @@ __all__ = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DtypeName = Literal["float32", "bfloat16", "float16"]
 AUX_PREFIX = "adamw_"  # the Muon family's options of its AdamW groups
-NOT_OPTIONS = ("self", "params", "lr")  # lr is the top-level --lr
+NOT_OPTIONS = ("self", "params", "lr", "nonfinite")  # the top-level --lr and --nonfinite
 _SCALARS = (bool, int, float, str)
 
 

@@ -1,8 +1,9 @@
 """``dimuon train``'s flags resolved once, at start-up, into the parts a run needs.
 
 :func:`resolve` checks the flags (:func:`dimuon.train.config.validate`), lets the optimizer check its
-own options, and returns a :class:`TrainPlan`: the run directory's layout, the data set, the model,
-the optimizer (name and ``build`` keywords), the learning-rate schedule and the evaluation settings.
+own options, finds what ``--resume`` continues from (refusing flags a resumed run cannot change), and
+returns a :class:`TrainPlan`: the run directory's layout, the data set, the model, the optimizer (name
+and ``build`` keywords), the learning-rate schedule, the evaluation settings and the resume point.
 The training loop is handed these parts; nothing re-derives them from the flags later. The parallel
 environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the process group is set up.
 """
@@ -20,11 +21,19 @@ from dimuon.data import DataSpec
 from dimuon.dit import DiT, build_dit
 from dimuon.io import RunLayout
 from dimuon.optim import build
-from dimuon.train.config import ConfigError, EvalOptions, TrainConfig, config_to_dict, validate
+from dimuon.train.config import (
+    ConfigError,
+    EvalOptions,
+    TrainConfig,
+    check_resume_flags,
+    config_to_dict,
+    validate,
+)
 from dimuon.train.optim_options import optimizer_kwargs
+from dimuon.train.resume import ResumePoint, find_resume_point
 from dimuon.train.schedule import LrSchedule
 
-__all__ = ["ModelSpec", "OptimizerSpec", "TrainPlan", "data_spec", "resolve"]
+__all__ = ["ModelSpec", "OptimizerSpec", "TrainPlan", "data_spec", "resolve", "resume_point"]
 
 
 @dataclass(frozen=True)
@@ -73,11 +82,7 @@ class TrainPlan:
     optimizer: OptimizerSpec
     schedule: LrSchedule
     evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
-
-    @property
-    def resume(self) -> Path | None:
-        """The checkpoint or run directory of ``--resume`` (found on disk at start-up)."""
-        return Path(self.cfg.resume) if self.cfg.resume else None
+    resume: ResumePoint | None  # what --resume continues from (found on disk at start-up)
 
 
 def data_spec(cfg: TrainConfig) -> DataSpec:
@@ -91,12 +96,27 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
         kwargs["image_size"] = cfg.image_size
     if cfg.channels is not None:
         kwargs["channels"] = cfg.channels
+    if cfg.num_classes is not None:
+        kwargs["num_classes"] = cfg.num_classes
     return DataSpec(cfg.dataset, kwargs)
+
+
+def resume_point(cfg: TrainConfig) -> ResumePoint | None:
+    """What ``--resume`` continues from, with the flags checked against the run's saved config."""
+    if not cfg.resume:
+        return None
+    point = find_resume_point(cfg.resume)
+    check_resume_flags(cfg, point.config, point.where)
+    if point.step > cfg.steps:
+        raise ConfigError(f"--steps {cfg.steps} is behind the step {point.step} of {point.where}; "
+                          f"pass --steps >= {point.step}")
+    return point
 
 
 def resolve(cfg: TrainConfig) -> TrainPlan:
     """Check the flags and resolve them into a :class:`TrainPlan`; :class:`ConfigError` names a bad flag."""
     validate(cfg)
+    resume = resume_point(cfg)  # first: a flag a resumed run cannot change is the error to report
     optimizer = OptimizerSpec(cfg.optimizer, optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr))
     optimizer.check()
     return TrainPlan(
@@ -108,4 +128,5 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
         optimizer=optimizer,
         schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
         evaluation=cfg.eval if cfg.eval.interval > 0 else None,
+        resume=resume,
     )

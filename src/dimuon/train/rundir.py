@@ -1,72 +1,133 @@
-"""The run directory of ``dimuon train``: refuse to mix two runs, and make it consistent with the starting step.
+"""The run directory of ``dimuon train``: refuse to mix two runs, never touch a user's files, and make it
+consistent with the starting step.
 
-Starting afresh replaces the entries a run consists of (:attr:`dimuon.io.RunLayout.ENTRIES`) and
-nothing else. Continuing in place drops what was logged or saved after the checkpoint (a killed run
-may have written some); forking from another run's checkpoint starts with that run's log up to it.
+A directory is a run when it holds dimuon's marker (:attr:`dimuon.io.RunLayout.marker`), written when the
+run is created. Starting afresh in a run (``--overwrite``) deletes dimuon's own files there and nothing
+else (:meth:`dimuon.io.RunLayout.clear`); a directory without the marker is not a run, and dimuon neither
+writes into nor deletes the entries of a run it finds there. Continuing in place drops what was logged
+after the checkpoint (a killed run may have written some) and sets later checkpoints aside until the run
+replaces them; forking from another run's checkpoint starts with that run's log up to it.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from dimuon.io import JsonlLog, RunLayout, read_jsonl, remove_steps_after, truncate_jsonl, write_json_atomic
+from dimuon.dit.checkpoint import list_checkpoints
+from dimuon.io import (
+    JsonlLog,
+    RunLayout,
+    free_bytes,
+    read_jsonl,
+    remove_steps_after,
+    truncate_jsonl,
+    unwritable_reason,
+    write_json_atomic,
+)
 from dimuon.log import get_logger
 from dimuon.metrics.results import truncate_results
-from dimuon.train.checkpoint import remove_checkpoints_after
+from dimuon.train.checkpoint import set_aside_checkpoints_after
 from dimuon.train.config import ConfigError
+from dimuon.train.resume import ResumePoint
 
-__all__ = ["check_run_dir", "continues_in_place", "prepare_run_dir"]
+__all__ = ["check_free_space", "check_run_dir", "continues_in_place", "describe_entries", "prepare_run_dir"]
 
 log = get_logger(__name__)
 
-
-def _run_of(checkpoint: Path) -> Path:
-    """The run directory of a checkpoint directory (``<run>/checkpoints/step_N``)."""
-    return checkpoint.parent.parent
+MIB = 1 << 20
 
 
-def continues_in_place(layout: RunLayout, resume_from: Path | None) -> bool:
-    """Whether the run resumes from a checkpoint of its own ``--out``."""
-    return resume_from is not None and _run_of(resume_from).resolve() == layout.root.resolve()
+def continues_in_place(layout: RunLayout, resume: ResumePoint | None) -> bool:
+    """Whether the run resumes a run in its own ``--out``."""
+    return resume is not None and resume.run.resolve() == layout.root.resolve()
 
 
-def check_run_dir(layout: RunLayout, resume_from: Path | None, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless asked to (before any expensive work)."""
+def describe_entries(paths: list[Path], root: Path, shown: int = 5) -> str:
+    """``eval/ (2 files: eval/run_eval.py, ...), notes.txt``: what a directory holds, for messages."""
+    parts = []
+    for path in paths[:shown]:
+        if path.is_dir():
+            files = sorted(str(p.relative_to(root)) for p in path.rglob("*") if not p.is_dir())
+            listed = ", ".join(files[:2]) + (", ..." if len(files) > 2 else "")
+            parts.append(f"{path.name}/ ({len(files)} file{'s' if len(files) != 1 else ''}"
+                         + (f": {listed})" if files else ")"))
+        else:
+            parts.append(path.name)
+    return ", ".join(parts) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+
+
+def _run_summary(layout: RunLayout) -> str:
+    found = list_checkpoints(layout.root)
+    if not found:
+        return "it has no checkpoint yet, so --resume restarts it from step 0 with its config"
+    return f"its newest checkpoint is step {found[-1][0]}"
+
+
+def check_run_dir(layout: RunLayout, resume: ResumePoint | None, overwrite: bool) -> None:
+    """Refuse an ``--out`` that cannot be written, a user's directory, or another run unless asked to
+    replace it (before any expensive work; nothing is written)."""
     run_dir = layout.root
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--out {run_dir} exists and is not a directory")
-    if layout.holds_run() and not continues_in_place(layout, resume_from) and not overwrite:
+    reason = unwritable_reason(run_dir)
+    if reason is not None:
+        raise ConfigError(f"--out {run_dir} cannot be written: {reason}")
+    if continues_in_place(layout, resume):
+        return
+    if layout.is_run():
+        if not overwrite:
+            raise ConfigError(
+                f"--out {run_dir} already holds a run ({_run_summary(layout)}); pass --resume {run_dir} to "
+                "continue it, --overwrite to replace it (only the files dimuon wrote are deleted), or another --out"
+            )
+        return
+    taken = [p for p in layout.entries() if p.exists()]
+    if taken:
         raise ConfigError(
-            f"--out {run_dir} already holds a run; pass --resume {run_dir} to continue it, "
-            "--overwrite to replace it, or another --out"
+            f"--out {run_dir} is not a dimuon run (it has no {layout.MARKER}) but holds "
+            f"{describe_entries(taken, run_dir)} where a run writes its files; dimuon neither writes into nor "
+            "deletes them: choose another --out, or move them away"
         )
 
 
-def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume_from: Path | None, start: int) -> None:
+def check_free_space(layout: RunLayout, checkpoint_bytes: int) -> None:
+    """Refuse to start when the file system of ``--out`` cannot take one more checkpoint, with margin."""
+    needed = checkpoint_bytes + checkpoint_bytes // 4 + 16 * MIB
+    free = free_bytes(layout.root)
+    if free < needed:
+        raise ConfigError(
+            f"--out {layout.root}: {free / MIB:.0f} MiB free on its file system, but one checkpoint of this run "
+            f"takes about {checkpoint_bytes / MIB:.0f} MiB (model, EMA and optimizer state) and a run needs "
+            f"{needed / MIB:.0f} MiB with margin; free some space or choose another --out"
+        )
+
+
+def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoint | None, start: int) -> None:
     """Make the run directory consistent with step ``start`` and write ``config.json`` (rank 0 only)."""
-    if continues_in_place(layout, resume_from):
+    if continues_in_place(layout, resume):
         dropped = truncate_jsonl(layout.metrics, start) + truncate_results(layout.root, start)
-        removed = remove_checkpoints_after(layout.root, start)
+        set_aside = set_aside_checkpoints_after(layout.root, start)
         remove_steps_after(layout.samples, start)
-        if dropped or removed:
-            log.info("resuming at step %d: dropped %d log records and %d checkpoint(s) written after it",
-                     start, dropped, len(removed))
+        if dropped or set_aside:
+            log.info("resuming at step %d: dropped %d log records written after it%s", start, dropped,
+                     f"; set aside the later checkpoint(s) {', '.join(p.name for p in set_aside)} until the run "
+                     "replaces them" if set_aside else "")
     else:
-        for path in layout.entries():
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if layout.is_run():
+            removed = layout.clear()
+            log.info("--overwrite: deleted the %d files of the run in %s", len(removed), layout.root)
         layout.root.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None:
+        layout.mark("dimuon train")  # first: from now on the directory is a run
+        if resume is not None:
             # A run forked from another run's checkpoint starts with that run's history up to it.
-            history = [r for r in read_jsonl(RunLayout(_run_of(resume_from)).metrics) if int(r.get("step", 0)) <= start]
+            history = [r for r in read_jsonl(RunLayout(resume.run).metrics) if int(r.get("step", 0)) <= start]
             fork_log = JsonlLog(layout.metrics)
             for rec in history:
                 fork_log.write(rec)
             fork_log.close()
+    if not layout.is_run():  # a run made before runs were marked, continued in place
+        layout.mark("dimuon train")
     layout.samples.mkdir(parents=True, exist_ok=True)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
     write_json_atomic(layout.config, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -12,7 +13,8 @@ import tyro
 
 from dimuon.dit import sample
 from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, load_model_for_eval
-from dimuon.io import save_grid
+from dimuon.io import save_grid, unwritable_reason
+from dimuon.log import run_command
 
 __all__ = ["SampleConfig", "main"]
 
@@ -47,11 +49,25 @@ class SampleConfig:
     """Nearest-neighbour upscaling of the PNG."""
 
 
+def check_config(cfg: SampleConfig) -> None:
+    """Refuse values that cannot work and an --out that cannot be written, before the model is loaded."""
+    for name in ("n", "steps", "scale", "nrow"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if cfg.cfg < 0:
+        raise ValueError(f"--cfg must be >= 0 (1 disables guidance), got {cfg.cfg}")
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name the PNG file to write")
+    reason = unwritable_reason(out.parent)
+    if reason is not None:
+        raise ValueError(f"--out {out} cannot be written: {reason}")
+
+
 def run(cfg: SampleConfig) -> torch.Tensor:
     """Sample as configured, write the grid, return the images (N, C, H, W) in [-1, 1]."""
-    for name in ("n", "steps", "scale"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    check_config(cfg)
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     model, info = load_model_for_eval(find_checkpoint(cfg.ckpt), use_ema=not cfg.raw, map_location=device)
@@ -71,14 +87,15 @@ def run(cfg: SampleConfig) -> torch.Tensor:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dimuon sample``: 0 done, 1 the grid could not be written, 2 bad flags or checkpoint."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(SampleConfig, args=args, prog="dimuon sample")
-    try:
+
+    def body() -> int:
         run(cfg)
-    except (CheckpointError, ValueError) as e:
-        print(f"dimuon sample: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("dimuon sample", body, usage=(CheckpointError, ValueError), interrupted="nothing was written")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from dimuon.io import read_tensors, write_tensors_atomic
+from dimuon.log import get_logger
 from dimuon.metrics.features.base import FeatureExtractor
 from dimuon.metrics.features.preprocess import check_images
 
 CACHE_FORMAT = 1
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,11 @@ def train_classifier(
     test_labels: torch.Tensor,
     num_classes: int,
     recipe: ClassifierRecipe,
+    progress: bool = False,
 ) -> tuple[SmallCNN, float]:
-    """Train a `SmallCNN` with AdamW and a one-cycle schedule from `recipe.seed`; returns it and its test accuracy."""
+    """Train a `SmallCNN` with AdamW and a one-cycle schedule from `recipe.seed`; returns it and its test accuracy.
+
+    ``progress`` shows a bar over the training steps."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         gen = torch.Generator().manual_seed(recipe.seed)
@@ -157,6 +164,8 @@ def train_classifier(
         sched = torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch
         )
+        bar = tqdm(total=recipe.epochs * steps_per_epoch, desc="feature classifier", unit="step",
+                   dynamic_ncols=True, disable=not progress)
         for _ in range(recipe.epochs):
             net.train()
             order = torch.randperm(images.shape[0], generator=gen)
@@ -167,6 +176,8 @@ def train_classifier(
                 loss.backward()
                 opt.step()
                 sched.step()
+                bar.update(1)
+        bar.close()
     return net.eval(), _accuracy(net, test_images, test_labels)
 
 
@@ -191,6 +202,7 @@ def load_or_train_classifier(
     test_labels: torch.Tensor | np.ndarray | None = None,
     recipe: ClassifierRecipe | None = None,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> ClassifierFeatures:
     """Classifier feature extractor for a data set: loaded from `cache_dir` if trained before, else trained.
 
@@ -199,6 +211,7 @@ def load_or_train_classifier(
     The extractor is named `classifier-<dataset_name>-<hash8>`. `num_threads` sets torch's CPU threads while
     training (None: keep torch's setting); one is the robust default, as a second thread gains at most 2x on
     these small convolutions and spinning threads lose far more than that on a shared machine.
+    Training (once per data set and recipe) is announced in the log, with a bar over its steps if ``progress``.
     """
     recipe = recipe or ClassifierRecipe()
     x, y = _as_tensor(images, torch.float32, "images"), _as_tensor(labels, torch.int64, "labels")
@@ -235,9 +248,13 @@ def load_or_train_classifier(
         return ClassifierFeatures(net, name, meta)
 
     num_classes = int(max(y.max().item(), yt.max().item())) + 1
+    log.info("training the feature classifier of %s on %d images (%d epochs; once: it is cached as %s for every "
+             "later evaluation of this data set)", dataset_name, x.shape[0], recipe.epochs, path)
     start = time.perf_counter()
     with _torch_threads(num_threads):
-        net, acc = train_classifier(x, y, xt, yt, num_classes, recipe)
+        net, acc = train_classifier(x, y, xt, yt, num_classes, recipe, progress=progress)
+    log.info("feature classifier trained in %.0f s, %.1f%% accuracy on %d held-out images",
+             time.perf_counter() - start, 100 * acc, xt.shape[0])
     meta = {
         "name": name,
         "dataset_name": dataset_name,
