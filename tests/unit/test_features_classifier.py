@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import time
 from pathlib import Path
 
 import numpy as np
