@@ -118,12 +118,15 @@ def test_bf16_newton_schulz_is_what_ns_dtype_none_runs_off_cpu(monkeypatch):
 
 def test_exposed_time_on_cpu_is_host_time():
     counter = CommCounter()
-    with counter.exposed("all_gather", torch.device("cpu")):
+    with counter.exposed(("shard", "all_gather"), torch.device("cpu")):
         sum(range(10000))
+    counter.record(("replicate", "all_gather"), 8)
     stats = counter.stats()["all_gather"]
-    assert stats["exposed_s"] > 0 and stats["calls"] == 0
+    assert stats["exposed_s"] > 0 and (stats["calls"], stats["bytes"]) == (1, 8)  # summed over mesh dimensions
+    by_dim = counter.stats_by_mesh_dim()
+    assert by_dim["shard"]["all_gather"]["calls"] == 0 and by_dim["replicate"]["all_gather"]["bytes"] == 8
     counter.reset()
-    assert counter.stats() == {}
+    assert counter.stats() == {} and counter.stats_by_mesh_dim() == {}
 
 
 def test_deepcopy_of_a_compiled_options_optimizer_keeps_them():

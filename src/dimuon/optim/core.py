@@ -26,14 +26,18 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     REFRESH_STRATEGIES,
+    REPLICA_REFRESH_STRATEGIES,
     DirectionEngine,
     LocalEngine,
     MapConfig,
     MatrixJob,
     Refresh,
+    ReplicaRefresh,
+    block_grid,
     read_flag,
     split_sizes_to_ranges,
 )
+from dimuon.optim.distributed.layout import derive_layout, is_dtensor
 from dimuon.optim.linalg import (
     COEFFICIENT_SETS,
     LR_SCALES,
@@ -58,20 +62,16 @@ _EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "ski
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
 _ENGINE_DEFAULTS: dict[str, Any] = {"refresh": "gather", "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
-                                    "process_group": None}
+                                    "process_group": None, "replica_refresh": "repeat"}
 
 
 class FlattenedParameterWarning(UserWarning):
     """A parameter with more than two dimensions in a "muon" group is updated as one (out, rest) matrix."""
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class MuonFamily(torch.optim.Optimizer):
@@ -110,6 +110,7 @@ class MuonFamily(torch.optim.Optimizer):
         process_group: Any = None,
         ns_compile: bool = False,
         adamw_fused: bool | None = None,
+        replica_refresh: ReplicaRefresh = "repeat",
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
@@ -139,6 +140,7 @@ class MuonFamily(torch.optim.Optimizer):
         self._validate_options(defaults, where="")
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         check_choice("refresh", refresh, REFRESH_STRATEGIES)
+        check_choice("replica_refresh", replica_refresh, REPLICA_REFRESH_STRATEGIES)
         check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
             raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
@@ -150,8 +152,9 @@ class MuonFamily(torch.optim.Optimizer):
         self.ns_compile = ns_compile
         self.adamw_fused = adamw_fused
         self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype,
-                               "process_group": process_group}
+                               "process_group": process_group, "replica_refresh": replica_refresh}
         self._engine: DirectionEngine | None = engine
+        self._engine_params: tuple[tuple[int, bool], ...] = ()  # the parameters the engine was built for
         self._engine_given = engine is not None
         self._constructing = True
         self._flattened: list[str] = []
@@ -276,6 +279,8 @@ class MuonFamily(torch.optim.Optimizer):
             if p.ndim > 2:
                 self._flattened.append(f"{pname} {tuple(p.shape)}")
             split_sizes_to_ranges(p.shape[0], group["split_sizes"], pname)
+            if is_dtensor(p):
+                derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
 
     def _warn_flattened(self, stacklevel: int) -> None:
         """One warning for the parameters flattened since the last one (``stacklevel`` reaches the caller)."""
@@ -338,7 +343,8 @@ class MuonFamily(torch.optim.Optimizer):
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
         runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
-                   "_engine_given": False, "_constructing": False, "_flattened": []}
+                   "_engine_given": False, "_constructing": False, "_flattened": [],
+                   "_engine_params": ()}
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -411,16 +417,32 @@ class MuonFamily(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- execution
     def _get_engine(self) -> DirectionEngine:
-        """Local engine for plain tensors; sharded engine for DTensors or when a process group is given."""
-        if self._engine is None:
-            params = [p for g in self.param_groups for p in g["params"]]
-            if self.engine_options["process_group"] is not None or any(_is_dtensor(p) for p in params):
+        """Local engine for plain tensors; sharded engine for DTensors or when a process group is given.
+
+        Built at the first step, and again when the parameters were replaced since (a wrapper that shards
+        the model after the optimizer was made and points the groups at the sharded parameters): the
+        engine derives each parameter's layout from the parameters it is handed, per parameter object.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        current = tuple((id(p), is_dtensor(p)) for p in params)
+        if self._engine is None or (not self._engine_given and current != self._engine_params):
+            self._drop_stale_state(params)
+            if self.engine_options["process_group"] is not None or any(is_dtensor(p) for p in params):
                 from dimuon.optim.distributed.sharded import ShardedEngine
 
                 self._engine = ShardedEngine(**self.engine_options, params=params)
             else:
                 self._engine = LocalEngine()
+            self._engine_params = current
+        assert self._engine is not None
         return self._engine
+
+    def _drop_stale_state(self, params: list[Tensor]) -> None:
+        """Forget the state of tensors that are no longer parameters of any group (replaced ones): torch's
+        ``state_dict`` cannot map them, and their (unsharded) zeros would only hold memory."""
+        held = {id(p) for p in params}
+        for stale in [p for p in self.state if id(p) not in held]:
+            del self.state[stale]
 
     def _local_grads_finite(self) -> Tensor:
         """0-d bool on the parameters' device: every local gradient entry is finite (one pass per gradient:
@@ -505,7 +527,7 @@ class MuonFamily(torch.optim.Optimizer):
                     rows=rows,
                     cols=cols,
                     splits=split_sizes_to_ranges(rows, group["split_sizes"], name),
-                    blocks=int(group.get("blocks", 1)),
+                    blocks=block_grid(group.get("blocks", 1)),
                     meta={"param": p},
                 )
             )
@@ -538,7 +560,7 @@ class MuonFamily(torch.optim.Optimizer):
         With Nesterov, ``U = (1-beta) G + beta M`` is written straight into one ``(B, r, c)``
         buffer per shape, the batch the engine would otherwise have to stack (a copy saved).
         """
-        flat = [b.reshape(b.shape[0], math.prod(p.shape[1:])) for p, b in zip(params, bufs)]
+        flat = [b.reshape(b.shape[0], math.prod(b.shape[1:])) for b in bufs]  # the local piece
         if not nesterov:
             return flat  # U = M
         by_shape: dict[tuple[int, ...], list[int]] = {}
@@ -559,6 +581,15 @@ class MuonFamily(torch.optim.Optimizer):
         return all(local_tensor(p).device.type in devices and p.is_floating_point() for p in params)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """torch's AdamW over the group, one kernel call per device mesh: a list kernel takes plain tensors or
+        DTensors of one mesh, and tensor parallelism mixes them (layers in the plan, others outside it)."""
+        by_mesh: dict[int, list[Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(id(p.device_mesh) if is_dtensor(p) else 0, []).append(p)
+        for part in by_mesh.values():
+            self._adamw_kernel(group, part)
+
+    def _adamw_kernel(self, group: dict[str, Any], params: list[Tensor]) -> None:
         fused = self.adamw_fused if self.adamw_fused is not None else self._fused_supported(params)
         # Under torch.compile the unfused kernel needs its capturable form (tensor step sizes).
         capturable = not fused and torch.compiler.is_compiling()
@@ -604,9 +635,10 @@ class MuonFamily(torch.optim.Optimizer):
             self.schedule.kind(g["step"], g) if g["algorithm"] == "muon" else None for g in self.param_groups
         ]
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Logical bytes and calls per collective kind since the last reset (empty in one process)."""
-        return self._engine.comm_stats() if self._engine is not None else {}
+    def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
+        """Calls, logical bytes and exposed seconds per collective kind since the last reset (empty in one
+        process); with ``by_mesh_dim=True`` the same per mesh dimension first: ``{dim: {kind: {...}}}``."""
+        return self._engine.comm_stats(by_mesh_dim=by_mesh_dim) if self._engine is not None else {}
 
     def reset_comm_stats(self) -> None:
         if self._engine is not None:

@@ -39,6 +39,9 @@ _COMMON_DOC = """
             shape compiles, seconds each; same results within rounding).
         adamw_fused: the AdamW groups' kernel: ``True`` fused, ``False`` foreach, ``None`` (default)
             fused wherever torch has a fused AdamW for the parameters' device and dtype.
+        replica_refresh: spectral steps of parameters that mesh dimensions replicate (HSDP):
+            ``"repeat"`` (every replica refreshes every matrix; no bytes across replicas) or
+            ``"split"`` (each matrix refreshed by one replica, its pieces broadcast to the others).
         engine: where the direction maps run (tests); ``None`` picks the single-process or the
             sharded engine from the parameters.
 """
@@ -81,14 +84,18 @@ class PeriodicRowMuon(MuonFamily):
 class MuonBP(MuonFamily):
     """MuonBP: full orthogonalization when ``t % period == 0``, block-wise otherwise.
 
-    Blocks are each rank's shard of rows for sharded (DTensor) parameters, and ``blocks`` equal
-    row chunks (as ``torch.chunk`` cuts them) for unsharded ones. Block steps use the step size
-    ``lr * block_lr_ratio`` and the shape scale of the block. Takes every :class:`Muon` argument
-    plus ``period``, ``blocks`` and ``block_lr_ratio``.
+    Blocks are each rank's piece of the matrix for sharded (DTensor) parameters (its rows under
+    FSDP, its columns under a row-wise tensor-parallel ``Shard(1)``, a sub-block under FSDP x TP), and
+    for unsharded ones the grid ``blocks`` cuts (as ``torch.chunk`` cuts each side): an int ``B`` means
+    ``B`` row blocks, a pair ``(R, C)`` means ``R`` row blocks times ``C`` column blocks, so one process
+    can reproduce any sharded layout. Block steps use the step size ``lr * block_lr_ratio`` and the
+    shape scale of the block. Takes every :class:`Muon` argument plus ``period``, ``blocks`` and
+    ``block_lr_ratio``.
 
     Args (schedule):
         period: a full spectral step every ``period`` steps, block steps in between.
-        blocks: row blocks per matrix of a block step on unsharded parameters (sharded ones use their shards).
+        blocks: blocks of a block step on unsharded parameters (sharded ones use their pieces): row blocks, or
+            a pair (row blocks, column blocks).
         block_lr_ratio: step multiplier of the block steps.
     """
 
@@ -99,15 +106,23 @@ class MuonBP(MuonFamily):
         params: Any,
         lr: float | Tensor = 1e-3,
         period: int = 5,
-        blocks: int = 1,
+        blocks: int | tuple[int, int] = 1,
         block_lr_ratio: float = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr=lr, period=period, blocks=blocks, block_lr_ratio=block_lr_ratio, **kwargs)
 
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
-        if key in ("period", "blocks"):
-            check_number(f"{key}{where}", value, low=1, integer=True)
+        if key == "period":
+            check_number(f"period{where}", value, low=1, integer=True)
+        elif key == "blocks":
+            if isinstance(value, (tuple, list)):
+                if len(value) != 2:
+                    raise ValueError(f"blocks{where} must be an int or a pair (row_blocks, col_blocks), got {value!r}")
+                for side, v in zip(("row_blocks", "col_blocks"), value):
+                    check_number(f"blocks{where} {side}", v, low=1, integer=True)
+            else:
+                check_number(f"blocks{where}", value, low=1, integer=True)
         elif key == "block_lr_ratio":
             check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
 

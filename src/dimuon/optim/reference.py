@@ -49,18 +49,20 @@ def reference_scale(name: str, rows: int, cols: int) -> float:
 
 
 def reference_direction(
-    u: Tensor, kind: StepKind, lr_scale: str, blocks: int = 1, dtype: torch.dtype = torch.float32
+    u: Tensor, kind: StepKind, lr_scale: str, blocks: int | tuple[int, int] = 1, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Scaled direction of one ``(rows, cols)`` momentum matrix at one step kind."""
+    """Scaled direction of one ``(rows, cols)`` momentum matrix at one step kind (``blocks``: row blocks, or a
+    pair of row and column blocks, cut as ``torch.chunk`` cuts)."""
     rows, cols = u.shape
     if kind is StepKind.ROWNORM:
         return reference_rownorm(u) * reference_scale(lr_scale, rows, cols)
     if kind is StepKind.BLOCK:
-        parts = [
-            reference_orthogonalize(chunk, dtype=dtype).float() * reference_scale(lr_scale, *chunk.shape)
-            for chunk in torch.chunk(u, blocks, dim=0)
-        ]
-        return torch.cat(parts, dim=0)
+        row_blocks, col_blocks = (blocks, 1) if isinstance(blocks, int) else blocks
+        return torch.cat([
+            torch.cat([reference_orthogonalize(block, dtype=dtype).float() * reference_scale(lr_scale, *block.shape)
+                       for block in torch.chunk(band, col_blocks, dim=1)], dim=1)
+            for band in torch.chunk(u, row_blocks, dim=0)
+        ], dim=0)
     return reference_orthogonalize(u, dtype=dtype).float() * reference_scale(lr_scale, rows, cols)
 
 
@@ -79,7 +81,7 @@ class ReferenceMuon:
         k: int = 3,
         gamma: float = 0.15,
         period: int = 5,
-        blocks: int = 1,
+        blocks: int | tuple[int, int] = 1,
         block_lr_ratio: float = 1.0,
         dtype: torch.dtype = torch.float32,
     ) -> None:

@@ -5,6 +5,9 @@ all-gather ``(W-1)/W`` of its output, all-reduce ``2(W-1)/W`` of its tensor (rin
 what arrives from the other ranks. They are exact, deterministic and cheap to keep, so tests
 assert on them and benchmarks report them next to measured times.
 
+Every count is kept per collective kind and per mesh dimension (the group's label: a mesh dimension's
+name, names joined by ``+`` for a flattened group of two, ``process_group`` for a plain group).
+
 Exposed time is measured where the waiting happens: on the host for CPU tensors (gloo blocks the
 calling thread), on the stream for CUDA tensors (NCCL's ``wait()`` only makes the current stream
 wait, so two CUDA events around it time the stall without blocking the host; they are read when
@@ -23,9 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+Key = tuple[str, str]  # (mesh dimension label, collective kind)
+
+
+def _empty_entry() -> dict[str, Any]:
+    return {"calls": 0, "bytes": 0, "exposed_s": 0.0}
+
 
 class CommCounter:
-    """Per collective kind since the last reset: calls, logical bytes, and seconds this rank sat blocked.
+    """Per mesh dimension and collective kind since the last reset: calls, logical bytes, and seconds this
+    rank sat blocked.
 
     ``exposed_s`` is the communication time not hidden behind computation: the whole duration of a
     blocking call, and only the time spent in ``wait()`` for an asynchronous one (host time on CPU,
@@ -33,50 +43,68 @@ class CommCounter:
     """
 
     def __init__(self) -> None:
-        self._stats: dict[str, dict[str, Any]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "exposed_s": 0.0})
-        self._pending: deque[tuple[str, Any, Any]] = deque()  # (kind, start, end) CUDA events not yet read
+        self._stats: dict[Key, dict[str, Any]] = defaultdict(_empty_entry)
+        self._pending: deque[tuple[Key, Any, Any]] = deque()  # (key, start, end) CUDA events not yet read
+        self.calls: list[Key] = []  # every collective since the last reset, in the order this rank issued them
 
-    def record(self, kind: str, logical_bytes: int) -> None:
-        entry = self._stats[kind]
+    def record(self, key: Key, logical_bytes: int) -> None:
+        self.calls.append(key)
+        entry = self._stats[key]
         entry["calls"] += 1
         entry["bytes"] += int(logical_bytes)
 
-    def add_exposed(self, kind: str, seconds: float) -> None:
-        self._stats[kind]["exposed_s"] += seconds
+    def add_exposed(self, key: Key, seconds: float) -> None:
+        self._stats[key]["exposed_s"] += seconds
 
     @contextmanager
-    def exposed(self, kind: str, device: torch.device) -> Iterator[None]:
-        """Book the time the body keeps this rank waiting as exposed ``kind`` time."""
+    def exposed(self, key: Key, device: torch.device) -> Iterator[None]:
+        """Book the time the body keeps this rank waiting as exposed time of ``key``."""
         if device.type != "cuda":
             start = time.perf_counter()
             yield
-            self.add_exposed(kind, time.perf_counter() - start)
+            self.add_exposed(key, time.perf_counter() - start)
             return
         stream = torch.cuda.current_stream(device)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record(stream)
         yield
         end.record(stream)
-        self._pending.append((kind, begin, end))
+        self._pending.append((key, begin, end))
         self._read_events(block=False)
 
     def _read_events(self, block: bool) -> None:
         """Book the CUDA intervals that have completed (all of them, waiting if ``block``)."""
         while self._pending:
-            kind, begin, end = self._pending[0]
+            key, begin, end = self._pending[0]
             if not block and not end.query():
                 return
             end.synchronize()
-            self.add_exposed(kind, begin.elapsed_time(end) / 1e3)
+            self.add_exposed(key, begin.elapsed_time(end) / 1e3)
             self._pending.popleft()
 
     def stats(self) -> dict[str, dict[str, Any]]:
+        """``{kind: {"calls", "bytes", "exposed_s"}}`` summed over mesh dimensions."""
+        out: dict[str, dict[str, Any]] = defaultdict(_empty_entry)
+        for (_, kind), value in self._read().items():
+            for field, amount in value.items():
+                out[kind][field] += amount
+        return dict(out)
+
+    def stats_by_mesh_dim(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{mesh dimension: {kind: {"calls", "bytes", "exposed_s"}}}``."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for (dim, kind), value in self._read().items():
+            out.setdefault(dim, {})[kind] = dict(value)
+        return out
+
+    def _read(self) -> dict[Key, dict[str, Any]]:
         self._read_events(block=True)
-        return {k: dict(v) for k, v in self._stats.items()}
+        return self._stats
 
     def reset(self) -> None:
         self._pending.clear()  # intervals of the window being dropped: discarded unread, no sync
         self._stats.clear()
+        self.calls.clear()
 
 
 def _nbytes(t: Tensor) -> int:
@@ -87,50 +115,54 @@ class _TimedWork:
     """An async collective handle: ``wait()`` books the blocked time as exposed and only then lets go of the
     tensors the collective reads and writes, so none is freed (and reused) while it may still be in flight."""
 
-    def __init__(self, work: Any, counter: CommCounter, kind: str, tensors: tuple[Tensor, ...]) -> None:
-        self.work, self.counter, self.kind, self.tensors = work, counter, kind, tensors
+    def __init__(self, work: Any, counter: CommCounter, key: Key, tensors: tuple[Tensor, ...]) -> None:
+        self.work, self.counter, self.key, self.tensors = work, counter, key, tensors
 
     def wait(self) -> None:
-        with self.counter.exposed(self.kind, self.tensors[0].device):
+        with self.counter.exposed(self.key, self.tensors[0].device):
             self.work.wait()
         self.tensors = ()
 
 
-def _timed(counter: CommCounter, kind: str, async_op: bool, tensors: tuple[Tensor, ...], call: Callable[[], Any]) -> Any:
+def _timed(counter: CommCounter, key: Key, async_op: bool, tensors: tuple[Tensor, ...], call: Callable[[], Any]) -> Any:
     """Run a collective over ``tensors``; time it all when blocking, or wrap its handle when asynchronous."""
     if async_op:
-        return _TimedWork(call(), counter, kind, tensors)
-    with counter.exposed(kind, tensors[0].device):
+        return _TimedWork(call(), counter, key, tensors)
+    with counter.exposed(key, tensors[0].device):
         return call()
 
 
 class Collectives:
-    """Counted collectives over one process group (gloo or NCCL)."""
+    """Counted collectives over one process group (gloo or NCCL), booked under the group's ``label``."""
 
-    def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter, label: str = "process_group") -> None:
         self.group = group
         self.counter = counter
+        self.label = label
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    def _key(self, kind: str) -> Key:
+        return (self.label, kind)
+
     def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
         """``output`` (W * local.numel()) receives every rank's ``local`` in rank order."""
-        self.counter.record("all_gather", _nbytes(output) * (self.world - 1) // self.world)
+        self.counter.record(self._key("all_gather"), _nbytes(output) * (self.world - 1) // self.world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return _timed(self.counter, "all_gather", async_op, (output, local),
+        return _timed(self.counter, self._key("all_gather"), async_op, (output, local),
                       lambda: gather(output, local, group=self.group, async_op=async_op))
 
     def all_reduce(self, tensor: Tensor, async_op: bool = False, kind: str = "all_reduce"):
         """Sum ``tensor`` over ranks in place."""
-        self.counter.record(kind, 2 * _nbytes(tensor) * (self.world - 1) // self.world)
-        return _timed(self.counter, kind, async_op, (tensor,),
+        self.counter.record(self._key(kind), 2 * _nbytes(tensor) * (self.world - 1) // self.world)
+        return _timed(self.counter, self._key(kind), async_op, (tensor,),
                       lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
     def all_true(self, flag: Tensor) -> Tensor:
         """``flag`` (0-d bool) AND-ed over the ranks by one 4-byte all-reduce, on ``flag``'s device (no host read)."""
         value = flag.to(torch.int32).reshape(1)
-        self.counter.record("all_reduce[check]", 2 * 4 * (self.world - 1) // self.world)
-        _timed(self.counter, "all_reduce[check]", False, (value,),
+        self.counter.record(self._key("all_reduce[check]"), 2 * 4 * (self.world - 1) // self.world)
+        _timed(self.counter, self._key("all_reduce[check]"), False, (value,),
                lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group))
         return value[0] > 0
 
@@ -144,14 +176,14 @@ class Collectives:
     ):
         """Flat all-to-all: ``send`` is cut by ``input_splits`` per destination, ``output`` by source."""
         arrived = sum(n for r, n in enumerate(output_splits) if r != self.rank)
-        self.counter.record("all_to_all", arrived * output.element_size())
-        return _timed(self.counter, "all_to_all", async_op, (output, send), lambda: dist.all_to_all_single(
+        self.counter.record(self._key("all_to_all"), arrived * output.element_size())
+        return _timed(self.counter, self._key("all_to_all"), async_op, (output, send), lambda: dist.all_to_all_single(
             output, send, list(output_splits), list(input_splits), group=self.group, async_op=async_op
         ))
 
     def broadcast(self, tensor: Tensor, src: int, async_op: bool = False):
         """``tensor`` from group rank ``src`` to every rank."""
-        self.counter.record("broadcast", _nbytes(tensor) if self.rank != src else 0)
+        self.counter.record(self._key("broadcast"), _nbytes(tensor) if self.rank != src else 0)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return _timed(self.counter, "broadcast", async_op, (tensor,),
+        return _timed(self.counter, self._key("broadcast"), async_op, (tensor,),
                       lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
@@ -21,10 +21,17 @@ from dimuon.optim.linalg import compiled_newton_schulz, lr_scale_factor, newton_
 from dimuon.optim.schedules import StepKind
 
 RowRange = tuple[int, int]
+Region = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
+BlockGrid = tuple[int, int]  # (row blocks, column blocks) of a single-process block step
 
 # Spectral-step strategies of the sharded engine (docs/algorithms.md, "Sharded execution").
 Refresh = Literal["gather", "owner"]
 REFRESH_STRATEGIES: tuple[str, ...] = get_args(Refresh)
+
+# How the replicas of a sharded matrix (mesh dimensions that replicate it, e.g. HSDP's) share its refresh:
+# every replica repeats it, or each matrix goes to one replica and the refreshed pieces are broadcast.
+ReplicaRefresh = Literal["repeat", "split"]
+REPLICA_REFRESH_STRATEGIES: tuple[str, ...] = get_args(ReplicaRefresh)
 
 # Size of the communication buckets that overlap with Newton-Schulz, in MiB (the one default).
 DEFAULT_BUCKET_MB: float = 16.0
@@ -46,27 +53,23 @@ class MapConfig:
 class MatrixJob:
     """One Muon parameter as the engine sees it.
 
-    ``update`` holds rows ``[row_offset, row_offset + update.shape[0])`` of the ``(rows, cols)``
-    Nesterov momentum (all of them in a single process). ``splits`` are the global row ranges of
-    the logical matrices the parameter is made of (one range unless fused matrices are split).
-    ``blocks`` is how many row blocks a single-process block step cuts each logical matrix into.
+    ``update`` holds this process's piece of the ``(rows, cols)`` Nesterov momentum (all of it in a
+    single process; a sharded engine reads where the piece sits from the parameter's placements).
+    ``splits`` are the global row ranges of the logical matrices the parameter is made of (one range
+    unless fused matrices are split). ``blocks`` is the ``(row blocks, column blocks)`` grid a
+    single-process block step cuts the matrix into (``torch.chunk`` on each side; an int: row blocks).
     """
 
     name: str
     update: Tensor
     rows: int
     cols: int
-    row_offset: int = 0
     splits: tuple[RowRange, ...] = ()
-    blocks: int = 1
+    blocks: int | BlockGrid = (1, 1)
     meta: dict = field(default_factory=dict)
 
     def logical_ranges(self) -> tuple[RowRange, ...]:
         return self.splits or ((0, self.rows),)
-
-    @property
-    def local_range(self) -> RowRange:
-        return (self.row_offset, self.row_offset + self.update.shape[0])
 
 
 class DirectionEngine(Protocol):
@@ -78,8 +81,8 @@ class DirectionEngine(Protocol):
         """Whether ``flag`` (a 0-d bool tensor) is true on every process (every process must call it)."""
         ...
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Logical bytes and calls per collective kind since the last reset."""
+    def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
+        """Logical bytes and calls per collective kind (or per mesh dimension, then kind) since the last reset."""
         ...
 
     def reset_comm_stats(self) -> None: ...
@@ -178,13 +181,25 @@ def apply_map_batched(
     return out  # type: ignore[return-value]
 
 
-def map_ranges(job: MatrixJob, kind: StepKind) -> list[RowRange]:
-    """Global row ranges of the matrices the map acts on at this step kind, for an unsharded job."""
+def block_grid(blocks: int | Sequence[int]) -> BlockGrid:
+    """``blocks`` as a ``(row blocks, column blocks)`` pair: an int means row blocks only."""
+    if isinstance(blocks, int):
+        return (blocks, 1)
+    rows, cols = blocks
+    return (int(rows), int(cols))
+
+
+def map_regions(job: MatrixJob, kind: StepKind) -> list[Region]:
+    """The regions of an unsharded job's matrix that the map acts on at this step kind: each logical matrix,
+    or on block steps each logical matrix cut by the ``blocks`` grid (row chunks of the whole matrix
+    intersected with the logical matrices, times column chunks)."""
     ranges = list(job.logical_ranges())
-    if kind is StepKind.BLOCK and job.blocks > 1:
-        blocks = chunk_ranges(0, job.rows, job.blocks)
-        ranges = [r for lr in ranges for b in blocks if (r := intersect(lr, b)) is not None]
-    return ranges
+    row_blocks, col_blocks = block_grid(job.blocks)
+    if kind is not StepKind.BLOCK or (row_blocks, col_blocks) == (1, 1):
+        return [(a, b, 0, job.cols) for a, b in ranges]
+    rows = [r for lr in ranges for b in chunk_ranges(0, job.rows, row_blocks) if (r := intersect(lr, b)) is not None]
+    cols = chunk_ranges(0, job.cols, col_blocks)
+    return [(a, b, c, d) for a, b in rows for c, d in cols]
 
 
 class LocalEngine:
@@ -193,7 +208,7 @@ class LocalEngine:
     def all_true(self, flag: Tensor) -> bool:
         return read_flag(flag)
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
+    def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
         return {}
 
     def reset_comm_stats(self) -> None:
@@ -201,19 +216,20 @@ class LocalEngine:
 
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
         pieces: list[Tensor] = []
-        owners: list[tuple[int, RowRange]] = []
+        owners: list[tuple[int, Region]] = []
         for j, job in enumerate(jobs):
-            for lo, hi in map_ranges(job, kind):
-                pieces.append(job.update[lo:hi])
-                owners.append((j, (lo, hi)))
+            for region in map_regions(job, kind):
+                r0, r1, c0, c1 = region
+                pieces.append(job.update[r0:r1, c0:c1])
+                owners.append((j, region))
         results = apply_map_batched(pieces, kind, config)
         outs: list[Tensor | None] = [None] * len(jobs)
-        for (j, (lo, hi)), res in zip(owners, results):
+        for (j, (r0, r1, c0, c1)), res in zip(owners, results):
             job = jobs[j]
-            if lo == 0 and hi == job.rows:
+            if (r0, r1, c0, c1) == (0, job.rows, 0, job.cols):
                 outs[j] = res
                 continue
             if outs[j] is None:
                 outs[j] = torch.empty(job.update.shape, dtype=res.dtype, device=res.device)
-            outs[j][lo:hi] = res
+            outs[j][r0:r1, c0:c1] = res
         return outs  # type: ignore[return-value]

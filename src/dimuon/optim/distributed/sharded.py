@@ -1,27 +1,36 @@
-"""Sharded execution of the direction maps for DTensor parameters (FSDP2 ``Shard(0)`` on a 1-D mesh).
+"""Sharded execution of the direction maps for DTensor parameters: FSDP2, HSDP, tensor parallel, FSDP x TP.
 
-Each rank holds rows ``[r0, r1)`` of every matrix (as ``torch.chunk`` cuts them; shards may be
-uneven or empty). docs/algorithms.md, "Sharded execution":
+Each parameter's placements give its layout (:mod:`dimuon.optim.distributed.layout`): which rows and
+columns every rank holds, which mesh dimensions shard rows, which shard columns, which replicate.
+docs/algorithms.md, "Sharded execution", states the maps and their communication:
 
-- RowNorm, ``m <= n`` (oriented rows are rows of ``W``): purely local.
-- RowNorm, ``m > n``: one bucketed all-reduce of the local column sums of squares, then local.
-- Block (MuonBP): Newton-Schulz on the local shard alone, no communication.
-- Spectral, ``refresh="gather"``: bucketed async all-gather of the momentum shards, overlapped with
-  Newton-Schulz of the previous bucket; every rank orthogonalizes and keeps its rows.
-- Spectral, ``refresh="owner"``: one owner rank per matrix (balanced by Newton-Schulz FLOPs); the
-  shards travel to the owner and the results back by all-to-all; no duplicated work.
+- RowNorm: an oriented row split across ranks needs its sum of squares from every rank holding part
+  of it: wide logical matrices (``m <= n``, rows of ``W``) reduce over the dimensions sharding the
+  columns, tall ones (columns of ``W``) over the dimensions sharding the rows. One flat all-reduce
+  per process group and step gathers all such sums; an unsplit oriented row is local (so ``m <= n``
+  on ``Shard(0)`` moves nothing).
+- Block (MuonBP): Newton-Schulz on the local piece of each logical matrix (a row block, a column
+  block or a sub-block), no communication.
+- Spectral, ``refresh="gather"``: within the shard group (the ranks holding distinct pieces),
+  bucketed async all-gather of the pieces, overlapped with Newton-Schulz of the previous bucket;
+  every rank orthogonalizes and keeps its piece.
+- Spectral, ``refresh="owner"``: one owner per matrix in the shard group (balanced by Newton-Schulz
+  FLOPs); pieces travel to the owner and back by all-to-all.
+- Replicas (mesh dimensions that replicate, e.g. HSDP's replicate dimension):
+  ``replica_refresh="repeat"`` lets every replica repeat the refresh (no bytes across replicas);
+  ``"split"`` gives each matrix to one replica (balanced by FLOPs), whose shard group refreshes it,
+  and broadcasts the refreshed pieces over the replicate dimension.
+- Parameters held whole (``Replicate()`` everywhere, or plain tensors under DDP with
+  ``process_group=``): owners orthogonalize their share and broadcast it; RowNorm and block steps are local.
 
-Replicated parameters (``Replicate()`` DTensors, or plain tensors under DDP when the optimizer is
-given ``process_group``) hold the whole matrix on every rank: their spectral steps are split
-across ranks by the same owner assignment and the results broadcast; RowNorm and block steps are
-computed locally.
-
-Every rank walks the same buckets in the same order (all decisions use global shapes only), so
-no collective is ever issued by only some ranks, and empty shards take part with empty payloads.
+Every decision uses global shapes and the placements only, and the collectives of each process group
+are issued in the order the parameters come, so every rank of every group (shard, replicate, reduction,
+flattened) issues the same sequence, empty pieces included.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,65 +42,55 @@ from dimuon.optim.distributed.collectives import Collectives, CommCounter
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     REFRESH_STRATEGIES,
+    REPLICA_REFRESH_STRATEGIES,
     LocalEngine,
     MapConfig,
     MatrixJob,
-    RowRange,
     apply_map_batched,
-    intersect,
-    map_ranges,
+    map_regions,
     read_flag,
 )
+from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
 from dimuon.optim.linalg import lr_scale_factor, oriented_shape, row_normalize
 from dimuon.optim.schedules import StepKind
 
 
-@dataclass
-class _Shard:
-    """Where one job's local rows sit in the global matrix, and every rank's row count."""
+@dataclass(frozen=True)
+class _Placement:
+    """Where one parameter's piece sits and which groups its maps talk over (fixed for the parameter)."""
 
-    job: MatrixJob
-    chunk: int  # rows per rank as torch.chunk cuts them (the padded shard height)
-    replicated: bool
-
-    def rows_of(self, rank: int) -> int:
-        if self.replicated:
-            return self.job.rows
-        return max(0, min(self.chunk, self.job.rows - rank * self.chunk))
-
-    def offset_of(self, rank: int) -> int:
-        return 0 if self.replicated else min(rank * self.chunk, self.job.rows)
+    mine: Piece
+    shard: Collectives | None  # ranks holding distinct pieces (None: the whole matrix is here)
+    members: tuple[Piece, ...]  # every shard-group rank's piece, in group-rank order
+    rows_comm: Collectives | None  # ranks splitting the rows (column sums of tall matrices)
+    cols_comm: Collectives | None  # ranks splitting the columns (row sums of wide matrices)
+    replicas: Collectives | None  # ranks holding this same piece (replicated copies)
+    pad: int  # the largest piece's element count: what each shard-group rank contributes to a gather
+    row_major: bool  # members hold consecutive row blocks of ``pad // cols`` rows and every column
 
 
-def _process_group(param: Tensor) -> tuple[dist.ProcessGroup, bool]:
-    """The 1-D mesh group of a DTensor parameter and whether it is replicated (else ``Shard(0)``)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh, placements = param.device_mesh, param.placements
-    if mesh.ndim != 1 or len(placements) != 1:
-        raise NotImplementedError(
-            f"sharded Muon supports DTensors on a 1-D device mesh; got a {mesh.ndim}-D mesh with placements "
-            f"{placements} (use fully_shard on a 1-D mesh, or HSDP with the optimizer on the shard dimension)"
-        )
-    (placement,) = placements
-    if isinstance(placement, Shard) and placement.dim == 0:
-        return mesh.get_group(0), False
-    if isinstance(placement, Replicate):
-        return mesh.get_group(0), True
-    raise NotImplementedError(f"sharded Muon supports Shard(0) and Replicate() placements, got {placement}")
+Placed = tuple[MatrixJob, _Placement]
 
 
-def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | None) -> list[dist.ProcessGroup]:
-    """Every process group the ranks sharing these parameters span: each mesh dimension of each DTensor's
-    mesh, and ``process_group``; the non-finite vote runs over all of them (in this order on every rank)."""
-    groups: dict[int, dist.ProcessGroup] = {}
+def mesh_dim_label(mesh, dims: Sequence[int]) -> str:
+    """A mesh dimension's name (``mesh_dim<i>`` when unnamed); names joined by ``+`` for several."""
+    names = mesh.mesh_dim_names
+    return "+".join(names[d] if names else f"mesh_dim{d}" for d in dims)
+
+
+def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | None
+                ) -> list[tuple[dist.ProcessGroup, str]]:
+    """Every process group the ranks sharing these parameters span, with its label: each mesh dimension of
+    each DTensor's mesh, and ``process_group``; the non-finite vote runs over all of them (in this order
+    on every rank), which covers every rank of every mesh."""
+    groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
     for p in params:
-        if type(p).__name__ == "DTensor":
+        if is_dtensor(p):
             for dim in range(p.device_mesh.ndim):
                 group = p.device_mesh.get_group(dim)
-                groups.setdefault(id(group), group)
+                groups.setdefault(id(group), (group, mesh_dim_label(p.device_mesh, (dim,))))
     if process_group is not None:
-        groups.setdefault(id(process_group), process_group)
+        groups.setdefault(id(process_group), (process_group, "process_group"))
     return list(groups.values())
 
 
@@ -129,6 +128,16 @@ def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _by_comm(indices: Sequence[int], comm_of) -> list[tuple[Collectives, list[int]]]:
+    """``indices`` grouped by their communicator, groups in the order of first appearance (None left out)."""
+    groups: dict[int, tuple[Collectives, list[int]]] = {}
+    for i in indices:
+        comm = comm_of(i)
+        if comm is not None:
+            groups.setdefault(id(comm), (comm, []))[1].append(i)
+    return list(groups.values())
+
+
 class ShardedEngine:
     """Direction engine for DTensor parameters; counts the logical bytes of every collective it issues.
 
@@ -142,274 +151,375 @@ class ShardedEngine:
         bucket_mb: float = DEFAULT_BUCKET_MB,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
+        replica_refresh: str = "repeat",
         params: Sequence[Tensor] = (),
     ):
         if refresh not in REFRESH_STRATEGIES:
             raise ValueError(f"refresh must be one of {REFRESH_STRATEGIES}, got {refresh!r}")
+        if replica_refresh not in REPLICA_REFRESH_STRATEGIES:
+            raise ValueError(f"replica_refresh must be one of {REPLICA_REFRESH_STRATEGIES}, got {replica_refresh!r}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         self.refresh = refresh
+        self.replica_refresh = replica_refresh
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.comm_dtype = comm_dtype
         self.process_group = process_group  # for plain (replicated, e.g. DDP) parameters
         self.counter = CommCounter()
         self._comms: dict[int, Collectives] = {}
+        self._flat_meshes: dict[int, object] = {}
+        self._placements: dict[int, tuple[Tensor, _Placement]] = {}
         self._local = LocalEngine()
-        self._voters = [self._collectives(g) for g in vote_groups(params, process_group)]
+        self._voters = [self._collectives(g, label) for g, label in vote_groups(params, process_group)]
 
     # ----------------------------------------------------------------- bookkeeping
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.stats()
+    def comm_stats(self, by_mesh_dim: bool = False) -> dict:
+        return self.counter.stats_by_mesh_dim() if by_mesh_dim else self.counter.stats()
 
     def reset_comm_stats(self) -> None:
         self.counter.reset()
 
-    def _collectives(self, group: dist.ProcessGroup) -> Collectives:
+    def _collectives(self, group: dist.ProcessGroup, label: str) -> Collectives:
         key = id(group)
         if key not in self._comms:
-            self._comms[key] = Collectives(group, self.counter)
+            self._comms[key] = Collectives(group, self.counter, label)
         return self._comms[key]
+
+    def _mesh_comm(self, mesh, dims: tuple[int, ...]) -> Collectives | None:
+        """Counted collectives over the given dimensions of ``mesh`` (a flattened group for two)."""
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self._collectives(mesh.get_group(dims[0]), mesh_dim_label(mesh, dims))
+        flat = self._flat_meshes.get(id(mesh))
+        if flat is None:  # every rank flattens the same meshes in the same order (at its first step)
+            flat = self._flat_meshes[id(mesh)] = mesh._flatten()
+        return self._collectives(flat.get_group(0), mesh_dim_label(mesh, dims))
 
     def all_true(self, flag: Tensor) -> bool:
         for comm in self._voters:
             flag = comm.all_true(flag)
         return read_flag(flag)
 
-    def _prepare(self, jobs: Sequence[MatrixJob]) -> tuple[Collectives | None, list[_Shard]]:
-        """Shard layout of each job; plain-tensor jobs (none sharded) fall back to the local engine."""
-        comm: Collectives | None = None
-        shards: list[_Shard] = []
-        for job in jobs:
-            param = job.meta.get("param")
-            if param is not None and type(param).__name__ == "DTensor":
-                group, replicated = _process_group(param)
-            elif self.process_group is not None:
-                group, replicated = self.process_group, True
-            else:
-                raise TypeError(
-                    f"parameter {job.name!r} is a plain tensor in a group with sharded (DTensor) parameters; "
-                    "shard every Muon parameter the same way (e.g. fully_shard the whole model), or pass "
-                    "process_group= for replicated (DDP) parameters"
-                )
-            c = self._collectives(group)
-            if comm is not None and c.group is not comm.group:
-                raise NotImplementedError("all sharded Muon parameters must live on the same device mesh")
-            comm = c
-            chunk = -(-job.rows // c.world)
-            shard = _Shard(job, chunk, replicated)
-            job.row_offset = shard.offset_of(c.rank)
-            shards.append(shard)
-        return comm, shards
+    # ----------------------------------------------------------------- placements
+    def _placement(self, job: MatrixJob) -> _Placement:
+        """The placement of the job's parameter, derived once per parameter object."""
+        param = job.meta.get("param")
+        cached = self._placements.get(id(param))
+        if cached is not None and cached[0] is param:
+            return cached[1]
+        if param is not None and is_dtensor(param):
+            placement = self._dtensor_placement(derive_layout(param, job.name))
+        elif self.process_group is not None:
+            whole = Piece((Span(0, job.rows, 0),), (Span(0, job.cols, 0),))
+            comm = self._collectives(self.process_group, "process_group")
+            placement = _Placement(whole, None, (), None, None, comm, whole.numel, False)
+        else:
+            raise TypeError(
+                f"parameter {job.name!r} is a plain tensor in a group with sharded (DTensor) parameters; "
+                "shard every Muon parameter the same way (e.g. fully_shard the whole model), or pass "
+                "process_group= for replicated (DDP) parameters"
+            )
+        self._placements[id(param)] = (param, placement)
+        return placement
+
+    def _dtensor_placement(self, layout: Layout) -> _Placement:
+        mesh = layout.mesh
+        if len(layout.shard_dims) > 1 and not mesh.mesh_dim_names:
+            raise ValueError(
+                f"parameter {layout.name!r} has placements {layout.describe()}: sharded over both dimensions of "
+                "a mesh without mesh_dim_names; name the mesh dimensions (init_device_mesh(..., mesh_dim_names=...))"
+            )
+        shard = self._mesh_comm(mesh, layout.shard_dims)
+        members: tuple[Piece, ...] = ()
+        if shard is not None:
+            coords = _coordinates(mesh)
+            members = tuple(layout.piece_at(coords[r]) for r in dist.get_process_group_ranks(shard.group))
+        pad = max((m.numel for m in members), default=layout.mine.numel)
+        return _Placement(
+            mine=layout.mine,
+            shard=shard,
+            members=members,
+            rows_comm=self._mesh_comm(mesh, layout.row_dims),
+            cols_comm=self._mesh_comm(mesh, layout.col_dims),
+            replicas=self._mesh_comm(mesh, layout.rep_dims),
+            pad=pad,
+            row_major=_row_major(members, layout.cols, pad),
+        )
 
     # ----------------------------------------------------------------- dispatch
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
-        comm, shards = self._prepare(jobs)
-        if comm is None:
-            return []
+        placed = [(job, self._placement(job)) for job in jobs]
         if kind is StepKind.ROWNORM:
-            return self._rownorm(comm, shards, config)
+            return self._rownorm(placed, config)
         if kind is StepKind.BLOCK:
-            return self._block(shards, config)
-        replicated = [s for s in shards if s.replicated]
-        sharded = [s for s in shards if not s.replicated]
+            return self._block(placed, config)
+        return self._spectral(placed, config)
+
+    def _spectral(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         out: dict[int, Tensor] = {}
+        sharded = [i for i, (_, plc) in enumerate(placed) if plc.shard is not None]
+        whole = [i for i, (_, plc) in enumerate(placed) if plc.shard is None]
         if sharded:
+            mine, exchanges = self._replica_shares(placed, sharded)
             run = self._gather_refresh if self.refresh == "gather" else self._owner_refresh
-            out.update(zip((id(s) for s in sharded), run(comm, sharded, config)))
-        if replicated:
-            out.update(zip((id(s) for s in replicated), self._replicated_refresh(comm, replicated, config)))
-        return [out[id(s)] for s in shards]
+            out.update(zip(mine, run([placed[i] for i in mine], config)))
+            self._exchange_over_replicas(placed, exchanges, out)
+        if whole:
+            out.update(zip(whole, self._whole_refresh([placed[i] for i in whole], config)))
+        return [out[i] for i in range(len(placed))]
 
     # ----------------------------------------------------------------- local maps
-    def _block(self, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
-        """MuonBP block step: each logical matrix cut by this rank's shard, orthogonalized locally."""
+    def _block(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """MuonBP block step: each logical matrix cut by this rank's piece (or, for a matrix held whole, by
+        the ``blocks`` grid as in one process), orthogonalized locally."""
         pieces, where = [], []
-        for j, s in enumerate(shards):
-            job = s.job
-            if s.replicated:  # the whole matrix is local: block as in one process
-                pieces_j = [(lo, hi) for lo, hi in _unsharded_block_ranges(job)]
+        for i, (job, plc) in enumerate(placed):
+            if plc.shard is None:
+                regions = map_regions(job, StepKind.BLOCK)
             else:
-                pieces_j = [r for lr in job.logical_ranges() if (r := intersect(lr, job.local_range)) is not None]
-            for lo, hi in pieces_j:
-                pieces.append(job.update[lo - job.row_offset : hi - job.row_offset])
-                where.append((j, lo, hi))
-        return _assemble(shards, where, apply_map_batched(pieces, StepKind.BLOCK, config))
+                cols = job.update.shape[1]
+                regions = [(r[0], r[1], 0, cols) for a, b in job.logical_ranges()
+                           if (r := plc.mine.local_rows_in(a, b)) is not None]
+            for r0, r1, c0, c1 in regions:
+                pieces.append(job.update[r0:r1, c0:c1])
+                where.append((i, r0, r1, c0, c1))
+        outs = [_empty_direction(job) for job, _ in placed]
+        for (i, r0, r1, c0, c1), d in zip(where, apply_map_batched(pieces, StepKind.BLOCK, config)):
+            outs[i][r0:r1, c0:c1] = d
+        return outs
 
-    def _rownorm(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
-        """RowNorm: local where oriented rows are whole; one all-reduce of column norms where they are split."""
-        outs = [torch.empty(s.job.update.shape, dtype=_wide(s.job.update), device=s.job.update.device) for s in shards]
-        split_pieces = []  # (shard index, global range, local slice) of tall logical matrices
-        for j, s in enumerate(shards):
-            job = s.job
+    def _rownorm(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """RowNorm: local where oriented rows are whole; where ranks split them, one flat all-reduce of the
+        partial sums of squares per process group (issued in first-appearance order, all before any wait)."""
+        outs = [_empty_direction(job) for job, _ in placed]
+        pending: dict[int, tuple[Collectives, list]] = {}
+        for i, (job, plc) in enumerate(placed):
+            u = job.update
             for a, b in job.logical_ranges():
-                rows, cols = b - a, job.cols
-                scale = lr_scale_factor(config.lr_scale, rows, cols)
-                local = intersect((a, b), job.local_range)
-                if rows > cols and not s.replicated:
-                    split_pieces.append((j, local, scale))
-                elif local is not None:
-                    lo, hi = local[0] - job.row_offset, local[1] - job.row_offset
-                    outs[j][lo:hi] = row_normalize(job.update[lo:hi], scale=scale)
-        if split_pieces:
-            sums = []
-            for j, local, _ in split_pieces:
-                job = shards[j].job
-                if local is None:
-                    sums.append(torch.zeros(job.cols, dtype=outs[j].dtype, device=outs[j].device))
-                else:
-                    block = job.update[local[0] - job.row_offset : local[1] - job.row_offset].to(outs[j].dtype)
-                    sums.append(block.square().sum(dim=0))
-            flat = torch.cat(sums)
-            comm.all_reduce(flat)
-            for (j, local, scale), norms in zip(split_pieces, flat.split([len(s) for s in sums])):
-                if local is None:
+                scale = lr_scale_factor(config.lr_scale, b - a, job.cols)
+                wide = b - a <= job.cols
+                local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
+                comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
+                block = u[local[0] : local[1]].to(outs[i].dtype) if local is not None else None
+                if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
+                    if block is not None:
+                        outs[i][local[0] : local[1]] = row_normalize(block, scale=scale)
                     continue
-                job = shards[j].job
-                lo, hi = local[0] - job.row_offset, local[1] - job.row_offset
-                # The same division as linalg.row_normalize, with the norm of each full column.
+                if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
+                    sums = u.new_zeros(u.shape[1], dtype=outs[i].dtype)
+                else:
+                    sums = block.square().sum(dim=1 if wide else 0)
+                pending.setdefault(id(comm), (comm, []))[1].append((i, local, block, scale, wide, sums))
+        reduced = []
+        for comm, entries in pending.values():
+            flat = torch.cat([e[-1] for e in entries])
+            reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
+        for entries, flat, work in reduced:
+            work.wait()
+            for (i, local, block, scale, wide, _), norms in zip(entries, flat.split([len(e[-1]) for e in entries])):
+                if block is None:
+                    continue
+                # The same division as linalg.row_normalize, with the norm of each whole oriented row.
                 factor = scale / norms.sqrt().clamp(min=1e-7)
-                outs[j][lo:hi] = job.update[lo:hi].to(outs[j].dtype).mul(factor)
+                outs[i][local[0] : local[1]] = block * (factor[:, None] if wide else factor[None, :])
         return outs
 
     # ----------------------------------------------------------------- spectral refreshes
-    def _buckets(self, shards: Sequence[_Shard], world: int) -> list[list[int]]:
-        """Buckets sized by the full (padded) matrices they materialize on a rank, not by the shards,
-        so the memory and the overlap granularity do not depend on the world size."""
-        sizes = [s.chunk * world * s.job.cols * self._payload_dtype(s).itemsize for s in shards]
-        return make_buckets(sizes, self.bucket_bytes)
+    def _payload_dtype(self, job: MatrixJob) -> torch.dtype:
+        return self.comm_dtype or job.update.dtype
 
-    def _payload_dtype(self, s: _Shard) -> torch.dtype:
-        return self.comm_dtype or s.job.update.dtype
+    def _buckets(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int]]]:
+        """Per shard group (in first-appearance order), buckets sized by the full (padded) matrices they
+        materialize on a rank, not by the pieces, so memory and overlap do not depend on the world size."""
+        out = []
+        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0]).itemsize for i in idx]
+            out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
+        return out
 
-    def _gather_refresh(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
-        """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's rows."""
-        buckets = self._buckets(shards, comm.world)
-        outs: list[Tensor | None] = [None] * len(shards)
+    def _full(self, job: MatrixJob, plc: _Placement, table: Tensor) -> Tensor:
+        """The whole matrix from the gathered pieces: ``table`` row ``g`` holds group rank ``g``'s piece."""
+        if plc.row_major:  # consecutive row blocks: the gathered buffer already is the padded matrix
+            return table.reshape(-1, job.cols)[: job.rows].to(job.update.dtype)
+        full = table.new_empty((job.rows, job.cols), dtype=job.update.dtype)
+        for g, member in enumerate(plc.members):
+            member.place(full, table[g, : member.numel].view(member.shape))
+        return full
 
-        def launch(bucket: list[int]):
-            dtype = self._payload_dtype(shards[bucket[0]])
+    def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
+        buckets = self._buckets(placed)
+        outs: list[Tensor | None] = [None] * len(placed)
+
+        def launch(bucket: tuple[Collectives, list[int]]):
+            comm, idx = bucket
+            dtype = self._payload_dtype(placed[idx[0]][0])
             parts = []
-            for j in bucket:
-                s = shards[j]
-                padded = s.job.update.new_zeros((s.chunk, s.job.cols), dtype=dtype)
-                padded[: s.job.update.shape[0]] = s.job.update
-                parts.append(padded.reshape(-1))
+            for i in idx:
+                job, plc = placed[i]
+                padded = job.update.new_zeros(plc.pad, dtype=dtype)
+                padded[: job.update.numel()] = job.update.reshape(-1)
+                parts.append(padded)
             send = torch.cat(parts)
             recv = send.new_empty(comm.world * send.numel())
             return recv, comm.all_gather(recv, send, async_op=True)
 
-        pending = launch(buckets[0])
-        for b, bucket in enumerate(buckets):
+        pending = launch(buckets[0]) if buckets else None
+        for b, (comm, idx) in enumerate(buckets):
             recv, work = pending
             if b + 1 < len(buckets):
                 pending = launch(buckets[b + 1])
             work.wait()
             table = recv.view(comm.world, -1)
             pieces, where, offset = [], [], 0
-            for j in bucket:
-                s = shards[j]
-                job = s.job
-                size = s.chunk * job.cols
-                full = table[:, offset : offset + size].reshape(comm.world * s.chunk, job.cols)[: job.rows]
-                offset += size
+            for i in idx:
+                job, plc = placed[i]
+                full = self._full(job, plc, table[:, offset : offset + plc.pad])
+                offset += plc.pad
                 for a, bnd in job.logical_ranges():
-                    local = intersect((a, bnd), job.local_range)
-                    if local is None:
-                        continue
-                    pieces.append(full[a:bnd].to(job.update.dtype))
-                    where.append((j, a, local))
-            results = apply_map_batched(pieces, StepKind.SPECTRAL, config)
-            for (j, a, (lo, hi)), d in zip(where, results):
-                outs[j] = _place(outs[j], shards[j].job, lo, hi, d[lo - a : hi - a])
-        return [o if o is not None else _empty_like_update(s.job) for o, s in zip(outs, shards)]
+                    if plc.mine.rows_in(a, bnd):  # Newton-Schulz only where this rank keeps rows
+                        pieces.append(full[a:bnd])
+                        where.append((i, a, bnd))
+            for (i, a, bnd), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+                if outs[i] is None:
+                    outs[i] = _empty_direction(placed[i][0])
+                placed[i][1].mine.write(outs[i], d, a, bnd)
+        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
-    def _owner_refresh(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
-        """Shards go to each matrix's owner (all-to-all), the owner orthogonalizes, rows come back."""
-        owners = assign_owners([(s.job.rows, s.job.cols) for s in shards], comm.world)
-        buckets = self._buckets(shards, comm.world)
-        outs: list[Tensor | None] = [None] * len(shards)
-        me, world = comm.rank, comm.world
+    def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Pieces go to each matrix's owner (all-to-all), the owner orthogonalizes, pieces come back."""
+        owner: dict[int, int] = {}
+        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+            owner.update(zip(idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)))
+        buckets = self._buckets(placed)
+        outs: list[Tensor | None] = [None] * len(placed)
 
-        def launch(bucket: list[int]):
-            parts = [[shards[j].job.update.reshape(-1) for j in bucket if owners[j] == dst] for dst in range(world)]
-            out_splits = [sum(shards[j].rows_of(src) * shards[j].job.cols for j in bucket if owners[j] == me)
-                          for src in range(world)]
-            return _exchange(comm, parts, out_splits, self._payload_dtype(shards[bucket[0]]),
-                             shards[bucket[0]].job.update.device)
+        def launch(bucket: tuple[Collectives, list[int]]):
+            comm, idx = bucket
+            job0 = placed[idx[0]][0]
+            parts = [[placed[i][0].update.reshape(-1) for i in idx if owner[i] == dst] for dst in range(comm.world)]
+            out_splits = [sum(placed[i][1].members[src].numel for i in idx if owner[i] == comm.rank)
+                          for src in range(comm.world)]
+            return _exchange(comm, parts, out_splits, self._payload_dtype(job0), job0.update.device)
 
         returns = []
-        pending = launch(buckets[0])
-        for b, bucket in enumerate(buckets):
+        pending = launch(buckets[0]) if buckets else None
+        for b, (comm, idx) in enumerate(buckets):
             recv, out_splits, work = pending
             if b + 1 < len(buckets):
                 pending = launch(buckets[b + 1])
             work.wait()
-            # Reassemble each owned matrix: source rank order, then job order within a source.
-            owned = [j for j in bucket if owners[j] == me]
-            segments = recv.split(out_splits)
-            rows_by_job: dict[int, list[Tensor]] = {j: [] for j in owned}
-            for src in range(world):
+            owned = [i for i in idx if owner[i] == comm.rank]
+            fulls = {i: recv.new_empty((placed[i][0].rows, placed[i][0].cols), dtype=placed[i][0].update.dtype)
+                     for i in owned}
+            for src, segment in enumerate(recv.split(out_splits)):  # source rank order, then job order
                 cursor = 0
-                for j in owned:
-                    n = shards[j].rows_of(src) * shards[j].job.cols
-                    rows_by_job[j].append(segments[src][cursor : cursor + n].view(-1, shards[j].job.cols))
-                    cursor += n
+                for i in owned:
+                    member = placed[i][1].members[src]
+                    member.place(fulls[i], segment[cursor : cursor + member.numel].view(member.shape))
+                    cursor += member.numel
             pieces, where = [], []
-            for j in owned:
-                job = shards[j].job
-                full = torch.cat(rows_by_job[j]).to(job.update.dtype)
-                for a, bnd in job.logical_ranges():
-                    pieces.append(full[a:bnd])
-                    where.append((j, a, bnd))
-            results = apply_map_batched(pieces, StepKind.SPECTRAL, config)
-            full_dirs = {j: torch.empty(shards[j].job.rows, shards[j].job.cols, dtype=_wide(shards[j].job.update),
-                                        device=shards[j].job.update.device) for j in owned}
-            for (j, a, bnd), d in zip(where, results):
-                full_dirs[j][a:bnd] = d
-            # Send each rank its rows of the owned results.
-            parts = [[full_dirs[j][shards[j].offset_of(dst) : shards[j].offset_of(dst) + shards[j].rows_of(dst)]
-                      .reshape(-1) for j in owned] for dst in range(world)]
-            back_splits = [sum(shards[j].rows_of(me) * shards[j].job.cols for j in bucket if owners[j] == src)
-                           for src in range(world)]
-            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(shards[bucket[0]]),
-                                                shards[bucket[0]].job.update.device)
-            returns.append((bucket, recv_back, back_splits, work_back))
-        for bucket, recv_back, back_splits, work in returns:
+            for i in owned:
+                for a, bnd in placed[i][0].logical_ranges():
+                    pieces.append(fulls[i][a:bnd])
+                    where.append((i, a, bnd))
+            dirs = {i: torch.empty_like(fulls[i], dtype=_wide(placed[i][0].update)) for i in owned}
+            for (i, a, bnd), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+                dirs[i][a:bnd] = d
+            parts = [[placed[i][1].members[dst].take(dirs[i]).reshape(-1) for i in owned] for dst in range(comm.world)]
+            back_splits = [sum(placed[i][1].mine.numel for i in idx if owner[i] == src) for src in range(comm.world)]
+            job0 = placed[idx[0]][0]
+            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(job0), job0.update.device)
+            returns.append((idx, recv_back, back_splits, work_back))
+        for idx, recv_back, back_splits, work in returns:
             work.wait()
-            segments = recv_back.split(back_splits)
-            for src in range(world):
+            for src, segment in enumerate(recv_back.split(back_splits)):
                 cursor = 0
-                for j in bucket:
-                    if owners[j] != src:
-                        continue
-                    job = shards[j].job
+                for i in (i for i in idx if owner[i] == src):
+                    job = placed[i][0]
                     n = job.update.numel()
-                    outs[j] = segments[src][cursor : cursor + n].view(job.update.shape).to(_wide(job.update))
+                    outs[i] = segment[cursor : cursor + n].view(job.update.shape).to(_wide(job.update))
                     cursor += n
-        return [o if o is not None else _empty_like_update(s.job) for o, s in zip(outs, shards)]
+        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
-    def _replicated_refresh(self, comm: Collectives, shards: Sequence[_Shard], config: MapConfig) -> list[Tensor]:
-        """Whole matrices on every rank: each owner orthogonalizes its share, then broadcasts it."""
-        owners = assign_owners([(s.job.rows, s.job.cols) for s in shards], comm.world)
-        mine = [j for j in range(len(shards)) if owners[j] == comm.rank]
-        local = self._local.directions([shards[j].job for j in mine], StepKind.SPECTRAL, config)
-        outs: list[Tensor] = [torch.empty(s.job.update.shape, dtype=_wide(s.job.update), device=s.job.update.device)
-                              for s in shards]
-        for j, d in zip(mine, local):
-            outs[j] = d.contiguous()
+    def _replica_shares(self, placed: Sequence[Placed], sharded: Sequence[int]
+                        ) -> tuple[list[int], list[tuple[Collectives, list[int], list[int]]]]:
+        """The sharded jobs this rank's replica refreshes, and per replicate group the owner replica of each
+        job (``replica_refresh="split"``); with ``"repeat"`` every replica refreshes every job."""
+        if self.replica_refresh == "repeat":
+            return list(sharded), []
+        mine = [i for i in sharded if placed[i][1].replicas is None]
+        exchanges = []
+        for comm, idx in _by_comm(sharded, lambda i: placed[i][1].replicas):
+            owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
+            mine += [i for i, o in zip(idx, owners) if o == comm.rank]
+            exchanges.append((comm, idx, owners))
+        return sorted(mine), exchanges
+
+    def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor]) -> None:
+        """Each replica broadcasts the pieces it refreshed to the other replicas (same piece, same shape)."""
         works = []
-        for src in range(comm.world):
-            owned = [j for j in range(len(shards)) if owners[j] == src]
-            if not owned:
-                continue
-            flat = torch.cat([outs[j].reshape(-1) for j in owned]) if src == comm.rank else torch.empty(
-                sum(outs[j].numel() for j in owned), dtype=outs[owned[0]].dtype, device=outs[owned[0]].device)
-            works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
+        for comm, idx, owners in exchanges:
+            for src in range(comm.world):
+                owned = [i for i, o in zip(idx, owners) if o == src]
+                if not owned:
+                    continue
+                dtype = self.comm_dtype or _wide(placed[owned[0]][0].update)
+                if src == comm.rank:
+                    flat = torch.cat([out[i].reshape(-1) for i in owned]).to(dtype)
+                else:
+                    job0 = placed[owned[0]][0]
+                    flat = torch.empty(sum(placed[i][0].update.numel() for i in owned), dtype=dtype,
+                                       device=job0.update.device)
+                works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
         for owned, flat, work in works:
             work.wait()
-            for j, part in zip(owned, flat.split([outs[j].numel() for j in owned])):
-                outs[j] = part.view(outs[j].shape)
+            for i, part in zip(owned, flat.split([placed[i][0].update.numel() for i in owned])):
+                job = placed[i][0]
+                out[i] = part.view(job.update.shape).to(_wide(job.update))
+
+    def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Whole matrices on every rank: each owner orthogonalizes its share, then broadcasts it."""
+        outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
+        works = []
+        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas):
+            owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
+            mine = [i for i, o in zip(idx, owners) if o == comm.rank]
+            for i, d in zip(mine, self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)):
+                outs[i] = d.contiguous()
+            for src in range(comm.world):
+                owned = [i for i, o in zip(idx, owners) if o == src]
+                if not owned:
+                    continue
+                flat = torch.cat([outs[i].reshape(-1) for i in owned]) if src == comm.rank else torch.empty(
+                    sum(outs[i].numel() for i in owned), dtype=outs[owned[0]].dtype, device=outs[owned[0]].device)
+                works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
+        for owned, flat, work in works:
+            work.wait()
+            for i, part in zip(owned, flat.split([outs[i].numel() for i in owned])):
+                outs[i] = part.view(outs[i].shape)
         return outs
+
+
+def _coordinates(mesh) -> dict[int, tuple[int, ...]]:
+    """The mesh coordinate of every global rank in ``mesh``."""
+    ranks = mesh.mesh
+    return {int(ranks[c]): c for c in itertools.product(*(range(s) for s in ranks.shape))}
+
+
+def _row_major(members: Sequence[Piece], cols: int, pad: int) -> bool:
+    """Whether group rank ``g`` holds rows ``[g*c, g*c + n_g)`` and every column (``c = pad / cols``): the
+    gathered, padded buffer is then the matrix itself (FSDP's ``Shard(0)``, torch.chunk layout)."""
+    if not members or cols == 0 or pad % cols:
+        return False
+    chunk = pad // cols
+    for g, m in enumerate(members):
+        if m.cols and m.cols != (Span(0, cols, 0),):
+            return False
+        if len(m.rows) > 1 or (m.rows and m.rows[0].start != g * chunk):
+            return False
+    return True
 
 
 def _exchange(
@@ -428,24 +538,6 @@ def _wide(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _empty_like_update(job: MatrixJob) -> Tensor:
+def _empty_direction(job: MatrixJob) -> Tensor:
+    """A zero direction shaped like the job's local piece, in fp32 or wider."""
     return torch.zeros(job.update.shape, dtype=_wide(job.update), device=job.update.device)
-
-
-def _place(out: Tensor | None, job: MatrixJob, lo: int, hi: int, rows: Tensor) -> Tensor:
-    """Write global rows ``[lo, hi)`` of a direction into this rank's output for ``job``."""
-    if out is None:
-        out = torch.empty(job.update.shape, dtype=rows.dtype, device=rows.device)
-    out[lo - job.row_offset : hi - job.row_offset] = rows
-    return out
-
-
-def _assemble(shards: Sequence[_Shard], where: Sequence[tuple[int, int, int]], results: Sequence[Tensor]) -> list[Tensor]:
-    outs: list[Tensor | None] = [None] * len(shards)
-    for (j, lo, hi), d in zip(where, results):
-        outs[j] = _place(outs[j], shards[j].job, lo, hi, d)
-    return [o if o is not None else _empty_like_update(s.job) for o, s in zip(outs, shards)]
-
-
-def _unsharded_block_ranges(job: MatrixJob) -> list[RowRange]:
-    return map_ranges(job, StepKind.BLOCK)

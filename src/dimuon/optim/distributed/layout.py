@@ -1,0 +1,241 @@
+"""Where every rank's piece of a DTensor parameter sits in the parameter's ``(rows, cols)`` matrix.
+
+The DTensor placements decide (docs/algorithms.md, "Layouts"): each mesh dimension either shards the
+rows (``Shard(0)``, ``_StridedShard(0, sf)``), shards the columns (``Shard(1)``), or replicates
+(``Replicate()``). Placements are applied left to right over the mesh dimensions with
+``torch.chunk`` semantics at every level (uneven and empty shards included), ``_StridedShard`` as
+DTensor defines it: first cut into ``split_factor`` pieces, cut each piece into the mesh-dimension
+size, and give coordinate ``i`` the ``i``-th cut of every piece. A rank's rows (and columns) are
+then a list of :class:`Span` (a global range and where it starts in the local tensor).
+
+Supported, on 1-D and 2-D meshes: ``Shard(0)``, ``Shard(1)``, ``Replicate()``, and
+``_StridedShard`` on one tensor dimension (what FSDP2 makes of a tensor-parallel ``Shard(0)``,
+and a head-wise ``_StridedShard(0, 3)`` for a fused qkv weight). Everything else (3-D meshes,
+``Partial``, ``Shard(d)`` for ``d > 1``, two ``_StridedShard`` on one dimension, whose data torch
+itself does not lay out as the placements say) is refused by :func:`derive_layout` with an error
+that names the parameter and its placements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Layout", "Piece", "Span", "derive_layout", "is_dtensor"]
+
+ROWS, COLS = 0, 1
+
+
+def is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Global indices ``[start, stop)`` held at local indices ``[local, local + stop - start)``."""
+
+    start: int
+    stop: int
+    local: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of the matrix one rank holds: its row spans x its column spans (local order)."""
+
+    rows: tuple[Span, ...]
+    cols: tuple[Span, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(s.size for s in self.rows), sum(s.size for s in self.cols))
+
+    @property
+    def numel(self) -> int:
+        r, c = self.shape
+        return r * c
+
+    def rows_in(self, start: int, stop: int) -> list[Span]:
+        """The parts of this piece's row spans inside global rows ``[start, stop)``."""
+        out = []
+        for s in self.rows:
+            lo, hi = max(s.start, start), min(s.stop, stop)
+            if lo < hi:
+                out.append(Span(lo, hi, s.local + lo - s.start))
+        return out
+
+    def local_rows_in(self, start: int, stop: int) -> tuple[int, int] | None:
+        """Local row range holding global rows ``[start, stop)`` of this piece (None: none held). The
+        spans inside one logical matrix are adjacent locally in every supported layout (checked)."""
+        spans = self.rows_in(start, stop)
+        if not spans:
+            return None
+        for a, b in itertools.pairwise(spans):
+            if b.local != a.local + a.size:
+                raise NotImplementedError("a rank's rows of one logical matrix are not adjacent in its local tensor")
+        return spans[0].local, spans[-1].local + spans[-1].size
+
+    def write(self, out: Tensor, full: Tensor, start: int, stop: int) -> None:
+        """``out`` (this piece's local tensor) gets its entries of ``full`` = global rows ``[start, stop)``."""
+        for r in self.rows_in(start, stop):
+            for c in self.cols:
+                out[r.local : r.local + r.size, c.local : c.local + c.size] = (
+                    full[r.start - start : r.stop - start, c.start : c.stop])
+
+    def place(self, full: Tensor, local: Tensor) -> None:
+        """``full`` gets this piece's local tensor ``local`` at its global position."""
+        for r in self.rows:
+            for c in self.cols:
+                full[r.start : r.stop, c.start : c.stop] = local[r.local : r.local + r.size, c.local : c.local + c.size]
+
+    def take(self, full: Tensor) -> Tensor:
+        """This piece's local tensor cut out of the full matrix ``full``."""
+        out = full.new_empty(self.shape)
+        self.write(out, full, 0, full.shape[0])
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one DTensor parameter is laid out over its mesh, as a ``(rows, cols)`` matrix.
+
+    ``row_dims`` / ``col_dims`` are the mesh dimensions that shard rows / columns, ``rep_dims`` those
+    that replicate. ``mine`` is this rank's piece; :meth:`piece_at` gives any coordinate's piece.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    mesh: Any
+    placements: tuple[Any, ...]
+    row_dims: tuple[int, ...]
+    col_dims: tuple[int, ...]
+    rep_dims: tuple[int, ...]
+    col_unit: int  # matrix columns per index of tensor dimension 1 (conv weights: in x kernel)
+    mine: Piece
+
+    @property
+    def shard_dims(self) -> tuple[int, ...]:
+        """Mesh dimensions over which the ranks hold distinct pieces, in mesh order."""
+        return tuple(sorted(self.row_dims + self.col_dims))
+
+    def piece_at(self, coord: Sequence[int]) -> Piece:
+        shape = (self.rows, self.cols // self.col_unit)
+        row_idx = _indices(shape[ROWS], ROWS, self.placements, self.mesh, coord)
+        col_idx = _indices(shape[COLS], COLS, self.placements, self.mesh, coord)
+        return Piece(_spans(row_idx, 1), _spans(col_idx, self.col_unit))
+
+    def describe(self) -> str:
+        return f"{tuple(self.placements)} on a {_mesh_words(self.mesh)}"
+
+
+def _mesh_words(mesh: Any) -> str:
+    names = mesh.mesh_dim_names
+    dims = ", ".join(f"{n}={s}" if names else str(s) for n, s in zip(names or [None] * mesh.ndim, mesh.shape))
+    return f"{mesh.ndim}-D mesh ({dims})"
+
+
+def _placement_dim(p: Any) -> int | None:
+    """The tensor dimension a placement shards (None: it replicates), or raise for an unsupported kind."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(p, Replicate):
+        return None
+    if isinstance(p, Shard) or _is_strided(p):
+        return p.dim
+    raise NotImplementedError(type(p).__name__)
+
+
+def _is_strided(p: Any) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _split(idx: Tensor, placement: Any, size: int, coord: int) -> Tensor:
+    """Indices that coordinate ``coord`` of a mesh dimension of ``size`` keeps (torch.chunk at every level)."""
+
+    def chunk(t: Tensor, n: int, i: int) -> Tensor:
+        parts = torch.chunk(t, n) if t.numel() else ()
+        return parts[i] if i < len(parts) else t[:0]
+
+    if _is_strided(placement):
+        sf = int(placement.split_factor)
+        return torch.cat([chunk(chunk(idx, sf, j), size, coord) for j in range(sf)])
+    return chunk(idx, size, coord)
+
+
+def _indices(length: int, dim: int, placements: Sequence[Any], mesh: Any, coord: Sequence[int]) -> Tensor:
+    idx = torch.arange(length, device="cpu")  # metadata: on the CPU whatever the default device
+    for mesh_dim, p in enumerate(placements):
+        if _placement_dim(p) == dim:
+            idx = _split(idx, p, mesh.size(mesh_dim), coord[mesh_dim])
+    return idx
+
+
+def _spans(idx: Tensor, unit: int) -> tuple[Span, ...]:
+    """Runs of consecutive global indices, scaled by ``unit`` matrix columns per index."""
+    if idx.numel() == 0:
+        return ()
+    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    stops = [*breaks, idx.numel()]
+    return tuple(Span(int(idx[a]) * unit, (int(idx[b - 1]) + 1) * unit, a * unit) for a, b in zip(starts, stops))
+
+
+def _refuse(name: str, what: str, param: Any) -> ValueError:
+    return ValueError(
+        f"parameter {name!r} has placements {tuple(param.placements)} on a {_mesh_words(param.device_mesh)}: {what}. "
+        "dimuon's Muon family supports DTensor parameters on 1-D and 2-D meshes with Shard(0), Shard(1), "
+        "Replicate() and the _StridedShard that FSDP2 makes over tensor parallelism: FSDP, HSDP "
+        "(Replicate(), Shard(0)), tensor parallel (Shard(0) colwise, Shard(1) rowwise) and FSDP x TP; "
+        "put other parameters in an 'adamw' group"
+    )
+
+
+def derive_layout(param: Tensor, name: str) -> Layout:
+    """The layout of DTensor ``param`` (called ``name`` in errors), checked against its local tensor's shape.
+
+    Raises ValueError naming the parameter and its placements when the layout is not supported.
+    """
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim > 2:
+        raise _refuse(name, f"{mesh.ndim}-D meshes are not supported", param)
+    dims: list[int | None] = []
+    for p in placements:
+        try:
+            dims.append(_placement_dim(p))
+        except NotImplementedError:
+            raise _refuse(name, f"{type(p).__name__} placements are not supported", param) from None
+    if any(d is not None and d > 1 for d in dims):
+        raise _refuse(name, "Shard(d) for d > 1 shards inside the flattened columns", param)
+    for d in (ROWS, COLS):
+        strided = [p for p, pd in zip(placements, dims) if pd == d and _is_strided(p)]
+        if len(strided) > 1:
+            raise _refuse(name, "two _StridedShard placements on one dimension (torch does not lay the data out "
+                          "as they say)", param)
+    shape = tuple(param.shape)
+    rows, cols = shape[0], math.prod(shape[1:])
+    col_unit = math.prod(shape[2:])
+    row_dims = tuple(i for i, d in enumerate(dims) if d == ROWS)
+    col_dims = tuple(i for i, d in enumerate(dims) if d == COLS)
+    rep_dims = tuple(i for i, d in enumerate(dims) if d is None)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise _refuse(name, "this rank is not in the parameter's mesh", param)
+    layout = Layout(name, rows, cols, mesh, placements, row_dims, col_dims, rep_dims, col_unit, Piece((), ()))
+    mine = layout.piece_at(coord)
+    local = param.to_local()
+    local_shape = (local.shape[0], math.prod(local.shape[1:])) if local.ndim >= 2 else None
+    if local_shape != mine.shape:
+        raise _refuse(name, f"its local tensor has shape {tuple(local.shape)}, but the placements give this "
+                      f"rank a {mine.shape[0]} x {mine.shape[1]} piece", param)
+    return Layout(name, rows, cols, mesh, placements, row_dims, col_dims, rep_dims, col_unit, mine)

@@ -1,0 +1,152 @@
+"""HSDP 2 x 2, tensor parallel 4 and FSDP 2 x TP 2 on 4 gloo ranks against one process: parameters, the
+collectives each map issues per mesh dimension, their order on every rank, checkpoints that move across
+topologies, and the clear error for the layouts the optimizer refuses."""
+
+import pytest
+
+from dimuon.optim.distributed.launch import run_gloo
+
+from . import mesh_scenarios as ms
+
+pytestmark = pytest.mark.multirank
+
+WORLD = 4
+OPTIMIZERS = [
+    ("gather", "muon", {}),
+    ("owner", "muon", {"refresh": "owner"}),
+    ("prm", "periodic_row_muon", {"k": 3}),
+    ("bp", "muon_bp", {"period": 3}),
+]
+CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, optimizer, opts in OPTIMIZERS] + [
+    ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split"}),
+    ("hsdp2x2_split_owner", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "owner"}),
+    ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
+]
+CHECK = "all_reduce[check]"
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    return run_gloo(ms.parity, WORLD, CASES, timeout_s=300)
+
+
+def test_placements_are_the_ones_torch_makes(meshes):
+    placements = meshes[0]
+    assert placements["hsdp2x2_gather"]["placements"]["wide_c.weight"] == "(Replicate(), Shard(dim=0))"
+    assert placements["tp4_gather"]["placements"]["wide_c.weight"] == "(Shard(dim=0),)"
+    assert placements["tp4_gather"]["placements"]["wide_r.weight"] == "(Shard(dim=1),)"
+    assert placements["fsdp2xtp2_gather"]["placements"]["wide_c.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["fsdp2xtp2_gather"]["placements"]["wide_r.weight"] == "(Shard(dim=0), Shard(dim=1))"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_parameters_match_one_process(meshes, case):
+    name, key, optimizer, opts = case
+    expect = ms.reference(key, optimizer, opts)
+    for rank_result in meshes:
+        got = rank_result[name]["params"]
+        for pname, ref in expect.items():
+            assert (got[pname] - ref).abs().max().item() <= 1e-5, (name, pname)
+
+
+def _optimizer_kinds(step: dict) -> dict[str, set[str]]:
+    """Mesh dimension -> the collective kinds the optimizer issued there (the vote left out)."""
+    return {dim: set(kinds) - {CHECK} for dim, kinds in step["by_dim"].items() if set(kinds) - {CHECK}}
+
+
+def test_block_steps_move_nothing(meshes):
+    for key in ms.MESHES:
+        for rank_result in meshes:
+            log = rank_result[f"{key}_bp"]["log"]
+            for t, step in enumerate(log):
+                if t % 3:
+                    assert _optimizer_kinds(step) == {}, (key, t)
+
+
+def test_rownorm_reduces_only_split_oriented_rows(meshes):
+    # 4 bytes per sum, ring all-reduce 2(W-1)/W. Oriented rows split across ranks: HSDP (Shard(0) over 2):
+    # the columns of the tall matrices tall_c (13), tall_r (14), thin_r (3); TP 4: tall_c's 13 columns
+    # (Shard(0)) and wide_r's 14 rows (Shard(1)). Wide Shard(0) matrices (wide_c, thin_c, the fused
+    # squares) and tall Shard(1) ones add nothing. One all-reduce per Muon parameter group needing one.
+    expect = {"hsdp2x2": ("shard", 2 * 1 / 2 * 4 * (13 + 14 + 3), 2), "tp4": ("tp", 2 * 3 / 4 * 4 * (13 + 14), 2)}
+    for key, (dim, nbytes, calls) in expect.items():
+        for rank_result in meshes:
+            for t, step in enumerate(rank_result[f"{key}_prm"]["log"]):
+                if t % 3 == 0:
+                    continue
+                assert _optimizer_kinds(step) == {dim: {"all_reduce"}}
+                assert step["by_dim"][dim]["all_reduce"]["bytes"] == nbytes
+                assert step["by_dim"][dim]["all_reduce"]["calls"] == calls
+    # FSDP 2 x TP 2: tall column-wise rows are split over both dimensions (the flattened group), the row-wise
+    # weights' rows over dp (tall ones) and their columns over tp (wide ones).
+    for rank_result in meshes:
+        step = rank_result["fsdp2xtp2_prm"]["log"][1]
+        assert _optimizer_kinds(step) == {"dp+tp": {"all_reduce"}, "tp": {"all_reduce"}, "dp": {"all_reduce"}}
+        assert step["by_dim"]["dp+tp"]["all_reduce"]["bytes"] == 2 * 3 / 4 * 4 * 13
+
+
+def test_spectral_steps_stay_in_the_shard_group(meshes):
+    for rank_result in meshes:
+        assert _optimizer_kinds(rank_result["hsdp2x2_gather"]["log"][0]) == {"shard": {"all_gather"}}
+        assert _optimizer_kinds(rank_result["hsdp2x2_owner"]["log"][0]) == {"shard": {"all_to_all"}}
+        assert _optimizer_kinds(rank_result["tp4_gather"]["log"][0]) == {"tp": {"all_gather"}}
+        assert _optimizer_kinds(rank_result["fsdp2xtp2_gather"]["log"][0]) == {"dp+tp": {"all_gather"}}
+        assert _optimizer_kinds(rank_result["fsdp2xtp2_owner"]["log"][0]) == {"dp+tp": {"all_to_all"}}
+
+
+def test_split_replicas_trade_shard_bytes_for_replicate_bytes(meshes):
+    for rank_result in meshes:
+        repeat, split = (rank_result[k]["log"][0]["by_dim"] for k in ("hsdp2x2_gather", "hsdp2x2_split"))
+        assert set(repeat["replicate"]) == {CHECK}  # every replica refreshes: nothing crosses replicas
+        assert split["replicate"]["broadcast"]["bytes"] > 0
+        assert split["shard"]["all_gather"]["bytes"] < repeat["shard"]["all_gather"]["bytes"]
+    # The two replicas of a piece together refresh each matrix once: shard bytes add up to one repeat.
+    shard_split = sum(r["hsdp2x2_split"]["log"][0]["by_dim"]["shard"]["all_gather"]["bytes"] for r in meshes)
+    shard_repeat = sum(r["hsdp2x2_gather"]["log"][0]["by_dim"]["shard"]["all_gather"]["bytes"] for r in meshes)
+    assert shard_split == shard_repeat / 2
+
+
+def test_every_rank_of_a_group_issues_the_same_sequence(meshes):
+    for name, *_ in CASES:
+        for t in range(ms.STEPS):
+            steps = [r[name]["log"][t] for r in meshes]
+            groups = {(dim, members) for s in steps for dim, members in s["groups"].items()}
+            for dim, members in groups:
+                sequences = [[c for c in steps[r]["calls"] if c[0] == dim] for r in members]
+                assert all(s == sequences[0] for s in sequences), (name, t, dim, members)
+            assert all(s["calls"][0][1] == CHECK for s in steps)  # the vote comes first
+
+
+def test_unsupported_layouts_fail_at_construction_naming_the_parameter():
+    errors = run_gloo(ms.unsupported, WORLD, timeout_s=300)[0]
+    assert "3-D meshes are not supported" in errors["3d_mesh"] and "'w'" in errors["3d_mesh"]
+    assert "Partial placements are not supported" in errors["partial"]
+    assert "Shard(d) for d > 1" in errors["shard_dim2"] and "Shard(dim=2)" in errors["shard_dim2"]
+    assert "two _StridedShard placements on one dimension" in errors["nested_strided"]
+    assert "'qkv.weight'" in errors["nested_strided"] and "(dp=2, tp=2)" in errors["nested_strided"]
+
+
+def test_checkpoint_moves_from_hsdp_to_fsdp_to_one_process(tmp_path):
+    opts = {"k": 3}
+    root = str(tmp_path)
+    run_gloo(ms.topology_save, WORLD, root, "hsdp2x2", None, 0, 4, opts, timeout_s=300)
+    resumed = run_gloo(ms.topology_save, WORLD, root, "fsdp4", f"{root}/hsdp2x2", 4, 6, opts, timeout_s=300)
+    assert all(set(r["phase"]) == {4} for r in resumed)  # t = 4 with k = 3: a RowNorm step comes next
+    phase, params = ms.single_process_resume(f"{root}/fsdp4", 6, 8, opts)
+    assert set(phase) == {6}  # t = 6: the spectral step of the next period
+    expect = ms.reference("hsdp2x2", "periodic_row_muon", opts, steps=8)
+    for name, ref in expect.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-5, name
+
+
+def test_parameters_replaced_after_construction_take_their_new_layout():
+    opts = {"k": 3}
+    results = run_gloo(ms.repointed, WORLD, opts, timeout_s=300)
+    expect = ms.reference("hsdp2x2", "periodic_row_muon", opts)
+    n_params = len(expect)
+    for r in results:
+        for name, ref in expect.items():
+            assert (r["params"][name] - ref).abs().max().item() <= 1e-5, name
+        assert r["momentum"] == ["DTensor"] * len(ms.LAYERS)  # the unsharded zeros made at construction are gone
+        assert r["state_keys"] == list(range(n_params))
+        assert set(r["log"][0]["by_dim"]) == {"mesh_dim0"} and "all_gather" in r["log"][0]["kinds"]
