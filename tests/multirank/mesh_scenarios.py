@@ -263,3 +263,54 @@ def repointed(rank: int, world: int, opts: dict) -> dict:
     momentum = [type(s["momentum_buffer"]).__name__ for s in opt.state.values() if "momentum_buffer" in s]
     saved = opt.state_dict()  # every state entry maps to a parameter of the groups
     return {"params": full_params(model), "log": log, "momentum": momentum, "state_keys": sorted(saved["state"])}
+
+
+def _dit_inputs():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(2, 4, 8, 8, generator=gen), torch.rand(2, generator=gen), torch.tensor([1, 3])
+
+
+def dit_model():
+    """DiT-XS/2 (4 heads, 6 blocks) on 8x8 latents, every weight non-zero so every path is exercised."""
+    from dimuon.dit.model import build_dit
+
+    torch.manual_seed(0)
+    model = build_dit("DiT-XS/2", input_size=8, in_channels=4, num_classes=10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def dit_train(model, opt, steps: int = 3) -> torch.Tensor:
+    """``steps`` steps on one batch; the first output."""
+    first = None
+    for _ in range(steps):
+        out = model(*_dit_inputs())
+        first = out.detach() if first is None else first
+        opt.zero_grad()
+        out.square().mean().backward()
+        opt.step()
+    return first
+
+
+def dit_parallel(rank: int, world: int, layouts: list[tuple[int, int, int]]) -> dict:
+    """dimuon's DiT under each parallel layout (dp_replicate, dp_shard, tp): placements, the parameters as
+    saved before training (names and values), the first output and the parameters after 3 steps."""
+    from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
+    from dimuon.optim import param_groups
+
+    out = {}
+    for degrees in layouts:
+        par = Parallelism(*degrees).resolve(world)
+        mesh = build_mesh(par, "cpu")
+        model = apply_parallelism(dit_model(), par, mesh)
+        saved = full_params(model)
+        placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
+                      for n, p in model.named_parameters() if n.startswith("blocks.0.")}
+        opt = build("periodic_row_muon", param_groups(model), lr=LR, k=2, ns_dtype=torch.float32,
+                    process_group=tp_process_group(par, mesh))
+        first = dit_train(model, opt)
+        out[degrees] = {"saved": saved, "placements": placements, "out": first, "params": full_params(model)}
+    dist.barrier()
+    return out

@@ -175,24 +175,30 @@ class LabelEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention over tokens with a fused qkv projection and PyTorch's SDPA kernel."""
+    """Multi-head self-attention over tokens with a fused qkv projection and PyTorch's SDPA kernel.
+
+    The fused qkv output holds ``[q; k; v]``, each in head order. Under head-wise tensor parallelism
+    (``dimuon.dit.parallel``) each rank's qkv computes its own heads' q, k and v, so the forward reads the
+    number of heads from the qkv output: ``H`` in one process, ``H / tp`` on a tensor-parallel rank.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden size {hidden_size} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, d = x.shape
-        h = self.num_heads
-        qkv = self.qkv(x)  # (N, T, 3D)
-        qkv = qkv.reshape(n, t, 3, h, d // h)  # (N, T, 3, H, D/H)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, D/H)
-        x = F.scaled_dot_product_attention(q, k, v)  # (N, H, T, D/H)
-        x = x.transpose(1, 2).reshape(n, t, d)  # (N, T, D)
+        n, t, _ = x.shape
+        qkv = self.qkv(x)  # (N, T, 3*h*dh), h = H (or this rank's heads under TP), dh = D/H
+        h = qkv.shape[-1] // (3 * self.head_dim)
+        qkv = qkv.reshape(n, t, 3, h, self.head_dim)  # (N, T, 3, h, dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, h, T, dh)
+        x = F.scaled_dot_product_attention(q, k, v)  # (N, h, T, dh)
+        x = x.transpose(1, 2).reshape(n, t, h * self.head_dim)  # (N, T, h*dh)
         return self.proj(x)  # (N, T, D)
 
 

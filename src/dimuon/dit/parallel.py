@@ -1,0 +1,170 @@
+"""Parallelism for dimuon's DiT: degrees in torchtitan's style, one device mesh, the tensor-parallel plan, FSDP2.
+
+Degrees ``dp_replicate x dp_shard x tp`` multiply to the world size and build one mesh with the
+dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard`` and ``tp``:
+
+- ``dp_shard`` alone: FSDP2 (every block, then the root); ``dp_replicate x dp_shard``: HSDP (replicas of
+  a sharded model, e.g. one replica per node); ``tp`` alone: tensor parallelism; ``dp_shard x tp``:
+  FSDP over tensor parallelism. The optimizer supports meshes of at most two dimensions, so the three
+  together (and ``dp_replicate`` with ``tp``, which needs DDP over TP) are refused at start-up.
+
+The tensor-parallel plan (per block; docs/training.md, "Parallelism"):
+
+- ``attn.qkv`` head-wise column-parallel: the weight as ``_StridedShard(0, split_factor=3)``, so tensor
+  rank ``r`` holds the q, k and v rows of heads ``[r H/tp, (r+1) H/tp)``; its output is those heads'
+  q, k, v, and attention runs on local heads. The bias stays replicated (FSDP2 over a strided bias would
+  nest two ``_StridedShard`` on one dimension, which torch does not store as the placements say).
+- ``attn.proj`` and ``mlp.fc2`` row-parallel (``Shard(1)``: each rank's heads / hidden units), their
+  outputs all-reduced; ``mlp.fc1`` column-parallel (``Shard(0)``).
+- ``adaLN_modulation`` stays replicated over ``tp``: it acts on one conditioning vector per sample, not on
+  every token, so splitting it saves almost no compute, while every rank needs all ``6D`` outputs for
+  the full-width modulation (an all-gather per block); FSDP still shards it over ``dp_shard``.
+  Embeddings and the final layer stay replicated over ``tp`` for the same reason.
+
+Parameter names and values are unchanged: a checkpoint saved under any layout is the same model.
+Under FSDP, the qkv weight is sharded over ``dp_shard`` along its input dimension
+(``shard_placement_fn``), which keeps it ``(Shard(1), _StridedShard(0, 3))``: two shardings of different
+dimensions, a layout torch stores exactly as it says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Parallelism", "apply_parallelism", "build_mesh", "tensor_parallel_dit", "tp_process_group"]
+
+FLAGS = {"dp_replicate": "--parallel.dp-replicate", "dp_shard": "--parallel.dp-shard", "tp": "--parallel.tp"}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+
+    def resolve(self, world: int) -> Parallelism:
+        """The degrees with ``dp_shard`` filled in, checked against ``world``; a ValueError names the flags."""
+        for key in ("dp_replicate", "tp"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{FLAGS[key]} must be >= 1, got {getattr(self, key)}")
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world % (self.dp_replicate * self.tp):
+                raise ValueError(f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}) "
+                                 f"must divide the world size {world}")
+            dp_shard = world // (self.dp_replicate * self.tp)
+        elif dp_shard < 1:
+            raise ValueError(f"{FLAGS['dp_shard']} must be >= 1 or -1 (the rest of the world), got {dp_shard}")
+        resolved = Parallelism(self.dp_replicate, dp_shard, self.tp)
+        if resolved.dp_replicate * resolved.dp_shard * resolved.tp != world:
+            raise ValueError(
+                f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']} = {self.dp_replicate} x {dp_shard} x "
+                f"{self.tp} = {self.dp_replicate * dp_shard * self.tp} must equal the world size {world}"
+            )
+        if resolved.tp > 1 and resolved.dp_replicate > 1:
+            raise ValueError(
+                f"{FLAGS['dp_replicate']} > 1 with {FLAGS['tp']} > 1 is not supported: HSDP over tensor parallelism is "
+                "a 3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp"
+            )
+        return resolved
+
+    def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
+        """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""
+        if self.tp == 1:
+            return
+        for what, n in (("attention heads", num_heads), ("MLP hidden units", mlp_hidden)):
+            if n % self.tp:
+                raise ValueError(f"{FLAGS['tp']} ({self.tp}) must divide the model's {n} {what}")
+
+    @property
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """The mesh dimensions: those of degree > 1, in the order dp_replicate, dp_shard, tp."""
+        return tuple((k, getattr(self, k)) for k in ("dp_replicate", "dp_shard", "tp") if getattr(self, k) > 1)
+
+
+def build_mesh(par: Parallelism, device_type: str) -> Any:
+    """One device mesh with the dimensions of ``par`` larger than 1 (None for one process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not par.dims:
+        return None
+    names, sizes = zip(*par.dims)
+    return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def _headwise_qkv_style() -> Any:
+    """A ParallelStyle for the fused qkv: weight ``_StridedShard(0, 3)``, bias replicated, local output."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    class HeadwiseQKV(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def partition(name: str, mod: nn.Module, mesh: Any) -> None:
+                weight = distribute_tensor(mod.weight.detach(), mesh, [_StridedShard(0, split_factor=3)])
+                mod.register_parameter("weight", nn.Parameter(weight, requires_grad=mod.weight.requires_grad))
+                bias = distribute_tensor(mod.bias.detach(), mesh, [Replicate()])
+                mod.register_parameter("bias", nn.Parameter(bias, requires_grad=mod.bias.requires_grad))
+
+            def inputs(mod: nn.Module, args: tuple, mesh: Any) -> tuple:
+                (x,) = args
+                return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),)
+
+            def outputs(mod: nn.Module, out: Any, mesh: Any) -> Any:
+                return out.to_local()  # (N, T, 3 * local heads * head_dim): this rank's q, k, v
+
+            return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+    return HeadwiseQKV()
+
+
+def tensor_parallel_dit(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Apply the tensor-parallel plan of the module docstring to every transformer block of ``model``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        plan = {"attn.qkv": _headwise_qkv_style(), "attn.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def _fsdp_placement(param: nn.Parameter) -> Any:
+    """FSDP's placement for a parameter: the input dimension for a head-wise (strided) TP weight, else dim 0."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(param, "placements", ())
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        return Shard(1)
+    return None  # FSDP2's default, Shard(0)
+
+
+def apply_parallelism(model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True) -> nn.Module:
+    """Tensor parallelism over ``tp`` (if any), then FSDP2 over the data-parallel dimensions: every block,
+    then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if par.tp > 1:
+        tensor_parallel_dit(model, mesh["tp"])
+    dp = tuple(name for name, _ in par.dims if name != "tp")
+    if not dp:
+        return model
+    dp_mesh = mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root)
+    return model
+
+
+def tp_process_group(par: Parallelism, mesh: Any) -> torch.distributed.ProcessGroup | None:
+    """Under tensor parallelism alone the parameters outside the plan are plain tensors, the same on every
+    rank: the optimizer splits their Newton-Schulz work over this group (``process_group=``)."""
+    if par.tp > 1 and len(par.dims) == 1:
+        return mesh.get_group("tp")
+    return None
