@@ -38,10 +38,10 @@ def _gather_bytes_per_step() -> int:
 @pytest.mark.multirank
 def test_every_optimizer_reported_with_bytes_calls_and_ratios(record):
     opts = record["optimizers"]
-    assert list(opts) == [*comm.VARIANTS, "torch_muon"]
+    assert list(opts) == [*(k for k in comm.VARIANTS if k not in comm.REPLICA_VARIANTS), "torch_muon"]
     assert record["world"] == WORLD and record["backend"] == "gloo" and record["threads_per_rank"] == 1
     assert record["launcher"] == "spawn" and record["machine"]["torch"] and record["machine"]["date"]
-    for key in comm.VARIANTS:
+    for key in (k for k in comm.VARIANTS if k not in comm.REPLICA_VARIANTS):
         o = opts[key]
         assert o["own_matches_boundary"] is True, key  # dimuon's own counters = the call-boundary count
         assert o["boundary_bytes_per_step"] == o["bytes_per_step"] + o["check"]["bytes_per_step"], key
@@ -106,6 +106,24 @@ def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
     assert p["own_matches_boundary"] is None and p["exposed_share"] is None and p["boundary_calls_per_step"] == 1.75
 
 
+@pytest.mark.multirank
+def test_hsdp_mesh_reports_bytes_per_mesh_dimension_and_both_replica_refreshes(tmp_path):
+    out = tmp_path / "hsdp.json"
+    args = ["--world", "4", *TINY[2:]]
+    assert comm.main([*args, "--mesh", "hsdp2x2", "--optimizers", "muon_gather", "muon_gather_split", "prm_k3",
+                      "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["mesh"] == {"spec": "hsdp2x2", "dims": {"dp_replicate": 2, "dp_shard": 2}}
+    opts = record["optimizers"]
+    repeat, split = opts["muon_gather"]["by_mesh_dim"], opts["muon_gather_split"]["by_mesh_dim"]
+    assert repeat["dp_replicate"]["bytes_per_step"] == 0 and repeat["dp_shard"]["bytes_per_step"] > 0
+    assert split["dp_replicate"]["bytes_per_step"] > 0
+    assert split["dp_shard"]["bytes_per_step"] == pytest.approx(repeat["dp_shard"]["bytes_per_step"] / 2, rel=0.05)
+    for o in opts.values():  # the per-dimension bytes add up to the per-kind total
+        assert sum(d["bytes_per_step"] for d in o["by_mesh_dim"].values()) == pytest.approx(o["bytes_per_step"])
+    assert record["peers"]["torch_muon"]["reason"].endswith("not on --mesh hsdp2x2")
+
+
 def test_bad_options_are_refused_before_any_rank_starts(capsys):
     assert comm.main(["--optimizers", "sgd"]) == 2
     assert "--optimizers must name" in capsys.readouterr().err
@@ -113,3 +131,9 @@ def test_bad_options_are_refused_before_any_rank_starts(capsys):
     assert "--peers got unknown peer(s) ['sgd']" in capsys.readouterr().err
     assert comm.main(["--device", "cuda", "--launcher", "spawn"]) == 2
     assert "needs torchrun" in capsys.readouterr().err
+    assert comm.main(["--mesh", "hsdp2x3", "--world", "4"]) == 2
+    assert "--mesh hsdp2x3 on 4 ranks" in capsys.readouterr().err
+    assert comm.main(["--mesh", "ring4"]) == 2
+    assert "--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT" in capsys.readouterr().err
+    assert comm.main(["--mesh", "tp4", "--model", "DiT-T/2"]) == 2
+    assert "--parallel.tp (4) must divide the model's 2 attention heads" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """``dimuon bench comm``: logical communication, step time and exposed communication of the optimizers.
 
-A registry DiT is sharded with FSDP2 (each block, then the root, on a 1-D mesh) and every
+A registry DiT is laid out on the ``--mesh`` (FSDP2 on a 1-D mesh by default; HSDP, tensor parallel or
+FSDP over tensor parallel with :mod:`dimuon.dit.parallel`, as ``dimuon train`` does) and every
 parameter gets a seeded random gradient (the same full tensor on every rank, each rank keeps its
-rows). AdamW, Muon (gather and owner refresh), PeriodicRowMuon (K = 2, 3, 4) and MuonBP (P = 5),
+piece). AdamW, Muon (gather and owner refresh), PeriodicRowMuon (K = 2, 3, 4) and MuonBP (P = 5),
 and the peers (other installable Muon packages, :mod:`dimuon.bench.peers`, built over the same
 sharded matrices) then step on it in turns, each step from the same gradients. Per step and rank
 the benchmark records the wall time of ``opt.step()`` (after a barrier), the calls and logical bytes
@@ -16,6 +17,10 @@ Two ways to launch it:
 - ``dimuon bench comm`` starts ``--world`` local gloo ranks itself (CPU);
 - ``torchrun --nproc-per-node N -m dimuon.cli bench comm --device cuda`` uses the process group
   torchrun describes (NCCL on CUDA, gloo on CPU); rank 0 prints and writes the JSON.
+
+Bytes and time are also reported per mesh dimension (the optimizer's own counters,
+``comm_stats(by_mesh_dim=True)``). On meshes with replicas the HSDP refresh is measured both ways
+(``replica_refresh`` repeat and split).
 
 Run ``dimuon bench comm --help`` (or ``python -m dimuon.bench.comm --help``).
 """
@@ -49,9 +54,11 @@ from dimuon.bench.peers import (
     muon_and_rest,
     start_peer,
 )
+from dimuon.bench.peers.registry import probe
 from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave, synchronizer
 from dimuon.dit.model import DiT, dit_arch
+from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, build, linalg, param_groups
 
@@ -77,6 +84,20 @@ VARIANTS: dict[str, Variant] = {
     "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3}, 3),
     "prm_k4": Variant("PeriodicRowMuon K=4", "periodic_row_muon", {"k": 4}, 4),
     "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5}, 5),
+    "muon_gather_split": Variant("Muon (gather, replicas split)", "muon", {"refresh": "gather",
+                                                                            "replica_refresh": "split"}),
+    "muon_owner_split": Variant("Muon (owner, replicas split)", "muon", {"refresh": "owner",
+                                                                          "replica_refresh": "split"}),
+}
+# Rows that differ from their "repeat" twin only on meshes with a replicate dimension.
+REPLICA_VARIANTS = ("muon_gather_split", "muon_owner_split")
+
+MESH_PATTERNS = {  # --mesh spelling -> degrees (dp_replicate, dp_shard, tp); -1: the rest of the world
+    r"fsdp": lambda: (1, -1, 1),
+    r"fsdp(\d+)": lambda s: (1, int(s), 1),
+    r"hsdp(\d+)x(\d+)": lambda r, s: (int(r), int(s), 1),
+    r"tp(\d+)": lambda t: (1, 1, int(t)),
+    r"fsdp(\d+)xtp(\d+)": lambda s, t: (1, int(s), int(t)),
 }
 
 PAPER = {
@@ -94,6 +115,9 @@ class Config:
 
     model: str = "DiT-S/2"
     """Registry name of the DiT (e.g. DiT-S/2, DiT-XL/2)."""
+    mesh: str = "fsdp"
+    """Device mesh: fsdp (FSDP2 over all ranks), fsdpS, hsdpRxS (R replicas of S shards), tpT (tensor
+    parallel), fsdpSxtpT (FSDP over tensor parallel); the degrees multiply to the world size."""
     depth: int | None = None
     """Number of transformer blocks (default: the registry's; fewer for a quick run)."""
     input_size: int = 32
@@ -103,7 +127,8 @@ class Config:
     num_classes: int = 1000
     """Label-embedding rows (an AdamW parameter)."""
     optimizers: tuple[str, ...] = tuple(VARIANTS)
-    """Which optimizers to run, from: adamw muon_gather muon_owner prm_k2 prm_k3 prm_k4 muon_bp_p5."""
+    """Which optimizers to run, from: adamw muon_gather muon_owner prm_k2 prm_k3 prm_k4 muon_bp_p5
+    muon_gather_split muon_owner_split (the last two only on meshes with replicas)."""
     peers: tuple[str, ...] = tuple(PEERS)
     """Peers to run beside them, from: torch_muon muon_fsdp2 dtensor_muon heavyball (default: all; one
     that is not installed or cannot run here gets a row saying why)."""
@@ -146,13 +171,44 @@ class Config:
 # ----------------------------------------------------------------------------------------- setup
 
 
+def parse_mesh(spec: str, world: int) -> Parallelism:
+    """The degrees ``--mesh`` names, resolved for ``world`` ranks; a ValueError names --mesh."""
+    import re
+
+    for pattern, degrees in MESH_PATTERNS.items():
+        found = re.fullmatch(pattern, spec)
+        if found:
+            try:
+                return Parallelism(*degrees(*found.groups())).resolve(world)
+            except ValueError as err:
+                raise ValueError(f"--mesh {spec} on {world} ranks: {err}") from None
+    raise ValueError(f"--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT (e.g. hsdp2x2, tp4, fsdp2xtp2), got {spec!r}")
+
+
+def world_size(cfg: Config) -> int:
+    """The ranks the benchmark will run on: torchrun's world, or --world spawned ranks."""
+    if resolve_launcher(cfg) == "torchrun":
+        return int(os.environ.get("WORLD_SIZE", cfg.world))
+    return cfg.world
+
+
+def selected_optimizers(cfg: Config, par: Parallelism) -> list[str]:
+    """--optimizers, less the replica-split rows on meshes without replicas (they equal their twins there)."""
+    return [k for k in cfg.optimizers if k not in REPLICA_VARIANTS or par.dp_replicate > 1]
+
+
 def check_config(cfg: Config) -> None:
     """One clear error per bad option, before any rank starts."""
     unknown = [n for n in cfg.optimizers if n not in VARIANTS]
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
     check_names(cfg.peers)
-    dit_arch(cfg.model)  # raises on an unknown registry name
+    arch = dit_arch(cfg.model)  # raises on an unknown registry name
+    par = parse_mesh(cfg.mesh, world_size(cfg))
+    try:
+        par.check_model(arch["hidden_size"], arch["num_heads"], int(arch["hidden_size"] * 4.0))
+    except ValueError as err:
+        raise ValueError(f"--mesh {cfg.mesh}: {err}") from None
     for flag, value, low in (("--world", cfg.world, 1), ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -169,36 +225,33 @@ def build_model(cfg: Config) -> DiT:
     return DiT(**arch, input_size=cfg.input_size, in_channels=cfg.in_channels, num_classes=cfg.num_classes)
 
 
-def shard(model: DiT, device: torch.device, world: int) -> DiT:
-    """FSDP2 as in training: every transformer block, then the root, on a 1-D mesh of ``world`` ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (world,))
+def shard(model: DiT, device: torch.device, par: Parallelism) -> tuple[DiT, Any]:
+    """Lay the model out as training does (tensor parallel plan, then FSDP2 per block and root); the mesh."""
+    mesh = build_mesh(par, device.type)
     model.to(device)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return apply_parallelism(model, par, mesh), mesh
 
 
 def seed_gradients(model: nn.Module, seed: int, device: torch.device) -> None:
-    """A seeded N(0, 1) gradient on every parameter: the same full tensor on every rank, sharded like it."""
+    """A seeded N(0, 1) gradient on every parameter: the same full tensor on every rank, cut like the parameter."""
     from torch.distributed.tensor import distribute_tensor
 
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     for p in model.parameters():
         full = torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype)
         # src_data_rank=None: every rank already holds the full tensor, so no scatter is needed.
-        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        is_dtensor = type(p).__name__ == "DTensor"
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if is_dtensor else full
 
 
-def make_optimizer(cfg: Config, key: str, model: nn.Module) -> torch.optim.Optimizer:
-    """Optimizer ``key`` of :data:`VARIANTS` over ``model``, grouped by ``build``'s defaults."""
+def make_optimizer(cfg: Config, key: str, model: nn.Module, process_group: Any = None) -> torch.optim.Optimizer:
+    """Optimizer ``key`` of :data:`VARIANTS` over ``model``, grouped by ``build``'s defaults (``process_group``:
+    the group that shares the plain parameters outside a tensor-parallel plan)."""
     v = VARIANTS[key]
     opts = {**v.options, "lr": cfg.lr}
     if v.name != "adamw":
-        opts.update(bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype], ns_dtype=DTYPES[cfg.ns_dtype])
+        opts.update(bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype], ns_dtype=DTYPES[cfg.ns_dtype],
+                    process_group=process_group)
     return build(v.name, model, **opts)
 
 
@@ -222,24 +275,32 @@ def timed_period(opt: Any, period: int, device: torch.device, log: list[dict[str
             sync()
             elapsed = time.perf_counter() - start
             boundary = counter.stats()
-            stats = None
+            stats = by_dim = None
             if own:  # dimuon's own counters; torch's AdamW issues none
                 stats = opt.comm_stats() if hasattr(opt, "comm_stats") else {}
-            log.append({"time_s": elapsed, "stats": stats, "boundary": boundary})
+                by_dim = opt.comm_stats(by_mesh_dim=True) if hasattr(opt, "comm_stats") else {}
+            log.append({"time_s": elapsed, "stats": stats, "by_dim": by_dim, "boundary": boundary})
 
     return run
 
 
-def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapshot: GradientSnapshot
-                    ) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
+def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapshot: GradientSnapshot,
+                    par: Parallelism) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
     """The peers that run here (after one untimed first step on every rank), and every named peer's status.
 
-    The ranks agree: a peer whose first step failed on any rank is left out on all of them.
+    The ranks agree: a peer whose first step failed on any rank is left out on all of them. Peers are
+    measured on 1-D FSDP meshes only; on other meshes each gets a row saying so.
     """
     names = [] if cfg.no_peers else list(cfg.peers)
     muon, rest = muon_and_rest(model)
     opts: dict[str, Any] = {}
     statuses: dict[str, PeerStatus] = {}
+    if par.tp > 1 or par.dp_replicate > 1:
+        for name in names:
+            status = probe(name, device, "fsdp2")
+            statuses[name] = status.failed(f"peers are measured on 1-D FSDP meshes, not on --mesh {cfg.mesh}") \
+                if status.runnable else status
+        return opts, statuses
     for name in names:
         opt, status, error = start_peer(name, muon, rest, cfg.lr, snapshot, device, "fsdp2")
         if opt is not None:
@@ -258,12 +319,14 @@ def measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     """This rank's part: per optimizer and peer, the time and comm counts of every timed step (warm-up
     dropped), and every peer's status."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard(build_model(cfg), device, world)
+    par = parse_mesh(cfg.mesh, world)
+    model, mesh = shard(build_model(cfg), device, par)
     seed_gradients(model, cfg.seed, device)
     snapshot = GradientSnapshot(model.parameters())
     # All optimizers step the same model: values do not change the work, and memory stays one model.
-    opts: dict[str, Any] = {key: make_optimizer(cfg, key, model) for key in cfg.optimizers}
-    peers, statuses = peer_optimizers(cfg, model, device, snapshot)
+    group = tp_process_group(par, mesh)
+    opts: dict[str, Any] = {key: make_optimizer(cfg, key, model, group) for key in selected_optimizers(cfg, par)}
+    peers, statuses = peer_optimizers(cfg, model, device, snapshot, par)
     periods = {**{key: VARIANTS[key].period for key in opts}, **dict.fromkeys(peers, 1)}
     logs: dict[str, list[dict[str, Any]]] = {key: [] for key in periods}
     counter = CallCounter()
@@ -287,6 +350,7 @@ def measure(cfg: Config, device: torch.device) -> dict[str, Any]:
         "params": sum(p.numel() for p in model.parameters()),
         "muon_params": sum(p.numel() for p in muon),
         "muon_matrices": len(muon),
+        "mesh": {"spec": cfg.mesh, "dims": dict(par.dims)},
         "threads": torch.get_num_threads(),
         "backend": dist.get_backend(),
         "device": device.type,
@@ -370,6 +434,12 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
                 "exposed_ms_per_step": None, "exposed_share": None, "check": None, "by_kind": None}
     optimizer, check = (lambda k: k != CHECK), (lambda k: k == CHECK)
     exposed_r = per_step(per_rank, "exposed_s", optimizer)
+    dims = sorted({d for steps in per_rank for s in steps for d in (s.get("by_dim") or {})})
+
+    def dim_mean(dim: str, field: str) -> float:
+        return statistics.fmean(
+            sum(v[field] for s in steps for k, v in (s.get("by_dim") or {}).get(dim, {}).items() if k != CHECK)
+            / len(steps) for steps in per_rank)
     time_r = [sum(s["time_s"] for s in steps) / n for steps in per_rank]
     return {
         **summary,
@@ -386,6 +456,9 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
             "exposed_ms_per_step": 1e3 * mean("exposed_s", check),
         },
         "by_kind": by_kind("stats", {k for steps in per_rank for s in steps for k in s["stats"]} - {CHECK}),
+        # The optimizer's own bytes, calls and exposed time per mesh dimension (the vote left out).
+        "by_mesh_dim": {d: {"bytes_per_step": dim_mean(d, "bytes"), "calls_per_step": dim_mean(d, "calls"),
+                            "exposed_ms_per_step": 1e3 * dim_mean(d, "exposed_s")} for d in dims},
     }
 
 
@@ -410,15 +483,22 @@ def dimuon_ns_dtype(cfg: Config, device_type: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def ideal_ratio(key: str, world: int) -> tuple[float | None, str]:
-    """Logical bytes relative to Muon-gather under docs/algorithms.md, "Logical communication volume", as a number and a formula."""
+def ideal_ratio(key: str, shard: int, replicas: int = 1) -> tuple[float | None, str]:
+    """Logical bytes relative to Muon-gather (docs/algorithms.md, "Sharded execution"), as a number and a
+    formula, for a shard group of ``shard`` ranks (W) and ``replicas`` replicas of it (R)."""
     if key not in VARIANTS:
         return None, "-"
     v = VARIANTS[key]
     if v.name == "adamw":
         return 0.0, "0"
+    split = v.options.get("replica_refresh") == "split"
+    if split and shard > 1:
+        across = (replicas - 1) / (replicas * (shard - 1))  # pieces broadcast over the replicate dimension
+        if v.options.get("refresh") == "owner":
+            return 2 / (shard * replicas) + across, f"2/(WR) + (R-1)/(R(W-1)) = {2 / (shard * replicas) + across:.3f}"
+        return 1 / replicas + across, f"1/R + (R-1)/(R(W-1)) = {1 / replicas + across:.3f}"
     if v.options.get("refresh") == "owner":
-        return 2 / world, f"2/W = {2 / world:.3f}"
+        return 2 / shard, f"2/W = {2 / shard:.3f}"
     if v.name == "periodic_row_muon":
         return 1 / v.period, f"1/{v.period} + all-reduce"
     if v.name == "muon_bp":
@@ -432,7 +512,10 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
     world = len(results)
     first = results[0]
     machine = machine_info(argv)
-    optimizers = {key: summarize_variant(key, [r["steps"][key] for r in results]) for key in cfg.optimizers}
+    dims = first["mesh"]["dims"]
+    shard_ranks = dims.get("dp_shard", 1) * dims.get("tp", 1)
+    optimizers = {key: summarize_variant(key, [r["steps"][key] for r in results]) for key in cfg.optimizers
+                  if key in first["steps"]}
     for name, status in first["peers"].items():
         if status["runnable"]:
             optimizers[name] = summarize_peer(status, [r["steps"][name] for r in results])
@@ -440,7 +523,7 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
     for key, o in optimizers.items():
         o.setdefault("ns_dtype", "-" if key == "adamw" else dimuon_ns_dtype(cfg, first["device"]))
         o["note"] = bf16_note(machine["cpu_flags"], first["device"]) if o["ns_dtype"] == "bfloat16" else ""
-        o["ideal_bytes_ratio"], o["ideal_bytes_formula"] = ideal_ratio(key, world)
+        o["ideal_bytes_ratio"], o["ideal_bytes_formula"] = ideal_ratio(key, shard_ranks, dims.get("dp_replicate", 1))
         own, base_own = o["bytes_per_step"], base and base["bytes_per_step"]
         o["bytes_ratio_to_gather"] = own / base_own if own is not None and base_own else None
         o["boundary_bytes_ratio_to_gather"] = (o["boundary_bytes_per_step"] / base["boundary_bytes_per_step"]
@@ -464,12 +547,28 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
             "params": first["params"],
             "muon_params": first["muon_params"],
             "muon_matrices": first["muon_matrices"],
-            "fsdp": "fully_shard per block, then root; 1-D mesh",
+            "layout": "tensor-parallel plan (dimuon.dit.parallel), then fully_shard per block, then root",
         },
+        "mesh": first["mesh"],
         "optimizers": optimizers,
         "peers": first["peers"],
         "paper": PAPER,
     }
+
+
+def render_mesh_dims(record: dict[str, Any]) -> str:
+    """dimuon's rows per mesh dimension: MiB and exposed ms per step (the optimizer's own counters, no vote)."""
+    dims = sorted({d for o in record["optimizers"].values() for d in (o.get("by_mesh_dim") or {})})
+    rows = []
+    for o in record["optimizers"].values():
+        if not o.get("by_mesh_dim") and o.get("peer"):
+            continue
+        per = o.get("by_mesh_dim") or {}
+        rows.append([o["label"], *(f"{per[d]['bytes_per_step'] / 2**20:.2f}" if d in per else "0.00" for d in dims),
+                     *(f"{per[d]['exposed_ms_per_step']:.1f}" if d in per else "0.0" for d in dims)])
+    header = ["optimizer", *(f"MiB/step {d}" for d in dims), *(f"exposed ms {d}" for d in dims)]
+    return "Per mesh dimension (dimuon's own counters, vote left out):\n" + format_table(
+        header, rows, right=[False, *[True] * (2 * len(dims))])
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -482,7 +581,9 @@ def render(record: dict[str, Any]) -> str:
     m, mach = record["model"], record["machine"]
     lines = [
         f"{m['name']} with {m['depth']} blocks: {m['params'] / 1e6:.1f}M parameters, {m['muon_params'] / 1e6:.1f}M "
-        f"in {m['muon_matrices']} Muon matrices; FSDP2 over {record['world']} {record['backend']} ranks "
+        f"in {m['muon_matrices']} Muon matrices; mesh {record['mesh']['spec']} "
+        f"({' x '.join(f'{k}={v}' for k, v in record['mesh']['dims'].items())}) over {record['world']} "
+        f"{record['backend']} ranks "
         f"({record['launcher']}), {record['threads_per_rank']} thread(s) per rank; torch {mach['torch']}, "
         f"{mach['cuda'] or mach['cpu_model']} ({mach['logical_cpus']} logical CPUs)",
         "Per rank and step, averaged over whole periods; bytes and calls counted at the torch.distributed call "
@@ -515,6 +616,7 @@ def render(record: dict[str, Any]) -> str:
          "exposed ms", "exposed share", "note"],
         rows, right=[False, False, False, *[True] * 8, False],
     ))
+    lines += ["", render_mesh_dims(record)]
     own = {o["label"]: o["own_matches_boundary"] for o in record["optimizers"].values()
            if o["own_matches_boundary"] is not None}
     if own:
