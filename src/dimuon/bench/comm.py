@@ -120,6 +120,9 @@ class Config:
     parallel), fsdpSxtpT (FSDP over tensor parallel); the degrees multiply to the world size."""
     depth: int | None = None
     """Number of transformer blocks (default: the registry's; fewer for a quick run)."""
+    num_heads: int | None = None
+    """Attention heads (default: the registry's). The matrices keep their shapes; tensor parallelism needs
+    a head count the tp degree divides (DiT-S/2's 6 heads and --mesh tp4: --num-heads 8)."""
     input_size: int = 32
     """Latent side length."""
     in_channels: int = 4
@@ -203,24 +206,33 @@ def check_config(cfg: Config) -> None:
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
     check_names(cfg.peers)
-    arch = dit_arch(cfg.model)  # raises on an unknown registry name
+    for flag, value, low in (("--world", cfg.world, 1), ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0),
+                             *((f"--{k.replace('_', '-')}", v, 1) for k, v in (("num_heads", cfg.num_heads),
+                                                                                ("depth", cfg.depth)) if v is not None)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    arch = build_arch(cfg)  # raises on an unknown registry name
+    if arch["hidden_size"] % arch["num_heads"]:
+        raise ValueError(f"--num-heads {arch['num_heads']} must divide the hidden size {arch['hidden_size']}")
     par = parse_mesh(cfg.mesh, world_size(cfg))
     try:
         par.check_model(arch["hidden_size"], arch["num_heads"], int(arch["hidden_size"] * 4.0))
     except ValueError as err:
         raise ValueError(f"--mesh {cfg.mesh}: {err}") from None
-    for flag, value, low in (("--world", cfg.world, 1), ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0)):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if cfg.depth is not None and cfg.depth < 1:
-        raise ValueError(f"--depth must be >= 1, got {cfg.depth}")
+
+
+def build_arch(cfg: Config) -> dict[str, int]:
+    """The registry architecture with --depth and --num-heads applied."""
+    arch = dit_arch(cfg.model)
+    for key in ("depth", "num_heads"):
+        if getattr(cfg, key) is not None:
+            arch[key] = getattr(cfg, key)
+    return arch
 
 
 def build_model(cfg: Config) -> DiT:
     """The registry DiT with the requested overrides (identical on every rank: same seed)."""
-    arch = dit_arch(cfg.model)
-    if cfg.depth is not None:
-        arch["depth"] = cfg.depth
+    arch = build_arch(cfg)
     torch.manual_seed(cfg.seed)
     return DiT(**arch, input_size=cfg.input_size, in_channels=cfg.in_channels, num_classes=cfg.num_classes)
 
@@ -529,7 +541,7 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
         o["boundary_bytes_ratio_to_gather"] = (o["boundary_bytes_per_step"] / base["boundary_bytes_per_step"]
                                                if base and base["boundary_bytes_per_step"] else None)
         o["time_ratio_to_gather"] = o["step_ms"] / base["step_ms"] if base else None
-    arch = dit_arch(cfg.model)
+    arch = build_arch(cfg)
     return {
         "benchmark": "comm",
         "machine": machine,
@@ -542,6 +554,7 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
             "name": cfg.model,
             "depth": cfg.depth if cfg.depth is not None else arch["depth"],
             "hidden_size": arch["hidden_size"],
+            "num_heads": arch["num_heads"],
             "input_size": cfg.input_size,
             "in_channels": cfg.in_channels,
             "params": first["params"],
