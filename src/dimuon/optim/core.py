@@ -379,6 +379,17 @@ class MuonFamily(torch.optim.Optimizer):
                 buf, kept = self.state[p].get("momentum_buffer"), saved.get(id(p))
                 if buf is not None and kept is not None and kept.dtype != buf.dtype:
                     self.state[p]["momentum_buffer"] = kept.to(device=buf.device)  # torch cast it to p.dtype
+                if is_dtensor(p):
+                    self._follow_placements(p)
+
+    def _follow_placements(self, p: Tensor) -> None:
+        """Lay ``p``'s state tensors out as ``p`` is laid out: a checkpoint may bring them gathered along a
+        mesh dimension (DCP cannot store head-wise tensor-parallel pieces) or from another layout."""
+        state = self.state[p]
+        for name, value in state.items():
+            if is_dtensor(value) and value.ndim > 0 and (
+                    value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements)):
+                state[name] = value.redistribute(p.device_mesh, p.placements)
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Raise a ValueError naming what differs unless ``state_dict`` was saved by this kind of optimizer
