@@ -56,3 +56,18 @@ def resumed_options(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
     return {"k": {g["k"] for g in muon}, "gamma": {g["gamma"] for g in muon},
             "weight_decay": {g["weight_decay"] for g in trainer.opt.param_groups},
             "steps": {g["step"] for g in muon}, "ema": (trainer.ema.decay, trainer.ema.warmup, trainer.ema.num_updates)}
+
+
+def parallel_runs(rank: int, world: int, base: dict[str, Any], root: str, layouts: dict[str, dict]) -> dict:
+    """Train ``base`` once per named ``--parallel.*`` layout into ``root/<name>``; a layout may resume another's
+    checkpoint (``resume``: a path under ``root``). Every rank returns the summaries."""
+    from dimuon.train.config import ParallelOptions
+
+    out = {}
+    for name, layout in layouts.items():
+        layout = dict(layout)
+        resume = layout.pop("resume", None)
+        cfg = TrainConfig(out=f"{root}/{name}", parallel=ParallelOptions(**layout),
+                          resume=f"{root}/{resume}" if resume else None, **base)
+        out[name] = train(cfg)
+    return out

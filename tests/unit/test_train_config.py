@@ -73,6 +73,14 @@ def test_defaults_are_valid() -> None:
     assert plan.layout.root.as_posix() == "runs/mnist-demo" and plan.record == config_to_dict(TrainConfig())
 
 
+def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> None:
+    saved = config_to_dict(TrainConfig())
+    del saved["parallel"]
+    cfg = config_from_dict(saved)
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp) == (1, -1, 1)
+    assert parse_config(["--parallel.tp", "2", "--parallel.dp-shard", "2"]).parallel.tp == 2
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -91,6 +99,12 @@ def test_defaults_are_valid() -> None:
         (["--optimizer", "muon", "--optim.k", "3"], "--optimizer muon rejects its options"),
         (["--optim.momentum", "1.5"], "momentum"),
         (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+        (["--parallel.tp", "3"], "--parallel.tp (3) must divide the model's 4 attention heads"),
+        (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
+        (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
+        (["--parallel.dp-replicate", "2", "--parallel.tp", "2"], "--parallel.dp-replicate > 1 with --parallel.tp > 1"),
+        (["--parallel.dp-shard", "2"], "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 2 x 1 = 2 "
+                                       "must equal the world size 1"),
     ],
 )
 def test_bad_values_fail_at_start_up_with_a_message_naming_the_flag(

@@ -134,7 +134,10 @@ class EMA:
             missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise KeyError(f"EMA state does not match the model: missing {missing}, unexpected {extra}")
         for name, e in self.weights().items():
-            _local(e).copy_(_local(weights[name]))
+            source = weights[name]
+            if hasattr(e, "placements") and hasattr(source, "placements") and source.placements != e.placements:
+                source = source.redistribute(e.device_mesh, e.placements)  # e.g. saved gathered along tp
+            _local(e).copy_(_local(source))
         self.decay = float(state["decay"])
         self.warmup = bool(state["warmup"])
         self.num_updates = int(state["num_updates"])

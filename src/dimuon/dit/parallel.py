@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Parallelism", "apply_parallelism", "build_mesh", "tensor_parallel_dit", "tp_process_group"]
+__all__ = ["Parallelism", "apply_parallelism", "build_mesh", "checkpointable", "clip_grad_norm", "tensor_parallel_dit",
+           "tp_process_group"]
 
 FLAGS = {"dp_replicate": "--parallel.dp-replicate", "dp_shard": "--parallel.dp-shard", "tp": "--parallel.tp"}
 
@@ -168,3 +169,46 @@ def tp_process_group(par: Parallelism, mesh: Any) -> torch.distributed.ProcessGr
     if par.tp > 1 and len(par.dims) == 1:
         return mesh.get_group("tp")
     return None
+
+
+def checkpointable(state: Any) -> Any:
+    """``state`` (nested dicts of tensors) with every ``_StridedShard`` DTensor gathered along that mesh dimension
+    (``Replicate()`` there), so ``torch.distributed.checkpoint`` can save and load it: DCP describes a rank's
+    piece as one contiguous block, which a head-wise strided piece is not. Other entries are kept as they are.
+    """
+    if isinstance(state, dict):
+        return {k: checkpointable(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(checkpointable(v) for v in state)
+    placements = getattr(state, "placements", None)
+    if placements and any(type(p).__name__ == "_StridedShard" for p in placements):
+        from torch.distributed.tensor import Replicate
+
+        safe = [Replicate() if type(p).__name__ == "_StridedShard" else p for p in placements]
+        return state.redistribute(state.device_mesh, safe)
+    return state
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Any, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients spread over several meshes: tensor parallelism mixes
+    plain tensors, 1-D and 2-D DTensors, which torch's list kernels refuse to combine. The norm is taken per
+    mesh (a reduction over that mesh for DTensors), summed, and every gradient scaled in place (not when
+    ``max_norm <= 0``); returns the total norm before clipping (a plain tensor, the same on every rank)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(id(g.device_mesh) if hasattr(g, "device_mesh") else 0, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float().square())
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm <= 0:  # the norm alone
+        return total
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for group in by_mesh.values():
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in group]
+        torch._foreach_mul_(local, coef.to(local[0].device))
+    return total

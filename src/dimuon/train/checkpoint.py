@@ -30,6 +30,7 @@ from dimuon.dit.checkpoint import (
     torch_load,
     verify_checkpoint,
 )
+from dimuon.dit.parallel import checkpointable
 from dimuon.io import (
     SUPERSEDED_SUFFIX,
     RunLayout,
@@ -168,7 +169,9 @@ def _dcp_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd, "ema": ema.state_dict(),
+    # Head-wise tensor-parallel pieces are gathered along tp: DCP stores contiguous blocks only.
+    model_sd, optim_sd, ema_sd = checkpointable((model_sd, optim_sd, ema.state_dict()))
+    return {"model": model_sd, "optimizer": optim_sd, "ema": ema_sd,
             "progress": dict(progress), "rng": rng}
 
 

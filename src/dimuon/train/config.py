@@ -19,6 +19,7 @@ import torch
 
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS, dit_arch
+from dimuon.dit.parallel import Parallelism
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS
 from dimuon.train.optim_options import OPTION_SPECS, OptimOptions, accepted_parameters, options_from_dict
@@ -29,16 +30,35 @@ __all__ = [
     "ConfigError",
     "EvalOptions",
     "OptimOptions",
+    "ParallelOptions",
     "TrainConfig",
     "check_patch_size",
     "check_resume_flags",
     "config_from_dict",
     "config_to_dict",
+    "parallelism",
     "validate",
 ]
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag and what is allowed."""
+
+
+@dataclass
+class ParallelOptions:
+    """Parallelism degrees in torchtitan's style; dp_replicate x dp_shard x tp is the world size.
+
+    dp_shard alone is FSDP2; dp_replicate x dp_shard is HSDP (e.g. one replica per node, sharded within
+    it); tp splits attention heads and MLP units over ranks (docs/training.md, "Parallelism"); dp_shard x tp
+    is FSDP over tensor parallelism. dp_replicate with tp (a 3-D mesh) is refused.
+    """
+
+    dp_replicate: int = 1
+    """Data-parallel replicas of the (sharded) model (HSDP)."""
+    dp_shard: int = -1
+    """Ranks each replica's parameters are sharded over (FSDP2); -1: what the other degrees leave of the world."""
+    tp: int = 1
+    """Tensor-parallel degree: must divide the attention heads and the MLP hidden units."""
 
 
 @dataclass
@@ -146,6 +166,7 @@ class TrainConfig:
     """auto: cuda if available, else cpu."""
     threads: int | None = None
     """CPU intra-op threads per process (default: torch's)."""
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     tensorboard: bool = False
     """Also write TensorBoard events to <out>/tensorboard (needs the tensorboard package)."""
     progress: bool = True
@@ -170,17 +191,20 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     if "nonfinite" in optim:  # saved before the policy became the harness's own --nonfinite
         value = optim.pop("nonfinite")
         data.setdefault("nonfinite", value if value is not None else "raise")
+    parallel = dict(data.pop("parallel", {}) or {})  # runs of earlier versions have none: FSDP over all ranks
     unknown = sorted(
         (set(data) - _field_names(TrainConfig))
         | {f"optim.{k}" for k in set(optim) - _field_names(OptimOptions)}
         | {f"eval.{k}" for k in set(evals) - _field_names(EvalOptions)}
+        | {f"parallel.{k}" for k in set(parallel) - _field_names(ParallelOptions)}
     )
     if unknown:
         raise ConfigError(f"saved config has unknown keys {unknown}")
     for key in ("dinov2_weights", "cache_dir"):
         if evals.get(key) is not None:
             evals[key] = Path(evals[key])
-    return TrainConfig(**data, optim=options_from_dict(optim), eval=EvalOptions(**evals))
+    return TrainConfig(**data, optim=options_from_dict(optim), eval=EvalOptions(**evals),
+                       parallel=ParallelOptions(**parallel))
 
 
 def _field_names(cls: type) -> set[str]:
@@ -238,6 +262,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(bool(cfg.out), "--out must name a directory")
     _validate_data(cfg)
     _validate_eval(cfg)
+    _validate_parallel(cfg)
 
 
 def _validate_data(cfg: TrainConfig) -> None:
@@ -268,6 +293,33 @@ def check_patch_size(model: str, image_size: int) -> None:
         f"--model {model} has patch size {patch}, which does not divide the image size {image_size}; "
         f"choose a patch size that divides {image_size} or change --image-size",
     )
+
+
+def parallelism(cfg: TrainConfig, world: int | None = None) -> Parallelism:
+    """The --parallel.* degrees, resolved for ``world`` ranks when given; ConfigError names the flags."""
+    par = Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    try:
+        if world is not None:
+            par = par.resolve(world)
+        arch = dit_arch(cfg.model)
+        par.check_model(arch["hidden_size"], arch["num_heads"], int(arch["hidden_size"] * 4.0))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return par
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    """Degrees in range and a tensor-parallel degree the model can use; the world size is checked at start-up."""
+    _check_positive_int("--parallel.dp-replicate", cfg.parallel.dp_replicate)
+    _check_positive_int("--parallel.tp", cfg.parallel.tp)
+    _require(cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
+             f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}")
+    _require(cfg.parallel.tp == 1 or cfg.parallel.dp_replicate == 1,
+             "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported: HSDP over tensor parallelism is a "
+             "3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp")
+    _require(cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
+             "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp")
+    parallelism(cfg)
 
 
 def _validate_eval(cfg: TrainConfig) -> None:

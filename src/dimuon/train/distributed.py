@@ -10,10 +10,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
+
+from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 
 T = TypeVar("T")
 
-__all__ = ["DistEnv", "all_gather_objects", "barrier", "mean_over_ranks", "on_main", "setup", "shard_model"]
+__all__ = ["DataParallel", "DistEnv", "all_gather_objects", "barrier", "data_parallel", "mean_over_ranks", "on_main",
+           "setup", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -62,20 +66,30 @@ def setup(device: str = "auto", threads: int | None = None) -> DistEnv:
     return DistEnv(rank=0, world=1, device=dev)
 
 
-def shard_model(model: nn.Module, env: DistEnv) -> nn.Module:
-    """FSDP2: shard every transformer block, then the root (embeddings, final layer) over a 1-D mesh.
+@dataclass(frozen=True)
+class DataParallel:
+    """Which slice of every batch this rank trains on: ranks of one tensor-parallel group share a slice."""
+
+    rank: int
+    world: int
+
+
+def data_parallel(env: DistEnv, par: Parallelism) -> DataParallel:
+    """The data-parallel rank and size: the mesh puts tp last, so tensor-parallel peers are consecutive ranks."""
+    return DataParallel(rank=env.rank // par.tp, world=env.world // par.tp)
+
+
+def shard_model(model: nn.Module, env: DistEnv, par: Parallelism) -> ProcessGroup | None:
+    """Lay the model out on one device mesh of the ``par`` degrees (dimuon.dit.parallel): the tensor-parallel
+    plan over ``tp``, then FSDP2 per block and root over the data-parallel dimensions (HSDP with replicas).
 
     The root also reshards after forward: gradient-free forwards (validation, sampling) then leave
-    every parameter sharded, which the EMA's weight swap relies on.
+    every parameter sharded, which the EMA's weight swap relies on. Returns the group that shares the plain
+    parameters under tensor parallelism alone (the optimizer's ``process_group``), else None.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(env.device.type, (env.world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    return model
+    mesh = build_mesh(par, env.device.type)
+    apply_parallelism(model, par, mesh, reshard_root=True)
+    return tp_process_group(par, mesh)
 
 
 def barrier(env: DistEnv) -> None:

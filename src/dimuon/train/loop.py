@@ -30,10 +30,20 @@ from tqdm.auto import tqdm
 from dimuon.data import BatchSchedule, DataSpec, describe_item, find_problems, get_batch, problems_message
 from dimuon.dit import EMA, TimestepDist, flow_loss, sample
 from dimuon.dit.checkpoint import list_checkpoints
+from dimuon.dit.parallel import clip_grad_norm as clip_grad_norm_over_meshes
 from dimuon.io import read_jsonl, save_grid
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import ConfigError, TrainConfig, check_patch_size
-from dimuon.train.distributed import DistEnv, all_gather_objects, mean_over_ranks, on_main, setup, shard_model
+from dimuon.train.distributed import (
+    DataParallel,
+    DistEnv,
+    all_gather_objects,
+    data_parallel,
+    mean_over_ranks,
+    on_main,
+    setup,
+    shard_model,
+)
 from dimuon.train.failures import NonFiniteGuard, RunFailed, all_finite
 from dimuon.train.gen_eval import TrainingEvaluator
 from dimuon.train.logger import tensorboard_available
@@ -83,7 +93,7 @@ class TrainData:
         return self.train_set.num_classes
 
 
-def open_data(plan: TrainPlan, env: DistEnv) -> TrainData:
+def open_data(plan: TrainPlan, env: DistEnv, dp: DataParallel) -> TrainData:
     """Both splits, checked before anything is built: every item usable (all ranks share the reading), the
     splits' classes alike, the model's patch size and one batch fitting; errors name the flags."""
     cfg, spec = plan.cfg, plan.data
@@ -115,7 +125,7 @@ def open_data(plan: TrainPlan, env: DistEnv) -> TrainData:
     n_val = len(val_set) if cfg.val_samples == 0 else min(cfg.val_samples, len(val_set))
     if n_val == 0:
         raise ConfigError(f"{where} has an empty validation split")
-    batches = BatchSchedule(len(train_set), cfg.batch_size, cfg.seed, env.rank, env.world)
+    batches = BatchSchedule(len(train_set), cfg.batch_size, cfg.seed, dp.rank, dp.world)
     val_x, val_y = get_batch(val_set, np.arange(n_val))
     return TrainData(train_set, batches, val_x, val_y, spec)
 
@@ -135,9 +145,15 @@ class Trainer:
         on_main(lambda: check_run_dir(layout, plan.resume, cfg.overwrite), env)
         if cfg.tensorboard and not tensorboard_available():
             raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-        if cfg.batch_size % env.world:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {env.world} ranks")
-        self.data = open_data(plan, env)
+        try:
+            self.par = plan.parallel.resolve(env.world)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.dp = data_parallel(env, self.par)
+        if cfg.batch_size % self.dp.world:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {self.dp.world} data-parallel "
+                              "ranks")
+        self.data = open_data(plan, env, self.dp)
 
         # Model, optimizer, EMA: the same init on every rank (seeded), sharded afterwards.
         torch.manual_seed(cfg.seed)
@@ -151,9 +167,8 @@ class Trainer:
             "torch_version": torch.__version__,
         }
         self.model.to(env.device)
-        if env.distributed:
-            shard_model(self.model, env)
-        self.opt = plan.optimizer.build(self.model)
+        shared = shard_model(self.model, env, self.par) if env.distributed else None
+        self.opt = plan.optimizer.build(self.model, process_group=shared)
         self.ema = EMA(self.model, cfg.ema_decay, warmup=cfg.ema_warmup)
         self.checkpoint_bytes = ckpt.checkpoint_bytes(self.model, self.ema)
         on_main(lambda: check_free_space(layout, self.checkpoint_bytes), env)
@@ -233,8 +248,9 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = self.lr
 
-        # Dropout, times and noise from (seed, step, rank) alone: nothing to carry across a restart.
-        gen = step_generator(cfg.seed, step, env.rank, env.device)
+        # Dropout, times and noise from (seed, step, data-parallel rank) alone: nothing to carry across a
+        # restart, and the ranks of one tensor-parallel group draw the same.
+        gen = step_generator(cfg.seed, step, self.dp.rank, env.device)
         drop = torch.rand(x1.shape[0], generator=gen, device=env.device) < cfg.class_dropout
         with self.autocast:
             loss = flow_loss(functools.partial(self.model, drop_labels=drop), x1, y,
@@ -288,6 +304,10 @@ class Trainer:
     def log_train(self, done: int) -> None:
         """The ``train`` record of the steps since the last one (and the optimizer's communication)."""
         rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.comm_stats())
+        by_dim = self.comm_stats(by_mesh_dim=True)
+        if by_dim:  # the optimizer's bytes per mesh dimension (sharded runs)
+            rec["comm_bytes_per_step_by_mesh_dim"] = {
+                dim: sum(v["bytes"] for v in kinds.values()) / self.window.steps for dim, kinds in by_dim.items()}
         self.reset_comm_stats()
         self.record(rec)
         loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"  # every step of the window skipped
@@ -369,6 +389,8 @@ class Trainer:
         elif self.plan.resume is not None:
             print(f"dimuon train: restarted {self.plan.resume.run} from step 0 (it had no checkpoint)")
         self.log.write({"kind": "start", "step": self.start, "world_size": env.world, "device": str(env.device),
+                        "parallel": {"dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard,
+                                     "tp": self.par.tp},
                         "params": n_params, "torch_version": torch.__version__,
                         "resumed_from": str(self.resume_from or "")})
 
@@ -403,10 +425,13 @@ class Trainer:
         title = f"{cfg.model} on {cfg.dataset}, {cfg.optimizer} lr {cfg.lr:g}, batch {cfg.batch_size}"
         return plot_losses(read_jsonl(self.layout.metrics), self.layout.plots, title=title)
 
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        """The optimizer's collectives since the last reset (none for optimizers that do not count them)."""
+    def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
+        """The optimizer's collectives since the last reset, per kind or per mesh dimension (none for
+        optimizers that do not count them)."""
         stats = getattr(self.opt, "comm_stats", None)
-        return stats() if stats is not None else {}
+        if stats is None:
+            return {}
+        return stats(by_mesh_dim=True) if by_mesh_dim else stats()
 
     def reset_comm_stats(self) -> None:
         reset = getattr(self.opt, "reset_comm_stats", None)
@@ -426,12 +451,9 @@ def step_generator(seed: int, step: int, rank: int, device: torch.device) -> tor
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (sharded gradients included) before clipping, clipped to ``max_norm`` if > 0."""
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
+    """The global gradient norm (sharded gradients on any mesh included) before clipping, clipped to ``max_norm``
+    if > 0."""
+    return clip_grad_norm_over_meshes(model.parameters(), max_norm)
 
 
 def sync(env: DistEnv) -> None:

@@ -10,6 +10,7 @@ environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the pro
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,16 @@ from torch import nn
 
 from dimuon.data import DataSpec
 from dimuon.dit import DiT, build_dit
+from dimuon.dit.parallel import Parallelism
 from dimuon.io import RunLayout
-from dimuon.optim import build
+from dimuon.optim import OPTIMIZERS, build
 from dimuon.train.config import (
     ConfigError,
     EvalOptions,
     TrainConfig,
     check_resume_flags,
     config_to_dict,
+    parallelism,
     validate,
 )
 from dimuon.train.optim_options import optimizer_kwargs
@@ -55,10 +58,16 @@ class OptimizerSpec:
     name: str
     kwargs: dict[str, Any]
 
-    def build(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over ``model``; a combination it refuses (e.g. a one-process baseline on FSDP) names the flag."""
+    def build(self, model: nn.Module, process_group: Any = None) -> torch.optim.Optimizer:
+        """The optimizer over ``model``; a combination it refuses (e.g. a one-process baseline on FSDP) names the flag.
+
+        ``process_group``: the ranks that hold the parameters outside a tensor-parallel plan as plain tensors
+        (the Muon family splits their Newton-Schulz work over it; other optimizers need nothing).
+        """
+        takes = "process_group" in inspect.signature(OPTIMIZERS[self.name]).parameters
+        extra = {"process_group": process_group} if process_group is not None and takes else {}
         try:
-            return build(self.name, model, **self.kwargs)
+            return build(self.name, model, **self.kwargs, **extra)
         except NotImplementedError as e:
             raise ConfigError(f"--optimizer {self.name}: {e}") from None
 
@@ -80,6 +89,7 @@ class TrainPlan:
     data: DataSpec
     model: ModelSpec
     optimizer: OptimizerSpec
+    parallel: Parallelism  # checked against the model; resolved against the world size when the group exists
     schedule: LrSchedule
     evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
     resume: ResumePoint | None  # what --resume continues from (found on disk at start-up)
@@ -126,6 +136,7 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
         data=data_spec(cfg),
         model=ModelSpec(cfg.model, cfg.class_dropout),
         optimizer=optimizer,
+        parallel=parallelism(cfg),
         schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
         evaluation=cfg.eval if cfg.eval.interval > 0 else None,
         resume=resume,
