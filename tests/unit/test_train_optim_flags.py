@@ -115,3 +115,15 @@ def test_a_config_saved_with_the_optimizer_s_nonfinite_option_keeps_its_policy()
     del saved["nonfinite"]
     saved["optim"] = {"nonfinite": "skip"}  # a config.json of when the policy was an --optim.* flag
     assert config_from_dict(saved).nonfinite == "skip"
+
+
+def test_blocks_takes_row_blocks_or_a_row_and_column_pair() -> None:
+    from dimuon.train.run import parse_config
+
+    assert OPTION_SPECS["blocks"].type == tuple[int, ...]
+    for values, expect in ((["4"], (4,)), (["2", "2"], (2, 2))):
+        cfg = parse_config(["--optimizer", "muon_bp", "--optim.blocks", *values])
+        assert optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr)["blocks"] == expect
+        resolve(cfg)  # MuonBP accepts both
+    with pytest.raises(ConfigError, match=r"blocks must be an int or a pair \(row_blocks, col_blocks\)"):
+        resolve(parse_config(["--optimizer", "muon_bp", "--optim.blocks", "1", "2", "3"]))

@@ -95,7 +95,7 @@ class MuonBP(MuonFamily):
     Args (schedule):
         period: a full spectral step every ``period`` steps, block steps in between.
         blocks: blocks of a block step on unsharded parameters (sharded ones use their pieces): row blocks, or
-            a pair (row blocks, column blocks).
+            a pair (row blocks, column blocks); a 1-tuple is row blocks.
         block_lr_ratio: step multiplier of the block steps.
     """
 
@@ -117,7 +117,7 @@ class MuonBP(MuonFamily):
             check_number(f"period{where}", value, low=1, integer=True)
         elif key == "blocks":
             if isinstance(value, (tuple, list)):
-                if len(value) != 2:
+                if len(value) not in (1, 2):
                     raise ValueError(f"blocks{where} must be an int or a pair (row_blocks, col_blocks), got {value!r}")
                 for side, v in zip(("row_blocks", "col_blocks"), value):
                     check_number(f"blocks{where} {side}", v, low=1, integer=True)

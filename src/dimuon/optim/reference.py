@@ -57,7 +57,7 @@ def reference_direction(
     if kind is StepKind.ROWNORM:
         return reference_rownorm(u) * reference_scale(lr_scale, rows, cols)
     if kind is StepKind.BLOCK:
-        row_blocks, col_blocks = (blocks, 1) if isinstance(blocks, int) else blocks
+        row_blocks, col_blocks = (blocks, 1) if isinstance(blocks, int) else (*blocks, 1)[:2]
         return torch.cat([
             torch.cat([reference_orthogonalize(block, dtype=dtype).float() * reference_scale(lr_scale, *block.shape)
                        for block in torch.chunk(band, col_blocks, dim=1)], dim=1)

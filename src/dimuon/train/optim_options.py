@@ -15,6 +15,8 @@ edit here. The rules:
   where an optimizer has no option of that name without the prefix, the flag drops the prefix, so
   ``--optim.betas`` is AdamW's ``betas`` and the Muon family's ``adamw_betas``.
 - ``torch.dtype`` options are spelled ``float32``, ``bfloat16`` or ``float16``.
+- An option that takes a scalar or tuples of it (``blocks: int | tuple[int, int]``) takes one or more values
+  (``--optim.blocks 4``, ``--optim.blocks 2 2``), passed on as a tuple.
 - The help text is the first sentence of the optimizer's documented ``Args`` entry, where it has one.
 """
 
@@ -153,7 +155,16 @@ def cli_type(hint: Any) -> Any:
         return hint
     if origin in (typing.Union, types.UnionType):
         kept = [a for a in args if a not in (type(None), torch.Tensor)]
-        return cli_type(kept[0]) if len(kept) == 1 else None
+        if len(kept) == 1:
+            return cli_type(kept[0])
+        # A scalar or tuples of it (MuonBP's ``blocks: int | tuple[int, int]``): one flag taking one or more values.
+        typed = [cli_type(a) for a in kept]
+        scalars = [t for t in typed if t in _SCALARS]
+        tuples_of = {a for t in typed if typing.get_origin(t) is tuple for a in typing.get_args(t) if a is not Ellipsis}
+        if len(scalars) == 1 and len(typed) == len(scalars) + sum(typing.get_origin(t) is tuple for t in typed) \
+                and tuples_of <= set(scalars):
+            return tuple[scalars[0], ...]
+        return None
     if origin is tuple and args:
         inner = [cli_type(a) for a in args if a is not Ellipsis]
         if any(t not in _SCALARS for t in inner):

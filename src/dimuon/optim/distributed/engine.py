@@ -185,7 +185,7 @@ def block_grid(blocks: int | Sequence[int]) -> BlockGrid:
     """``blocks`` as a ``(row blocks, column blocks)`` pair: an int means row blocks only."""
     if isinstance(blocks, int):
         return (blocks, 1)
-    rows, cols = blocks
+    rows, cols = (*blocks, 1)[:2]  # a 1-tuple is row blocks
     return (int(rows), int(cols))
 
 
