@@ -135,6 +135,13 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
+def everything(rank: int, world: int, cases: list[tuple[str, str, str, dict]], repoint_opts: dict) -> dict:
+    """One spawn for the cheap programs (a gloo spawn costs seconds): :func:`parity`, :func:`unsupported`,
+    :func:`repointed`."""
+    return {"parity": parity(rank, world, cases), "unsupported": unsupported(rank, world),
+            "repointed": repointed(rank, world, repoint_opts)}
+
+
 def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> dict:
     """Each case trained on its mesh: full parameters, placements and per-step communication."""
     built = meshes()
@@ -169,7 +176,9 @@ def unsupported(rank: int, world: int) -> dict[str, str]:
     mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mesh1 = init_device_mesh("cpu", (4,))
+    unnamed = init_device_mesh("cpu", (2, 2))
     cases = {
+        "unnamed_2d": lambda: distribute_tensor(torch.randn(8, 8), unnamed, [Shard(0), Shard(1)]),
         "3d_mesh": lambda: distribute_tensor(torch.randn(8, 8), mesh3, [Shard(0), Shard(0), Shard(1)]),
         "partial": lambda: DTensor.from_local(torch.randn(8, 8), mesh1, [Partial()]),
         "shard_dim2": lambda: distribute_tensor(torch.randn(8, 4, 4, 4), mesh1, [Shard(2)]),

@@ -25,9 +25,17 @@ CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, 
 CHECK = "all_reduce[check]"
 
 
+REPOINT_OPTS = {"k": 3}
+
+
 @pytest.fixture(scope="module")
-def meshes():
-    return run_gloo(ms.parity, WORLD, CASES, timeout_s=300)
+def spawned():
+    return run_gloo(ms.everything, WORLD, CASES, REPOINT_OPTS, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def meshes(spawned):
+    return [r["parity"] for r in spawned]
 
 
 def test_placements_are_the_ones_torch_makes(meshes):
@@ -117,10 +125,11 @@ def test_every_rank_of_a_group_issues_the_same_sequence(meshes):
             assert all(s["calls"][0][1] == CHECK for s in steps)  # the vote comes first
 
 
-def test_unsupported_layouts_fail_at_construction_naming_the_parameter():
-    errors = run_gloo(ms.unsupported, WORLD, timeout_s=300)[0]
+def test_unsupported_layouts_fail_at_construction_naming_the_parameter(spawned):
+    errors = spawned[0]["unsupported"]
     assert "3-D meshes are not supported" in errors["3d_mesh"] and "'w'" in errors["3d_mesh"]
     assert "Partial placements are not supported" in errors["partial"]
+    assert "a mesh without mesh_dim_names cannot be flattened" in errors["unnamed_2d"]
     assert "Shard(d) for d > 1" in errors["shard_dim2"] and "Shard(dim=2)" in errors["shard_dim2"]
     assert "two _StridedShard placements on one dimension" in errors["nested_strided"]
     assert "'qkv.weight'" in errors["nested_strided"] and "(dp=2, tp=2)" in errors["nested_strided"]
@@ -139,10 +148,9 @@ def test_checkpoint_moves_from_hsdp_to_fsdp_to_one_process(tmp_path):
         assert (params[name] - ref).abs().max().item() <= 1e-5, name
 
 
-def test_parameters_replaced_after_construction_take_their_new_layout():
-    opts = {"k": 3}
-    results = run_gloo(ms.repointed, WORLD, opts, timeout_s=300)
-    expect = ms.reference("hsdp2x2", "periodic_row_muon", opts)
+def test_parameters_replaced_after_construction_take_their_new_layout(spawned):
+    results = [r["repointed"] for r in spawned]
+    expect = ms.reference("hsdp2x2", "periodic_row_muon", REPOINT_OPTS)
     n_params = len(expect)
     for r in results:
         for name, ref in expect.items():

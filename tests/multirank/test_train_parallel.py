@@ -12,7 +12,7 @@ from dimuon.optim.distributed.launch import run_gloo
 
 from . import train_scenarios as sc
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # about a minute of 4-rank training on 2 cores
 
 BASE: dict[str, Any] = dict(
     model="DiT-T/2", dataset="digits", steps=6, batch_size=16, warmup_steps=2, log_interval=2, val_interval=6,

@@ -135,9 +135,6 @@ class Layout:
         col_idx = _indices(shape[COLS], COLS, self.placements, self.mesh, coord)
         return Piece(_spans(row_idx, 1), _spans(col_idx, self.col_unit))
 
-    def describe(self) -> str:
-        return f"{tuple(self.placements)} on a {_mesh_words(self.mesh)}"
-
 
 def _mesh_words(mesh: Any) -> str:
     names = mesh.mesh_dim_names
@@ -228,6 +225,10 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     row_dims = tuple(i for i, d in enumerate(dims) if d == ROWS)
     col_dims = tuple(i for i, d in enumerate(dims) if d == COLS)
     rep_dims = tuple(i for i, d in enumerate(dims) if d is None)
+    if len(row_dims) + len(col_dims) > 1 and not mesh.mesh_dim_names:
+        raise _refuse(name, "both mesh dimensions shard it, which needs a flattened process group, and a mesh "
+                      "without mesh_dim_names cannot be flattened; name the dimensions (init_device_mesh(..., "
+                      "mesh_dim_names=...))", param)
     coord = mesh.get_coordinate()
     if coord is None:
         raise _refuse(name, "this rank is not in the parameter's mesh", param)

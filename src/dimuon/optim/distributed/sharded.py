@@ -225,11 +225,6 @@ class ShardedEngine:
 
     def _dtensor_placement(self, layout: Layout) -> _Placement:
         mesh = layout.mesh
-        if len(layout.shard_dims) > 1 and not mesh.mesh_dim_names:
-            raise ValueError(
-                f"parameter {layout.name!r} has placements {layout.describe()}: sharded over both dimensions of "
-                "a mesh without mesh_dim_names; name the mesh dimensions (init_device_mesh(..., mesh_dim_names=...))"
-            )
         shard = self._mesh_comm(mesh, layout.shard_dims)
         members: tuple[Piece, ...] = ()
         if shard is not None:
