@@ -429,6 +429,23 @@ def test_bad_runtime_options_name_themselves(kwargs, exc, match):
         Muon([nn.Parameter(torch.randn(3, 4))], **kwargs)
 
 
+def test_non_contiguous_adamw_parameters_take_the_foreach_kernel():
+    # torch's fused AdamW gives wrong updates for a non-contiguous parameter; the default kernel choice avoids it.
+    ours, theirs = (nn.Parameter(torch.randn(10, 2, generator=torch.Generator().manual_seed(0))[:, 0])
+                    for _ in range(2))
+    assert not ours.is_contiguous()
+    opt = Muon([{"params": [ours], "algorithm": "adamw"}], lr=0.02)
+    ref = torch.optim.AdamW([theirs], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
+    for _ in range(5):
+        for p, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            (p - 1).square().sum().backward()
+            o.step()
+    torch.testing.assert_close(ours, theirs)
+    with pytest.raises(ValueError, match=r"no fused AdamW for parameter 'b' \(torch.float32 on cpu, not contiguous\)"):
+        Muon([{"params": [("b", nn.Parameter(torch.randn(4, 2)[:, 0]))], "algorithm": "adamw"}], adamw_fused=True)
+
+
 def test_fused_adamw_refused_where_torch_has_none():
     p = nn.Parameter(torch.randn(3, 4, device="meta"))
     with pytest.raises(ValueError, match=r"adamw_fused=True, but torch has no fused AdamW for parameter 'b'"):

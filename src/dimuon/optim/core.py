@@ -265,9 +265,10 @@ class MuonFamily(torch.optim.Optimizer):
                 )
             if group["algorithm"] == "adamw":
                 if self.adamw_fused and not self._fused_supported([p]):
+                    layout = "" if local_tensor(p).is_contiguous() else ", not contiguous"
                     raise ValueError(
                         f"adamw_fused=True, but torch has no fused AdamW for parameter {pname!r} "
-                        f"({p.dtype} on {local_tensor(p).device.type}); pass adamw_fused=None or False"
+                        f"({p.dtype} on {local_tensor(p).device.type}{layout}); pass adamw_fused=None or False"
                     )
                 continue
             if p.ndim < 2:
@@ -587,9 +588,11 @@ class MuonFamily(torch.optim.Optimizer):
 
     @staticmethod
     def _fused_supported(params: Sequence[Tensor]) -> bool:
-        """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype)."""
+        """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype), and they are
+        contiguous: torch 2.13's fused kernel returns wrong updates for a non-contiguous parameter."""
         devices = _get_fused_kernels_supported_devices()
-        return all(local_tensor(p).device.type in devices and p.is_floating_point() for p in params)
+        return all(local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
+                   for p in params)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch's AdamW over the group, one kernel call per device mesh: a list kernel takes plain tensors or
