@@ -85,16 +85,20 @@ def batch(model_name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(32, out, generator=g)
 
 
-def train(model, opt, model_name: str, start: int, stop: int) -> list[dict]:
-    """Steps ``[start, stop)`` on the same full batch on every rank; comm stats of each step."""
+def train(model, opt, model_name: str, start: int, stop: int, refreshes: list | None = None) -> list[dict]:
+    """Steps ``[start, stop)`` on the same full batch on every rank; comm stats of each step. ``refreshes``, if
+    given, receives each step's spectral flag per matrix (Muon family only)."""
     stats = []
     for t in range(start, stop):
         x, y = batch(model_name, t)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.reset_comm_stats() if hasattr(opt, "reset_comm_stats") else None
+        opt.reset_refresh_stats() if hasattr(opt, "reset_refresh_stats") else None
         opt.step()
         stats.append(opt.comm_stats() if hasattr(opt, "comm_stats") else {})
+        if refreshes is not None:
+            refreshes.append({k: m["spectral"] for k, m in opt.refresh_stats()["matrices"].items()})
     return stats
 
 
@@ -111,15 +115,20 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> di
     results = {}
     for key, model_name, optimizer, opts in cases:
         model, opt = make(model_name, optimizer, opts, world)
-        stats = train(model, opt, model_name, 0, STEPS)
-        results[key] = {"params": full_params(model), "stats": stats, "kinds": None}
+        refreshes: list = []
+        stats = train(model, opt, model_name, 0, STEPS, refreshes if optimizer in REFRESH_STATS else None)
+        results[key] = {"params": full_params(model), "stats": stats, "kinds": None, "refreshes": refreshes}
     dist.barrier()
     return results
 
 
-def reference(model_name: str, optimizer: str, opts: dict, steps: int = STEPS) -> dict[str, torch.Tensor]:
+REFRESH_STATS = ("muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")  # optimizers with refresh_stats()
+
+
+def reference(model_name: str, optimizer: str, opts: dict, steps: int = STEPS,
+              refreshes: list | None = None) -> dict[str, torch.Tensor]:
     model, opt = make(model_name, optimizer, opts, None)
-    train(model, opt, model_name, 0, steps)
+    train(model, opt, model_name, 0, steps, refreshes)
     return full_params(model)
 
 
@@ -132,8 +141,9 @@ def dcp_save_then_continue(rank: int, world: int, path: str, optimizer: str, opt
     train(model, opt, "odd", 0, save_at)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    train(model, opt, "odd", save_at, STEPS)
-    return {"params": full_params(model)}
+    refreshes: list = []
+    train(model, opt, "odd", save_at, STEPS, refreshes)
+    return {"params": full_params(model), "refreshes": refreshes}
 
 
 def dcp_load_and_continue(rank: int, world: int, path: str, optimizer: str, opts: dict, save_at: int) -> dict:
@@ -149,8 +159,10 @@ def dcp_load_and_continue(rank: int, world: int, path: str, optimizer: str, opts
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     phase = [g["step"] for g in opt.param_groups]
     kinds = [str(k) for k in opt.step_kinds()]
-    train(model, opt, "odd", save_at, STEPS)
-    return {"params": full_params(model), "phase": phase, "kinds": kinds}
+    ages = [s.get("refresh_age") for s in opt.state.values() if "momentum_buffer" in s]
+    refreshes: list = []
+    train(model, opt, "odd", save_at, STEPS, refreshes)
+    return {"params": full_params(model), "phase": phase, "kinds": kinds, "ages": ages, "refreshes": refreshes}
 
 
 def replicated(rank: int, world: int, optimizer: str, opts: dict) -> dict:
@@ -158,8 +170,9 @@ def replicated(rank: int, world: int, optimizer: str, opts: dict) -> dict:
     model, _ = make("odd", "adamw", {}, None)
     opt = build(optimizer, param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR, weight_decay=0.05,
                 ns_dtype=torch.float32, process_group=dist.group.WORLD, **opts)
-    stats = train(model, opt, "odd", 0, STEPS)
-    return {"params": full_params(model), "stats": stats}
+    refreshes: list = []
+    stats = train(model, opt, "odd", 0, STEPS, refreshes)
+    return {"params": full_params(model), "stats": stats, "refreshes": refreshes}
 
 
 def replicate_dtensor(rank: int, world: int, steps: int = 4) -> dict:

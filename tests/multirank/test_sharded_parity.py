@@ -25,7 +25,12 @@ CASES = [
     ("bytes_muon_owner", "dit", "muon", {"refresh": "owner", "bucket_mb": 0.05}),
     ("bytes_prm_k3", "dit", "periodic_row_muon", {"k": 3, "bucket_mb": 0.05}),
     ("bytes_muon_gather_bf16", "dit", "muon", {"refresh": "gather", "bucket_mb": 0.05, "comm_dtype": torch.bfloat16}),
+    # Thresholds that leave kinds to the staleness on these batches (no signal within 1e-3 of them).
+    ("arm", "odd", "adaptive_row_muon", {"threshold": 0.5, "k_min": 1, "k_max": 4}),
+    ("arm_owner", "odd", "adaptive_row_muon", {"threshold": 0.3, "k_min": 2, "k_max": 4, "refresh": "owner"}),
+    ("bytes_arm", "dit", "adaptive_row_muon", {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05}),
 ]
+ADAPTIVE = ["arm", "arm_owner", "bytes_arm"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -35,7 +40,7 @@ def sharded(request):
     return world, results
 
 
-def _reference(key, world):
+def _reference(key, world, refreshes=None):
     _, model, optimizer, opts = next(c for c in CASES if c[0] == key)
     opts = dict(opts)
     if optimizer == "muon_bp":
@@ -44,11 +49,12 @@ def _reference(key, world):
         return sc.reference(model, "adamw", opts)  # the family's AdamW group is torch's AdamW
     opts.pop("refresh", None)
     opts.pop("bucket_mb", None)
-    return sc.reference(model, optimizer, opts)
+    return sc.reference(model, optimizer, opts, refreshes=refreshes)
 
 
 @pytest.mark.parametrize(
-    "key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw", "muon_adamw_only"]
+    "key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw", "muon_adamw_only", "arm",
+            "arm_owner", "bytes_arm"]
 )
 def test_parameters_match_single_process(sharded, key):
     world, results = sharded
@@ -127,14 +133,16 @@ def test_every_rank_issues_the_same_collectives(sharded):
         assert all(c == calls[0] for c in calls), key
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "periodic_row_muon"])
+@pytest.mark.parametrize("optimizer", ["muon", "periodic_row_muon", "adaptive_row_muon"])
 def test_replicated_parameters_split_the_work(optimizer):
     world = 2
     results = run_gloo(sc.replicated, world, optimizer, {}, timeout_s=300)
-    expect = sc.reference("odd", optimizer, {})
+    refreshes: list = []
+    expect = sc.reference("odd", optimizer, {}, refreshes=refreshes)
     for r in results:
         for name, ref in expect.items():
             assert (r["params"][name] - ref).abs().max() <= 1e-5, name
+        assert r["refreshes"] == refreshes  # every rank decides as one process does
     first = results[0]["stats"][0]
     # A spectral step: per parameter group, one broadcast from each rank that owns matrices; nothing else.
     groups = [[(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)], [(48, 16)]]  # plain and split matrices
@@ -177,3 +185,51 @@ def test_bf16_payloads_halve_the_bytes(sharded):
     for name, ref in expect.items():
         # The momentum travels in bf16 (8 mantissa bits); after 8 steps the weights stay within 2%.
         assert (got[name] - ref).norm() <= 2e-2 * ref.norm(), name
+
+
+@pytest.mark.parametrize("key", ADAPTIVE)
+def test_adaptive_decisions_are_those_of_one_process_on_every_rank(sharded, key):
+    _, results = sharded
+    expect: list = []
+    _reference(key, None, refreshes=expect)
+    kinds = {flag for step in expect for flag in step.values()}
+    assert kinds == {0, 1}  # the staleness chose both kinds somewhere
+    for r in results:
+        assert r[key]["refreshes"] == expect
+
+
+def test_adaptive_signals_of_every_group_take_one_small_all_reduce(sharded):
+    _, results = sharded
+    for r in results:  # two Muon groups here (plain and split matrices): one reduction for both
+        calls = [s.get("all_reduce[signal]", {"calls": 0})["calls"] for s in r["arm"]["stats"]]
+        assert max(calls) == 1 and calls.count(1) >= sc.STEPS // 2, calls
+        assert calls[0] == 0  # the first step refreshes every matrix: nothing to measure
+
+
+def test_adaptive_moves_the_signal_sums_and_only_the_chosen_refreshes(sharded):
+    # Exact logical bytes per step: the 4 signal sums of the matrices whose bounds leave the choice open, the
+    # all-gather of the chosen matrices only (bucketed among themselves), the column norms of tall RowNorm ones.
+    world, results = sharded
+    k_min, k_max, bucket = 1, 3, int(0.05 * 2**20)
+    shard_bytes = [-(-m // world) * n * 4 for m, n in DIT_SHAPES]
+    for r in results:
+        last: list[int | None] = [None] * len(DIT_SHAPES)
+        for t, (stats, chosen) in enumerate(zip(r["bytes_arm"]["stats"], r["bytes_arm"]["refreshes"])):
+            spectral = [i for i, flag in enumerate(chosen.values()) if flag]
+            expect: dict[str, int] = {"all_reduce[check]": 2 * 4 * (world - 1) // world}
+            open_ = [i for i in range(len(DIT_SHAPES)) if last[i] is not None and k_min <= t - last[i] < k_max]
+            if open_:
+                expect["all_reduce[signal]"] = 2 * (len(open_) * 4 * 4) * (world - 1) // world
+            if spectral:
+                buckets = make_buckets([world * shard_bytes[i] for i in spectral], bucket)
+                expect["all_gather"] = sum(world * sum(shard_bytes[spectral[j]] for j in b) * (world - 1) // world
+                                           for b in buckets)
+            tall_rownorm = [i for i in range(len(DIT_SHAPES)) if i not in spectral and DIT_SHAPES[i][0] > DIT_SHAPES[i][1]]
+            if tall_rownorm:
+                expect["all_reduce"] = 2 * sum(DIT_SHAPES[i][1] * 4 for i in tall_rownorm) * (world - 1) // world
+            assert {k: v["bytes"] for k, v in stats.items()} == expect, (t, stats)
+            for i in spectral:
+                last[i] = t
+    quiet = [t for t, chosen in enumerate(results[0]["bytes_arm"]["refreshes"]) if not any(chosen.values())]
+    assert quiet, "some step refreshed no matrix"
+    assert all("all_gather" not in results[0]["bytes_arm"]["stats"][t] for t in quiet)  # no bulk bytes then

@@ -10,7 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from dimuon.optim import DEFAULT_BUCKET_MB, FlattenedParameterWarning, Muon, MuonBP, PeriodicRowMuon, build
+from dimuon.optim import (
+    DEFAULT_BUCKET_MB,
+    AdaptiveRowMuon,
+    FlattenedParameterWarning,
+    Muon,
+    MuonBP,
+    PeriodicRowMuon,
+    build,
+)
 
 
 class Net(nn.Module):
@@ -47,7 +55,8 @@ def _train(model, opt, start, stop):
 
 @pytest.mark.parametrize(
     ("cls", "kw"),
-    [(PeriodicRowMuon, dict(k=3, gamma=0.15)), (MuonBP, dict(period=5, blocks=2)), (Muon, {})],
+    [(PeriodicRowMuon, dict(k=3, gamma=0.15)), (MuonBP, dict(period=5, blocks=2)), (Muon, {}),
+     (AdaptiveRowMuon, dict(threshold=0.3, k_min=2, k_max=5))],
 )
 def test_resume_mid_period_is_bitwise_identical(cls, kw):
     torch.manual_seed(0)
@@ -121,6 +130,12 @@ def test_bad_hyperparameters_name_themselves(kwargs, exc, match):
         (MuonBP, dict(period=0), r"period must be in \[1, inf\)"),
         (MuonBP, dict(blocks=0), r"blocks must be in \[1, inf\)"),
         (MuonBP, dict(block_lr_ratio=-1.0), "block_lr_ratio must be in"),
+        (AdaptiveRowMuon, dict(threshold=-0.1), r"threshold must be in \[0.0, inf\), got -0.1"),
+        (AdaptiveRowMuon, dict(threshold=float("inf")), "threshold must be finite"),
+        (AdaptiveRowMuon, dict(k_min=0), r"k_min must be in \[1, inf\), got 0"),
+        (AdaptiveRowMuon, dict(k_max=2.0), "k_max must be an int"),
+        (AdaptiveRowMuon, dict(k_min=4, k_max=3), r"k_max must be >= k_min \(4\), got 3"),
+        (AdaptiveRowMuon, dict(gamma=0.0), r"gamma must be in \(0.0, inf\), got 0.0"),
     ],
 )
 def test_bad_schedule_options(cls, kwargs, match):
@@ -255,12 +270,14 @@ def test_closure_scheduler_zero_grad():
 
 def test_build_names_and_options():
     model = Net()
-    for name, cls in [("muon", Muon), ("periodic_row_muon", PeriodicRowMuon), ("muon_bp", MuonBP)]:
+    for name, cls in [("muon", Muon), ("periodic_row_muon", PeriodicRowMuon), ("muon_bp", MuonBP),
+                      ("adaptive_row_muon", AdaptiveRowMuon)]:
         assert type(build(name, model, lr=1e-3)) is cls
     adamw = build("adamw", model, lr=1e-3)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.95)
     assert build("periodic_row_muon", model, k=4).param_groups[0]["k"] == 4
-    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp', 'torch_muon'\)"):
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp', "
+                       r"'adaptive_row_muon', 'torch_muon'\)"):
         build("sgd", model)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['period'\]"):
         build("periodic_row_muon", model, period=3)
@@ -393,7 +410,7 @@ def test_skipped_steps_are_saved_with_the_state():
     assert fresh.skipped_steps == 2 and fresh.param_groups[0]["step"] == 0
 
 
-@pytest.mark.parametrize("cls", [Muon, PeriodicRowMuon, MuonBP])
+@pytest.mark.parametrize("cls", [Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon])
 def test_constructor_is_the_single_source_of_every_option(cls):
     signature = inspect.signature(cls)
     hints = typing.get_type_hints(cls.__init__)
@@ -410,7 +427,8 @@ def test_constructor_is_the_single_source_of_every_option(cls):
     assert options["bucket_mb"].default == DEFAULT_BUCKET_MB == opt.engine_options["bucket_mb"]
     assert typing.get_args(hints["lr_scale"]) == ("match_rms_adamw", "original", "none")
     assert set(signature.parameters) - {"params"} <= set(inspect.signature(cls).parameters)
-    built = build({Muon: "muon", PeriodicRowMuon: "periodic_row_muon", MuonBP: "muon_bp"}[cls], Net(),
+    names = {Muon: "muon", PeriodicRowMuon: "periodic_row_muon", MuonBP: "muon_bp", AdaptiveRowMuon: "adaptive_row_muon"}
+    built = build(names[cls], Net(),
                   ns_compile=False, adamw_fused=True, **cls._schedule_defaults())
     assert built.adamw_fused is True
 

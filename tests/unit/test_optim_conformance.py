@@ -30,11 +30,12 @@ OPTIONS = {
     "muon": {},
     "periodic_row_muon": {"k": 2},
     "muon_bp": {"period": 2, "blocks": 2},
+    "adaptive_row_muon": {"threshold": 0.5, "k_min": 2, "k_max": 3},
     "adamw": {},
     "torch_muon": {},
 }
 NAMES = list(OPTIONS)
-FAMILY = ["muon", "periodic_row_muon", "muon_bp"]
+FAMILY = ["muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon"]
 
 
 class Net(nn.Module):
@@ -377,7 +378,9 @@ def test_state_exists_before_the_first_step(name):
     # As dion does: a checkpoint's keys never depend on which parameters have stepped.
     model = net()
     opt = make(name, model)
-    expect = {"momentum_buffer"}, {"step", "exp_avg", "exp_avg_sq"}
+    adaptive = {"refresh_direction", "refresh_row_sums", "refresh_age"} if name == "adaptive_row_muon" else set()
+    matrix = {"momentum_buffer"} | adaptive
+    expect = matrix, {"step", "exp_avg", "exp_avg_sq"}
     for group in opt.param_groups:
         for p in group["params"]:
             assert set(opt.state[p]) == expect[group["algorithm"] == "adamw"]

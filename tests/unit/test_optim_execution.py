@@ -64,12 +64,16 @@ def test_ns_compile_steps_like_eager():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("adamw_fused", [None, False], ids=["fused", "foreach"])
-def test_compiled_step_matches_eager_with_adamw_groups(adamw_fused):
+@pytest.mark.parametrize(("name", "schedule", "adamw_fused"), [
+    ("periodic_row_muon", {"k": 2}, None),
+    ("periodic_row_muon", {"k": 2}, False),
+    ("adaptive_row_muon", {"threshold": 0.5, "k_min": 1, "k_max": 3}, None),  # the drifts' host read breaks the graph
+], ids=["fused", "foreach", "adaptive"])
+def test_compiled_step_matches_eager_with_adamw_groups(adamw_fused, name, schedule):
     # torch.compile(opt.step) over Muon and AdamW groups, a Tensor lr driven by a scheduler (no recompiles
     # for a new lr): the same parameters as the eager step within fp32 rounding.
     models = [small_model(), small_model()]
-    opts = [build("periodic_row_muon", m, lr=torch.tensor(0.02), k=2, weight_decay=0.1, adamw_fused=adamw_fused)
+    opts = [build(name, m, lr=torch.tensor(0.02), weight_decay=0.1, adamw_fused=adamw_fused, **schedule)
             for m in models]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.8**s) for o in opts]
     compiled = torch.compile(opts[0].step)

@@ -1,4 +1,5 @@
-"""dimuon's optimizers: Muon, Periodic Row-wise Muon and MuonBP on one core, plus grouping and build.
+"""dimuon's optimizers: Muon, Periodic Row-wise Muon, MuonBP and Adaptive Row-wise Muon on one core, plus
+grouping and build.
 
 The product. It imports torch only, nothing else of dimuon, so a training script can use it alone.
 """
@@ -7,13 +8,14 @@ from dimuon.optim.build import OPTIMIZERS, build
 from dimuon.optim.core import FlattenedParameterWarning, MuonFamily
 from dimuon.optim.distributed.engine import DEFAULT_BUCKET_MB
 from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
-from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
+from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
 from dimuon.optim.schedules import StepKind
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
     "DIT_FUSED_SPLITS",
     "OPTIMIZERS",
+    "AdaptiveRowMuon",
     "FlattenedParameterWarning",
     "Muon",
     "MuonBP",

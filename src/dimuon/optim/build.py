@@ -10,7 +10,7 @@ from torch import nn
 
 from dimuon.optim.core import MuonFamily
 from dimuon.optim.grouping import param_groups
-from dimuon.optim.muon import Muon, MuonBP, PeriodicRowMuon
+from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
 from dimuon.optim.torch_muon import TorchMuonAdamW
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -18,6 +18,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "muon": Muon,
     "periodic_row_muon": PeriodicRowMuon,
     "muon_bp": MuonBP,
+    "adaptive_row_muon": AdaptiveRowMuon,
     "torch_muon": TorchMuonAdamW,
 }
 
@@ -32,7 +33,8 @@ def _accepted_options(cls: type) -> set[str]:
 
 
 def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimizer:
-    """Optimizer ``name`` (``adamw``, ``muon``, ``periodic_row_muon``, ``muon_bp``, ``torch_muon``) over ``params``.
+    """Optimizer ``name`` (``adamw``, ``muon``, ``periodic_row_muon``, ``muon_bp``, ``adaptive_row_muon``,
+    ``torch_muon``) over ``params``.
 
     ``params`` may be a model (grouped with :func:`param_groups` for the Muon family and for
     ``torch_muon``, PyTorch's Muon + AdamW; all of its trainable parameters for AdamW), or anything a

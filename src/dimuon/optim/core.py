@@ -15,6 +15,7 @@ import math
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any, ClassVar, Literal, get_args
 
@@ -33,6 +34,7 @@ from dimuon.optim.distributed.engine import (
     MatrixJob,
     Refresh,
     ReplicaRefresh,
+    RowRange,
     block_grid,
     read_flag,
     split_sizes_to_ranges,
@@ -46,7 +48,14 @@ from dimuon.optim.linalg import (
     NsAlgorithm,
     NsCoefficients,
 )
-from dimuon.optim.schedules import Schedule, StepKind
+from dimuon.optim.schedules import NEVER_REFRESHED, Schedule, StepKind
+from dimuon.optim.staleness import (
+    REFERENCE_DTYPE,
+    ROW_SUMS,
+    reference_row_sums,
+    staleness_from_sums,
+    staleness_partial_sums,
+)
 from dimuon.optim.validation import check_choice, check_lr, check_number
 
 ALGORITHMS = ("muon", "adamw")
@@ -61,8 +70,21 @@ _EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "ski
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
+# Matrix state whose saved dtype a load keeps (torch would cast it to the parameter's dtype).
+_MATRIX_STATE_DTYPES = ("momentum_buffer", "refresh_direction", "refresh_row_sums")
 _ENGINE_DEFAULTS: dict[str, Any] = {"refresh": "gather", "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
                                     "process_group": None, "replica_refresh": "repeat"}
+
+
+@dataclass
+class _MuonWork:
+    """One Muon group's step between the momentum update and the weight update."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    jobs: list[MatrixJob]
+    config: MapConfig
+    keys: list[str]  # each parameter's name in refresh_stats()
 
 
 class FlattenedParameterWarning(UserWarning):
@@ -72,6 +94,19 @@ class FlattenedParameterWarning(UserWarning):
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
+    """fp32 zeros of shape ``(p.shape[0], cols)``, laid out over the ranks by rows as ``p`` is (a DTensor with
+    ``p``'s mesh and placements for a DTensor ``p``), so a checkpoint reshards it with the parameter."""
+    local = local_tensor(p)
+    zeros = torch.zeros(local.shape[0], cols, dtype=torch.float32, device=local.device)
+    if not is_dtensor(p):
+        return zeros
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols),
+                              stride=(cols, 1))
 
 
 class MuonFamily(torch.optim.Optimizer):
@@ -158,6 +193,7 @@ class MuonFamily(torch.optim.Optimizer):
         self._engine_given = engine is not None
         self._constructing = True
         self._flattened: list[str] = []
+        self._refresh_counts: dict[str, list[int]] = {}  # parameter name -> [spectral steps, steps]
         super().__init__(params, defaults)
         self._constructing = False
         self._warn_flattened(stacklevel=4)
@@ -281,7 +317,13 @@ class MuonFamily(torch.optim.Optimizer):
                 self._flattened.append(f"{pname} {tuple(p.shape)}")
             split_sizes_to_ranges(p.shape[0], group["split_sizes"], pname)
             if is_dtensor(p):
-                derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
+                layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
+                if self.schedule.per_matrix and layout.col_dims:
+                    raise ValueError(
+                        f"{type(self).__name__} keeps per-row sums for its staleness signal, so its matrices may be "
+                        f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
+                        f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
+                        "plan for its layer")
 
     def _warn_flattened(self, stacklevel: int) -> None:
         """One warning for the parameters flattened since the last one (``stacklevel`` reaches the caller)."""
@@ -318,6 +360,15 @@ class MuonFamily(torch.optim.Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None or (group["step"] == 0 and (buf.dtype, buf.device) != (dtype, p.device)):
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            if self.schedule.per_matrix:
+                # The staleness signal's reference: the direction of the matrix's last spectral step, two sums
+                # per row taken then (shaped and sharded by rows like the parameter), and the steps since.
+                ref = state.get("refresh_direction")
+                if ref is None or (group["step"] == 0 and ref.device != p.device):
+                    state["refresh_direction"] = torch.zeros_like(p, dtype=REFERENCE_DTYPE,
+                                                                  memory_format=torch.contiguous_format)
+                    state["refresh_row_sums"] = _zeros_by_rows(p, ROW_SUMS)
+                state.setdefault("refresh_age", NEVER_REFRESHED)
             return state
         if "step" in state and not isinstance(state["step"], Tensor):  # a number in older state dicts
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
@@ -345,7 +396,7 @@ class MuonFamily(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
         runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
                    "_engine_given": False, "_constructing": False, "_flattened": [],
-                   "_engine_params": ()}
+                   "_engine_params": (), "_refresh_counts": {}}
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -359,27 +410,30 @@ class MuonFamily(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, refusing (with what differs) a state_dict of another optimizer,
-        grouping or parameter shapes, and keeping momentum buffers in their saved (wider) dtype."""
-        saved: dict[int, Tensor] = {}  # id(parameter) -> its momentum buffer as loaded
+        grouping or parameter shapes, and keeping the matrix state in its saved dtypes (torch casts every
+        floating state tensor to its parameter's dtype: momenta and row sums stay wide, references bf16)."""
+        saved: list[tuple[Tensor, str, Tensor]] = []  # (parameter, key, the state tensor as loaded)
 
         def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
             self._check_loadable(loaded)
             ids = chain.from_iterable(g["params"] for g in loaded["param_groups"])
             params = chain.from_iterable(g["params"] for g in self.param_groups)
             for key, p in zip(ids, params):
-                if "momentum_buffer" in loaded["state"].get(key, {}):
-                    saved[id(p)] = loaded["state"][key]["momentum_buffer"]
+                for name, value in loaded["state"].get(key, {}).items():
+                    if name in _MATRIX_STATE_DTYPES:
+                        saved.append((p, name, value))
 
         handle = self.register_load_state_dict_pre_hook(check)  # after the user's pre-hooks
         try:
             super().load_state_dict(state_dict)
         finally:
             handle.remove()
+        for p, name, kept in saved:
+            now = self.state[p][name]
+            if now.dtype != kept.dtype:
+                self.state[p][name] = kept.to(device=now.device)
         for group in self.param_groups:
             for p in group["params"]:
-                buf, kept = self.state[p].get("momentum_buffer"), saved.get(id(p))
-                if buf is not None and kept is not None and kept.dtype != buf.dtype:
-                    self.state[p]["momentum_buffer"] = kept.to(device=buf.device)  # torch cast it to p.dtype
                 if is_dtensor(p):
                     self._follow_placements(p)
 
@@ -421,7 +475,8 @@ class MuonFamily(torch.optim.Optimizer):
                                  f"{len(saved['params'])} in the state_dict")
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 for name, value in state_dict["state"].get(key, {}).items():
-                    if isinstance(value, Tensor) and value.ndim > 0 and value.shape != p.shape:
+                    shape = (p.shape[0], ROW_SUMS) if name == "refresh_row_sums" else p.shape
+                    if isinstance(value, Tensor) and value.ndim > 0 and value.shape != shape:
                         raise ValueError(
                             f"state_dict does not fit parameter {self._param_name(group, i, gi)!r}: its "
                             f"{name!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
@@ -503,23 +558,28 @@ class MuonFamily(torch.optim.Optimizer):
                 f"non-finite gradient in {self._first_nonfinite()}; the step was not taken and the "
                 "momentum is unchanged (pass nonfinite='skip' to skip such steps instead)"
             )
-        for group in self.param_groups:
+        stepped, works = [], []
+        for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            stepped.append(group)
             if group["algorithm"] == "adamw":
                 self._adamw_step(group, params)
             else:
-                self._muon_step(group, params)
+                works.append(self._muon_work(gi, group, params))
+        for work, kinds in zip(works, self._decide_kinds(works)):
+            self._muon_apply(work, kinds)
+        for group in stepped:
             group["step"] += 1
         return loss
 
-    def _muon_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        kind = self.schedule.kind(group["step"], group)
+    def _muon_work(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> _MuonWork:
+        """Momentum update of Muon group ``gi`` and its matrix jobs (the Nesterov momenta), ready for the engine."""
+        beta = group["momentum"]
         names = group.get("param_names")
         index = {id(p): i for i, p in enumerate(group["params"])}
-        grads, bufs, jobs = [], [], []
+        grads, bufs, jobs, keys = [], [], [], []
         for p in params:
             buf = local_tensor(self._param_state(p, group)["momentum_buffer"])
             grads.append(local_tensor(p.grad).to(buf.dtype))
@@ -532,6 +592,7 @@ class MuonFamily(torch.optim.Optimizer):
             cols = math.prod(p.shape[1:])
             i = index[id(p)]
             name = names[i] if names else f"params[{i}]"
+            keys.append(self._param_name(group, i, gi))
             jobs.append(
                 MatrixJob(
                     name=name,
@@ -551,17 +612,69 @@ class MuonFamily(torch.optim.Optimizer):
             lr_scale=group["lr_scale"],
             ns_compile=self.ns_compile,
         )
-        directions = self._get_engine().directions(jobs, kind, config)
-        step_size = lr * self.schedule.multiplier(kind, group)
-        for p, d in zip(params, directions):
+        return _MuonWork(group, params, jobs, config, keys)
+
+    def _decide_kinds(self, works: Sequence[_MuonWork]) -> list[list[StepKind]]:
+        """The step kind of every job: the group's from a fixed schedule; per matrix from a per-matrix one,
+        whose staleness signals (where the bounds leave the choice open) take one engine reduction and one host read
+        for all groups together, so every rank decides alike."""
+        schedule = self.schedule
+        if not schedule.per_matrix:
+            return [[schedule.kind(w.group["step"], w.group)] * len(w.jobs) for w in works]
+        ages = [[self.state[p]["refresh_age"] for p in w.params] for w in works]
+        open_ = [(wi, ji) for wi, w in enumerate(works) for ji in range(len(w.jobs))
+                 if schedule.needs_signal(ages[wi][ji], w.group)]
+        signals: dict[tuple[int, int], float] = {}
+        if open_:
+            def partial(job: MatrixJob, local_ranges: Sequence[RowRange | None]) -> Tensor:
+                state = self.state[job.meta["param"]]
+                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
+                row_sums = local_tensor(state["refresh_row_sums"])
+                return staleness_partial_sums(job.update, ref, row_sums, local_ranges)
+
+            sums = self._get_engine().matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
+            # A fused parameter refreshes as one: its stalest logical matrix decides.
+            stalest = torch.stack([staleness_from_sums(s).max() for s in sums])
+            signals = dict(zip(open_, stalest.tolist()))  # the host reads the decisions' inputs once
+        return [[schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
+                for wi, w in enumerate(works)]
+
+    def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind]) -> None:
+        """Directions for each kind's jobs (one engine call per kind present), then the weight update."""
+        group, engine = work.group, self._get_engine()
+        lr, wd = group["lr"], group["weight_decay"]
+        directions: list[Tensor | None] = [None] * len(work.jobs)
+        for kind in StepKind:
+            chosen = [i for i, k in enumerate(kinds) if k is kind]
+            if chosen:
+                for i, d in zip(chosen, engine.directions([work.jobs[i] for i in chosen], kind, work.config)):
+                    directions[i] = d
+        for p, d, kind in zip(work.params, directions, kinds):
             w = local_tensor(p)
             if wd != 0:
                 w.mul_(1.0 - lr * wd)  # decoupled, with the unscaled lr
             d = d.reshape(w.shape).to(w.dtype)
+            step_size = lr * self.schedule.multiplier(kind, group)
             if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (add_'s alpha takes numbers only)
                 w.sub_(d.mul(step_size))
             else:
                 w.add_(d, alpha=-step_size)
+        self._count_kinds(work, kinds)
+        if self.schedule.per_matrix:
+            self._keep_references(work, kinds, directions)
+
+    def _keep_references(self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor]) -> None:
+        """After a per-matrix schedule's step: a refreshed matrix keeps its new direction (bf16) and row sums as
+        the staleness signal's reference, and its age restarts; the others age by one step."""
+        for p, job, kind, d in zip(work.params, work.jobs, kinds, directions):
+            state = self.state[p]
+            if kind is StepKind.SPECTRAL:
+                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
+                ref.copy_(d)
+                local_tensor(state["refresh_row_sums"]).copy_(reference_row_sums(job.update, ref))
+                state["refresh_age"] = 1
+            else:
+                state["refresh_age"] += 1
 
     @staticmethod
     def _nesterov_updates(
@@ -644,10 +757,33 @@ class MuonFamily(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- introspection
     def step_kinds(self) -> list[StepKind | None]:
-        """The kind the *next* step takes in each group (``None`` for AdamW groups)."""
+        """The kind the *next* step takes in each group (``None`` for AdamW groups, and for every group of a
+        schedule that decides per matrix at the step: see :meth:`refresh_stats` for what it decided)."""
         return [
-            self.schedule.kind(g["step"], g) if g["algorithm"] == "muon" else None for g in self.param_groups
+            self.schedule.kind(g["step"], g) if g["algorithm"] == "muon" and not self.schedule.per_matrix else None
+            for g in self.param_groups
         ]
+
+    def _count_kinds(self, work: _MuonWork, kinds: Sequence[StepKind]) -> None:
+        for key, kind in zip(work.keys, kinds):
+            counts = self._refresh_counts.setdefault(key, [0, 0])
+            counts[0] += kind is StepKind.SPECTRAL
+            counts[1] += 1
+
+    def refresh_stats(self) -> dict[str, Any]:
+        """Spectral steps since the last reset: per matrix (parameter name) and overall, as counts and fractions.
+
+        ``{"spectral_fraction": f, "spectral": n, "steps": m, "matrices": {name: {"spectral": n, "steps": m,
+        "fraction": f}}}``, where ``steps`` counts the matrix steps taken (a parameter's step counts once).
+        """
+        matrices = {key: {"spectral": s, "steps": n, "fraction": s / n} for key, (s, n) in self._refresh_counts.items()}
+        spectral = sum(m["spectral"] for m in matrices.values())
+        steps = sum(m["steps"] for m in matrices.values())
+        return {"spectral_fraction": spectral / steps if steps else 0.0, "spectral": spectral, "steps": steps,
+                "matrices": matrices}
+
+    def reset_refresh_stats(self) -> None:
+        self._refresh_counts = {}
 
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
         """Calls, logical bytes and exposed seconds per collective kind since the last reset (empty in one

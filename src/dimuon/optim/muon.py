@@ -1,4 +1,4 @@
-"""The three public Muon-family optimizers: each is the shared core plus a schedule."""
+"""The public Muon-family optimizers: each is the shared core plus a schedule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from torch import Tensor
 
 from dimuon.optim.core import MuonFamily
-from dimuon.optim.schedules import BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
+from dimuon.optim.schedules import AdaptiveRowSchedule, BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
 from dimuon.optim.validation import check_number
 
 _COMMON_DOC = """
@@ -127,5 +127,51 @@ class MuonBP(MuonFamily):
             check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
 
 
-for _cls in (Muon, PeriodicRowMuon, MuonBP):
+class AdaptiveRowMuon(MuonFamily):
+    """Adaptive Row-wise Muon: each matrix takes a spectral (Newton-Schulz) step when the direction of its last
+    spectral step has gone stale, else a RowNorm step scaled by ``gamma``.
+
+    Staleness is ``1 - cos(U_t, O_s) / cos(U_s, O_s)``: how much of the Nesterov momentum's alignment with the
+    direction ``O_s`` of the matrix's last spectral step ``s`` has been lost since (docs/algorithms.md,
+    "Adaptive refresh"). Every matrix decides on its own, at least ``k_min`` and at most ``k_max`` steps after
+    its last spectral step; ``k_min = k_max = k`` is :class:`PeriodicRowMuon` with that ``k``. The decisions
+    are counted by :meth:`refresh_stats`. Takes every :class:`Muon` argument plus ``threshold``, ``k_min``,
+    ``k_max`` and ``gamma``.
+
+    Args (schedule):
+        threshold: staleness above which a matrix takes a spectral step (0 = at every step the bounds allow).
+        k_min: fewest steps from one spectral step of a matrix to its next (1 allows consecutive ones).
+        k_max: most steps from one spectral step of a matrix to its next (the refresh is forced then).
+        gamma: step multiplier of the RowNorm steps (1 = as large as a spectral step).
+    """
+
+    schedule = AdaptiveRowSchedule()
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        threshold: float = 0.35,
+        k_min: int = 1,
+        k_max: int = 8,
+        gamma: float = 0.15,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr=lr, threshold=threshold, k_min=k_min, k_max=k_max, gamma=gamma, **kwargs)
+
+    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
+        if key in ("k_min", "k_max"):
+            check_number(f"{key}{where}", value, low=1, integer=True)
+        elif key == "threshold":
+            check_number(f"threshold{where}", value, low=0.0)
+        elif key == "gamma":
+            check_number(f"gamma{where}", value, low=0.0, low_open=True)
+
+    def _validate_options(self, g: dict[str, Any], where: str) -> None:
+        super()._validate_options(g, where)
+        if g["k_max"] < g["k_min"]:
+            raise ValueError(f"k_max{where} must be >= k_min ({g['k_min']}), got {g['k_max']}")
+
+
+for _cls in (Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon):
     _cls.__doc__ = (_cls.__doc__ or "") + _COMMON_DOC

@@ -3,7 +3,8 @@
 Deliberately plain: one matrix at a time, no batching, no engine, explicit orientation, its own
 Newton-Schulz loop written out (so it checks :mod:`dimuon.optim.linalg` rather than reusing it).
 Follows the update of ``torch.optim.Muon`` in the compute dtype you give it (fp32 by default)
-and extends it with the RowNorm and block steps of docs/algorithms.md ("Direction maps", "Step size", "Schedules").
+and extends it with the RowNorm and block steps of docs/algorithms.md ("Direction maps", "Step size", "Schedules")
+and the per-matrix decisions of the adaptive schedule ("Adaptive refresh"), with its own staleness signal.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def reference_direction(
     return reference_orthogonalize(u, dtype=dtype).float() * reference_scale(lr_scale, rows, cols)
 
 
+def _cosine(a: Tensor, b: Tensor) -> float:
+    return float((a.double() * b.double()).sum() / (a.double().norm() * b.double().norm()))
+
+
 class ReferenceMuon:
     """Per-tensor fp32 Muon-family loop over a list of matrices (no AdamW, no groups)."""
 
@@ -83,14 +88,23 @@ class ReferenceMuon:
         period: int = 5,
         blocks: int | tuple[int, int] = 1,
         block_lr_ratio: float = 1.0,
+        threshold: float = 0.5,
+        k_min: int = 2,
+        k_max: int = 6,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.params = list(params)
         self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
         self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
         self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
+        self.threshold, self.k_min, self.k_max = threshold, k_min, k_max
         self.bufs = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self.t = 0
+        # Adaptive schedule: per matrix, the direction of its last spectral step (bf16), cos(U_s, O_s) then, and s.
+        self.refs: list[Tensor | None] = [None] * len(self.params)
+        self.ref_cos: list[float] = [0.0] * len(self.params)
+        self.last_spectral: list[int | None] = [None] * len(self.params)
+        self.decisions: list[list[StepKind]] = []  # per step, each matrix's kind (adaptive schedule)
 
     def kind(self) -> StepKind:
         if self.schedule == "periodic_row_muon" and self.t % self.k:
@@ -99,17 +113,37 @@ class ReferenceMuon:
             return StepKind.BLOCK
         return StepKind.SPECTRAL
 
+    def adaptive_kind(self, i: int, u: Tensor) -> StepKind:
+        """Matrix ``i``'s kind: spectral if never refreshed or ``k_max`` steps on, RowNorm before ``k_min`` steps,
+        else spectral when ``1 - cos(U, O_s) / cos(U_s, O_s) > threshold``."""
+        last, ref = self.last_spectral[i], self.refs[i]
+        if last is None or self.t - last >= self.k_max:
+            return StepKind.SPECTRAL
+        if self.t - last < self.k_min:
+            return StepKind.ROWNORM
+        if self.ref_cos[i] <= 0 or u.norm() == 0:
+            return StepKind.SPECTRAL
+        staleness = 1 - _cosine(u, ref.float()) / self.ref_cos[i]
+        return StepKind.SPECTRAL if staleness > self.threshold else StepKind.ROWNORM
+
     @torch.no_grad()
     def step(self) -> None:
-        kind = self.kind()
-        mult = {StepKind.SPECTRAL: 1.0, StepKind.ROWNORM: self.gamma, StepKind.BLOCK: self.block_lr_ratio}[kind]
-        for p, buf in zip(self.params, self.bufs):
+        kinds = []
+        for i, (p, buf) in enumerate(zip(self.params, self.bufs)):
             if p.grad is None:
                 continue
             g = p.grad.float()
             buf.lerp_(g, 1 - self.momentum)
             u = g.lerp(buf, self.momentum) if self.nesterov else buf
+            kind = self.adaptive_kind(i, u) if self.schedule == "adaptive_row_muon" else self.kind()
+            kinds.append(kind)
+            mult = {StepKind.SPECTRAL: 1.0, StepKind.ROWNORM: self.gamma, StepKind.BLOCK: self.block_lr_ratio}[kind]
             d = reference_direction(u.reshape(u.shape[0], -1), kind, self.lr_scale, self.blocks, self.dtype)
+            if self.schedule == "adaptive_row_muon" and kind is StepKind.SPECTRAL:
+                ref = d.view(u.shape).to(torch.bfloat16)
+                self.refs[i], self.last_spectral[i] = ref, self.t
+                self.ref_cos[i] = _cosine(u, ref.float()) if u.norm() > 0 else 0.0
             p.mul_(1 - self.lr * self.wd)
             p.add_(d.view(p.shape).to(p.dtype), alpha=-self.lr * mult)
+        self.decisions.append(kinds)
         self.t += 1

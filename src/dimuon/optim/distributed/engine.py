@@ -10,7 +10,7 @@ sharded engine implements the same call with collectives. Tests hold the two aga
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -23,6 +23,9 @@ from dimuon.optim.schedules import StepKind
 RowRange = tuple[int, int]
 Region = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
 BlockGrid = tuple[int, int]  # (row blocks, column blocks) of a single-process block step
+# A job's per-logical-matrix sums over the rows this process holds, given for each logical matrix the local
+# row range holding its rows here (None: none of them).
+PartialSums = Callable[["MatrixJob", Sequence["RowRange | None"]], Tensor]
 
 # Spectral-step strategies of the sharded engine (docs/algorithms.md, "Sharded execution").
 Refresh = Literal["gather", "owner"]
@@ -76,6 +79,12 @@ class DirectionEngine(Protocol):
     """Computes directions for a group's jobs at one step kind."""
 
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]: ...
+
+    def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
+        """Per job, ``partial_sums(job)`` (this process's share, e.g. a ``(matrices, k)`` tensor of sums over the
+        rows it holds) added over the processes that hold distinct rows of the job's matrix, each counted
+        once; the same result on every process, with one collective at most (every process must call it)."""
+        ...
 
     def all_true(self, flag: Tensor) -> bool:
         """Whether ``flag`` (a 0-d bool tensor) is true on every process (every process must call it)."""
@@ -213,6 +222,9 @@ class LocalEngine:
 
     def reset_comm_stats(self) -> None:
         pass
+
+    def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
+        return [partial_sums(job, job.logical_ranges()) for job in jobs]  # every job holds its whole matrix
 
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
         pieces: list[Tensor] = []

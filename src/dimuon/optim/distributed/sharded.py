@@ -46,6 +46,7 @@ from dimuon.optim.distributed.engine import (
     LocalEngine,
     MapConfig,
     MatrixJob,
+    PartialSums,
     apply_map_batched,
     map_regions,
     read_flag,
@@ -263,6 +264,24 @@ class ShardedEngine:
         if whole:
             out.update(zip(whole, self._whole_refresh([placed[i] for i in whole], config)))
         return [out[i] for i in range(len(placed))]
+
+    def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
+        """Per job, its partial sums over the rows this rank holds added over the ranks holding distinct pieces
+        of its matrix (the shard group; replicas hold the same sums and are left out): one flat all-reduce
+        (kind ``all_reduce[signal]``) per shard group, all issued before any wait. Matrices split by columns
+        are refused at construction (their per-row sums would be partial)."""
+        placed = [(job, self._placement(job)) for job in jobs]
+        parts = [partial_sums(job, [plc.mine.local_rows_in(a, b) if plc.shard is not None else (a, b)
+                                    for a, b in job.logical_ranges()]) for job, plc in placed]
+        pending = []
+        for comm, members in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+            flat = torch.cat([parts[i].reshape(-1) for i in members])
+            pending.append((members, flat, comm.all_reduce(flat, kind="all_reduce[signal]", async_op=True)))
+        for members, flat, work in pending:
+            work.wait()
+            for i, total in zip(members, flat.split([parts[i].numel() for i in members])):
+                parts[i] = total.view(parts[i].shape)
+        return parts
 
     # ----------------------------------------------------------------- local maps
     def _block(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
