@@ -138,6 +138,9 @@ def test_lr_grid_errors_name_the_flag(items, message):
     [
         ({"optimizers": ("adamw", "sgd")}, "--optimizers must name distinct values from: adamw, muon"),
         ({"optimizers": ()}, "--optimizers must name"),
+        ({"optimizers": ("muon", "lion/k2")}, "--optimizers must name distinct values .* \\(or NAME/LABEL"),
+        ({"optimizers": ("muon", "periodic_row_muon/")}, "--optimizers must name distinct values"),
+        ({"optimizers": ("muon", "periodic_row_muon/k 2")}, "--optimizers must name distinct values"),
         ({"model": "DiT-Q/2"}, "--model must be one of: .*DiT-T/2"),
         ({"dataset": "cifar"}, "--dataset must be one of: .*digits"),
         ({"lrs": (0.0,)}, "--lrs: learning rates must be positive"),
@@ -212,7 +215,7 @@ def test_default_eval_interval_and_threads(tmp_path):
     cfg = tiny_config(tmp_path, steps=1000, eval=QualityEval(), threads=None)
     assert quality_runs.eval_interval(cfg) == 250 and quality_runs.threads_per_run(cfg) is None
     assert quality_runs.threads_per_run(dataclasses.replace(cfg, jobs=64)) == 1
-    assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp", "torch_muon")
+    assert Config().optimizers == ("adamw", "muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon", "torch_muon")
 
 
 def test_notes_flag_muon_bp_without_blocks_and_a_missing_baseline(tmp_path):
@@ -322,7 +325,8 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     assert record["eval_settings"]["feature_space"] == SPACE and record["machine"]["argv"] == ["--fake"]
 
     out = cfg.out
-    for name in ("results.json", "results.md", "fd_vs_lr.png", "best_lr/compare_fd.png", "best_lr/compare.json"):
+    for name in ("results.json", "results.md", "fd_vs_lr.png", "fd_vs_opt_ms.png", "best_lr/compare_fd.png",
+                 "best_lr/compare.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "results.json").read_text())["runs"][0]["name"] == "adamw-lr0.001-s0"
     md = (out / "results.md").read_text()
@@ -336,6 +340,39 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     again = quality.run(cfg)
     assert [spec_of(c).optimizer + str(spec_of(c).seed) for c in fake_training] == ["muon1"]  # only the failed one
     assert {r["action"] for r in again["runs"] if r["name"] != "muon-lr0.01-s1"} == {"skipped"}
+
+
+def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, optimizers=("muon", "periodic_row_muon/k2", "periodic_row_muon/k4"), lrs=(1e-2,),
+                      train_args_of=("periodic_row_muon/k2=--optim.k 2", "periodic_row_muon/k4=--optim.k 4"))
+    specs = quality.expand_grid(cfg)
+    assert [s.name for s in specs] == ["muon-lr0.01-s0", "periodic_row_muon-k2-lr0.01-s0",
+                                       "periodic_row_muon-k4-lr0.01-s0"]
+    cmd = quality_runs.train_command(cfg, specs[1], quality.train_args_of(cfg)[specs[1].optimizer])
+    assert cmd[cmd.index("--optimizer") + 1] == "periodic_row_muon" and cmd[-2:] == ["--optim.k", "2"]
+    fraction = {"muon": 1.0, "periodic_row_muon/k2": 0.5, "periodic_row_muon/k4": 0.25}
+    for entry, fd, ms in (("periodic_row_muon/k2", 33.0, 4.0), ("periodic_row_muon/k4", 38.0, 3.0)):
+        monkeypatch.setitem(FINAL_FD, (entry, 1e-2), fd)
+        monkeypatch.setitem(STEP_MS, entry, 12.0)
+        monkeypatch.setitem(OPT_MS, entry, ms)
+    by_dir = {quality_runs.run_directory(cfg, s): s for s in specs}
+
+    def launch(cmd, log_path, threads):
+        spec = by_dir[Path(cmd[cmd.index("--out") + 1])]
+        run_dir = fabricate_run(cfg, spec)
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        with_refresh = [{**r, "refresh": {"spectral_fraction": fraction[spec.optimizer], "matrices": {}}}
+                        if r["kind"] == "train" else r for r in map(json.loads, lines)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in with_refresh))
+        return 0
+
+    monkeypatch.setattr(quality_runs, "launch", launch)
+    record = quality.run(cfg)
+    assert {name: s["spectral_fraction"] for name, s in record["optimizers"].items()} == fraction
+    assert [record["optimizers"][n]["fd"] for n in ("periodic_row_muon/k2", "periodic_row_muon/k4")] == [33.0, 38.0]
+    assert (cfg.out / "fd_vs_opt_ms.png").is_file()
+    md = (cfg.out / "results.md").read_text()
+    assert "| periodic_row_muon/k4 | 0.01 | 1 | 38.000 |" in md and "| periodic_row_muon-k4-lr0.01-s0 | ok |" in md
 
 
 def test_interrupted_runs_resume_and_unstarted_ones_restart(tmp_path, fake_training):

@@ -70,6 +70,24 @@ def test_run_directory_holds_config_metrics_checkpoints_samples_and_plots(tmp_pa
     assert times == sorted(times)
 
 
+def test_refresh_decisions_are_logged_and_plotted(tmp_path: Path) -> None:
+    from dimuon.train import OptimOptions
+
+    run = tmp_path / "run"
+    train(tiny_config(run, optimizer="adaptive_row_muon", optim=OptimOptions(threshold=0.3, k_min=2, k_max=3),
+                      val_interval=0, ckpt_interval=0))
+    windows = [r["refresh"] for r in records(run) if r["kind"] == "train"]
+    assert len(windows) == 4 and len(windows[0]["matrices"]) == 5 * 2 + 2  # DiT-T/4: 2 blocks x 5, t-MLP, final adaLN
+    assert all(f == 0.5 for f in windows[0]["matrices"].values())  # steps 0 (first, spectral) and 1 (k_min)
+    for w in windows:
+        assert all(1 / 3 <= f <= 1 / 2 for f in w["matrices"].values())  # intervals of 2 or 3 steps
+        assert w["spectral_fraction"] == pytest.approx(sum(w["matrices"].values()) / len(w["matrices"]), abs=1e-3)
+    assert (run / "plots" / "refreshes.png").is_file()
+    train(tiny_config(tmp_path / "adamw", optimizer="adamw", steps=2, val_interval=0, ckpt_interval=0))
+    assert all("refresh" not in r for r in records(tmp_path / "adamw"))
+    assert not (tmp_path / "adamw" / "plots" / "refreshes.png").exists()
+
+
 def test_resume_equals_an_uninterrupted_run_bitwise(tmp_path: Path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     overrides = dict(steps=10, ckpt_interval=4, val_interval=5, optimizer="periodic_row_muon")
@@ -140,7 +158,8 @@ def test_tensorboard_without_its_package_is_a_start_up_error(tmp_path: Path) -> 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("optimizer", "options"), [("adamw", {}), ("muon", {}), ("muon_bp", {"period": 2})])
+@pytest.mark.parametrize(("optimizer", "options"), [("adamw", {}), ("muon", {}), ("muon_bp", {"period": 2}),
+                                                  ("adaptive_row_muon", {"threshold": 0.3, "k_max": 3})])
 def test_every_optimizer_trains_and_resumes_exactly(optimizer: str, options: dict, tmp_path: Path) -> None:
     from dimuon.train import OptimOptions
 

@@ -18,6 +18,7 @@ Run ``dimuon bench quality --help`` (or ``python -m dimuon.bench.quality --help`
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 
 import tyro
 
-from dimuon.bench.quality_config import Config, RunSpec
+from dimuon.bench.quality_config import VARIANT_SEPARATOR, Config, RunSpec, base_optimizer
 from dimuon.bench.quality_report import (
     BASELINE,
     add_ratios,
@@ -35,6 +36,7 @@ from dimuon.bench.quality_report import (
     eval_settings_of,
     optimizer_summary,
     plot_fd_vs_lr,
+    plot_fd_vs_opt_ms,
     render,
     run_row,
 )
@@ -150,11 +152,17 @@ def train_args_of(cfg: Config) -> dict[str, list[str]]:
     return {name: common + split_train_args(per.get(name, ""), "--train-args-of") for name in cfg.optimizers}
 
 
-def _check_names(flag: str, given: Sequence[str], allowed: Iterable[str]) -> None:
-    """``given`` is a non-empty list of distinct members of ``allowed``."""
-    allowed = list(allowed)
-    if not given or len(set(given)) != len(given) or any(v not in allowed for v in given):
-        raise FlagError(f"{flag} must name distinct values from: {', '.join(allowed)}; got {list(given)}")
+_LABEL = re.compile(r"[A-Za-z0-9_.=+]+")
+
+
+def _check_optimizers(entries: Sequence[str]) -> None:
+    """--optimizers: distinct entries, each an optimizer name or NAME/LABEL with a label fit for a directory name."""
+    allowed = list(OPTIMIZERS)
+    bad = [e for e in entries if base_optimizer(e) not in allowed or (
+        VARIANT_SEPARATOR in e and not _LABEL.fullmatch(e.split(VARIANT_SEPARATOR, 1)[1]))]
+    if not entries or len(set(entries)) != len(entries) or bad:
+        raise FlagError(f"--optimizers must name distinct values from: {', '.join(allowed)} (or NAME/LABEL, a "
+                        f"LABEL of letters, digits and _.=+); got {list(entries)}")
 
 
 def _check_choice(flag: str, value: str, allowed: Iterable[str]) -> None:
@@ -165,7 +173,7 @@ def _check_choice(flag: str, value: str, allowed: Iterable[str]) -> None:
 
 def check_config(cfg: Config) -> None:
     """One clear error per bad option, naming the flag and what is allowed, before any run starts."""
-    _check_names("--optimizers", cfg.optimizers, OPTIMIZERS)
+    _check_optimizers(cfg.optimizers)
     _check_choice("--model", cfg.model, DIT_MODELS)
     _check_choice("--dataset", cfg.dataset, DATASETS)
     if not cfg.lrs:
@@ -194,10 +202,11 @@ def notes(cfg: Config) -> list[str]:
     """Warnings about a grid that runs but may not measure what is meant (printed and kept in the report)."""
     found = []
     extra = train_args_of(cfg)
-    if "muon_bp" in extra and not any(a.split("=")[0] == "--optim.blocks" for a in extra["muon_bp"]):
-        found.append("muon_bp trains in one process with its default --optim.blocks 1, where a block step is a "
-                     "full Newton-Schulz step, i.e. it takes the same steps as muon; pass --train-args-of "
-                     "'muon_bp=--optim.blocks 4' for the row blocks of 4 FSDP ranks")
+    for entry, args in extra.items():
+        if base_optimizer(entry) == "muon_bp" and not any(a.split("=")[0] == "--optim.blocks" for a in args):
+            found.append(f"{entry} trains in one process with its default --optim.blocks 1, where a block step is "
+                         "a full Newton-Schulz step, i.e. it takes the same steps as muon; pass --train-args-of "
+                         f"'{entry}=--optim.blocks 4' for the row blocks of 4 FSDP ranks")
     if BASELINE not in cfg.optimizers:
         found.append(f"{BASELINE} is not among --optimizers: the x AdamW columns stay empty")
     return found
@@ -230,6 +239,9 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     title = f"FD at step {cfg.steps} in {space}; lines: mean over seeds"
     lr_plot = plot_fd_vs_lr(rows, cfg.optimizers, cfg.out / "fd_vs_lr.png", title)
     outputs += [lr_plot] if lr_plot else []
+    cost_plot = plot_fd_vs_opt_ms(summary, rows, cfg.out / "fd_vs_opt_ms.png",
+                                  f"FD at step {cfg.steps} in {space} against optimizer time, each at its best lr")
+    outputs += [cost_plot] if cost_plot else []
     outputs += [Path(p) for p in compared["outputs"]] if compared else []
     record = {
         "benchmark": "quality",

@@ -1,6 +1,6 @@
 """The typed configuration of ``dimuon bench quality`` (``Config``, with ``QualityEval`` for its
-``--eval.*`` group) and one point of its grid (``RunSpec``: an optimizer at a learning rate and a
-seed). They live in a module of their own because all three parts of the benchmark read them, the
+``--eval.*`` group) and one point of its grid (``RunSpec``: an optimizer, or a labelled variant of one,
+at a learning rate and a seed). They live in a module of their own because all three parts of the benchmark read them, the
 entry point that checks flags and builds the grid (``dimuon.bench.quality``), the launcher of the
 training runs (``quality_runs``) and the report (``quality_report``), and this way neither of the
 latter two imports the entry point: imports point one way.
@@ -39,7 +39,9 @@ class Config:
     """Generation quality and training cost of the optimizers, side by side on one DiT task."""
 
     optimizers: tuple[str, ...] = tuple(OPTIMIZERS)
-    """Optimizers to train, from: adamw muon periodic_row_muon muon_bp torch_muon."""
+    """Optimizers to train, from: adamw muon periodic_row_muon muon_bp adaptive_row_muon torch_muon. NAME/LABEL
+    trains NAME as a variant of its own, with the flags of --train-args-of 'NAME/LABEL=...' (e.g.
+    periodic_row_muon/k2 with 'periodic_row_muon/k2=--optim.k 2'), so one optimizer can run at several settings."""
     lrs: tuple[float, ...] = (TRAIN_DEFAULTS.lr,)
     """Peak learning rates tried for every optimizer without an --lr-grid entry."""
     lr_grid: tuple[str, ...] = ()
@@ -69,18 +71,32 @@ class Config:
     """Show a progress bar over the runs."""
 
 
+VARIANT_SEPARATOR = "/"  # --optimizers NAME/LABEL: optimizer NAME under its own label
+
+
+def base_optimizer(entry: str) -> str:
+    """The optimizer an ``--optimizers`` entry trains: ``NAME`` of ``NAME`` or ``NAME/LABEL``."""
+    return entry.split(VARIANT_SEPARATOR, 1)[0]
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """One point of the grid: an optimizer at a learning rate and a seed."""
+    """One point of the grid: an optimizer (an ``--optimizers`` entry, maybe a labelled variant) at a learning
+    rate and a seed."""
 
     optimizer: str
     lr: float
     seed: int
 
     @property
+    def base(self) -> str:
+        """The optimizer ``dimuon train --optimizer`` gets."""
+        return base_optimizer(self.optimizer)
+
+    @property
     def name(self) -> str:
-        """Directory name of the run, e.g. ``muon-lr0.01-s0``."""
-        return f"{self.optimizer}-lr{self.lr:g}-s{self.seed}"
+        """Directory name of the run, e.g. ``muon-lr0.01-s0`` or ``periodic_row_muon-k2-lr0.01-s0``."""
+        return f"{self.optimizer.replace(VARIANT_SEPARATOR, '-')}-lr{self.lr:g}-s{self.seed}"
 
 
 def run_directory(cfg: Config, spec: RunSpec) -> Path:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dimuon.bench.quality_config import Config, run_directory
+from dimuon.bench.quality_config import VARIANT_SEPARATOR, Config, base_optimizer, run_directory
 from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, series_entries, train_command
 from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.eval.compare import compare_runs
@@ -45,13 +45,24 @@ def _median(values: Iterable[Any]) -> float | None:
     return statistics.median(nums) if nums else None
 
 
+def spectral_fraction(train: Sequence[dict[str, Any]]) -> float | None:
+    """Share of the Muon matrices' steps that were spectral over the run, from the train records' ``refresh``
+    (windows weighted by their steps); None for an optimizer without refresh statistics."""
+    windows = [(r["step"] - prev["step"] if prev else r["step"], r["refresh"]["spectral_fraction"])
+               for prev, r in zip([None, *train], train) if "refresh" in r]
+    steps = sum(n for n, _ in windows)
+    return sum(n * f for n, f in windows) / steps if steps else None
+
+
 def cost_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Training cost and loss from ``metrics.jsonl``: median optimizer and step ms, active time, final losses."""
+    """Training cost and loss from ``metrics.jsonl``: median optimizer and step ms, active time, the share of
+    spectral steps, final losses."""
     train = latest_by_step(records, "train")
     val = latest_by_step(records, "val")
     active = [r["active_time_s"] for r in records if isinstance(r.get("active_time_s"), (int, float))]
     return {
         "trained_steps": train[-1]["step"] if train else 0,
+        "spectral_fraction": spectral_fraction(train),
         "opt_ms": _median(r.get("opt_ms") for r in train),
         "step_ms": _median(r.get("step_ms") for r in train),
         "active_time_s": max(active) if active else None,
@@ -124,7 +135,7 @@ def best_lr(rows: Sequence[dict[str, Any]]) -> float | None:
     return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else None
 
 
-SUMMARY_KEYS = ("fd", "best_fd", "val_loss_ema", "opt_ms", "step_ms", "active_time_s")
+SUMMARY_KEYS = ("fd", "best_fd", "val_loss_ema", "spectral_fraction", "opt_ms", "step_ms", "active_time_s")
 RATIO_KEYS = ("fd", "opt_ms", "active_time_s", "target_active_time_s")
 
 
@@ -136,6 +147,7 @@ def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str])
         lr = best_lr(mine)
         chosen = [r for r in mine if r["lr"] == lr and r["status"] == "ok"]
         fds = [r["fd"] for r in chosen]
+        ms = [r["opt_ms"] for r in chosen if r["opt_ms"] is not None]
         summary[name] = {
             "lr": lr,
             "lrs_tried": sorted({r["lr"] for r in mine}),
@@ -144,6 +156,8 @@ def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str])
             **{key: _mean(chosen, key) for key in SUMMARY_KEYS},
             "fd_min": min(fds) if fds else None,
             "fd_max": max(fds) if fds else None,
+            "opt_ms_min": min(ms) if ms else None,
+            "opt_ms_max": max(ms) if ms else None,
         }
     return summary
 
@@ -205,6 +219,48 @@ def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], pat
     return path
 
 
+def plot_fd_vs_opt_ms(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path,
+                      title: str = "") -> Path | None:
+    """The quality/cost frontier: final FD against optimizer ms per step, each entry at its best lr (mean over
+    seeds, bars from the lowest to the highest seed, seeds as dots); the variants of one optimizer are joined
+    in order of cost and labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    placed = {name: s for name, s in summary.items() if s["fd"] is not None and s["opt_ms"] is not None}
+    if not placed:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours: dict[str, str] = {}
+    for base in dict.fromkeys(base_optimizer(name) for name in placed):
+        mine = sorted(((n, s) for n, s in placed.items() if base_optimizer(n) == base), key=lambda x: x[1]["opt_ms"])
+        xs, ys = [s["opt_ms"] for _, s in mine], [s["fd"] for _, s in mine]
+        (line,) = ax.plot(xs, ys, "o-" if len(mine) > 1 else "o", label=base)
+        colours[base] = line.get_color()
+        for n, s in mine:
+            ax.errorbar(s["opt_ms"], s["fd"], xerr=[[s["opt_ms"] - s["opt_ms_min"]], [s["opt_ms_max"] - s["opt_ms"]]],
+                        yerr=[[s["fd"] - s["fd_min"]], [s["fd_max"] - s["fd"]]], color=line.get_color(), alpha=0.5,
+                        lw=1, capsize=2)
+            label = n.split(VARIANT_SEPARATOR, 1)[1] if VARIANT_SEPARATOR in n else ""
+            if label:
+                ax.annotate(label, (s["opt_ms"], s["fd"]), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color=line.get_color())
+    dots = [r for r in rows if r["status"] == "ok" and r["opt_ms"] is not None
+            and r["name"] in {run for s in placed.values() for run in s["runs"]}]
+    ax.scatter([r["opt_ms"] for r in dots], [r["fd"] for r in dots], s=10, alpha=0.4,
+               c=[colours[base_optimizer(r["optimizer"])] for r in dots])
+    ax.set_xlabel("optimizer ms per step (median over the run's log records)")
+    ax.set_ylabel("final FD (lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
@@ -215,10 +271,10 @@ def _f(value: Any, spec: str = ".3f") -> str:
 
 
 SUMMARY_HEADERS = ["optimizer", "best lr", "seeds", "final FD", "x AdamW", "best FD", "EMA val loss",
-                   "opt ms/step", "x AdamW", "step ms", "active time (s)", "x AdamW",
+                   "spectral steps", "opt ms/step", "x AdamW", "step ms", "active time (s)", "x AdamW",
                    "time to target (s)", "x AdamW"]
 RUN_HEADERS = ["run", "status", "EMA val loss", "best FD (step)", "final FD", "precision", "recall",
-               "density", "coverage", "opt ms/step", "step ms", "active time (s)"]
+               "density", "coverage", "spectral steps", "opt ms/step", "step ms", "active time (s)"]
 
 
 def _right(headers: Sequence[str], text_columns: int) -> list[bool]:
@@ -232,7 +288,8 @@ def summary_rows(record: dict[str, Any]) -> list[list[str]]:
     for name, s in record["optimizers"].items():
         rows.append([
             name, _f(s["lr"], "g"), str(len(s["seeds"])), _f(s["fd"]), _f(s["fd_ratio"], ".2f"), _f(s["best_fd"]),
-            _f(s["val_loss_ema"], ".4f"), _f(s["opt_ms"], ".1f"), _f(s["opt_ms_ratio"], ".2f"),
+            _f(s["val_loss_ema"], ".4f"), _f(s["spectral_fraction"], ".3f"), _f(s["opt_ms"], ".1f"),
+            _f(s["opt_ms_ratio"], ".2f"),
             _f(s["step_ms"], ".1f"), _f(s["active_time_s"], ".1f"), _f(s["active_time_s_ratio"], ".2f"),
             _f(s.get("target_active_time_s"), ".1f"), _f(s.get("target_active_time_s_ratio"), ".2f"),
         ])
@@ -248,7 +305,7 @@ def run_rows(record: dict[str, Any]) -> list[list[str]]:
         rows.append([
             r["name"], r["status"], _f(r["val_loss_ema"], ".4f"), best, final,
             *(_f(r[m] if final != "-" else None) for m in ("precision", "recall", "density", "coverage")),
-            _f(r["opt_ms"], ".1f"), _f(r["step_ms"], ".1f"), _f(r["active_time_s"], ".1f"),
+            _f(r["spectral_fraction"], ".3f"), _f(r["opt_ms"], ".1f"), _f(r["step_ms"], ".1f"), _f(r["active_time_s"], ".1f"),
         ])
     return rows
 

@@ -80,7 +80,7 @@ def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = 
     """The ``dimuon train`` command of one run; ``mode`` resume continues it, restart replaces its files."""
     run_dir = run_directory(cfg, spec)
     cmd = [sys.executable, "-m", "dimuon.cli", "train", "--out", str(run_dir),
-           "--optimizer", spec.optimizer, "--lr", repr(spec.lr), "--seed", str(spec.seed),
+           "--optimizer", spec.base, "--lr", repr(spec.lr), "--seed", str(spec.seed),
            "--model", cfg.model, "--dataset", cfg.dataset, "--steps", str(cfg.steps),
            "--batch-size", str(cfg.batch_size), "--no-progress"]
     threads = threads_per_run(cfg)
@@ -136,7 +136,7 @@ def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
     except (OSError, ValueError):
         return None  # a torn config is rewritten by the restarted run
     want = {"model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size,
-            "optimizer": spec.optimizer, "lr": spec.lr, "seed": spec.seed}
+            "optimizer": spec.base, "lr": spec.lr, "seed": spec.seed}
     diff = [f"{k} {saved.get(k)!r} (asked for {v!r})" for k, v in want.items() if saved.get(k) != v]
     if isinstance(saved.get("steps"), int) and saved["steps"] > cfg.steps:  # more steps continue a run; fewer cannot
         diff.append(f"steps {saved['steps']} (asked for {cfg.steps})")

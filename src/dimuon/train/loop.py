@@ -48,7 +48,7 @@ from dimuon.train.failures import NonFiniteGuard, RunFailed, all_finite
 from dimuon.train.gen_eval import TrainingEvaluator
 from dimuon.train.logger import tensorboard_available
 from dimuon.train.plan import TrainPlan, resolve
-from dimuon.train.plots import plot_losses
+from dimuon.train.plots import plot_losses, plot_refreshes
 from dimuon.train.records import RunClock, RunLog, StepTimes, Window, train_record, validation_record
 from dimuon.train.rundir import check_free_space, check_run_dir, prepare_run_dir
 
@@ -202,7 +202,8 @@ class Trainer:
         """Train from the starting step to ``--steps`` (or ``stop_after``); return the run's summary."""
         cfg = self.cfg
         self.announce()
-        self.reset_comm_stats()
+        self.optimizer_stats("comm_stats")
+        self.optimizer_stats("refresh_stats")
         self.clock.restart()
         self.bar = tqdm(total=cfg.steps, initial=self.start, unit="step", dynamic_ncols=True, mininterval=1.0,
                         disable=not (self.env.is_main and cfg.progress))
@@ -303,12 +304,13 @@ class Trainer:
 
     def log_train(self, done: int) -> None:
         """The ``train`` record of the steps since the last one (and the optimizer's communication)."""
-        rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.comm_stats())
-        by_dim = self.comm_stats(by_mesh_dim=True)
+        by_dim = self.comm_stats(by_mesh_dim=True)  # read before optimizer_stats resets the counts
+        rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.optimizer_stats("comm_stats"),
+                           self.optimizer_stats("refresh_stats"))
         if by_dim:  # the optimizer's bytes per mesh dimension (sharded runs)
             rec["comm_bytes_per_step_by_mesh_dim"] = {
-                dim: sum(v["bytes"] for v in kinds.values()) / self.window.steps for dim, kinds in by_dim.items()}
-        self.reset_comm_stats()
+                dim: sum(v["bytes"] for v in kinds.values()) / (self.window.steps + self.window.skipped)
+                for dim, kinds in by_dim.items()}
         self.record(rec)
         loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"  # every step of the window skipped
         self.bar.set_postfix(loss=loss, step_ms=f"{rec['step_ms']:.0f}", opt_ms=f"{rec['opt_ms']:.1f}", refresh=False)
@@ -423,7 +425,8 @@ class Trainer:
     def plot(self) -> list[Path]:
         cfg = self.cfg
         title = f"{cfg.model} on {cfg.dataset}, {cfg.optimizer} lr {cfg.lr:g}, batch {cfg.batch_size}"
-        return plot_losses(read_jsonl(self.layout.metrics), self.layout.plots, title=title)
+        records = read_jsonl(self.layout.metrics)
+        return plot_losses(records, self.layout.plots, title=title) + plot_refreshes(records, self.layout.plots, title)
 
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
         """The optimizer's collectives since the last reset, per kind or per mesh dimension (none for
@@ -433,10 +436,14 @@ class Trainer:
             return {}
         return stats(by_mesh_dim=True) if by_mesh_dim else stats()
 
-    def reset_comm_stats(self) -> None:
-        reset = getattr(self.opt, "reset_comm_stats", None)
+    def optimizer_stats(self, name: str) -> dict[str, Any]:
+        """The optimizer's ``name()`` statistics since their last reset (its collectives for ``comm_stats``, its
+        spectral steps for ``refresh_stats``), then reset; empty for optimizers that do not keep them."""
+        stats, reset = getattr(self.opt, name, None), getattr(self.opt, f"reset_{name}", None)
+        out = stats() if stats is not None else {}
         if reset is not None:
             reset()
+        return out
 
 
 # --------------------------------------------------------------------------------------------------

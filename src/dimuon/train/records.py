@@ -95,9 +95,10 @@ class Window:
 
 
 def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, env: DistEnv,
-                 comm: dict[str, dict[str, float]]) -> dict[str, Any]:
+                 comm: dict[str, dict[str, float]], refresh: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``train`` record of a window: mean loss over its steps taken and the ranks (None if every step was
-    skipped), the skipped steps, timing split over all steps, communication."""
+    skipped), the skipped steps, timing split over all steps, communication, and (``refresh``: the optimizer's
+    ``refresh_stats()`` over the window) the share of spectral steps."""
     taken, n = window.steps, window.steps + window.skipped
     loss = torch.as_tensor(window.loss, dtype=torch.float32, device=env.device) / max(taken, 1)
     rec: dict[str, Any] = {
@@ -116,6 +117,9 @@ def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, e
     }
     rec["comm_bytes_per_step"] = sum(v["bytes"] for v in comm.values()) / n
     rec["comm"] = {kind: {"calls": v["calls"] / n, "bytes": v["bytes"] / n} for kind, v in comm.items()}
+    if refresh and refresh.get("steps"):
+        rec["refresh"] = {"spectral_fraction": round(refresh["spectral_fraction"], 4),
+                          "matrices": {name: round(m["fraction"], 4) for name, m in refresh["matrices"].items()}}
     return rec
 
 
