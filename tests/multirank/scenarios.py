@@ -243,6 +243,7 @@ DEVICE_CASES = [
     ("fsdp_blocks", "muon_bp", {"period": 2}),
     ("ddp_replicated", "muon_bp", {"period": 2, "blocks": 2}),
     ("replicate_dtensor", "periodic_row_muon", {"k": 2}),
+    ("fsdp_adaptive", "adaptive_row_muon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),  # its reference state
 ]
 
 
@@ -355,6 +356,7 @@ ONE_PROCESS_CASES = [
     ("replicated", "periodic_row_muon", {"k": 2, "process_group": "world"}),
     ("adamw_only", "muon_adamw_only", {}),
     ("adamw_foreach", "muon_adamw_only", {"adamw_fused": False}),
+    ("adaptive", "adaptive_row_muon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),
 ]
 
 

@@ -95,7 +95,8 @@ class TrainConfig:
 
     # --- optimization
     optimizer: str = "periodic_row_muon"
-    """adamw | muon | periodic_row_muon | muon_bp | torch_muon (torch.optim.Muon + AdamW, one process)."""
+    """adamw | muon | periodic_row_muon | muon_bp | adaptive_row_muon | torch_muon (torch.optim.Muon + AdamW,
+    one process)."""
     optim: OptimOptions = field(default_factory=OptimOptions)
     lr: float = 1e-2
     """Peak learning rate (shared by the Muon and AdamW groups of the Muon family)."""
