@@ -89,6 +89,8 @@ def groups(model: Layers, key: str | None, optimizer: str) -> list[dict]:
         group: dict = {"params": params(style, fused)}
         if fused:
             group["split_sizes"] = 3
+        if optimizer == "adaptive_row_muon" and style == "row":
+            group["algorithm"] = "adamw"  # split by columns under TP, which the adaptive schedule refuses
         if optimizer == "muon_bp" and key is not None:
             group["blocks"] = BLOCKS[key][style]
         out.append(group)
@@ -121,10 +123,12 @@ def train(model, opt, start: int, stop: int) -> list[dict]:
     for t in range(start, stop):
         set_grads(model, t)
         opt.reset_comm_stats()
+        opt.reset_refresh_stats()
         opt.step()
         engine = opt._engine
         sharded = hasattr(engine, "counter")
         log.append({"by_dim": opt.comm_stats(by_mesh_dim=True), "kinds": opt.comm_stats(),
+                    "spectral": opt.refresh_stats()["spectral"],
                     "calls": list(engine.counter.calls) if sharded else [],
                     "groups": {c.label: tuple(dist.get_process_group_ranks(c.group)) for c in engine._comms.values()}
                     if sharded else {}})
@@ -182,12 +186,13 @@ def unsupported(rank: int, world: int) -> dict[str, str]:
         "3d_mesh": lambda: distribute_tensor(torch.randn(8, 8), mesh3, [Shard(0), Shard(0), Shard(1)]),
         "partial": lambda: DTensor.from_local(torch.randn(8, 8), mesh1, [Partial()]),
         "shard_dim2": lambda: distribute_tensor(torch.randn(8, 4, 4, 4), mesh1, [Shard(2)]),
+        "adaptive_cols": lambda: distribute_tensor(torch.randn(8, 8), mesh1, [Shard(1)]),
     }
     out = {}
     for name, make_tensor in cases.items():
         p = nn.Parameter(make_tensor())
         try:
-            build("muon", [("w", p)], lr=LR)
+            build("adaptive_row_muon" if name.startswith("adaptive") else "muon", [("w", p)], lr=LR)
             out[name] = "accepted"
         except ValueError as e:
             out[name] = str(e)

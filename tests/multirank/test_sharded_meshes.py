@@ -21,7 +21,7 @@ CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, 
     ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split"}),
     ("hsdp2x2_split_owner", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "owner"}),
     ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
-]
+] + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
 CHECK = "all_reduce[check]"
 
 
@@ -102,6 +102,18 @@ def test_spectral_steps_stay_in_the_shard_group(meshes):
         assert _optimizer_kinds(rank_result["fsdp2xtp2_owner"]["log"][0]) == {"dp+tp": {"all_to_all"}}
 
 
+def test_adaptive_decisions_agree_and_its_signal_stays_in_the_shard_group(meshes):
+    shard_dim = {"hsdp2x2": "shard", "tp4": "tp", "fsdp2xtp2": "dp+tp"}
+    for key in ms.MESHES:
+        counts = [[step["spectral"] for step in r[f"{key}_adaptive"]["log"]] for r in meshes]
+        assert all(c == counts[0] for c in counts), key  # every rank took the same kinds of steps
+        assert 0 < sum(counts[0][1:]) < 4 * (ms.STEPS - 1), (key, counts[0])  # the signal decided both ways
+        for r in meshes:
+            for step in r[f"{key}_adaptive"]["log"][1:]:
+                signal = {dim for dim, kinds in step["by_dim"].items() if "all_reduce[signal]" in kinds}
+                assert signal == {shard_dim[key]}, (key, signal)
+
+
 def test_split_replicas_trade_shard_bytes_for_replicate_bytes(meshes):
     for rank_result in meshes:
         repeat, split = (rank_result[k]["log"][0]["by_dim"] for k in ("hsdp2x2_gather", "hsdp2x2_split"))
@@ -132,6 +144,7 @@ def test_unsupported_layouts_fail_at_construction_naming_the_parameter(spawned):
     assert "a mesh without mesh_dim_names cannot be flattened" in errors["unnamed_2d"]
     assert "Shard(d) for d > 1" in errors["shard_dim2"] and "Shard(dim=2)" in errors["shard_dim2"]
     assert "two _StridedShard placements on one dimension" in errors["nested_strided"]
+    assert "sharded by rows only" in errors["adaptive_cols"] and "'w'" in errors["adaptive_cols"]
     assert "'qkv.weight'" in errors["nested_strided"] and "(dp=2, tp=2)" in errors["nested_strided"]
 
 
