@@ -209,14 +209,8 @@ def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], pat
         ax.scatter([r["lr"] for r in mine], [r["fd"] for r in mine], s=12, alpha=0.5, color=line.get_color())
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final FD (lower is better)")
     ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure_atomic(fig, path, **SAVE_KWARGS)
-    plt.close(fig)
-    return path
+    return _save_fd_axes(fig, ax, path, title)
 
 
 def plot_fd_vs_opt_ms(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path,
@@ -252,6 +246,13 @@ def plot_fd_vs_opt_ms(summary: dict[str, dict[str, Any]], rows: Sequence[dict[st
     ax.scatter([r["opt_ms"] for r in dots], [r["fd"] for r in dots], s=10, alpha=0.4,
                c=[colours[base_optimizer(r["optimizer"])] for r in dots])
     ax.set_xlabel("optimizer ms per step (median over the run's log records)")
+    return _save_fd_axes(fig, ax, path, title)
+
+
+def _save_fd_axes(fig, ax, path: Path, title: str) -> Path:
+    """Finish a plot of final FD on its y axis (label, title, grid, legend) and write it atomically."""
+    import matplotlib.pyplot as plt
+
     ax.set_ylabel("final FD (lower is better)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)

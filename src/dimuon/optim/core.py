@@ -54,7 +54,7 @@ from dimuon.optim.staleness import (
     ROW_SUMS,
     reference_row_sums,
     staleness_from_sums,
-    staleness_partial_sums,
+    staleness_partial_sums_many,
 )
 from dimuon.optim.validation import check_choice, check_lr, check_number
 
@@ -626,15 +626,17 @@ class MuonFamily(torch.optim.Optimizer):
                  if schedule.needs_signal(ages[wi][ji], w.group)]
         signals: dict[tuple[int, int], float] = {}
         if open_:
-            def partial(job: MatrixJob, local_ranges: Sequence[RowRange | None]) -> Tensor:
-                state = self.state[job.meta["param"]]
-                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
-                row_sums = local_tensor(state["refresh_row_sums"])
-                return staleness_partial_sums(job.update, ref, row_sums, local_ranges)
+            def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+                states = [self.state[job.meta["param"]] for job in jobs]
+                return staleness_partial_sums_many(
+                    [job.update for job in jobs],
+                    [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
+                    [local_tensor(st["refresh_row_sums"]) for st in states], local_ranges)
 
             sums = self._get_engine().matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
             # A fused parameter refreshes as one: its stalest logical matrix decides.
-            stalest = torch.stack([staleness_from_sums(s).max() for s in sums])
+            per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
+            stalest = torch.stack([s.max() for s in per_matrix])
             signals = dict(zip(open_, stalest.tolist()))  # the host reads the decisions' inputs once
         return [[schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
                 for wi, w in enumerate(works)]

@@ -40,16 +40,39 @@ def staleness_partial_sums(update: Tensor, direction: Tensor, row_sums: Tensor,
     """``(len(local_ranges), 4)`` fp32: per logical matrix, this process's part of ``U_t . O_s``, ``|U_t|^2``,
     ``U_s . O_s`` and ``|U_s|^2`` over the rows it holds: local rows ``local_ranges[i]`` of ``update``,
     ``direction`` and ``row_sums`` (None: none of matrix ``i``'s rows are here)."""
-    out = torch.zeros(len(local_ranges), SIGNAL_SUMS, dtype=torch.float32, device=update.device)
-    for i, held in enumerate(local_ranges):
-        if held is None or held[0] >= held[1]:
-            continue
-        lo, hi = held
-        u, o = update[lo:hi].float(), direction[lo:hi].float()
-        out[i, 0] = (u * o).sum()
-        out[i, 1] = u.square().sum()
-        out[i, 2:] = row_sums[lo:hi].float().sum(dim=0)
+    return staleness_partial_sums_many([update], [direction], [row_sums], [local_ranges])[0]
+
+
+def staleness_partial_sums_many(updates: Sequence[Tensor], directions: Sequence[Tensor], row_sums: Sequence[Tensor],
+                                local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+    """:func:`staleness_partial_sums` of many matrices: per matrix two row dot products and one segmented sum
+    over its logical matrices (a few kernels per matrix, none per logical matrix; stacking same-shaped
+    matrices was measured slower on CPU: it copies what the dot products only read)."""
+    out = []
+    for u, o, rs, ranges in zip(updates, directions, row_sums, local_ranges):
+        u = u.float()
+        rows = torch.cat((torch.linalg.vecdot(u, o.float()).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1),
+                          rs.float()), dim=1)  # (m, 4)
+        ranges = tuple(ranges)
+        sums = rows.new_zeros(len(ranges) + 1, SIGNAL_SUMS)  # the last slot takes rows in no range
+        out.append(sums.index_add_(0, _segments(u.shape[0], ranges, u.device), rows)[: len(ranges)])
     return out
+
+
+_SEGMENTS: dict[tuple, Tensor] = {}
+
+
+def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.device) -> Tensor:
+    """Per local row, the index of the range holding it (``len(ranges)`` for none); cached per layout."""
+    key = (rows, ranges, device)
+    seg = _SEGMENTS.get(key)
+    if seg is None:
+        seg = torch.full((rows,), len(ranges), dtype=torch.long)
+        for i, held in enumerate(ranges):
+            if held is not None:
+                seg[held[0] : held[1]] = i
+        seg = _SEGMENTS[key] = seg.to(device)
+    return seg
 
 
 def staleness_from_sums(sums: Tensor) -> Tensor:

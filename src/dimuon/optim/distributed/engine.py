@@ -23,9 +23,9 @@ from dimuon.optim.schedules import StepKind
 RowRange = tuple[int, int]
 Region = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
 BlockGrid = tuple[int, int]  # (row blocks, column blocks) of a single-process block step
-# A job's per-logical-matrix sums over the rows this process holds, given for each logical matrix the local
-# row range holding its rows here (None: none of them).
-PartialSums = Callable[["MatrixJob", Sequence["RowRange | None"]], Tensor]
+# Per job, its per-logical-matrix sums over the rows this process holds, given per job and logical matrix the
+# local row range holding that matrix's rows here (None: none of them).
+PartialSums = Callable[[Sequence["MatrixJob"], Sequence[Sequence["RowRange | None"]]], list[Tensor]]
 
 # Spectral-step strategies of the sharded engine (docs/algorithms.md, "Sharded execution").
 Refresh = Literal["gather", "owner"]
@@ -224,7 +224,7 @@ class LocalEngine:
         pass
 
     def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
-        return [partial_sums(job, job.logical_ranges()) for job in jobs]  # every job holds its whole matrix
+        return partial_sums(jobs, [job.logical_ranges() for job in jobs])  # every job holds its whole matrix
 
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
         pieces: list[Tensor] = []

@@ -271,8 +271,8 @@ class ShardedEngine:
         (kind ``all_reduce[signal]``) per shard group, all issued before any wait. Matrices split by columns
         are refused at construction (their per-row sums would be partial)."""
         placed = [(job, self._placement(job)) for job in jobs]
-        parts = [partial_sums(job, [plc.mine.local_rows_in(a, b) if plc.shard is not None else (a, b)
-                                    for a, b in job.logical_ranges()]) for job, plc in placed]
+        parts = partial_sums(jobs, [[plc.mine.local_rows_in(a, b) if plc.shard is not None else (a, b)
+                                     for a, b in job.logical_ranges()] for job, plc in placed])
         pending = []
         for comm, members in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
             flat = torch.cat([parts[i].reshape(-1) for i in members])
