@@ -119,6 +119,17 @@ def test_resume_through_the_cli_keeps_the_saved_config_and_extends_the_run(tmp_p
     assert [s for s, _ in list_checkpoints(run)] == [4, 6]
 
 
+def test_resuming_a_finished_run_reports_what_it_recorded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, steps=4))
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert train_main(["--resume", str(run), "--no-progress"]) == 0
+    again = capsys.readouterr().out.strip().splitlines()[-1]
+    val = next(r for r in reversed(records(run)) if r["kind"] == "val")
+    assert f"val loss {val['val_loss']:.4f} (EMA {val['val_loss_ema']:.4f})" in again and "nan" not in again
+    assert first.split("; samples ")[1] == again.split("; samples ")[1]  # the same grid
+
+
 def test_an_existing_run_is_never_overwritten_silently(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny_config(run, steps=2, ckpt_interval=0))

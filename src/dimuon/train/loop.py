@@ -401,6 +401,8 @@ class Trainer:
         if not self.env.is_main:
             return
         s = self.summary
+        if self.start == self.cfg.steps:  # resumed at its last step: nothing ran now, so report what the run recorded
+            self.recall_summary()
         self.plot()
         print(
             f"dimuon train: done, step {self.cfg.steps}; val loss {s.get('val_loss', math.nan):.4f} "
@@ -411,6 +413,16 @@ class Trainer:
         if self.guard.skipped:
             print(f"dimuon train: {self.guard.skipped} step(s) of this run were skipped for a non-finite loss or "
                   f"gradient (--nonfinite skip); the nonfinite records of {self.layout.metrics} name them")
+
+    def recall_summary(self) -> None:
+        """Fill the summary from the run's records: its last validation, sample grid and evaluation."""
+        for rec in read_jsonl(self.layout.metrics):
+            if rec.get("kind") == "val":
+                self.summary.update(val_loss=rec["val_loss"], val_loss_ema=rec["val_loss_ema"])
+            elif rec.get("kind") == "sample":
+                self.summary["samples"] = rec["path"]
+            elif rec.get("kind") == "gen_eval" and rec.get("fd") is not None:
+                self.summary.update(fd=rec["fd"], feature_space=rec["feature_space"])
 
     def how_to_continue(self) -> str:
         """What the user can do with the run directory after a failure (rank 0's view of it)."""
