@@ -334,6 +334,7 @@ OWNED_FILES: tuple[str, ...] = (
     f"samples/{_STEP_GLOB}.png",
     "plots/loss_vs_step.png",
     "plots/loss_vs_time.png",
+    "plots/refreshes.png",
     "tensorboard/events.out.tfevents.*",
     "eval/results.json",
     "eval/results.md",

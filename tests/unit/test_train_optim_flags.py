@@ -24,7 +24,7 @@ from dimuon.train.plan import resolve
 # The flags dimuon train has always taken (the non-finite policy is the harness's own --nonfinite).
 FLAGS = ("weight_decay", "betas", "eps", "momentum", "nesterov", "lr_scale", "ns_coefficients", "ns_steps",
          "ns_dtype", "ns_algorithm", "refresh", "bucket_mb", "comm_dtype", "k", "gamma", "period",
-         "blocks", "block_lr_ratio")
+         "blocks", "block_lr_ratio", "threshold", "k_min", "k_max")
 
 
 def test_every_known_flag_is_derived_and_non_cli_arguments_are_not() -> None:
@@ -33,7 +33,8 @@ def test_every_known_flag_is_derived_and_non_cli_arguments_are_not() -> None:
     assert not names & {"lr", "nonfinite", "params", "process_group", "engine", "schedule_options", "kwargs"}
     assert all(f.default is None for f in dataclasses.fields(OptimOptions))
     assert OPTION_SPECS["betas"].keywords == {"adamw": "betas", "muon": "adamw_betas", "periodic_row_muon": "adamw_betas",
-                                              "muon_bp": "adamw_betas", "torch_muon": "adamw_betas"}
+                                              "muon_bp": "adamw_betas", "adaptive_row_muon": "adamw_betas",
+                                              "torch_muon": "adamw_betas"}
     assert OPTION_SPECS["k"].keywords == {"periodic_row_muon": "k"}
     assert OPTION_SPECS["ns_dtype"].is_dtype and OPTION_SPECS["betas"].type == tuple[float, float]
 

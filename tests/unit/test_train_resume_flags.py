@@ -41,7 +41,7 @@ CHANGED_OPTIM = {
     "lr_scale": "original", "ns_coefficients": "polar_express", "ns_steps": 4, "ns_dtype": "bfloat16",
     "ns_algorithm": "gram", "refresh": "owner", "bucket_mb": 4.0, "comm_dtype": "bfloat16", "ns_compile": True,
     "k": 7, "gamma": 0.5, "period": 3, "blocks": 2, "block_lr_ratio": 0.5, "adjust_lr_fn": "original",
-    "replica_refresh": "split",
+    "replica_refresh": "split", "threshold": 0.5, "k_min": 2, "k_max": 6,
 }
 # A value other than the saved one for every flag that cannot change on resume.
 CHANGED_FROZEN = {
