@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "comm": "dimuon.bench.comm",
     "quality": "dimuon.bench.quality",
     "gpu": "dimuon.bench.gpu",
+    "step": "dimuon.bench.step",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -32,6 +33,7 @@ commands:
   bench optimizer    optimizer step time on DiT parameter shapes
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid
+  bench step         training-step time per optimizer (forward/backward vs optimizer), one process and FSDP2
   bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
 'dimuon <command> --help' lists each command's options."""

@@ -22,7 +22,6 @@ Run ``dimuon bench gpu --help`` (or ``python -m dimuon.bench.gpu --help``).
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -37,8 +36,8 @@ import tyro
 
 from dimuon.bench.optimizer import ns_algorithms
 from dimuon.bench.quality_runs import launch, log_tail
-from dimuon.bench.report import format_markdown_table, gpu_info, machine_info
-from dimuon.io import read_jsonl, write_json_atomic
+from dimuon.bench.report import format_markdown_table, gpu_info, machine_info, train_results
+from dimuon.io import write_json_atomic
 
 PARTS = ("tests", "bench", "train")
 TRAIN_STEPS = 300
@@ -149,39 +148,6 @@ def junit_counts(path: Path) -> dict[str, Any]:
 def bench_results(path: Path) -> dict[str, Any]:
     """The benchmark's own JSON record (every row, the FLOP rate, the machine)."""
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def train_results(run_dir: Path) -> dict[str, Any]:
-    """Steps per second and the step-time split (medians over the training records after the first, which
-    holds the warm-up), the final losses and the run's wall time, from its ``metrics.jsonl``."""
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    train = [r for r in records if r.get("kind") == "train"]
-    if not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds no training record")
-    steady = train[1:] or train
-
-    def median(key: str) -> float:
-        return statistics.median(float(r[key]) for r in steady)
-
-    start = next((r for r in records if r.get("kind") == "start"), {})
-    val = [r for r in records if r.get("kind") == "val"]
-    step_ms = median("step_ms")
-    return {
-        "steps": train[-1]["step"],
-        "device": start.get("device"),
-        "params": start.get("params"),
-        "steps_per_s": 1e3 / step_ms,
-        "step_ms": step_ms,
-        "data_ms": median("data_ms"),
-        "fwd_bwd_ms": median("fwd_bwd_ms"),
-        "opt_ms": median("opt_ms"),
-        "samples_per_s": median("samples_per_s"),
-        "records_used": len(steady),
-        "train_loss": train[-1]["loss"],
-        "val_loss": val[-1]["val_loss"] if val else None,
-        "val_loss_ema": val[-1]["val_loss_ema"] if val else None,
-        "wall_s": train[-1].get("wall_s"),
-    }
 
 
 @dataclass

@@ -7,12 +7,16 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from dimuon.io import read_jsonl
 
 
 def cpu_model() -> str:
@@ -128,3 +132,39 @@ def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     rule = ["---:" if r else "---" for r in right]
     cells = [list(map(str, headers)), rule] + [["" if v is None else str(v) for v in row] for row in rows]
     return "\n".join("| " + " | ".join(row) + " |" for row in cells)
+
+
+def train_results(run_dir: Path) -> dict[str, Any]:
+    """Steps per second and the step-time split of a ``dimuon train`` run (medians over its training records
+    after the first, which holds the warm-up), its optimizer's logical bytes per step, the final losses and the
+    run's wall time, from its ``metrics.jsonl``."""
+    records = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no training record")
+    steady = train[1:] or train
+
+    def median(key: str) -> float:
+        return statistics.median(float(r[key]) for r in steady)
+
+    start = next((r for r in records if r.get("kind") == "start"), {})
+    val = [r for r in records if r.get("kind") == "val"]
+    step_ms = median("step_ms")
+    return {
+        "steps": train[-1]["step"],
+        "device": start.get("device"),
+        "world_size": start.get("world_size"),
+        "params": start.get("params"),
+        "steps_per_s": 1e3 / step_ms,
+        "step_ms": step_ms,
+        "data_ms": median("data_ms"),
+        "fwd_bwd_ms": median("fwd_bwd_ms"),
+        "opt_ms": median("opt_ms"),
+        "comm_bytes_per_step": median("comm_bytes_per_step"),
+        "samples_per_s": median("samples_per_s"),
+        "records_used": len(steady),
+        "train_loss": train[-1]["loss"],
+        "val_loss": val[-1]["val_loss"] if val else None,
+        "val_loss_ema": val[-1]["val_loss_ema"] if val else None,
+        "wall_s": train[-1].get("wall_s"),
+    }
