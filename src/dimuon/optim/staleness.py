@@ -67,11 +67,11 @@ def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.devi
     key = (rows, ranges, device)
     seg = _SEGMENTS.get(key)
     if seg is None:
-        seg = torch.full((rows,), len(ranges), dtype=torch.long)
+        seg = torch.full((rows,), len(ranges), dtype=torch.long, device=device)
         for i, held in enumerate(ranges):
             if held is not None:
                 seg[held[0] : held[1]] = i
-        seg = _SEGMENTS[key] = seg.to(device)
+        _SEGMENTS[key] = seg
     return seg
 
 
