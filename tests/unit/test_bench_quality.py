@@ -370,7 +370,7 @@ def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypa
     record = quality.run(cfg)
     assert {name: s["spectral_fraction"] for name, s in record["optimizers"].items()} == fraction
     assert [record["optimizers"][n]["fd"] for n in ("periodic_row_muon/k2", "periodic_row_muon/k4")] == [33.0, 38.0]
-    assert (cfg.out / "fd_vs_opt_ms.png").is_file()
+    assert (cfg.out / "fd_vs_opt_ms.png").is_file() and (cfg.out / "fd_vs_spectral.png").is_file()
     md = (cfg.out / "results.md").read_text()
     assert "| periodic_row_muon/k4 | 0.01 | 1 | 38.000 |" in md and "| periodic_row_muon-k4-lr0.01-s0 | ok |" in md
 

@@ -35,8 +35,8 @@ from dimuon.bench.quality_report import (
     compare_best,
     eval_settings_of,
     optimizer_summary,
+    plot_fd_frontier,
     plot_fd_vs_lr,
-    plot_fd_vs_opt_ms,
     render,
     run_row,
 )
@@ -239,9 +239,11 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     title = f"FD at step {cfg.steps} in {space}; lines: mean over seeds"
     lr_plot = plot_fd_vs_lr(rows, cfg.optimizers, cfg.out / "fd_vs_lr.png", title)
     outputs += [lr_plot] if lr_plot else []
-    cost_plot = plot_fd_vs_opt_ms(summary, rows, cfg.out / "fd_vs_opt_ms.png",
-                                  f"FD at step {cfg.steps} in {space} against optimizer time, each at its best lr")
-    outputs += [cost_plot] if cost_plot else []
+    for cost, name, what in (("opt_ms", "fd_vs_opt_ms.png", "optimizer time"),
+                             ("spectral_fraction", "fd_vs_spectral.png", "Newton-Schulz steps")):
+        cost_plot = plot_fd_frontier(summary, rows, cfg.out / name,
+                                     f"FD at step {cfg.steps} in {space} against {what}, each at its best lr", cost)
+        outputs += [cost_plot] if cost_plot else []
     outputs += [Path(p) for p in compared["outputs"]] if compared else []
     record = {
         "benchmark": "quality",

@@ -213,39 +213,48 @@ def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], pat
     return _save_fd_axes(fig, ax, path, title)
 
 
-def plot_fd_vs_opt_ms(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path,
-                      title: str = "") -> Path | None:
-    """The quality/cost frontier: final FD against optimizer ms per step, each entry at its best lr (mean over
-    seeds, bars from the lowest to the highest seed, seeds as dots); the variants of one optimizer are joined
-    in order of cost and labelled."""
+# The cost axes of the frontier plots: a summary key and its axis label.
+COST_AXES = {
+    "opt_ms": "optimizer ms per step (median over the run's log records)",
+    "spectral_fraction": "share of spectral (Newton-Schulz) steps of the Muon matrices",
+}
+
+
+def plot_fd_frontier(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path,
+                     title: str = "", cost: str = "opt_ms") -> Path | None:
+    """The quality/cost frontier: final FD against a cost (``COST_AXES``: optimizer ms per step, or the share of
+    spectral steps, which counts Newton-Schulz work without the machine's noise), each entry at its best lr
+    (mean over seeds, bars from the lowest to the highest seed, seeds as dots); the variants of one optimizer
+    are joined in order of cost and labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    placed = {name: s for name, s in summary.items() if s["fd"] is not None and s["opt_ms"] is not None}
+    placed = {name: s for name, s in summary.items() if s["fd"] is not None and s[cost] is not None}
     if not placed:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours: dict[str, str] = {}
     for base in dict.fromkeys(base_optimizer(name) for name in placed):
-        mine = sorted(((n, s) for n, s in placed.items() if base_optimizer(n) == base), key=lambda x: x[1]["opt_ms"])
-        xs, ys = [s["opt_ms"] for _, s in mine], [s["fd"] for _, s in mine]
+        mine = sorted(((n, s) for n, s in placed.items() if base_optimizer(n) == base), key=lambda x: x[1][cost])
+        xs, ys = [s[cost] for _, s in mine], [s["fd"] for _, s in mine]
         (line,) = ax.plot(xs, ys, "o-" if len(mine) > 1 else "o", label=base)
         colours[base] = line.get_color()
         for n, s in mine:
-            ax.errorbar(s["opt_ms"], s["fd"], xerr=[[s["opt_ms"] - s["opt_ms_min"]], [s["opt_ms_max"] - s["opt_ms"]]],
+            seen = [r[cost] for r in rows if r["name"] in s["runs"] and r[cost] is not None] or [s[cost]]
+            ax.errorbar(s[cost], s["fd"], xerr=[[s[cost] - min(seen)], [max(seen) - s[cost]]],
                         yerr=[[s["fd"] - s["fd_min"]], [s["fd_max"] - s["fd"]]], color=line.get_color(), alpha=0.5,
                         lw=1, capsize=2)
             label = n.split(VARIANT_SEPARATOR, 1)[1] if VARIANT_SEPARATOR in n else ""
             if label:
-                ax.annotate(label, (s["opt_ms"], s["fd"]), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                ax.annotate(label, (s[cost], s["fd"]), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=line.get_color())
-    dots = [r for r in rows if r["status"] == "ok" and r["opt_ms"] is not None
+    dots = [r for r in rows if r["status"] == "ok" and r[cost] is not None
             and r["name"] in {run for s in placed.values() for run in s["runs"]}]
-    ax.scatter([r["opt_ms"] for r in dots], [r["fd"] for r in dots], s=10, alpha=0.4,
+    ax.scatter([r[cost] for r in dots], [r["fd"] for r in dots], s=10, alpha=0.4,
                c=[colours[base_optimizer(r["optimizer"])] for r in dots])
-    ax.set_xlabel("optimizer ms per step (median over the run's log records)")
+    ax.set_xlabel(COST_AXES[cost])
     return _save_fd_axes(fig, ax, path, title)
 
 
