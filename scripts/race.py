@@ -1,0 +1,124 @@
+"""The papers' claims re-measured on the demo task: the optimizer race and its ablations, as ``dimuon bench quality``
+invocations, each resumable (run it again after an interruption: finished runs are skipped, interrupted ones
+resume from their newest checkpoint).
+
+Parts, in the order they depend on each other (``--part all`` runs them in this order):
+
+- ``sweep``: AdamW, ``torch.optim.Muon``, Muon, PeriodicRowMuon (K=3, gamma 0.15), MuonBP (P=5, the row blocks
+  of 4 ranks) over an lr grid each, seed 0. A best lr on the edge of its grid is reported: widen the grid.
+- ``seeds``: every optimizer at its best lr from ``sweep`` with seeds 0, 1, 2 (seed 0's runs are the sweep's,
+  linked, not retrained).
+- ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
+  at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
+  {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
+  and 1, at the best lr of their optimizer from ``sweep``.
+
+Every part writes ``<out>/<part>/`` (runs, results.json/.md, plots); the feature classifier and the real-set
+features are shared in ``<out>/feature_cache``. ``--quick`` runs the same parts on the digits set with a tiny
+DiT and a handful of steps: minutes, for checking the plumbing, not for reading.
+
+    python scripts/race.py --part all --out runs/race            # the full race (many CPU hours; resumable)
+    python scripts/race.py --part sweep --quick --out /tmp/race  # the plumbing in minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MAIN = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp")
+MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks of 4 FSDP ranks
+SWEEP_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "muon_bp": (1e-3, 3e-3, 1e-2)}
+SWEEP_DEFAULT_LRS = (3e-3, 1e-2, 2e-2)
+ABLATIONS = {
+    "k": ("periodic_row_muon", {f"k{k}": f"--optim.k {k}" for k in (1, 2, 3, 4, 6)}),
+    "gamma": ("periodic_row_muon", {f"g{g:g}": f"--optim.gamma {g:g}" for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)}),
+    "bp": ("muon_bp", {f"p{p}-r{r:g}": f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}"
+                       for p in (2, 5, 10) for r in (0.5, 1.0)}),
+    "ns": ("muon", {"quintic5": "--optim.ns-steps 5", "quintic4": "--optim.ns-steps 4",
+                    "quintic3": "--optim.ns-steps 3", "polar5": "--optim.ns-coefficients polar_express",
+                    "gram5": "--optim.ns-algorithm gram"}),
+}
+PARTS = ("sweep", "seeds", *ABLATIONS)
+FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
+        "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
+QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
+         "--eval.num-samples", "40", "--eval.sample-steps", "2", "--eval.batch-size", "40"]
+
+
+def bench(args: argparse.Namespace, part: str, flags: list[str]) -> int:
+    """One ``dimuon bench quality`` invocation for ``part``, its output streamed."""
+    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *(QUICK if args.quick else FULL), *flags,
+           "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
+           "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress"]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
+def best_lrs(args: argparse.Namespace) -> dict[str, float]:
+    """Each optimizer's best lr from the sweep's record; an lr on its grid's edge is reported."""
+    path = args.out / "sweep" / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"race: {path} is missing: run --part sweep first")
+    summary = json.loads(path.read_text(encoding="utf-8"))["optimizers"]
+    missing = [name for name in MAIN if summary.get(name, {}).get("lr") is None]
+    if missing:
+        raise SystemExit(f"race: the sweep has no finished run of {missing}: run --part sweep again")
+    for name in MAIN:
+        lr, tried = summary[name]["lr"], summary[name]["lrs_tried"]
+        if lr in (min(tried), max(tried)):
+            print(f"race: warning: {name}'s best lr {lr:g} is on the edge of its grid {tried}: widen it", flush=True)
+    return {name: summary[name]["lr"] for name in MAIN}
+
+
+def sweep(args: argparse.Namespace) -> int:
+    grid = [f"{name}={','.join(f'{lr:g}' for lr in lrs)}" for name, lrs in SWEEP_LRS.items()]
+    return bench(args, "sweep", ["--optimizers", *MAIN, "--lr-grid", *grid,
+                                 "--lrs", *(f"{lr:g}" for lr in SWEEP_DEFAULT_LRS), "--seeds", "0",
+                                 "--train-args-of", MUON_BP_BLOCKS])
+
+
+def seeds(args: argparse.Namespace) -> int:
+    lrs = best_lrs(args)
+    runs = args.out / "seeds" / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    for name, lr in lrs.items():  # seed 0 is the sweep's run: linked, not trained again
+        run = f"{name}-lr{lr:g}-s0"
+        link, target = runs / run, (args.out / "sweep" / "runs" / run).resolve()
+        if not link.exists() and not link.is_symlink() and target.is_dir():
+            os.symlink(target, link, target_is_directory=True)
+    return bench(args, "seeds", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
+                                 "--seeds", "0", "1", "2", "--train-args-of", MUON_BP_BLOCKS])
+
+
+def ablation(args: argparse.Namespace, part: str) -> int:
+    base, variants = ABLATIONS[part]
+    lr = best_lrs(args)[base]
+    lrs = [lr, lr / 2] if part == "gamma" else [lr]  # does the best gamma move with the lr?
+    names = [f"{base}/{label}" for label in variants]
+    return bench(args, part, ["--optimizers", *names, "--lrs", *(f"{x:g}" for x in lrs), "--seeds", "0", "1",
+                              "--train-args-of", *(f"{base}/{label}={flags}" for label, flags in variants.items())])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=(*PARTS, "all"), default="all", help="which part to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("runs/race"), help="output root (default: runs/race)")
+    parser.add_argument("--jobs", type=int, default=2, help="training processes at a time (default: 2)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (default: 1)")
+    parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
+    args = parser.parse_args(argv)
+    for part in PARTS if args.part == "all" else (args.part,):
+        code = sweep(args) if part == "sweep" else seeds(args) if part == "seeds" else ablation(args, part)
+        if code != 0:
+            print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The race's quick preset end to end (digits, a tiny DiT, a few steps): the sweep, then the seeds and the K
+ablation at its best lrs, every part's report written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
+
+
+def test_quick_race_runs_its_parts(tmp_path):
+    for part in ("sweep", "seeds", "k"):
+        done = subprocess.run([sys.executable, str(SCRIPT), "--part", part, "--quick", "--out", str(tmp_path),
+                               "--jobs", "2"], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        record = json.loads((tmp_path / part / "results.json").read_text())
+        assert all(r["status"] == "ok" for r in record["runs"]), part
+    seeds = json.loads((tmp_path / "seeds" / "results.json").read_text())
+    assert {len(s["seeds"]) for s in seeds["optimizers"].values()} == {3}
