@@ -12,6 +12,9 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
   {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
   and 1, at the best lr of their optimizer from ``sweep``.
+- ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
+  with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
+  ``<out>/inception.json``.
 
 Every part writes ``<out>/<part>/`` (runs, results.json/.md, plots); the feature classifier and the real-set
 features are shared in ``<out>/feature_cache``. ``--quick`` runs the same parts on the digits set with a tiny
@@ -43,7 +46,7 @@ ABLATIONS = {
                     "quintic3": "--optim.ns-steps 3", "polar5": "--optim.ns-coefficients polar_express",
                     "gram5": "--optim.ns-algorithm gram"}),
 }
-PARTS = ("sweep", "seeds", *ABLATIONS)
+PARTS = ("sweep", "seeds", *ABLATIONS, "inception")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
 QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
@@ -104,6 +107,37 @@ def ablation(args: argparse.Namespace, part: str) -> int:
                               "--train-args-of", *(f"{base}/{label}={flags}" for label, flags in variants.items())])
 
 
+def inception(args: argparse.Namespace) -> int:
+    """Every ``seeds`` run's last checkpoint in Inception space, then the per-optimizer summary."""
+    record_path = args.out / "seeds" / "results.json"
+    if not record_path.is_file():
+        raise SystemExit(f"race: {record_path} is missing: run --part seeds first")
+    runs = [r for r in json.loads(record_path.read_text(encoding="utf-8"))["runs"] if r["status"] == "ok"]
+    settings = QUICK if args.quick else FULL
+    samples, steps = (settings[settings.index(f) + 1] for f in ("--eval.num-samples", "--eval.sample-steps"))
+    summary: dict[str, list[dict]] = {}
+    for r in runs:
+        run_dir = args.out / "seeds" / "runs" / r["name"]
+        cmd = [sys.executable, "-m", "dimuon.cli", "eval", "--run", str(run_dir), "--features", "inception",
+               "--num-samples", samples, "--sample-steps", steps, "--every", "1000000", "--threads",
+               str(args.threads), "--no-progress"]
+        print("$ " + " ".join(cmd), flush=True)
+        if subprocess.run(cmd, check=False).returncode != 0:
+            return 1
+        results = json.loads((run_dir / "eval" / "results.json").read_text(encoding="utf-8"))["evaluations"]
+        series = [ev for ev in results.values() if ev["settings"]["feature_space"].startswith("inception")
+                  and str(ev["settings"]["num_samples"]) == samples and str(ev["settings"]["sample_steps"]) == steps]
+        last = max((e for ev in series for e in ev["entries"] if e["status"] == "ok"), key=lambda e: e["step"])
+        summary.setdefault(r["optimizer"], []).append({"run": r["name"], "step": last["step"], "fd": last["fd"],
+                                                       "precision": last["precision"], "recall": last["recall"]})
+    table = {name: {"fd_mean": sum(e["fd"] for e in rows) / len(rows), "fd_min": min(e["fd"] for e in rows),
+                    "fd_max": max(e["fd"] for e in rows), "runs": rows} for name, rows in summary.items()}
+    (args.out / "inception.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    for name, t in table.items():
+        print(f"{name:20s} Inception FD {t['fd_mean']:.2f} (seeds {t['fd_min']:.2f} .. {t['fd_max']:.2f})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all", help="which part to run (default: all)")
@@ -113,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        code = sweep(args) if part == "sweep" else seeds(args) if part == "seeds" else ablation(args, part)
+        steps = {"sweep": sweep, "seeds": seeds, "inception": inception}
+        code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:
             print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)
             return code

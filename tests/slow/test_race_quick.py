@@ -1,5 +1,5 @@
 """The race's quick preset end to end (digits, a tiny DiT, a few steps): the sweep, then the seeds and the K
-ablation at its best lrs, every part's report written."""
+ablation at its best lrs, every part's report written, and the seeds' runs scored in Inception space."""
 
 import json
 import subprocess
@@ -22,3 +22,8 @@ def test_quick_race_runs_its_parts(tmp_path):
         assert all(r["status"] == "ok" for r in record["runs"]), part
     seeds = json.loads((tmp_path / "seeds" / "results.json").read_text())
     assert {len(s["seeds"]) for s in seeds["optimizers"].values()} == {3}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--part", "inception", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    inception = json.loads((tmp_path / "inception.json").read_text())
+    assert set(inception) == set(seeds["optimizers"]) and all(len(t["runs"]) == 3 for t in inception.values())
