@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 import statistics
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -263,7 +264,7 @@ def _save_fd_axes(fig, ax, path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     ax.set_ylabel("final FD (lower is better)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     save_figure_atomic(fig, path, **SAVE_KWARGS)
