@@ -103,6 +103,9 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
         (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
         (["--parallel.dp-replicate", "2", "--parallel.tp", "2"], "--parallel.dp-replicate > 1 with --parallel.tp > 1"),
+        (["--optimizer", "torch_muon", "--parallel.tp", "2"], "--optimizer torch_muon runs in one process only"),
+        (["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],
+         "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by rows"),
         (["--parallel.dp-shard", "2"], "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 2 x 1 = 2 "
                                        "must equal the world size 1"),
     ],

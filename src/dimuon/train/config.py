@@ -320,6 +320,10 @@ def _validate_parallel(cfg: TrainConfig) -> None:
              "3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp")
     _require(cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
              "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp")
+    _require(cfg.parallel.tp == 1 or cfg.optimizer != "adaptive_row_muon",
+             "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by "
+             "rows, and the tensor-parallel plan splits attn.proj and mlp.fc2 by columns; use periodic_row_muon "
+             "with --parallel.tp, or adaptive_row_muon with --parallel.dp-replicate / --parallel.dp-shard")
     parallelism(cfg)
 
 

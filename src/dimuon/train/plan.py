@@ -68,7 +68,7 @@ class OptimizerSpec:
         extra = {"process_group": process_group} if process_group is not None and takes else {}
         try:
             return build(self.name, model, **self.kwargs, **extra)
-        except NotImplementedError as e:
+        except (NotImplementedError, ValueError) as e:  # a layout the optimizer refuses, named by it
             raise ConfigError(f"--optimizer {self.name}: {e}") from None
 
     def check(self) -> None:
