@@ -8,6 +8,7 @@ the top layer and imports no command until one is asked for (the one place that 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -56,8 +57,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr)
         return 2
-    result = importlib.import_module(module).main(rest)
-    return int(result or 0)
+    result = int(importlib.import_module(module).main(rest) or 0)
+    leave_if_distributed(result)
+    return result
+
+
+def leave_if_distributed(code: int) -> None:
+    """In a process that joined a process group (a rank under torchrun), end it now with ``code``.
+
+    torch 2.13 with gloo can abort at interpreter exit once a process group or device mesh exists (SIGABRT,
+    "terminate called without an active exception"), with or without ``destroy_process_group``; torchrun then
+    reports a finished run as failed and stops the other ranks. The command's work is done and its files are
+    closed, so the rank flushes its output and leaves without the interpreter's teardown.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
