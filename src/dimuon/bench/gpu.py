@@ -32,11 +32,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import tyro
 
 from dimuon.bench.optimizer import ns_algorithms
 from dimuon.bench.quality_runs import launch, log_tail
-from dimuon.bench.report import format_markdown_table, gpu_info, machine_info, train_results
+from dimuon.bench.report import (
+    format_markdown_table,
+    gpu_info,
+    machine_info,
+    parse_bench_flags,
+    train_results,
+)
 from dimuon.io import write_json_atomic
 
 PARTS = ("tests", "bench", "train")
@@ -277,11 +282,8 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok, 1 otherwise, 2 on bad flags."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon bench gpu")
-    try:
-        check_config(cfg)
-    except ValueError as exc:
-        print(f"dimuon bench gpu: error: {exc}", file=sys.stderr)
+    cfg = parse_bench_flags(Config, args, "dimuon bench gpu", check_config)
+    if cfg is None:
         return 2
     record = run(cfg, args)
     print("\n" + record["readme"] + f"\n\nwrote {cfg.out} ({record['total_s']:.0f} s)")

@@ -10,13 +10,16 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import tyro
 
 from dimuon.io import read_jsonl
+
+C = TypeVar("C")
 
 
 def cpu_model() -> str:
@@ -168,3 +171,15 @@ def train_results(run_dir: Path) -> dict[str, Any]:
         "val_loss_ema": val[-1]["val_loss_ema"] if val else None,
         "wall_s": train[-1].get("wall_s"),
     }
+
+
+def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Callable[[C], None]) -> C | None:
+    """A benchmark's flags parsed into ``config`` and checked by ``check``; None after printing
+    ``<prog>: error: ...`` for a value it refuses (the caller exits with status 2)."""
+    cfg = tyro.cli(config, args=list(args), prog=prog)
+    try:
+        check(cfg)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return None
+    return cfg

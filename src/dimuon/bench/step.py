@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import tyro
 from tqdm.auto import tqdm
 
 from dimuon.bench.quality_runs import launch, log_tail
-from dimuon.bench.report import format_markdown_table, machine_info, train_results
+from dimuon.bench.report import format_markdown_table, machine_info, parse_bench_flags, train_results
 from dimuon.dit import DIT_MODELS
 from dimuon.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from dimuon.optim import OPTIMIZERS
@@ -250,11 +249,8 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench step``: 0 when every run that was due finished, 1 otherwise, 2 on bad flags."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon bench step")
-    try:
-        check_config(cfg)
-    except ValueError as exc:
-        print(f"dimuon bench step: error: {exc}", file=sys.stderr)
+    cfg = parse_bench_flags(Config, args, "dimuon bench step", check_config)
+    if cfg is None:
         return 2
     record = run(cfg, args)
     print(record["markdown"] + f"\nwrote {cfg.out / 'results.json'}, results.md, step_time.png")

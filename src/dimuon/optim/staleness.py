@@ -46,8 +46,8 @@ def staleness_partial_sums(update: Tensor, direction: Tensor, row_sums: Tensor,
 def staleness_partial_sums_many(updates: Sequence[Tensor], directions: Sequence[Tensor], row_sums: Sequence[Tensor],
                                 local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
     """:func:`staleness_partial_sums` of many matrices: per matrix two row dot products and one segmented sum
-    over its logical matrices (a few kernels per matrix, none per logical matrix; stacking same-shaped
-    matrices was measured slower on CPU: it copies what the dot products only read)."""
+    over its logical matrices (a few kernels per matrix, none per logical matrix; matrices are not stacked,
+    which would copy what the dot products only read)."""
     out = []
     for u, o, rs, ranges in zip(updates, directions, row_sums, local_ranges):
         u = u.float()
