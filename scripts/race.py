@@ -8,19 +8,24 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   of 4 ranks) over an lr grid each, seed 0. A best lr on the edge of its grid is reported: widen the grid.
 - ``seeds``: every optimizer at its best lr from ``sweep`` with seeds 0, 1, 2 (seed 0's runs are the sweep's,
   linked, not retrained).
+- ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
+  with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
+  ``<out>/inception.json``.
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
   at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
   {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
   and 1, at the best lr of their optimizer from ``sweep``.
-- ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
-  with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
-  ``<out>/inception.json``.
+- ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
+  precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
+  the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
+  against each ablation's variable, a sample grid per optimizer) and a copy of every part's record.
 
 Every part writes ``<out>/<part>/`` (runs, results.json/.md, plots); the feature classifier and the real-set
 features are shared in ``<out>/feature_cache``. ``--quick`` runs the same parts on the digits set with a tiny
 DiT and a handful of steps: minutes, for checking the plumbing, not for reading.
 
     python scripts/race.py --part all --out runs/race            # the full race (many CPU hours; resumable)
+    python scripts/race.py --part report --out runs/race --report-dir docs/results/race  # publish what is done
     python scripts/race.py --part sweep --quick --out /tmp/race  # the plumbing in minutes
 """
 
@@ -31,22 +36,44 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 MAIN = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp")
 MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks of 4 FSDP ranks
 SWEEP_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "muon_bp": (1e-3, 3e-3, 1e-2)}
 SWEEP_DEFAULT_LRS = (3e-3, 1e-2, 2e-2)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """An ablation: the optimizer it varies, and per variant label its place on the plot (x value, line) and
+    its flags."""
+
+    base: str
+    xlabel: str
+    variants: dict[str, tuple[float | str, str, str]]
+    log_x: bool = False
+
+
 ABLATIONS = {
-    "k": ("periodic_row_muon", {f"k{k}": f"--optim.k {k}" for k in (1, 2, 3, 4, 6)}),
-    "gamma": ("periodic_row_muon", {f"g{g:g}": f"--optim.gamma {g:g}" for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)}),
-    "bp": ("muon_bp", {f"p{p}-r{r:g}": f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}"
-                       for p in (2, 5, 10) for r in (0.5, 1.0)}),
-    "ns": ("muon", {"quintic5": "--optim.ns-steps 5", "quintic4": "--optim.ns-steps 4",
-                    "quintic3": "--optim.ns-steps 3", "polar5": "--optim.ns-coefficients polar_express",
-                    "gram5": "--optim.ns-algorithm gram"}),
+    "k": Ablation("periodic_row_muon", "K: a Newton-Schulz step every K steps, RowNorm between",
+                  {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)}),
+    "gamma": Ablation("periodic_row_muon", "gamma: the RowNorm steps' scale (K=3)",
+                      {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
+                      log_x=True),
+    "bp": Ablation("muon_bp", "P: a full-matrix step every P steps, block steps between (4 blocks)",
+                   {f"p{p}-r{r:g}": (p, f"block lr ratio {r:g}",
+                                     f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}")
+                    for p in (2, 5, 10) for r in (0.5, 1.0)}),
+    "ns": Ablation("muon", "Newton-Schulz variant of Muon",
+                   {"quintic5": ("quintic 5", "", "--optim.ns-steps 5"),
+                    "quintic4": ("quintic 4", "", "--optim.ns-steps 4"),
+                    "quintic3": ("quintic 3", "", "--optim.ns-steps 3"),
+                    "polar5": ("Polar Express 5", "", "--optim.ns-coefficients polar_express"),
+                    "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}),
 }
-PARTS = ("sweep", "seeds", *ABLATIONS, "inception")
+PARTS = ("sweep", "seeds", "inception", *ABLATIONS, "report")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
 QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
@@ -99,12 +126,13 @@ def seeds(args: argparse.Namespace) -> int:
 
 
 def ablation(args: argparse.Namespace, part: str) -> int:
-    base, variants = ABLATIONS[part]
-    lr = best_lrs(args)[base]
+    spec = ABLATIONS[part]
+    lr = best_lrs(args)[spec.base]
     lrs = [lr, lr / 2] if part == "gamma" else [lr]  # does the best gamma move with the lr?
-    names = [f"{base}/{label}" for label in variants]
+    names = [f"{spec.base}/{label}" for label in spec.variants]
     return bench(args, part, ["--optimizers", *names, "--lrs", *(f"{x:g}" for x in lrs), "--seeds", "0", "1",
-                              "--train-args-of", *(f"{base}/{label}={flags}" for label, flags in variants.items())])
+                              "--train-args-of", *(f"{spec.base}/{label}={flags}"
+                                                   for label, (_, _, flags) in spec.variants.items())])
 
 
 def inception(args: argparse.Namespace) -> int:
@@ -138,6 +166,104 @@ def inception(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def sweep_summary(record: dict) -> dict[str, dict]:
+    """Per optimizer of the sweep: final FD at each lr tried (mean over seeds), the best lr, whether it sits on
+    the edge of the grid."""
+    out = {}
+    for name, s in record["optimizers"].items():
+        fds: dict[str, list[float]] = {}
+        for r in record["runs"]:
+            if r["optimizer"] == name and r["status"] == "ok":
+                fds.setdefault(f"{r['lr']:g}", []).append(r["fd"])
+        tried = s["lrs_tried"]
+        out[name] = {"lr": s["lr"], "lrs_tried": tried, "fd_by_lr": {lr: sum(v) / len(v) for lr, v in fds.items()},
+                     "on_edge": s["lr"] is not None and len(tried) > 1 and s["lr"] in (min(tried), max(tried))}
+    return out
+
+
+def report(args: argparse.Namespace) -> int:
+    """``<report-dir>``: the race's numbers (race.json, race.md), its plots and a copy of every part's record,
+    from whatever parts have finished (the main table from ``seeds``, or from ``sweep``'s seed 0 before it)."""
+    from dimuon.bench import race_report as rr
+    from dimuon.io import write_json_atomic, write_text_atomic
+
+    dest = args.report_dir or args.out / "report"
+    records = {part: rec for part in ("sweep", "seeds", *ABLATIONS)
+               if (rec := _record(args.out / part / "results.json")) is not None}
+    main_part = "seeds" if "seeds" in records else "sweep"
+    if main_part not in records:
+        raise SystemExit(f"race: no {args.out}/sweep/results.json yet: run --part sweep first")
+    main_record = records[main_part]
+    curves = rr.load_curves(main_record, args.out / main_part)
+    main = rr.optimizer_summary(main_record, curves)
+    inception = _record(args.out / "inception.json")
+    ablations = {part: rr.ablation_summary(rec) for part, rec in records.items() if part in ABLATIONS}
+    c = main_record["config"]
+    task = f"{c['model']} on {c['dataset']}, batch {c['batch_size']}, {c['steps']} steps"
+    space = next((r["feature_space"] for r in main_record["runs"] if r.get("feature_space")), "?")
+    outputs = [rr.plot_fd_vs_time(curves, dest / "fd_vs_time.png", main["target_fd"],
+                                  f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest"),
+               rr.plot_time_to_quality(main, dest / "time_to_quality.png",
+                                       f"{task}: time to AdamW's quality (its worst seed's best FD)"),
+               rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples")]
+    k_costs = {}
+    for part, summary in ablations.items():
+        spec = ABLATIONS[part]
+        points = {f"{spec.base}/{label}": (x, line) for label, (x, line, _) in spec.variants.items()}
+        outputs.append(rr.plot_ablation(summary, points, dest / f"fd_vs_{part}.png", spec.xlabel,
+                                        f"{task}: final FD of {spec.base}, mean over seeds", spec.log_x))
+        if part == "k":
+            for lr in {lr for by_lr in summary.values() for lr in by_lr}:
+                for a, b in ((2, 3), (3, 4)):
+                    k_costs.setdefault(lr, {})[f"K={a}->{b}"] = rr.fd_change(
+                        summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr)
+    for part, rec in records.items():
+        outputs.append(write_json_atomic(dest / f"{part}.json", rec))
+    result = {"benchmark": "race", "task": task, "feature_space": space, "main_part": main_part,
+              "settings": QUICK if args.quick else FULL, "eval_settings": main_record["eval_settings"],
+              "machine": main_record["machine"],
+              "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
+              "main": main, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
+              "inception": inception, "ablations": ablations, "k_costs": k_costs}
+    outputs += [dest / "race.json", dest / "race.md"]
+    result["outputs"] = [str(p) for p in outputs if p is not None]
+    write_json_atomic(dest / "race.json", result)
+    write_text_atomic(dest / "race.md", render(result) + "\n")
+    print(render(result), flush=True)
+    print("wrote " + ", ".join(result["outputs"]), flush=True)
+    return 0
+
+
+def render(result: dict) -> str:
+    """race.md: the main table, the sweep, each ablation and the K costs."""
+    from dimuon.bench import race_report as rr
+
+    m = result["machine"]
+    main = result["main"]
+    lines = ["# The optimizer race", "",
+             f"{result['task']}; FD in `{result['feature_space']}`; {m.get('cpu_model') or m.get('cuda')}, torch "
+             f"{m.get('torch')}. Time: steps x the run's median step time (two runs sharing two cores).", "",
+             f"## Main race ({result['main_part']}: each optimizer at its best lr, mean (lowest..highest) over seeds)",
+             "", f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed." if main["target_fd"] else "",
+             "", rr.render_main(main, result["inception"])]
+    if result["sweep"]:
+        lines += ["", "## Learning-rate sweep (seed 0, final FD)", ""]
+        for name, s in result["sweep"].items():
+            cells = ", ".join(f"{lr}: {fd:.2f}" for lr, fd in sorted(s["fd_by_lr"].items(), key=lambda x: float(x[0])))
+            edge = " (on the grid's edge)" if s["on_edge"] else ""
+            lines.append(f"- {name}: best lr {s['lr']:g}{edge}; {cells}")
+    for part, summary in result["ablations"].items():
+        lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", "", rr.render_ablation(summary)]
+    for lr, costs in result["k_costs"].items():
+        cells = ", ".join(f"{k}: {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in costs.items())
+        lines += ["", f"FD cost of a longer period at lr {lr}: {cells}."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all", help="which part to run (default: all)")
@@ -145,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="training processes at a time (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (default: 1)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
+    parser.add_argument("--report-dir", type=Path, default=None,
+                        help="where --part report writes (default: <out>/report)")
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        steps = {"sweep": sweep, "seeds": seeds, "inception": inception}
+        steps = {"sweep": sweep, "seeds": seeds, "inception": inception, "report": report}
         code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:
             print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)

@@ -112,9 +112,10 @@ def dimuon_counts(rank: int, world: int, steps: int = 3) -> dict[str, list[tuple
     return out
 
 
-def small(world: int | None) -> nn.Module:
+def small(world: int | None, replicas: int = 1) -> nn.Module:
     """Two 32 x 32 hidden matrices (rows divide by 2 and 4), biases and a LayerNorm, with seeded gradients;
-    FSDP2 on a 1-D mesh of ``world`` ranks unless ``world`` is None (the same values either way)."""
+    FSDP2 on a 1-D mesh of ``world`` ranks (HSDP on ``replicas`` x ``world / replicas`` when ``replicas`` > 1)
+    unless ``world`` is None (the same values either way)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))
     gen = torch.Generator().manual_seed(1)
@@ -127,7 +128,9 @@ def small(world: int | None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,)) if replicas == 1 else \
+        init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
     for p, g in zip(model.parameters(), grads):
         p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
     return model
@@ -141,6 +144,22 @@ def first_update(key: str, model: nn.Module) -> list[torch.Tensor]:
     build_peer(key, muon, rest, lr=1e-2).step()
     after = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in muon]
     return [a - b for a, b in zip(after, before)]
+
+
+def peers_on_hsdp(rank: int, world: int) -> dict[str, Any]:
+    """Every peer on the small model under HSDP (2 replicas): its status and first update, or why it failed."""
+    out: dict[str, Any] = {}
+    for key in PEERS:
+        status = probe(key, "cpu", "hsdp")
+        entry: dict[str, Any] = {"status": status.to_dict()}
+        if status.runnable:
+            try:
+                entry["update"] = first_update(key, small(world, replicas=2))
+            except Exception as err:  # the test reads why
+                entry["error"] = f"{type(err).__name__}: {err}"
+        out[key] = entry
+    dist.barrier()
+    return out
 
 
 def peer_traffic(rank: int, world: int) -> dict[str, Any]:

@@ -95,3 +95,23 @@ def test_each_installed_peer_steps_under_fsdp2_and_its_traffic_is_seen(peers, ke
             assert stats == {"all_gather": {"calls": 3 * len(shard), "bytes": 3 * (world - 1) * sum(shard)}}
         else:
             assert stats.get("all_gather", {}).get("bytes", 0) > 0, stats
+
+
+@pytest.fixture(scope="module")
+def peers_hsdp():
+    return run_gloo(ps.peers_on_hsdp, 4, timeout_s=600)
+
+
+@pytest.mark.parametrize("key", list(PEERS))
+def test_peers_under_hsdp_take_the_whole_matrix_step_or_fail_with_a_reason(peers_hsdp, key):
+    entry = peers_hsdp[0][key]
+    if not entry["status"]["runnable"]:
+        pytest.skip(entry["status"]["reason"])
+    if key == "muon_fsdp2":  # 1-D meshes only: the bench comm row says why
+        assert all(r[key].get("error") for r in peers_hsdp)
+        return
+    assert "error" not in entry, entry.get("error")
+    local = ps.first_update(key, ps.small(None))
+    for rank_result in peers_hsdp:  # bf16 Newton-Schulz rounding apart, the one-process update on every rank
+        for sharded, one_process in zip(rank_result[key]["update"], local):
+            assert ((sharded - one_process).norm() / one_process.norm()).item() < 0.05

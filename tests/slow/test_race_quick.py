@@ -1,5 +1,6 @@
 """The race's quick preset end to end (digits, a tiny DiT, a few steps): the sweep, then the seeds and the K
-ablation at its best lrs, every part's report written, and the seeds' runs scored in Inception space."""
+ablation at its best lrs, every part's report written, the seeds' runs scored in Inception space, and the race's
+report built from them."""
 
 import json
 import subprocess
@@ -27,3 +28,13 @@ def test_quick_race_runs_its_parts(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     inception = json.loads((tmp_path / "inception.json").read_text())
     assert set(inception) == set(seeds["optimizers"]) and all(len(t["runs"]) == 3 for t in inception.values())
+    done = subprocess.run([sys.executable, str(SCRIPT), "--part", "report", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "race.json").read_text())
+    assert report["main_part"] == "seeds" and set(report["main"]["optimizers"]) == set(seeds["optimizers"])
+    assert all(len(c) == 3 for c in report["curves"].values()) and report["inception"] == inception
+    assert set(report["ablations"]) == {"k"} and set(report["k_costs"][next(iter(report["k_costs"]))]) == {
+        "K=2->3", "K=3->4"}
+    for name in ("fd_vs_time.png", "time_to_quality.png", "samples.png", "fd_vs_k.png", "race.md"):
+        assert (tmp_path / "report" / name).is_file(), name

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
+from tests.race_records import record, row, write_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
 
@@ -16,6 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
 def race(monkeypatch):
     spec = importlib.util.spec_from_file_location("race", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "race", module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
     calls = []
 
@@ -81,3 +84,41 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
 def test_later_parts_need_the_sweep(race, tmp_path):
     with pytest.raises(SystemExit, match=r"sweep/results\.json is missing: run --part sweep first"):
         race.main(["--part", "k", "--out", str(tmp_path)])
+
+
+def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
+    pytest.importorskip("matplotlib")
+    seeds = tmp_path / "seeds"
+    rows, optimizers = [], {}
+    for name, fds in {"adamw": [[80, 50], [85, 55]], "muon": [[50, 35], [55, 40]]}.items():
+        for seed, curve in enumerate(fds):
+            run = f"{name}-lr0.01-s{seed}"
+            write_run(seeds, run, curve, grid=True)
+            rows.append(row(run, name, 0.01, seed, curve[-1]))
+        optimizers[name] = {"lr": 0.01, "seeds": [0, 1], "runs": [f"{name}-lr0.01-s{s}" for s in (0, 1)]}
+    main = {**record(rows, optimizers), "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16,
+                                                    "steps": 1000}, "machine": {"cpu_model": "cpu", "torch": "2"}}
+    (seeds / "results.json").write_text(json.dumps(main))
+    k_rows = [row(f"k{k}-s{s}", f"periodic_row_muon/k{k}", 0.01, s, fd)
+              for k, fds in {2: (30, 32), 3: (33, 33), 4: (36, 36)}.items() for s, fd in enumerate(fds)]
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "results.json").write_text(json.dumps(record(k_rows, {f"periodic_row_muon/k{k}": {}
+                                                                             for k in (2, 3, 4)})))
+    (tmp_path / "inception.json").write_text(json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0,
+                                                                  "runs": [{}, {}]}}))
+    dest = tmp_path / "published"
+    assert race.main(["--part", "report", "--out", str(tmp_path), "--report-dir", str(dest)]) == 0
+    got = json.loads((dest / "race.json").read_text())
+    assert got["main_part"] == "seeds" and got["sweep"] is None and got["main"]["target_fd"] == 55
+    assert got["k_costs"]["0.01"]["K=2->3"] == pytest.approx(33 / 31 - 1)
+    assert got["k_costs"]["0.01"]["K=3->4"] == pytest.approx(36 / 33 - 1)
+    assert len(got["curves"]["muon"]) == 2
+    for name in ("fd_vs_time.png", "time_to_quality.png", "samples.png", "fd_vs_k.png", "seeds.json", "k.json"):
+        assert (dest / name).is_file(), name
+    md = (dest / "race.md").read_text()
+    assert "9.00 (8.00..10.00)" in md and "K=2->3: +6.5%" in md
+
+
+def test_report_needs_a_sweep_or_seeds_record(race, tmp_path):
+    with pytest.raises(SystemExit, match=r"no .*sweep/results\.json yet"):
+        race.main(["--part", "report", "--out", str(tmp_path)])

@@ -54,7 +54,6 @@ from dimuon.bench.peers import (
     muon_and_rest,
     start_peer,
 )
-from dimuon.bench.peers.registry import probe
 from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave, synchronizer
 from dimuon.dit.model import DiT, dit_arch
@@ -300,21 +299,17 @@ def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapsho
                     par: Parallelism) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
     """The peers that run here (after one untimed first step on every rank), and every named peer's status.
 
-    The ranks agree: a peer whose first step failed on any rank is left out on all of them. Peers are
-    measured on 1-D FSDP meshes only; on other meshes each gets a row saying so.
+    The ranks agree: a peer whose first step failed on any rank is left out on all of them. On HSDP and
+    tensor-parallel meshes every peer is tried too: one that refuses the layout, or that the registry knows
+    would compute a different update on it, gets a row saying why.
     """
     names = [] if cfg.no_peers else list(cfg.peers)
     muon, rest = muon_and_rest(model)
     opts: dict[str, Any] = {}
     statuses: dict[str, PeerStatus] = {}
-    if par.tp > 1 or par.dp_replicate > 1:
-        for name in names:
-            status = probe(name, device, "fsdp2")
-            statuses[name] = status.failed(f"peers are measured on 1-D FSDP meshes, not on --mesh {cfg.mesh}") \
-                if status.runnable else status
-        return opts, statuses
+    setting = "tp" if par.tp > 1 else "hsdp" if par.dp_replicate > 1 else "fsdp2"
     for name in names:
-        opt, status, error = start_peer(name, muon, rest, cfg.lr, snapshot, device, "fsdp2")
+        opt, status, error = start_peer(name, muon, rest, cfg.lr, snapshot, device, setting)
         if opt is not None:
             opts[name] = opt
         errors: list[Any] = [None] * dist.get_world_size()

@@ -23,8 +23,9 @@ from torch import Tensor, nn
 
 from dimuon.optim import build, param_groups
 
-Setting = Literal["local", "fsdp2"]
-SETTING_WORDS = {"local": "in one process", "fsdp2": "under FSDP2"}
+Setting = Literal["local", "fsdp2", "hsdp", "tp"]
+SETTING_WORDS = {"local": "in one process", "fsdp2": "under FSDP2", "hsdp": "under HSDP (replicate x shard mesh)",
+                 "tp": "with tensor-parallel (Shard(0) and Shard(1)) weights"}
 INSTALL_HINT = "pip install 'dimuon[peers]'"
 MOMENTUM, NS_STEPS = 0.95, 5
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8
@@ -120,11 +121,13 @@ PEERS: dict[str, Peer] = {
     "muon_fsdp2": Peer(
         "muon_fsdp2", "muon-fsdp2 Muon (+ its Adam)", "muon-fsdp2", "muon_fsdp2", "bfloat16",
         "hard-coded: G.bfloat16(), iteration under torch.compile",
-        "1-D DTensor mesh: each matrix gathered to one owner rank, orthogonalized there, scattered back; "
-        "2-D meshes raise NotImplementedError",
+        "1-D DTensor mesh: each matrix's shards gathered along dim 0 to one owner rank, orthogonalized there, "
+        "scattered back; a mesh of more dimensions fails its assertion",
         _build_muon_fsdp2, "0.3.0",
         unsupported={"local": "its single-process path (SingelDeviceWork) calls muon_update, which the module "
-                              "does not define (NameError)"},
+                              "does not define (NameError)",
+                     "tp": "it joins the gathered shards along dim 0 whatever their placement, so a Shard(1) "
+                           "(column-split) weight would be orthogonalized as a different matrix; not run"},
     ),
     "dtensor_muon": Peer(
         "dtensor_muon", "dtensor-muon Muon (+ its AdamW)", "dtensor-muon", "dtensor_muon", "bfloat16",
@@ -186,7 +189,8 @@ def _import(peer: Peer) -> ModuleType:
 
 def probe(key: str, device: torch.device | str = "cpu", setting: Setting = "local") -> PeerStatus:
     """Whether peer ``key`` can run on ``device`` in ``setting`` (``local``: one process, plain tensors;
-    ``fsdp2``: DTensor parameters sharded on a 1-D mesh) here: installed, importable, supported."""
+    ``fsdp2``: DTensor parameters sharded on a 1-D mesh; ``hsdp``: replicated x sharded on a 2-D mesh; ``tp``:
+    tensor-parallel weights, with or without FSDP) here: installed, importable, supported."""
     peer = PEERS[key]
     version = installed_version(peer.distribution)
     status = PeerStatus(peer.key, peer.label, peer.distribution, version, peer.ns_dtype, peer.ns_source,

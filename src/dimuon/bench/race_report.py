@@ -1,0 +1,384 @@
+"""The report of an optimizer race: several ``dimuon bench quality`` records (a main race over seeds, ablations)
+turned into the numbers a user asks for before switching optimizers: FD with its spread over seeds, time to
+AdamW's quality, FD against K or gamma, and the plots of them. It reads records and run directories and writes
+files; it launches nothing, so the report can be rebuilt (and tested) from what runs leave behind.
+
+Time is measured as *steps x the run's median step time*: on a shared machine a run's summed step time picks up
+every moment another job held the core, the median of its log records does not (the summed active time is kept
+beside it in the records).
+"""
+
+from __future__ import annotations
+
+import statistics
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dimuon.bench.quality_report import BASELINE
+from dimuon.io import RunLayout, save_figure_atomic
+from dimuon.metrics.plots import SAVE_KWARGS, fd_axes
+from dimuon.metrics.results import load_results, ok_entries, settings_key
+
+__all__ = [
+    "Curve",
+    "ablation_summary",
+    "fd_change",
+    "load_curves",
+    "optimizer_summary",
+    "plot_ablation",
+    "plot_fd_vs_time",
+    "plot_sample_grids",
+    "plot_time_to_quality",
+    "reach",
+    "spread",
+    "target_fd",
+]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's evaluated FD in step order, with what it costs per step."""
+
+    name: str
+    optimizer: str
+    lr: float
+    seed: int
+    steps: list[int]
+    fds: list[float]
+    active_time_s: list[float | None]  # the run's summed step time at each evaluated step
+    step_ms: float | None  # the run's median step time
+    grid: str | None  # the sample grid of its last evaluation, when the run directory has it
+
+    def time_s(self, step: float) -> float | None:
+        """Training time to ``step``: steps x the median step time."""
+        return None if self.step_ms is None else step * self.step_ms / 1000.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _run_dir(row: Mapping[str, Any], record_dir: Path | None) -> Path:
+    """Where a record's run lives: as recorded, else beside the record (``<record_dir>/runs/<name>``)."""
+    recorded = Path(row["run_dir"]) if row.get("run_dir") else None
+    if (recorded is not None and recorded.is_dir()) or record_dir is None:
+        return recorded or Path(row["name"])
+    return record_dir / "runs" / row["name"]
+
+
+def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path | None) -> Curve | None:
+    """The run's series with the record's evaluation settings, or None when its directory or series is gone."""
+    layout = RunLayout(_run_dir(row, record_dir))
+    if not layout.results.is_file():
+        return None
+    key = settings_key(dict(settings))
+    series = load_results(layout.results)["evaluations"].get(key)
+    entries = ok_entries(series["entries"]) if series else []
+    if not entries:
+        return None
+    entries = sorted(entries, key=lambda e: e["step"])
+    grid = layout.eval_grid(key, entries[-1]["step"])
+    return Curve(row["name"], row["optimizer"], row["lr"], row["seed"], [e["step"] for e in entries],
+                 [e["fd"] for e in entries], [e.get("active_time_s") for e in entries], row.get("step_ms"),
+                 str(grid) if grid.is_file() else None)
+
+
+def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
+                best_lr_only: bool = True) -> dict[str, list[Curve]]:
+    """Per optimizer of a ``dimuon bench quality`` record, the FD curves of its finished runs (at its best lr
+    unless ``best_lr_only`` is False), in seed order. Runs whose directory is gone are left out."""
+    settings = record.get("eval_settings")
+    curves: dict[str, list[Curve]] = {}
+    if not settings:
+        return curves
+    for name, summary in record["optimizers"].items():
+        rows = [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"
+                and (not best_lr_only or r["lr"] == summary["lr"])]
+        found = [c for c in (_curve(r, settings, record_dir) for r in sorted(rows, key=lambda r: (r["lr"], r["seed"])))
+                 if c is not None]
+        if found:
+            curves[name] = found
+    return curves
+
+
+# --------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Mean, lowest, highest and count of the values that exist (Nones without any)."""
+    nums = [float(v) for v in values if v is not None]
+    if not nums:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(nums), "min": min(nums), "max": max(nums), "n": len(nums)}
+
+
+def target_fd(curves: Sequence[Curve]) -> float | None:
+    """The quality AdamW reaches on every seed: the highest of its seeds' best FDs."""
+    return max(min(c.fds) for c in curves) if curves else None
+
+
+def reach(curve: Curve, target: float) -> dict[str, Any]:
+    """When a run first gets to FD <= ``target``: the first evaluated step that does, and the step estimated by
+    linear interpolation of FD between it and the evaluation before (``bounded``: the first evaluation was
+    already there, so the step is an upper bound); Nones when it never does."""
+    for i, (step, fd) in enumerate(zip(curve.steps, curve.fds)):
+        if fd <= target:
+            if i == 0:
+                est, bounded = float(step), True
+            else:
+                s0, f0 = curve.steps[i - 1], curve.fds[i - 1]
+                est, bounded = s0 + (step - s0) * (f0 - target) / (f0 - fd), False
+            return {"reached": True, "eval_step": step, "step": est, "bounded": bounded,
+                    "time_s": curve.time_s(est), "active_time_s": curve.active_time_s[i]}
+    return {"reached": False, "eval_step": None, "step": None, "bounded": False, "time_s": None,
+            "active_time_s": None}
+
+
+def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[Curve]],
+                      baseline: str = BASELINE) -> dict[str, Any]:
+    """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, and the time to the
+    baseline's quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own."""
+    target = target_fd(curves.get(baseline, []))
+    table: dict[str, Any] = {}
+    for name, s in record["optimizers"].items():
+        rows = [r for r in record["runs"] if r["name"] in s["runs"]]
+        reached = {c.name: reach(c, target) for c in curves.get(name, [])} if target is not None else {}
+        table[name] = {
+            "lr": s["lr"],
+            "seeds": s["seeds"],
+            **{key: spread([r.get(key) for r in rows])
+               for key in ("fd", "precision", "recall", "val_loss_ema", "opt_ms", "step_ms", "active_time_s")},
+            "time_to_target_s": spread([r["time_s"] for r in reached.values()]),
+            "steps_to_target": spread([r["step"] for r in reached.values()]),
+            "reached_target": sum(r["reached"] for r in reached.values()),
+            "reach": reached,
+        }
+    base = table.get(baseline, {})
+    for entry in table.values():
+        for key in ("fd", "opt_ms", "step_ms", "time_to_target_s", "steps_to_target"):
+            b, v = base.get(key, {}).get("mean"), entry[key]["mean"]
+            entry[f"{key}_ratio"] = v / b if v is not None and b else None
+    return {"target_fd": target, "baseline": baseline, "optimizers": table}
+
+
+def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Per entry and lr of an ablation record: final FD, opt ms and spectral share over its seeds."""
+    out: dict[str, Any] = {}
+    for name in record["optimizers"]:
+        for lr in sorted({r["lr"] for r in record["runs"] if r["optimizer"] == name}):
+            rows = [r for r in record["runs"] if r["optimizer"] == name and r["lr"] == lr and r["status"] == "ok"]
+            out.setdefault(name, {})[f"{lr:g}"] = {
+                "seeds": [r["seed"] for r in rows],
+                **{key: spread([r.get(key) for r in rows]) for key in ("fd", "opt_ms", "spectral_fraction")},
+            }
+    return out
+
+
+def fd_change(summary: Mapping[str, Any], before: str, after: str, lr: str) -> float | None:
+    """Relative change of mean final FD from entry ``before`` to ``after`` at ``lr`` (0.028: 2.8% worse)."""
+    a = summary.get(before, {}).get(lr, {}).get("fd", {}).get("mean")
+    b = summary.get(after, {}).get(lr, {}).get("fd", {}).get("mean")
+    return b / a - 1.0 if a and b is not None else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(ax: Any, title: str) -> None:
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.0f} s" if t >= 10 else f"{t:.2g} s"
+
+
+def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: float | None = None,
+                    title: str = "") -> Path | None:
+    """FD against training time per optimizer: the mean over seeds at each evaluated step (time: the mean of
+    steps x median step ms), a band from the lowest to the highest seed, the target FD dashed."""
+    plt = _pyplot()
+    drawn = {n: cs for n, cs in curves.items() if cs and all(c.step_ms is not None for c in cs)}
+    if not drawn:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    every_fd: list[float] = []
+    for name, cs in drawn.items():
+        steps = sorted(set.intersection(*(set(c.steps) for c in cs)))
+        fds = [[c.fds[c.steps.index(s)] for c in cs] for s in steps]
+        times = [statistics.fmean(c.time_s(s) for c in cs) for s in steps]
+        (line,) = ax.plot(times, [statistics.fmean(f) for f in fds], "o-", ms=3, label=f"{name} ({len(cs)} seeds)")
+        if len(cs) > 1:
+            ax.fill_between(times, [min(f) for f in fds], [max(f) for f in fds], color=line.get_color(), alpha=0.15)
+        every_fd += [x for f in fds for x in f]
+    if target is not None:
+        ax.axhline(target, ls="--", color="gray", lw=1, label=f"AdamW's quality, FD {target:.2f}")
+    ax.set_xlabel("training time (s): steps x the run's median step time")
+    fd_axes(ax, every_fd)
+    _title(ax, title)
+    ax.legend(fontsize=8)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = "") -> Path | None:
+    """One bar per optimizer: mean time to the target FD over seeds, whiskers from the fastest to the slowest
+    seed, the ratio to AdamW written beside it; an optimizer some seed of which never got there is marked."""
+    plt = _pyplot()
+    rows = list(summary["optimizers"].items())
+    if summary.get("target_fd") is None or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.55 * len(rows) + 1.5))
+    for i, (_, s) in enumerate(rows):
+        t = s["time_to_target_s"]
+        seeds = len(s["seeds"])
+        if t["mean"] is None:
+            ax.text(0, i, "  not reached", va="center", fontsize=8)
+            continue
+        ax.barh(i, t["mean"], color=f"C{i}", alpha=0.8)
+        ax.errorbar(t["mean"], i, xerr=[[t["mean"] - t["min"]], [t["max"] - t["mean"]]], color="black", capsize=3)
+        ratio = f"{s['time_to_target_s_ratio']:.2f}x AdamW" if s.get("time_to_target_s_ratio") else ""
+        missing = f", {seeds - s['reached_target']} of {seeds} seeds never" if s["reached_target"] < seeds else ""
+        ax.text(t["max"], i, f"  {_seconds(t['mean'])}, {s['steps_to_target']['mean']:.0f} steps {ratio}{missing}",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"training time to FD {summary['target_fd']:.2f} (s): steps x median step time")
+    ax.set_xlim(0, max((s["time_to_target_s"]["max"] or 0) for _, s in rows) * 1.6 or 1)
+    ax.grid(True, axis="x", alpha=0.3)
+    _title(ax, title)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float | str, str]], path: Path,
+                  xlabel: str, title: str = "", log_x: bool = False) -> Path | None:
+    """Final FD of an ablation: ``points`` maps each entry to its x value and the line it belongs to (one line
+    per line name and lr); means over seeds joined, whiskers over seeds. String x values are categories."""
+    plt = _pyplot()
+    placed = [(name, *points[name], lr, s) for name, by_lr in summary.items() if name in points
+              for lr, s in by_lr.items() if s["fd"]["mean"] is not None]
+    if not placed:
+        return None
+    categories = list(dict.fromkeys(x for _, x, *_ in placed if isinstance(x, str)))
+    lrs = {lr for *_, lr, _ in placed}
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    every_fd: list[float] = []
+    for line_name in dict.fromkeys(ln for _, _, ln, _, _ in placed):
+        for lr in sorted(lrs, key=float):
+            mine = sorted(((categories.index(x) if isinstance(x, str) else x, s) for _, x, ln, lr_, s in placed
+                           if ln == line_name and lr_ == lr), key=lambda p: p[0])
+            if not mine:
+                continue
+            label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
+            xs, fds = [x for x, _ in mine], [s["fd"] for _, s in mine]
+            (line,) = ax.plot(xs, [f["mean"] for f in fds], "o-", label=label or None)
+            ax.errorbar(xs, [f["mean"] for f in fds], yerr=[[f["mean"] - f["min"] for f in fds],
+                                                            [f["max"] - f["mean"] for f in fds]],
+                        fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
+            every_fd += [f["min"] for f in fds] + [f["max"] for f in fds]
+    if categories:
+        ax.set_xticks(range(len(categories)), categories, fontsize=8)
+    if log_x:
+        ax.set_xscale("log")
+        ax.set_xticks([x for _, x, *_ in placed if not isinstance(x, str)],
+                      [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)])
+    ax.set_xlabel(xlabel)
+    fd_axes(ax, every_fd)
+    ax.set_ylabel("final FD (lower is better)")
+    _title(ax, title)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=8)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def plot_sample_grids(curves: Mapping[str, Sequence[Curve]], path: Path, title: str = "") -> Path | None:
+    """The last evaluation's sample grid of each optimizer's first seed side by side (same classes and noise
+    for every optimizer: the sampler's seed is the evaluation's)."""
+    plt = _pyplot()
+    from matplotlib.image import imread
+
+    shown = [(name, cs[0]) for name, cs in curves.items() if cs and cs[0].grid]
+    if not shown:
+        return None
+    images = [imread(c.grid) for _, c in shown]
+    aspect = images[0].shape[0] / images[0].shape[1]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2 * aspect + 0.9), squeeze=False)
+    for ax, (name, c), image in zip(axes[0], shown, images):
+        ax.imshow(image, cmap="gray")
+        ax.set_title(f"{name}\nseed {c.seed}, step {c.steps[-1]}, FD {c.fds[-1]:.1f}", fontsize=8)
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------------
+
+
+def _pm(s: Mapping[str, Any], spec: str = ".2f") -> str:
+    """``mean (min..max)`` of a :func:`spread`, ``mean`` alone for one value, a dash for none."""
+    if s["mean"] is None:
+        return "-"
+    if s["n"] == 1:
+        return format(s["mean"], spec)
+    return f"{s['mean']:{spec}} ({s['min']:{spec}}..{s['max']:{spec}})"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = None) -> str:
+    """The main race as a Markdown table: per optimizer at its best lr, the spread over seeds of every number."""
+    from dimuon.bench.report import format_markdown_table
+
+    headers = ["optimizer", "lr", "seeds", "final FD", "x AdamW", "Inception FD", "precision", "recall",
+               "EMA val loss", "opt ms/step", "step ms", "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
+               "x AdamW", "steps to it"]
+    rows = []
+    for name, s in main["optimizers"].items():
+        inc = (inception or {}).get(name)
+        inc_cell = "-" if not inc else (f"{inc['fd_mean']:.2f} ({inc['fd_min']:.2f}..{inc['fd_max']:.2f})"
+                                        if len(inc["runs"]) > 1 else f"{inc['fd_mean']:.2f}")
+        seeds = len(s["seeds"])
+        reached = "" if s["reached_target"] == seeds else f"; {seeds - s['reached_target']} never"
+        rows.append([name, f"{s['lr']:g}" if s["lr"] is not None else "-", seeds, _pm(s["fd"]),
+                     _ratio(s["fd_ratio"]), inc_cell, _pm(s["precision"]), _pm(s["recall"]),
+                     _pm(s["val_loss_ema"], ".4f"), _pm(s["opt_ms"], ".1f"), _pm(s["step_ms"], ".0f"),
+                     _pm(s["time_to_target_s"], ".0f") + reached, _ratio(s["time_to_target_s_ratio"]),
+                     _pm(s["steps_to_target"], ".0f")])
+    return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])
+
+
+def render_ablation(summary: Mapping[str, Any]) -> str:
+    """An ablation as a Markdown table: one row per entry and lr."""
+    from dimuon.bench.report import format_markdown_table
+
+    headers = ["entry", "lr", "seeds", "final FD", "spectral steps", "opt ms/step"]
+    rows = [[name, lr, len(s["seeds"]), _pm(s["fd"]), _pm(s["spectral_fraction"], ".3f"), _pm(s["opt_ms"], ".1f")]
+            for name, by_lr in summary.items() for lr, s in by_lr.items()]
+    return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])

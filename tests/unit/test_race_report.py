@@ -1,0 +1,101 @@
+"""dimuon.bench.race_report: curves read from run directories, time to AdamW's quality (interpolated, bounded,
+never reached), spreads over seeds, ablation tables and the FD cost of a longer K, and the plots written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.race_records import record, row, write_run
+
+from dimuon.bench import race_report as rr
+from dimuon.io import save_grid
+
+
+def curve(name="a", steps=(500, 1000, 1500, 2000), fds=(100.0, 60.0, 40.0, 30.0), step_ms=200.0, seed=0):
+    return rr.Curve(name, name.split("-")[0], 0.01, seed, list(steps), list(fds), [None] * len(steps), step_ms, None)
+
+
+def test_reach_interpolates_between_evaluations():
+    got = rr.reach(curve(), 50.0)  # 60 at 1000, 40 at 1500: half way
+    assert got["reached"] and got["eval_step"] == 1500 and got["step"] == pytest.approx(1250.0)
+    assert not got["bounded"] and got["time_s"] == pytest.approx(1250 * 0.2)
+
+
+def test_reach_at_the_first_evaluation_is_an_upper_bound_and_never_is_none():
+    first = rr.reach(curve(), 150.0)
+    assert first["step"] == 500 and first["bounded"]
+    never = rr.reach(curve(), 10.0)
+    assert not never["reached"] and never["step"] is None and never["time_s"] is None
+
+
+def test_target_is_the_quality_every_baseline_seed_reaches():
+    assert rr.target_fd([curve(fds=(90, 50, 40, 35)), curve(fds=(90, 50, 45, 44))]) == 44
+    assert rr.target_fd([]) is None
+
+
+def test_spread():
+    assert rr.spread([1.0, None, 3.0]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert rr.spread([None])["mean"] is None
+
+
+def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
+    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(90, 60, 50, 45), seed=1)],
+              "muon": [curve("muon-s0", fds=(60, 45, 35, 30)), curve("muon-s1", fds=(90, 80, 70, 60), seed=1)]}
+    rows = [row("adamw-s0", "adamw", 0.01, 0, 40), row("adamw-s1", "adamw", 0.01, 1, 45),
+            row("muon-s0", "muon", 0.01, 0, 30), row("muon-s1", "muon", 0.01, 1, 60)]
+    opts = {n: {"lr": 0.01, "seeds": [0, 1], "runs": [f"{n}-s0", f"{n}-s1"]} for n in ("adamw", "muon")}
+    got = rr.optimizer_summary(record(rows, opts), curves)
+    assert got["target_fd"] == 45
+    adamw, muon = got["optimizers"]["adamw"], got["optimizers"]["muon"]
+    assert adamw["steps_to_target"]["mean"] == pytest.approx((1750 + 2000) / 2)  # 50 -> 40 crosses 45 half way
+    assert muon["reached_target"] == 1 and muon["steps_to_target"]["mean"] == pytest.approx(1000)
+    assert muon["time_to_target_s_ratio"] == pytest.approx(1000 / 1875)
+    assert muon["fd"] == {"mean": 45.0, "min": 30.0, "max": 60.0, "n": 2} and muon["fd_ratio"] == pytest.approx(45 / 42.5)
+    text = rr.render_main(got)
+    assert "1 never" in text and "45.00 (30.00..60.00)" in text
+
+
+def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
+    rows = [row("k2-s0", "prm/k2", 0.01, 0, 30), row("k2-s1", "prm/k2", 0.01, 1, 32),
+            row("k3-s0", "prm/k3", 0.01, 0, 33), row("k3-s1", "prm/k3", 0.01, 1, 33),
+            row("k3-half", "prm/k3", 0.005, 0, 40), {**row("k4-s0", "prm/k4", 0.01, 0, None), "status": "failed"}]
+    summary = rr.ablation_summary(record(rows, {"prm/k2": {}, "prm/k3": {}, "prm/k4": {}}))
+    assert summary["prm/k3"]["0.01"]["fd"]["mean"] == 33 and summary["prm/k3"]["0.005"]["seeds"] == [0]
+    assert summary["prm/k4"]["0.01"]["fd"]["n"] == 0
+    assert rr.fd_change(summary, "prm/k2", "prm/k3", "0.01") == pytest.approx(33 / 31 - 1)
+    assert rr.fd_change(summary, "prm/k3", "prm/k4", "0.01") is None
+    assert "prm/k3 | 0.005 | 1 | 40.00" in rr.render_ablation(summary)
+
+
+def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):
+    write_run(tmp_path, "adamw-lr0.01-s0", [80, 50], grid=True)
+    write_run(tmp_path, "adamw-lr0.003-s0", [90, 70], grid=False)
+    rows = [row("adamw-lr0.01-s0", "adamw", 0.01, 0, 50, run_dir="gone/elsewhere"),
+            row("adamw-lr0.003-s0", "adamw", 0.003, 0, 70, run_dir="gone/elsewhere"),
+            row("muon-lr0.01-s0", "muon", 0.01, 0, 40, run_dir="gone/elsewhere")]  # no directory: left out
+    opts = {"adamw": {"lr": 0.01}, "muon": {"lr": 0.01}}
+    curves = rr.load_curves(record(rows, opts), tmp_path)
+    assert list(curves) == ["adamw"]
+    (c,) = curves["adamw"]
+    assert c.steps == [500, 1000] and c.fds == [80, 50] and c.active_time_s == [60.0, 120.0] and c.grid
+    assert len(rr.load_curves(record(rows, opts), tmp_path, best_lr_only=False)["adamw"]) == 2
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    grid = tmp_path / "g.png"
+    save_grid(torch.zeros(4, 1, 8, 8), grid)
+    curves = {"adamw": [curve("adamw-s0"), curve("adamw-s1", fds=(110, 70, 45, 35), seed=1)],
+              "muon": [rr.Curve("muon-s0", "muon", 0.01, 0, [500, 1000], [50, 20], [None, None], 150.0, str(grid))]}
+    assert rr.plot_fd_vs_time(curves, tmp_path / "t.png", 35.0, "title").is_file()
+    assert rr.plot_sample_grids(curves, tmp_path / "s.png").is_file()
+    assert rr.plot_sample_grids({"adamw": curves["adamw"]}, tmp_path / "none.png") is None
+    rows = [row(c.name, n, 0.01, c.seed, c.fds[-1]) for n, cs in curves.items() for c in cs]
+    opts = {n: {"lr": 0.01, "seeds": [c.seed for c in cs], "runs": [c.name for c in cs]} for n, cs in curves.items()}
+    assert rr.plot_time_to_quality(rr.optimizer_summary(record(rows, opts), curves), tmp_path / "q.png").is_file()
+    summary = rr.ablation_summary(record([row("a", "prm/g0.1", 0.01, 0, 30), row("b", "prm/g1", 0.01, 0, 40),
+                                          row("c", "prm/g1", 0.005, 0, 35)], {"prm/g0.1": {}, "prm/g1": {}}))
+    assert rr.plot_ablation(summary, {"prm/g0.1": (0.1, ""), "prm/g1": (1.0, "")}, tmp_path / "a.png", "gamma",
+                            log_x=True).is_file()
+    assert rr.plot_ablation(summary, {"prm/g0.1": ("x", ""), "prm/g1": ("y", "")}, tmp_path / "c.png", "v").is_file()
+    assert rr.plot_ablation(summary, {}, tmp_path / "empty.png", "v") is None
