@@ -248,7 +248,9 @@ def render(result: dict) -> str:
              f"{result['task']}; FD in `{result['feature_space']}`; {m.get('cpu_model') or m.get('cuda')}, torch "
              f"{m.get('torch')}. Time: steps x the run's median step time (two runs sharing two cores).", "",
              f"## Main race ({result['main_part']}: each optimizer at its best lr, mean (lowest..highest) over seeds)",
-             "", f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed." if main["target_fd"] else "",
+             "", (f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed; time to it: the step FD "
+                  "first gets there (interpolated between evaluations) x the run's median step time. "
+                  if main["target_fd"] else "") + "Last FD change: between the last two evaluations (has FD flattened?).",
              "", rr.render_main(main, result["inception"])]
     if result["sweep"]:
         lines += ["", "## Learning-rate sweep (seed 0, final FD)", ""]

@@ -140,8 +140,9 @@ def reach(curve: Curve, target: float) -> dict[str, Any]:
 
 def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[Curve]],
                       baseline: str = BASELINE) -> dict[str, Any]:
-    """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, and the time to the
-    baseline's quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own."""
+    """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, how much FD still moved
+    between the last two evaluations (has it flattened?), and the time to the baseline's quality
+    (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own."""
     target = target_fd(curves.get(baseline, []))
     table: dict[str, Any] = {}
     for name, s in record["optimizers"].items():
@@ -152,6 +153,7 @@ def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[C
             "seeds": s["seeds"],
             **{key: spread([r.get(key) for r in rows])
                for key in ("fd", "precision", "recall", "val_loss_ema", "opt_ms", "step_ms", "active_time_s")},
+            "fd_last_change": spread([c.fds[-1] / c.fds[-2] - 1.0 for c in curves.get(name, []) if len(c.fds) > 1]),
             "time_to_target_s": spread([r["time_s"] for r in reached.values()]),
             "steps_to_target": spread([r["step"] for r in reached.values()]),
             "reached_target": sum(r["reached"] for r in reached.values()),
@@ -356,7 +358,7 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
     """The main race as a Markdown table: per optimizer at its best lr, the spread over seeds of every number."""
     from dimuon.bench.report import format_markdown_table
 
-    headers = ["optimizer", "lr", "seeds", "final FD", "x AdamW", "Inception FD", "precision", "recall",
+    headers = ["optimizer", "lr", "seeds", "final FD", "x AdamW", "last FD change", "Inception FD", "precision", "recall",
                "EMA val loss", "opt ms/step", "step ms", "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
                "x AdamW", "steps to it"]
     rows = []
@@ -366,8 +368,9 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
                                         if len(inc["runs"]) > 1 else f"{inc['fd_mean']:.2f}")
         seeds = len(s["seeds"])
         reached = "" if s["reached_target"] == seeds else f"; {seeds - s['reached_target']} never"
+        change = s["fd_last_change"]
         rows.append([name, f"{s['lr']:g}" if s["lr"] is not None else "-", seeds, _pm(s["fd"]),
-                     _ratio(s["fd_ratio"]), inc_cell, _pm(s["precision"]), _pm(s["recall"]),
+                     _ratio(s["fd_ratio"]), "-" if change["mean"] is None else f"{100 * change['mean']:+.1f}%", inc_cell, _pm(s["precision"]), _pm(s["recall"]),
                      _pm(s["val_loss_ema"], ".4f"), _pm(s["opt_ms"], ".1f"), _pm(s["step_ms"], ".0f"),
                      _pm(s["time_to_target_s"], ".0f") + reached, _ratio(s["time_to_target_s_ratio"]),
                      _pm(s["steps_to_target"], ".0f")])

@@ -122,7 +122,7 @@ PEERS: dict[str, Peer] = {
         "muon_fsdp2", "muon-fsdp2 Muon (+ its Adam)", "muon-fsdp2", "muon_fsdp2", "bfloat16",
         "hard-coded: G.bfloat16(), iteration under torch.compile",
         "1-D DTensor mesh: each matrix's shards gathered along dim 0 to one owner rank, orthogonalized there, "
-        "scattered back; a mesh of more dimensions fails its assertion",
+        "scattered back; on a 2-D (HSDP) mesh its step fails (NotImplementedError here; its code asserts a 1-D mesh)",
         _build_muon_fsdp2, "0.3.0",
         unsupported={"local": "its single-process path (SingelDeviceWork) calls muon_update, which the module "
                               "does not define (NameError)",
