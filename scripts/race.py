@@ -14,7 +14,9 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
   at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
   {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
-  and 1, at the best lr of their optimizer from ``sweep``.
+  and 1, at the best lr of their optimizer from ``sweep``. The variant that trains exactly as the main race
+  does (K=3, gamma 0.15 at the best lr, P=5 with ratio 1, quintic 5: the optimizers' defaults) is linked from
+  the ``seeds`` runs, not trained again.
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
   precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
   the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
@@ -54,25 +56,27 @@ class Ablation:
     xlabel: str
     variants: dict[str, tuple[float | str, str, str]]
     log_x: bool = False
+    main: str | None = None  # the variant that trains exactly as the main race does (its runs are linked)
 
 
 ABLATIONS = {
     "k": Ablation("periodic_row_muon", "K: a Newton-Schulz step every K steps, RowNorm between",
-                  {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)}),
+                  {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)}, main="k3"),
     "gamma": Ablation("periodic_row_muon", "gamma: the RowNorm steps' scale (K=3)",
                       {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
-                      log_x=True),
+                      log_x=True, main="g0.15"),
     "bp": Ablation("muon_bp", "P: a full-matrix step every P steps, block steps between (4 blocks)",
                    {f"p{p}-r{r:g}": (p, f"block lr ratio {r:g}",
                                      f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}")
-                    for p in (2, 5, 10) for r in (0.5, 1.0)}),
+                    for p in (2, 5, 10) for r in (0.5, 1.0)}, main="p5-r1"),
     "ns": Ablation("muon", "Newton-Schulz variant of Muon",
                    {"quintic5": ("quintic 5", "", "--optim.ns-steps 5"),
                     "quintic4": ("quintic 4", "", "--optim.ns-steps 4"),
                     "quintic3": ("quintic 3", "", "--optim.ns-steps 3"),
                     "polar5": ("Polar Express 5", "", "--optim.ns-coefficients polar_express"),
-                    "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}),
+                    "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}, main="quintic5"),
 }
+ABLATION_SEEDS = (0, 1)
 PARTS = ("sweep", "seeds", "inception", *ABLATIONS, "report")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
@@ -118,11 +122,17 @@ def seeds(args: argparse.Namespace) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     for name, lr in lrs.items():  # seed 0 is the sweep's run: linked, not trained again
         run = f"{name}-lr{lr:g}-s0"
-        link, target = runs / run, (args.out / "sweep" / "runs" / run).resolve()
-        if not link.exists() and not link.is_symlink() and target.is_dir():
-            os.symlink(target, link, target_is_directory=True)
+        link(runs / run, args.out / "sweep" / "runs" / run)
     return bench(args, "seeds", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
                                  "--seeds", "0", "1", "2", "--train-args-of", MUON_BP_BLOCKS])
+
+
+def link(link_path: Path, target: Path) -> None:
+    """``link_path`` -> ``target`` (resolved), when the target exists and nothing is at ``link_path`` yet."""
+    target = target.resolve()
+    if not link_path.exists() and not link_path.is_symlink() and target.is_dir():
+        link_path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link_path, target_is_directory=True)
 
 
 def ablation(args: argparse.Namespace, part: str) -> int:
@@ -130,7 +140,12 @@ def ablation(args: argparse.Namespace, part: str) -> int:
     lr = best_lrs(args)[spec.base]
     lrs = [lr, lr / 2] if part == "gamma" else [lr]  # does the best gamma move with the lr?
     names = [f"{spec.base}/{label}" for label in spec.variants]
-    return bench(args, part, ["--optimizers", *names, "--lrs", *(f"{x:g}" for x in lrs), "--seeds", "0", "1",
+    if spec.main is not None:  # the variant the main race already trained: its seeds' runs, linked
+        for seed in ABLATION_SEEDS:
+            link(args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
+                 args.out / "seeds" / "runs" / f"{spec.base}-lr{lr:g}-s{seed}")
+    return bench(args, part, ["--optimizers", *names, "--lrs", *(f"{x:g}" for x in lrs),
+                              "--seeds", *map(str, ABLATION_SEEDS),
                               "--train-args-of", *(f"{spec.base}/{label}={flags}"
                                                    for label, (_, _, flags) in spec.variants.items())])
 

@@ -70,8 +70,15 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     assert flags(seeds, "--seeds") == ["0", "1", "2"]
     linked = tmp_path / "seeds" / "runs" / "muon-lr0.01-s0"
     assert linked.is_symlink() and linked.resolve() == (tmp_path / "sweep" / "runs" / "muon-lr0.01-s0").resolve()
+    (tmp_path / "seeds" / "runs" / "periodic_row_muon-lr0.02-s1").mkdir()
     assert race.main(["--part", "gamma", "--out", str(tmp_path)]) == 0
     gamma = race.calls[-1]
+    # gamma 0.15 at the best lr is the main race's PeriodicRowMuon: its seeds' runs linked, not trained again
+    for seed, target in ((0, tmp_path / "sweep" / "runs" / "periodic_row_muon-lr0.02-s0"),
+                         (1, tmp_path / "seeds" / "runs" / "periodic_row_muon-lr0.02-s1")):
+        linked = tmp_path / "gamma" / "runs" / f"periodic_row_muon-g0.15-lr0.02-s{seed}"
+        assert linked.is_symlink() and linked.resolve() == target.resolve()
+    assert not (tmp_path / "gamma" / "runs" / "periodic_row_muon-g0.15-lr0.01-s0").exists()  # half the lr: trained
     assert flags(gamma, "--lrs") == ["0.02", "0.01"] and flags(gamma, "--seeds") == ["0", "1"]
     assert "periodic_row_muon/g0.05" in flags(gamma, "--optimizers")
     assert "periodic_row_muon/g1=--optim.gamma 1" in flags(gamma, "--train-args-of")
