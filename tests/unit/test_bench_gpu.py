@@ -76,10 +76,14 @@ def test_junit_counts_reads_every_outcome(tmp_path: Path) -> None:
 
 
 def test_the_script_is_the_command(tmp_path: Path) -> None:
+    import os
     import subprocess
+    import sys
 
     root = Path(TESTS).parent
+    # the script runs the python on PATH: this interpreter's, as in an activated environment
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run([str(root / "scripts" / "gpu-check"), "--help"], capture_output=True, text=True, timeout=120,
-                          check=False)
+                          check=False, env=env)
     assert done.returncode == 0, done.stderr
     assert "dimuon bench gpu" in done.stdout and "--quick" in done.stdout
