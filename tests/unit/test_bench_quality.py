@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,20 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     again = quality.run(cfg)
     assert [spec_of(c).optimizer + str(spec_of(c).seed) for c in fake_training] == ["muon1"]  # only the failed one
     assert {r["action"] for r in again["runs"] if r["name"] != "muon-lr0.01-s1"} == {"skipped"}
+
+
+def test_report_only_rebuilds_the_record_from_the_runs_launching_nothing(tmp_path, fake_training):
+    cfg = tiny_config(tmp_path / "bench", seeds=(0, 1))
+    quality.run(cfg)  # muon at 1e-2, seed 1 fails
+    fake_training.clear()
+    (cfg.out / "results.json").unlink()
+    record = quality.run(replace(cfg, report_only=True))
+    assert fake_training == []
+    rows = {r["name"]: r for r in record["runs"]}
+    assert rows["muon-lr0.01-s1"]["status"] == "failed" and rows["muon-lr0.01-s1"]["action"] == "not run"
+    assert "--report-only launches nothing" in rows["muon-lr0.01-s1"]["error"]
+    assert {r["action"] for n, r in rows.items() if n != "muon-lr0.01-s1"} == {"skipped"}
+    assert record["optimizers"]["muon"]["lr"] == 1e-3 and (cfg.out / "results.json").is_file()
 
 
 def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypatch):

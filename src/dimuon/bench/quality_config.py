@@ -69,6 +69,9 @@ class Config:
     """Output directory: runs/, feature_cache/, results.json, results.md, plots."""
     progress: bool = True
     """Show a progress bar over the runs."""
+    report_only: bool = False
+    """Launch nothing: rebuild results.json/.md and the plots from the run directories as they are (a grid
+    still running elsewhere, say); unfinished runs are listed as such."""
 
 
 VARIANT_SEPARATOR = "/"  # --optimizers NAME/LABEL: optimizer NAME under its own label

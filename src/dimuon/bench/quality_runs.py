@@ -200,6 +200,17 @@ def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
     return outcome
 
 
+def inspect(cfg: Config, spec: RunSpec) -> Outcome:
+    """What :func:`execute` would find, launching nothing: a finished run is skipped, any other is unfinished."""
+    run_dir = run_directory(cfg, spec)
+    foreign = foreign_run(run_dir, cfg, spec)
+    if foreign is not None:
+        return Outcome(spec, "refused", error=foreign)
+    if run_mode(run_dir, cfg.eval, cfg.steps) == "done":
+        return Outcome(spec, "skipped", returncode=0)
+    return Outcome(spec, "not run", error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)")
+
+
 def failure_message(cfg: Config, outcome: Outcome) -> str:
     """A failed run's error, log path and the tail of its log."""
     log = run_directory(cfg, outcome.spec) / LOG_NAME

@@ -223,7 +223,7 @@ def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: f
         steps = sorted(set.intersection(*(set(c.steps) for c in cs)))
         fds = [[c.fds[c.steps.index(s)] for c in cs] for s in steps]
         times = [statistics.fmean(c.time_s(s) for c in cs) for s in steps]
-        (line,) = ax.plot(times, [statistics.fmean(f) for f in fds], "o-", ms=3, label=f"{name} ({len(cs)} seeds)")
+        (line,) = ax.plot(times, [statistics.fmean(f) for f in fds], "o-", ms=3, label=f"{name} ({len(cs)} seed{'s' if len(cs) > 1 else ''})")
         if len(cs) > 1:
             ax.fill_between(times, [min(f) for f in fds], [max(f) for f in fds], color=line.get_color(), alpha=0.15)
         every_fd += [x for f in fds for x in f]
