@@ -27,6 +27,7 @@ features are shared in ``<out>/feature_cache``. ``--quick`` runs the same parts 
 DiT and a handful of steps: minutes, for checking the plumbing, not for reading.
 
     python scripts/race.py --part all --out runs/race            # the full race (many CPU hours; resumable)
+    python scripts/race.py --part sweep --out runs/race --report-only  # a part's record so far, launching nothing
     python scripts/race.py --part report --out runs/race --report-dir docs/results/race  # publish what is done
     python scripts/race.py --part sweep --quick --out /tmp/race  # the plumbing in minutes
 """
@@ -90,7 +91,8 @@ def bench(args: argparse.Namespace, part: str, flags: list[str]) -> int:
     """One ``dimuon bench quality`` invocation for ``part``, its output streamed."""
     cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *(QUICK if args.quick else FULL), *flags,
            "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
-           "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress"]
+           "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress",
+           *(["--report-only"] if args.report_only else [])]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="training processes at a time (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (default: 1)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
+    parser.add_argument("--report-only", action="store_true",
+                        help="the parts' records rebuilt from their run directories, launching nothing (a part "
+                             "still training elsewhere)")
     parser.add_argument("--report-dir", type=Path, default=None,
                         help="where --part report writes (default: <out>/report)")
     args = parser.parse_args(argv)
