@@ -40,7 +40,7 @@ from dimuon.bench.quality_report import (
     render,
     run_row,
 )
-from dimuon.bench.quality_runs import eval_interval, inspect, run_grid, threads_per_run
+from dimuon.bench.quality_runs import eval_interval, inspect_run, run_grid, threads_per_run
 from dimuon.bench.report import machine_info
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS
@@ -229,7 +229,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"dimuon bench quality: note: {note}", file=sys.stderr)
     specs = expand_grid(cfg)
     extra = train_args_of(cfg)
-    outcomes = [inspect(cfg, s) for s in specs] if cfg.report_only else run_grid(cfg, specs, extra)
+    outcomes = [inspect_run(cfg, s) for s in specs] if cfg.report_only else run_grid(cfg, specs, extra)
     rows = [run_row(cfg, o, extra[o.spec.optimizer]) for o in outcomes]
     summary = optimizer_summary(rows, cfg.optimizers)
     compared = compare_best(cfg, summary)

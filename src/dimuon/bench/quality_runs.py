@@ -177,15 +177,23 @@ def launch(cmd: Sequence[str], log_path: Path, threads: int | None, timeout_s: f
             raise
 
 
-def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
-    """Bring one run to its evaluated last step: skip it if it is there, else start, resume or restart it."""
+def _settled(cfg: Config, spec: RunSpec) -> tuple[Outcome | None, str]:
+    """A run's :func:`run_mode`, and its outcome when nothing is to be launched for it (another task's
+    directory: refused; its last step evaluated: skipped)."""
     run_dir = run_directory(cfg, spec)
     foreign = foreign_run(run_dir, cfg, spec)
     if foreign is not None:
-        return Outcome(spec, "refused", error=foreign)
+        return Outcome(spec, "refused", error=foreign), "refused"
     mode = run_mode(run_dir, cfg.eval, cfg.steps)
-    if mode == "done":
-        return Outcome(spec, "skipped", returncode=0)
+    return (Outcome(spec, "skipped", returncode=0) if mode == "done" else None), mode
+
+
+def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
+    """Bring one run to its evaluated last step: skip it if it is there, else start, resume or restart it."""
+    settled, mode = _settled(cfg, spec)
+    if settled is not None:
+        return settled
+    run_dir = run_directory(cfg, spec)
     cmd = train_command(cfg, spec, extra, mode)
     start = time.perf_counter()
     try:
@@ -200,15 +208,11 @@ def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
     return outcome
 
 
-def inspect(cfg: Config, spec: RunSpec) -> Outcome:
+def inspect_run(cfg: Config, spec: RunSpec) -> Outcome:
     """What :func:`execute` would find, launching nothing: a finished run is skipped, any other is unfinished."""
-    run_dir = run_directory(cfg, spec)
-    foreign = foreign_run(run_dir, cfg, spec)
-    if foreign is not None:
-        return Outcome(spec, "refused", error=foreign)
-    if run_mode(run_dir, cfg.eval, cfg.steps) == "done":
-        return Outcome(spec, "skipped", returncode=0)
-    return Outcome(spec, "not run", error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)")
+    settled, _ = _settled(cfg, spec)
+    return settled or Outcome(spec, "not run",
+                              error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)")
 
 
 def failure_message(cfg: Config, outcome: Outcome) -> str:
