@@ -8,6 +8,9 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   of 4 ranks) over an lr grid each, seed 0. A best lr on the edge of its grid is reported: widen the grid.
 - ``seeds``: every optimizer at its best lr from ``sweep`` with seeds 0, 1, 2 (seed 0's runs are the sweep's,
   linked, not retrained).
+- ``step``: each optimizer's training-step time on the race's model and batch, measured side by side in one
+  ``dimuon bench step`` (one process, ``--threads`` threads, nothing else training): the time basis of the
+  report's time to quality (the runs' own step times are inflated, unevenly, by the run beside them).
 - ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
   with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
   ``<out>/inception.json``.
@@ -80,7 +83,7 @@ ABLATIONS = {
                     "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}, main="quintic5"),
 }
 ABLATION_SEEDS = (0, 1)
-PARTS = ("sweep", "seeds", "inception", *ABLATIONS, "report")
+PARTS = ("sweep", "seeds", "step", "inception", *ABLATIONS, "report")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
 QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
@@ -154,14 +157,37 @@ def ablation(args: argparse.Namespace, part: str) -> int:
                                                    for label, (_, _, flags) in spec.variants.items())])
 
 
+def setting(name: str, args: argparse.Namespace) -> str:
+    """The value of one of the race's ``dimuon train`` settings (``--model``, ``--batch-size``, ...)."""
+    settings = QUICK if args.quick else FULL
+    return settings[settings.index(name) + 1]
+
+
+def step_time(args: argparse.Namespace) -> int:
+    """The race's optimizers timed side by side on its model and batch; skipped once every row is measured."""
+    record = _record(args.out / "step" / "results.json")
+    if record is not None and all(r["status"] == "ok" for r in record["rows"]):
+        print(f"race: {args.out / 'step'} is measured; delete it to measure again", flush=True)
+        return 0
+    if args.report_only:
+        print(f"race: {args.out / 'step'} is not measured yet (--report-only launches nothing)", flush=True)
+        return 0
+    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "step", "--model", setting("--model", args),
+           "--dataset", setting("--dataset", args), "--batch-size", setting("--batch-size", args), "--worlds", "1",
+           "--threads", str(args.threads), "--optimizers", *MAIN, "--train-args-of", MUON_BP_BLOCKS,
+           *(["--window", "2", "--windows", "2"] if args.quick else ["--window", "30", "--windows", "5"]),
+           "--out", str(args.out / "step"), "--no-progress"]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
 def inception(args: argparse.Namespace) -> int:
     """Every ``seeds`` run's last checkpoint in Inception space, then the per-optimizer summary."""
     record_path = args.out / "seeds" / "results.json"
     if not record_path.is_file():
         raise SystemExit(f"race: {record_path} is missing: run --part seeds first")
     runs = [r for r in json.loads(record_path.read_text(encoding="utf-8"))["runs"] if r["status"] == "ok"]
-    settings = QUICK if args.quick else FULL
-    samples, steps = (settings[settings.index(f) + 1] for f in ("--eval.num-samples", "--eval.sample-steps"))
+    samples, steps = (setting(f, args) for f in ("--eval.num-samples", "--eval.sample-steps"))
     summary: dict[str, list[dict]] = {}
     for r in runs:
         run_dir = args.out / "seeds" / "runs" / r["name"]
@@ -217,15 +243,18 @@ def report(args: argparse.Namespace) -> int:
     if main_part not in records:
         raise SystemExit(f"race: no {args.out}/sweep/results.json yet: run --part sweep first")
     main_record = records[main_part]
-    curves = rr.load_curves(main_record, args.out / main_part)
-    main = rr.optimizer_summary(main_record, curves)
+    step_record = _record(args.out / "step" / "results.json")
+    times = rr.step_times(step_record)
+    curves, basis = rr.timed_by(rr.load_curves(main_record, args.out / main_part), times)
+    main = rr.optimizer_summary(main_record, curves, side_by_side=times if basis == "side by side" else None)
     inception = _record(args.out / "inception.json")
     ablations = {part: rr.ablation_summary(rec) for part, rec in records.items() if part in ABLATIONS}
     c = main_record["config"]
     task = f"{c['model']} on {c['dataset']}, batch {c['batch_size']}, {c['steps']} steps"
     space = next((r["feature_space"] for r in main_record["runs"] if r.get("feature_space")), "?")
     outputs = [rr.plot_fd_vs_time(curves, dest / "fd_vs_time.png", main["target_fd"],
-                                  f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest"),
+                                  f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest",
+                                  basis),
                rr.plot_time_to_quality(main, dest / "time_to_quality.png",
                                        f"{task}: time to AdamW's quality (its worst seed's best FD)"),
                rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples")]
@@ -240,14 +269,15 @@ def report(args: argparse.Namespace) -> int:
                 for a, b in ((2, 3), (3, 4)):
                     k_costs.setdefault(lr, {})[f"K={a}->{b}"] = rr.fd_change(
                         summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr)
-    for part, rec in records.items():
+    for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
     result = {"benchmark": "race", "task": task, "feature_space": space, "main_part": main_part,
               "settings": QUICK if args.quick else FULL, "eval_settings": main_record["eval_settings"],
               "machine": main_record["machine"],
               "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
               "main": main, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
-              "inception": inception, "ablations": ablations, "k_costs": k_costs}
+              "inception": inception, "ablations": ablations, "k_costs": k_costs,
+              "step_command": step_record["command"] if step_record and basis == "side by side" else None}
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
     write_json_atomic(dest / "race.json", result)
@@ -265,10 +295,14 @@ def render(result: dict) -> str:
     main = result["main"]
     lines = ["# The optimizer race", "",
              f"{result['task']}; FD in `{result['feature_space']}`; {m.get('cpu_model') or m.get('cuda')}, torch "
-             f"{m.get('torch')}. Time: steps x the run's median step time (two runs sharing two cores).", "",
+             f"{m.get('torch')}. Time: {rr.TIME_BASES[main['time_basis']]}"
+             + (" (two runs sharing two cores)." if main["time_basis"] == "run medians" else
+                ", one process alone on the machine, as the race's runs train.")
+             + (f" Step times: [step.json](step.json), `{result['step_command']}`." if result.get("step_command")
+                else ""), "",
              f"## Main race ({result['main_part']}: each optimizer at its best lr, mean (lowest..highest) over seeds)",
              "", (f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed; time to it: the step FD "
-                  "first gets there (interpolated between evaluations) x the run's median step time. "
+                  "first gets there (interpolated between evaluations) x the step time. "
                   if main["target_fd"] else "") + "Last FD change: between the last two evaluations (has FD flattened?).",
              "", rr.render_main(main, result["inception"])]
     if result["sweep"]:
@@ -299,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where --part report writes (default: <out>/report)")
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        steps = {"sweep": sweep, "seeds": seeds, "inception": inception, "report": report}
+        steps = {"sweep": sweep, "seeds": seeds, "step": step_time, "inception": inception, "report": report}
         code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:
             print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)

@@ -27,12 +27,23 @@ def test_windows_hold_whole_periods() -> None:
     (["--worlds", "1", "1"], "--worlds must be distinct process counts >= 1"),
     (["--worlds", "1", "3"], "--batch-size must be >= 1 and divisible by every --worlds entry, got 16 (not by [3])"),
     (["--windows", "0"], "--windows must be >= 1, got 0"),
+    (["--train-args-of", "sgd=--lr 1"], "--train-args-of expects NAME=FLAGS with NAME one of"),
+    (["--train-args-of", "muon=--x 1", "muon=--y 2"], "--train-args-of names muon twice"),
+    (["--train-args-of", "muon=--x 'open"], "--train-args / --train-args-of muon: No closing quotation"),
 ])
 def test_bad_flags_stop_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
                                             message: str) -> None:
     assert cli_main(["bench", "step", "--out", str(tmp_path / "out"), *flags]) == 2
     assert capsys.readouterr().err.startswith(f"dimuon bench step: error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_train_args_of_reach_only_their_optimizer(tmp_path: Path) -> None:
+    cfg = step.Config(optimizers=("muon", "muon_bp"), train_args="--precision bf16",
+                      train_args_of=("muon_bp=--optim.blocks 4",))
+    muon, bp = (step.train_command(cfg, name, 1, tmp_path) for name in cfg.optimizers)
+    assert muon[-2:] == ["--precision", "bf16"]
+    assert bp[-4:] == ["--precision", "bf16", "--optim.blocks", "4"]
 
 
 def test_one_process_rows_come_from_the_runs_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

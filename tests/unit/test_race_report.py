@@ -56,6 +56,32 @@ def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
     assert "1 never" in text and "45.00 (30.00..60.00)" in text
 
 
+def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_optimizer():
+    step_record = {"rows": [
+        {"optimizer": "adamw", "world": 1, "status": "ok", "step_ms": 100.0, "opt_ms": 5.0},
+        {"optimizer": "muon", "world": 1, "status": "ok", "step_ms": 150.0, "opt_ms": 50.0},
+        {"optimizer": "muon", "world": 4, "status": "ok", "step_ms": 900.0, "opt_ms": 500.0},
+        {"optimizer": "torch_muon", "world": 1, "status": "failed"}]}
+    times = rr.step_times(step_record)
+    assert times == {"adamw": {"step_ms": 100.0, "opt_ms": 5.0}, "muon": {"step_ms": 150.0, "opt_ms": 50.0}}
+    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40), step_ms=300.0)],
+              "muon": [curve("muon-s0", fds=(60, 45, 35, 30), step_ms=500.0)]}
+    timed, basis = rr.timed_by(curves, times)
+    assert basis == "side by side" and [c[0].step_ms for c in timed.values()] == [100.0, 150.0]
+    assert rr.timed_by({**curves, "torch_muon": curves["muon"]}, times)[1] == "run medians"  # never mixed
+    assert rr.timed_by(curves, {})[0]["muon"][0].step_ms == 500.0
+    rows = [row("adamw-s0", "adamw", 0.01, 0, 40), row("muon-s0", "muon", 0.01, 0, 30)]
+    opts = {n: {"lr": 0.01, "seeds": [0], "runs": [f"{n}-s0"]} for n in ("adamw", "muon")}
+    got = rr.optimizer_summary(record(rows, opts), timed, side_by_side=times)
+    muon = got["optimizers"]["muon"]
+    assert got["time_basis"] == "side by side" and got["target_fd"] == 40
+    assert muon["step_ms"]["mean"] == 150.0 and muon["opt_ms"]["mean"] == 50.0
+    assert muon["run_step_ms"]["mean"] == 100.0  # the record row's own median, kept beside
+    assert muon["time_to_target_s"]["mean"] == pytest.approx(1250 * 0.150)  # 45 -> 35 crosses 40 half way
+    assert got["optimizers"]["adamw"]["time_to_target_s"]["mean"] == pytest.approx(2000 * 0.100)
+    assert "step ms (side by side)" in rr.render_main(got)
+
+
 def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
     rows = [row("k2-s0", "prm/k2", 0.01, 0, 30), row("k2-s1", "prm/k2", 0.01, 1, 32),
             row("k3-s0", "prm/k3", 0.01, 0, 33), row("k3-s1", "prm/k3", 0.01, 1, 33),

@@ -91,6 +91,21 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
                                                     "--optim.block-lr-ratio", "0.5"]
 
 
+def test_step_times_the_race_side_by_side_once(race, tmp_path, capsys):
+    assert race.main(["--part", "step", "--out", str(tmp_path), "--report-only"]) == 0
+    assert race.calls == [] and "not measured yet" in capsys.readouterr().out
+    assert race.main(["--part", "step", "--out", str(tmp_path)]) == 0
+    (cmd,) = race.calls
+    assert cmd[3:5] == ["bench", "step"] and flags(cmd, "--worlds") == ["1"] and flags(cmd, "--threads") == ["1"]
+    assert flags(cmd, "--model") == ["DiT-XS/4"] and flags(cmd, "--batch-size") == ["32"]
+    assert flags(cmd, "--optimizers") == list(race.MAIN)
+    assert flags(cmd, "--train-args-of") == ["muon_bp=--optim.blocks 4"]
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "results.json").write_text(json.dumps({"rows": [{"status": "ok"}]}))
+    assert race.main(["--part", "step", "--out", str(tmp_path)]) == 0
+    assert len(race.calls) == 1 and "is measured" in capsys.readouterr().out
+
+
 def test_later_parts_need_the_sweep(race, tmp_path):
     with pytest.raises(SystemExit, match=r"sweep/results\.json is missing: run --part sweep first"):
         race.main(["--part", "k", "--out", str(tmp_path)])
@@ -116,9 +131,15 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
                                                                              for k in (2, 3, 4)})))
     (tmp_path / "inception.json").write_text(json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0,
                                                                   "runs": [{}, {}]}}))
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "results.json").write_text(json.dumps({"command": "dimuon bench step --x", "rows": [
+        {"optimizer": name, "world": 1, "status": "ok", "step_ms": ms, "opt_ms": 1.0}
+        for name, ms in (("adamw", 100.0), ("muon", 120.0))]}))
     dest = tmp_path / "published"
     assert race.main(["--part", "report", "--out", str(tmp_path), "--report-dir", str(dest)]) == 0
     got = json.loads((dest / "race.json").read_text())
+    assert got["main"]["time_basis"] == "side by side" and (dest / "step.json").is_file()
+    assert got["curves"]["muon"][0]["step_ms"] == 120.0
     assert got["main_part"] == "seeds" and got["sweep"] is None and got["main"]["target_fd"] == 55
     assert got["k_costs"]["0.01"]["K=2->3"] == pytest.approx(33 / 31 - 1)
     assert got["k_costs"]["0.01"]["K=3->4"] == pytest.approx(36 / 33 - 1)
@@ -127,6 +148,7 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
         assert (dest / name).is_file(), name
     md = (dest / "race.md").read_text()
     assert "9.00 (8.00..10.00)" in md and "K=2->3: +6.5%" in md
+    assert "measured side by side" in md and "`dimuon bench step --x`" in md
 
 
 def test_report_needs_a_sweep_or_seeds_record(race, tmp_path):

@@ -41,7 +41,7 @@ from dimuon.bench.quality_report import (
     run_row,
 )
 from dimuon.bench.quality_runs import eval_interval, inspect_run, run_grid, threads_per_run
-from dimuon.bench.report import machine_info
+from dimuon.bench.report import machine_info, named_values
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS
 from dimuon.io import unwritable_reason, write_json_atomic, write_text_atomic
@@ -77,16 +77,11 @@ class FlagError(ValueError):
 
 
 def _named_values(items: Sequence[str], flag: str, names: Sequence[str], form: str) -> dict[str, str]:
-    """``("NAME=VALUE", ...)`` -> ``{NAME: VALUE}``; a mistake names the flag, its form and the allowed names."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or name not in names or not value.strip():
-            raise FlagError(f"{flag} expects {form} with NAME one of {list(names)}, got {item!r}")
-        if name in out:
-            raise FlagError(f"{flag} names {name} twice")
-        out[name] = value
-    return out
+    """:func:`~dimuon.bench.report.named_values`, its mistakes raised as :class:`FlagError`."""
+    try:
+        return named_values(items, flag, names, form)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
 
 
 def _learning_rate(flag: str, text: str | float) -> float:

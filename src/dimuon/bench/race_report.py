@@ -3,9 +3,11 @@ turned into the numbers a user asks for before switching optimizers: FD with its
 AdamW's quality, FD against K or gamma, and the plots of them. It reads records and run directories and writes
 files; it launches nothing, so the report can be rebuilt (and tested) from what runs leave behind.
 
-Time is measured as *steps x the run's median step time*: on a shared machine a run's summed step time picks up
-every moment another job held the core, the median of its log records does not (the summed active time is kept
-beside it in the records).
+Time is measured as *steps x a step time*. The step time is, by preference, each optimizer's one-process step
+time from a ``dimuon bench step`` record measured on the race's model and batch with every optimizer side by side
+and nothing else training (:func:`step_times`); without one, the run's own median step time, which two runs
+sharing the cores inflate unevenly. A run's summed step time picks up every moment another job held the core, so
+it is kept in the records but not used.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import statistics
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,13 @@ __all__ = [
     "plot_time_to_quality",
     "reach",
     "spread",
+    "step_times",
     "target_fd",
+    "timed_by",
 ]
+
+TIME_BASES = {"side by side": "steps x the optimizer's step time measured side by side (dimuon bench step)",
+              "run medians": "steps x the run's median step time"}
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,11 @@ class Curve:
     steps: list[int]
     fds: list[float]
     active_time_s: list[float | None]  # the run's summed step time at each evaluated step
-    step_ms: float | None  # the run's median step time
+    step_ms: float | None  # its step time: the run's median, or the optimizer's measured side by side
     grid: str | None  # the sample grid of its last evaluation, when the run directory has it
 
     def time_s(self, step: float) -> float | None:
-        """Training time to ``step``: steps x the median step time."""
+        """Training time to ``step``: steps x the step time."""
         return None if self.step_ms is None else step * self.step_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +110,26 @@ def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
     return curves
 
 
+def step_times(record: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Per optimizer, the one-process step and optimizer time (ms) of a ``dimuon bench step`` record: every
+    optimizer timed side by side on the same model and batch, alone on the machine."""
+    if not record:
+        return {}
+    return {r["optimizer"]: {"step_ms": float(r["step_ms"]), "opt_ms": float(r["opt_ms"])}
+            for r in record["rows"] if r["status"] == "ok" and r["world"] == 1}
+
+
+def timed_by(curves: Mapping[str, Sequence[Curve]],
+             times: Mapping[str, Mapping[str, float]]) -> tuple[dict[str, list[Curve]], str]:
+    """The curves with each optimizer's side-by-side step time (:func:`step_times`), and the time basis (a key of
+    ``TIME_BASES``); unchanged (basis ``run medians``) unless ``times`` covers every optimizer, so that no two
+    optimizers are timed differently."""
+    if not curves or any(name not in times for name in curves):
+        return {name: list(cs) for name, cs in curves.items()}, "run medians"
+    return ({name: [replace(c, step_ms=times[name]["step_ms"]) for c in cs] for name, cs in curves.items()},
+            "side by side")
+
+
 # --------------------------------------------------------------------------------------------------
 # Numbers
 # --------------------------------------------------------------------------------------------------
@@ -138,11 +165,13 @@ def reach(curve: Curve, target: float) -> dict[str, Any]:
             "active_time_s": None}
 
 
-def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[Curve]],
-                      baseline: str = BASELINE) -> dict[str, Any]:
+def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE,
+                      side_by_side: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
     """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, how much FD still moved
-    between the last two evaluations (has it flattened?), and the time to the baseline's quality
-    (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own."""
+    between the last two evaluations (has it flattened?), step and optimizer time, and the time to the baseline's
+    quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own. With
+    ``side_by_side`` (:func:`step_times`; the curves then :func:`timed_by` it) step and optimizer time are those,
+    the runs' own medians kept as ``run_step_ms`` and ``run_opt_ms``."""
     target = target_fd(curves.get(baseline, []))
     table: dict[str, Any] = {}
     for name, s in record["optimizers"].items():
@@ -152,7 +181,10 @@ def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[C
             "lr": s["lr"],
             "seeds": s["seeds"],
             **{key: spread([r.get(key) for r in rows])
-               for key in ("fd", "precision", "recall", "val_loss_ema", "opt_ms", "step_ms", "active_time_s")},
+               for key in ("fd", "precision", "recall", "val_loss_ema", "active_time_s")},
+            **{key: spread([side_by_side[name][key]] if side_by_side and name in side_by_side
+                           else [r.get(key) for r in rows]) for key in ("step_ms", "opt_ms")},
+            **{f"run_{key}": spread([r.get(key) for r in rows]) for key in ("step_ms", "opt_ms")},
             "fd_last_change": spread([c.fds[-1] / c.fds[-2] - 1.0 for c in curves.get(name, []) if len(c.fds) > 1]),
             "time_to_target_s": spread([r["time_s"] for r in reached.values()]),
             "steps_to_target": spread([r["step"] for r in reached.values()]),
@@ -164,7 +196,8 @@ def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[C
         for key in ("fd", "opt_ms", "step_ms", "time_to_target_s", "steps_to_target"):
             b, v = base.get(key, {}).get("mean"), entry[key]["mean"]
             entry[f"{key}_ratio"] = v / b if v is not None and b else None
-    return {"target_fd": target, "baseline": baseline, "optimizers": table}
+    return {"target_fd": target, "baseline": baseline,
+            "time_basis": "side by side" if side_by_side else "run medians", "optimizers": table}
 
 
 def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,9 +243,9 @@ def _seconds(t: float) -> str:
 
 
 def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: float | None = None,
-                    title: str = "") -> Path | None:
-    """FD against training time per optimizer: the mean over seeds at each evaluated step (time: the mean of
-    steps x median step ms), a band from the lowest to the highest seed, the target FD dashed."""
+                    title: str = "", time_basis: str = "run medians") -> Path | None:
+    """FD against training time per optimizer: the mean over seeds at each evaluated step (time: steps x step
+    ms, as ``time_basis`` says), a band from the lowest to the highest seed, the target FD dashed."""
     plt = _pyplot()
     drawn = {n: cs for n, cs in curves.items() if cs and all(c.step_ms is not None for c in cs)}
     if not drawn:
@@ -229,7 +262,7 @@ def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: f
         every_fd += [x for f in fds for x in f]
     if target is not None:
         ax.axhline(target, ls="--", color="gray", lw=1, label=f"AdamW's quality, FD {target:.2f}")
-    ax.set_xlabel("training time (s): steps x the run's median step time")
+    ax.set_xlabel(f"training time (s): {TIME_BASES[time_basis]}")
     fd_axes(ax, every_fd)
     _title(ax, title)
     ax.legend(fontsize=8)
@@ -260,7 +293,8 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
                 va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.invert_yaxis()
-    ax.set_xlabel(f"training time to FD {summary['target_fd']:.2f} (s): steps x median step time")
+    basis = TIME_BASES[summary.get("time_basis", "run medians")]
+    ax.set_xlabel("\n".join(textwrap.wrap(f"training time to FD {summary['target_fd']:.2f} (s): {basis}", 80)))
     ax.set_xlim(0, max((s["time_to_target_s"]["max"] or 0) for _, s in rows) * 1.6 or 1)
     ax.grid(True, axis="x", alpha=0.3)
     _title(ax, title)
@@ -359,7 +393,8 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
     from dimuon.bench.report import format_markdown_table
 
     headers = ["optimizer", "lr", "seeds", "final FD", "x AdamW", "last FD change", "Inception FD", "precision", "recall",
-               "EMA val loss", "opt ms/step", "step ms", "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
+               "EMA val loss", *(("opt ms/step", "step ms") if main.get("time_basis") != "side by side"
+                                 else ("opt ms/step (side by side)", "step ms (side by side)")), "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
                "x AdamW", "steps to it"]
     rows = []
     for name, s in main["optimizers"].items():

@@ -173,6 +173,20 @@ def train_results(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def named_values(items: Sequence[str], flag: str, names: Sequence[str], form: str) -> dict[str, str]:
+    """``("NAME=VALUE", ...)`` -> ``{NAME: VALUE}``; a mistake (ValueError) names the flag, its form and the
+    allowed names."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names or not value.strip():
+            raise ValueError(f"{flag} expects {form} with NAME one of {list(names)}, got {item!r}")
+        if name in out:
+            raise ValueError(f"{flag} names {name} twice")
+        out[name] = value
+    return out
+
+
 def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Callable[[C], None]) -> C | None:
     """A benchmark's flags parsed into ``config`` and checked by ``check``; None after printing
     ``<prog>: error: ...`` for a value it refuses (the caller exits with status 2)."""

@@ -27,7 +27,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from dimuon.bench.quality_runs import launch, log_tail
-from dimuon.bench.report import format_markdown_table, machine_info, parse_bench_flags, train_results
+from dimuon.bench.report import (
+    format_markdown_table,
+    machine_info,
+    named_values,
+    parse_bench_flags,
+    train_results,
+)
 from dimuon.dit import DIT_MODELS
 from dimuon.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from dimuon.optim import OPTIMIZERS
@@ -60,6 +66,9 @@ class Config:
     """CPU threads per process (default: torch's own; under torchrun, cores / ranks)."""
     train_args: str = ""
     """Further dimuon train flags for every run, one shell-quoted string (e.g. '--precision bf16')."""
+    train_args_of: tuple[str, ...] = ()
+    """Further dimuon train flags of one optimizer, as NAME=FLAGS (e.g. 'muon_bp=--optim.blocks 4'), after
+    --train-args."""
     out: Path = Path("bench-step")
     """Output directory: runs/, results.json, results.md, step_time.png."""
     progress: bool = True
@@ -103,6 +112,19 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+    extra_train_args(cfg)
+
+
+def extra_train_args(cfg: Config) -> dict[str, list[str]]:
+    """Per optimizer, the further ``dimuon train`` flags: --train-args, then its --train-args-of entry."""
+    per = named_values(cfg.train_args_of, "--train-args-of", cfg.optimizers, "NAME=FLAGS")
+    out = {}
+    for name in cfg.optimizers:
+        try:
+            out[name] = shlex.split(cfg.train_args) + shlex.split(per.get(name, ""))
+        except ValueError as exc:
+            raise ValueError(f"--train-args / --train-args-of {name}: {exc}") from None
+    return out
 
 
 def run_name(optimizer: str, world: int) -> str:
@@ -116,7 +138,7 @@ def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> lis
              "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size), "--steps", str(window * (1 + cfg.windows)),
              "--warmup-steps", "1", "--log-interval", str(window), "--val-interval", "0", "--val-samples", "16",
              "--ckpt-interval", "0", "--sample-count", "10", "--sample-steps", "2"]
-    train += shlex.split(cfg.train_args)
+    train += extra_train_args(cfg)[optimizer]
     if world == 1:
         if cfg.threads is not None:
             train += ["--threads", str(cfg.threads)]
