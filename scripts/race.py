@@ -14,6 +14,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
   with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
   ``<out>/inception.json``.
+- ``long``: every optimizer at its best lr for twice the steps (4000), seed 0: has FD flattened at 2000 steps,
+  and does the ranking there hold with a longer budget (cosine schedule stretched to it)?
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
   at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
   {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
@@ -83,16 +85,20 @@ ABLATIONS = {
                     "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}, main="quintic5"),
 }
 ABLATION_SEEDS = (0, 1)
-PARTS = ("sweep", "seeds", "step", "inception", *ABLATIONS, "report")
+LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
+PARTS = ("sweep", "seeds", "step", "inception", "long", *ABLATIONS, "report")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
 QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
          "--eval.num-samples", "40", "--eval.sample-steps", "2", "--eval.batch-size", "40"]
 
 
-def bench(args: argparse.Namespace, part: str, flags: list[str]) -> int:
-    """One ``dimuon bench quality`` invocation for ``part``, its output streamed."""
-    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *(QUICK if args.quick else FULL), *flags,
+def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1) -> int:
+    """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``), its output
+    streamed."""
+    settings = list(QUICK if args.quick else FULL)
+    settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
+    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *settings, *flags,
            "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
            "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress",
            *(["--report-only"] if args.report_only else [])]
@@ -132,6 +138,13 @@ def seeds(args: argparse.Namespace) -> int:
         link(runs / run, args.out / "sweep" / "runs" / run)
     return bench(args, "seeds", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
                                  "--seeds", "0", "1", "2", "--train-args-of", MUON_BP_BLOCKS])
+
+
+def long(args: argparse.Namespace) -> int:
+    """Every optimizer at its best lr for twice the race's steps, seed 0: does the ranking hold?"""
+    lrs = best_lrs(args)
+    return bench(args, "long", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
+                                "--seeds", "0", "--train-args-of", MUON_BP_BLOCKS], steps_factor=LONG_FACTOR)
 
 
 def link(link_path: Path, target: Path) -> None:
@@ -237,7 +250,7 @@ def report(args: argparse.Namespace) -> int:
     from dimuon.io import write_json_atomic, write_text_atomic
 
     dest = args.report_dir or args.out / "report"
-    records = {part: rec for part in ("sweep", "seeds", *ABLATIONS)
+    records = {part: rec for part in ("sweep", "seeds", "long", *ABLATIONS)
                if (rec := _record(args.out / part / "results.json")) is not None}
     main_part = "seeds" if "seeds" in records else "sweep"
     if main_part not in records:
@@ -258,6 +271,16 @@ def report(args: argparse.Namespace) -> int:
                rr.plot_time_to_quality(main, dest / "time_to_quality.png",
                                        f"{task}: time to AdamW's quality (its worst seed's best FD)"),
                rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples")]
+    longer = None
+    if "long" in records:
+        long_curves, _ = rr.timed_by(rr.load_curves(records["long"], args.out / "long"), times)
+        longer = rr.optimizer_summary(records["long"], long_curves,
+                                      side_by_side=times if basis == "side by side" else None)
+        lc = records["long"]["config"]
+        outputs.append(rr.plot_fd_vs_time(long_curves, dest / "fd_vs_time_long.png", longer["target_fd"],
+                                          f"{lc['model']} on {lc['dataset']}, batch {lc['batch_size']}, "
+                                          f"{lc['steps']} steps (seed 0): FD in {space}", basis))
+        longer["steps"] = lc["steps"]
     k_costs = {}
     for part, summary in ablations.items():
         spec = ABLATIONS[part]
@@ -276,7 +299,7 @@ def report(args: argparse.Namespace) -> int:
               "machine": main_record["machine"],
               "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
               "main": main, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
-              "inception": inception, "ablations": ablations, "k_costs": k_costs,
+              "inception": inception, "long": longer, "ablations": ablations, "k_costs": k_costs,
               "step_command": step_record["command"] if step_record and basis == "side by side" else None}
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
@@ -305,6 +328,14 @@ def render(result: dict) -> str:
                   "first gets there (interpolated between evaluations) x the step time. "
                   if main["target_fd"] else "") + "Last FD change: between the last two evaluations (has FD flattened?).",
              "", rr.render_main(main, result["inception"])]
+    if result.get("long"):
+        longer = result["long"]
+        lines += ["", f"## Twice the steps (long: {longer['steps']} steps, seed 0, the same best lrs)", "",
+                  "Has FD flattened at the race's length, and does its ranking hold with a longer budget (the cosine "
+                  "schedule stretched to it)? Target here: AdamW's best FD in this longer run.", "",
+                  rr.render_main(longer), "",
+                  f"Ranking by final FD: at {result['task'].split(', ')[-1]} (main table) "
+                  f"{' < '.join(rr.ranking(main))}; at {longer['steps']} steps {' < '.join(rr.ranking(longer))}."]
     if result["sweep"]:
         lines += ["", "## Learning-rate sweep (seed 0, final FD)", ""]
         for name, s in result["sweep"].items():
@@ -333,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where --part report writes (default: <out>/report)")
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        steps = {"sweep": sweep, "seeds": seeds, "step": step_time, "inception": inception, "report": report}
+        steps = {"sweep": sweep, "seeds": seeds, "step": step_time, "inception": inception, "long": long,
+                 "report": report}
         code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:
             print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)

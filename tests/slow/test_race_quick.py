@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
 
 
 def test_quick_race_runs_its_parts(tmp_path):
-    for part in ("sweep", "seeds", "step", "k"):
+    for part in ("sweep", "seeds", "step", "long", "k"):
         done = subprocess.run([sys.executable, str(SCRIPT), "--part", part, "--quick", "--out", str(tmp_path),
                                "--jobs", "2"], capture_output=True, text=True, check=False)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -35,7 +35,9 @@ def test_quick_race_runs_its_parts(tmp_path):
     assert report["main_part"] == "seeds" and set(report["main"]["optimizers"]) == set(seeds["optimizers"])
     assert all(len(c) == 3 for c in report["curves"].values()) and report["inception"] == inception
     assert report["main"]["time_basis"] == "side by side" and (tmp_path / "report" / "step.json").is_file()
+    assert report["long"]["steps"] == 12 and set(report["long"]["optimizers"]) == set(seeds["optimizers"])
     assert set(report["ablations"]) == {"k"} and set(report["k_costs"][next(iter(report["k_costs"]))]) == {
         "K=2->3", "K=3->4"}
-    for name in ("fd_vs_time.png", "time_to_quality.png", "samples.png", "fd_vs_k.png", "race.md"):
+    for name in ("fd_vs_time.png", "fd_vs_time_long.png", "time_to_quality.png", "samples.png", "fd_vs_k.png",
+                 "race.md"):
         assert (tmp_path / "report" / name).is_file(), name

@@ -80,6 +80,7 @@ def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_opti
     assert muon["time_to_target_s"]["mean"] == pytest.approx(1250 * 0.150)  # 45 -> 35 crosses 40 half way
     assert got["optimizers"]["adamw"]["time_to_target_s"]["mean"] == pytest.approx(2000 * 0.100)
     assert "step ms (side by side)" in rr.render_main(got)
+    assert rr.ranking(got) == ["muon", "adamw"]
 
 
 def test_ablation_summary_and_the_fd_cost_of_a_longer_period():

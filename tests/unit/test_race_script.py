@@ -85,6 +85,11 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     assert flags(gamma, "--lrs") == ["0.02", "0.01"] and flags(gamma, "--seeds") == ["0", "1"]
     assert "periodic_row_muon/g0.05" in flags(gamma, "--optimizers")
     assert "periodic_row_muon/g1=--optim.gamma 1" in flags(gamma, "--train-args-of")
+    assert race.main(["--part", "long", "--out", str(tmp_path)]) == 0
+    longer = race.calls[-1]
+    assert flags(longer, "--steps") == ["4000"] and flags(longer, "--seeds") == ["0"]
+    assert flags(longer, "--lr-grid") == flags(seeds, "--lr-grid") and flags(longer, "--optimizers") == list(race.MAIN)
+    assert longer[longer.index("--out") + 1] == str(tmp_path / "long")
     assert race.main(["--part", "bp", "--out", str(tmp_path)]) == 0
     bp = dict(a.split("=", 1) for a in flags(race.calls[-1], "--train-args-of"))
     assert shlex.split(bp["muon_bp/p10-r0.5"]) == ["--optim.blocks", "4", "--optim.period", "10",
@@ -129,6 +134,13 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     (tmp_path / "k").mkdir()
     (tmp_path / "k" / "results.json").write_text(json.dumps(record(k_rows, {f"periodic_row_muon/k{k}": {}
                                                                              for k in (2, 3, 4)})))
+    long_rows = []
+    for name, curve in {"adamw": [60, 45, 40, 30], "muon": [40, 38, 36, 35]}.items():
+        write_run(tmp_path / "long", f"{name}-lr0.01-s0", curve, grid=False)
+        long_rows.append(row(f"{name}-lr0.01-s0", name, 0.01, 0, curve[-1]))
+    (tmp_path / "long" / "results.json").write_text(json.dumps({
+        **record(long_rows, {n: {"lr": 0.01, "seeds": [0], "runs": [f"{n}-lr0.01-s0"]} for n in ("adamw", "muon")}),
+        "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16, "steps": 2000}}))
     (tmp_path / "inception.json").write_text(json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0,
                                                                   "runs": [{}, {}]}}))
     (tmp_path / "step").mkdir()
@@ -149,6 +161,8 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     md = (dest / "race.md").read_text()
     assert "9.00 (8.00..10.00)" in md and "K=2->3: +6.5%" in md
     assert "measured side by side" in md and "`dimuon bench step --x`" in md
+    assert got["long"]["steps"] == 2000 and got["long"]["target_fd"] == 30 and (dest / "fd_vs_time_long.png").is_file()
+    assert "at 1000 steps (main table) muon < adamw; at 2000 steps adamw < muon." in md
 
 
 def test_report_needs_a_sweep_or_seeds_record(race, tmp_path):
