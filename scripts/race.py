@@ -9,7 +9,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``seeds``: every optimizer at its best lr from ``sweep`` with seeds 0, 1, 2 (seed 0's runs are the sweep's,
   linked, not retrained).
 - ``step``: each optimizer's training-step time on the race's model and batch, measured side by side in one
-  ``dimuon bench step`` (one process, ``--threads`` threads, nothing else training): the time basis of the
+  ``dimuon bench step`` (one process, ``--threads`` threads, three runs each taken in rounds, nothing else
+  training): the time basis of the
   report's time to quality (the runs' own step times are inflated, unevenly, by the run beside them).
 - ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
   with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
@@ -188,7 +189,8 @@ def step_time(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "dimuon.cli", "bench", "step", "--model", setting("--model", args),
            "--dataset", setting("--dataset", args), "--batch-size", setting("--batch-size", args), "--worlds", "1",
            "--threads", str(args.threads), "--optimizers", *MAIN, "--train-args-of", MUON_BP_BLOCKS,
-           *(["--window", "2", "--windows", "2"] if args.quick else ["--window", "30", "--windows", "5"]),
+           *(["--window", "2", "--windows", "2"] if args.quick else ["--window", "30", "--windows", "3"]),
+           "--repeats", "3",
            "--out", str(args.out / "step"), "--no-progress"]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode

@@ -27,6 +27,7 @@ def test_windows_hold_whole_periods() -> None:
     (["--worlds", "1", "1"], "--worlds must be distinct process counts >= 1"),
     (["--worlds", "1", "3"], "--batch-size must be >= 1 and divisible by every --worlds entry, got 16 (not by [3])"),
     (["--windows", "0"], "--windows must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--train-args-of", "sgd=--lr 1"], "--train-args-of expects NAME=FLAGS with NAME one of"),
     (["--train-args-of", "muon=--x 1", "muon=--y 2"], "--train-args-of names muon twice"),
     (["--train-args-of", "muon=--x 'open"], "--train-args / --train-args-of muon: No closing quotation"),
@@ -66,6 +67,30 @@ def test_one_process_rows_come_from_the_runs_metrics(tmp_path: Path, capsys: pyt
     text = (out / "results.md").read_text()
     assert "| PeriodicRowMuon |" in text and "3-step windows x 2" in text
     assert text in capsys.readouterr().out
+
+
+def test_repeats_run_in_rounds_and_give_medians(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert cli_main(["bench", "step", *TINY, "--worlds", "1", "--optimizers", "adamw", "muon", "--repeats", "3",
+                     "--out", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    for row in record["rows"]:
+        assert row["repeats"] == 3 and row["records_used"] == 6
+        assert row["step_ms"] == sorted(row["repeat_step_ms"])[1]
+    logs = sorted(p.name for p in (out / "runs").glob("*.log"))
+    assert logs == ["adamw-w1-r1.log", "adamw-w1-r2.log", "adamw-w1.log", "muon-w1-r1.log", "muon-w1-r2.log",
+                    "muon-w1.log"]
+    # rounds: every optimizer once before any runs twice
+    starts = {p.name: p.stat().st_mtime for p in (out / "runs").glob("*.log")}
+    assert starts["muon-w1.log"] < starts["adamw-w1-r1.log"]
+    assert "(3 runs)" in (out / "results.md").read_text()
+
+
+def test_a_repeat_that_failed_decides_the_row() -> None:
+    ok = {"status": "ok", "step_ms": 1.0, "records_used": 2, **{k: 1.0 for k in step.TIMES}}
+    failed = {"status": "failed", "error": "x"}
+    assert step.combine([ok, failed, ok]) is failed
+    assert step.combine([ok]) is ok
 
 
 def test_a_failed_run_is_reported_with_its_log(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def test_step_times_the_race_side_by_side_once(race, tmp_path, capsys):
     assert cmd[3:5] == ["bench", "step"] and flags(cmd, "--worlds") == ["1"] and flags(cmd, "--threads") == ["1"]
     assert flags(cmd, "--model") == ["DiT-XS/4"] and flags(cmd, "--batch-size") == ["32"]
     assert flags(cmd, "--optimizers") == list(race.MAIN)
-    assert flags(cmd, "--train-args-of") == ["muon_bp=--optim.blocks 4"]
+    assert flags(cmd, "--train-args-of") == ["muon_bp=--optim.blocks 4"] and flags(cmd, "--repeats") == ["3"]
     (tmp_path / "step").mkdir()
     (tmp_path / "step" / "results.json").write_text(json.dumps({"rows": [{"status": "ok"}]}))
     assert race.main(["--part", "step", "--out", str(tmp_path)]) == 0

@@ -4,7 +4,8 @@ Each optimizer trains the same DiT on the same data for a few whole log windows 
 process, and under ``torchrun`` with FSDP2 on ``--worlds`` ranks), so the step is the real one: data, forward,
 backward, gradient clipping, ``opt.step()``, EMA. A window is the optimizer's period (or a multiple of it),
 so the periodic optimizers' cheap and spectral steps are averaged in their real proportion; the first window
-holds the warm-up and is left out, the others give medians. Per optimizer and world size the report has the
+holds the warm-up and is left out, the others give medians (and with ``--repeats``, medians over runs taken in
+rounds). Per optimizer and world size the report has the
 step time, its split, the optimizer's share of the step, its logical bytes per step (``opt.comm_stats()``),
 and ratios against AdamW measured in the same invocation. ``torch_muon`` runs in one process only (it
 refuses sharded parameters).
@@ -18,6 +19,7 @@ import inspect
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -62,6 +64,9 @@ class Config:
     """Fewest steps per log window; each optimizer's window is the smallest multiple of its period at least this."""
     windows: int = 2
     """Windows measured after the warm-up window (the report's medians are over these)."""
+    repeats: int = 1
+    """Runs per optimizer and world size, taken in rounds (every optimizer once per round), so that drifts of a
+    shared machine's speed reach every optimizer alike; each figure is the median over the repeats."""
     threads: int | None = None
     """CPU threads per process (default: torch's own; under torchrun, cores / ranks)."""
     train_args: str = ""
@@ -107,7 +112,7 @@ def check_config(cfg: Config) -> None:
     if cfg.batch_size < 1 or bad_batch:
         raise ValueError(f"--batch-size must be >= 1 and divisible by every --worlds entry, got {cfg.batch_size} "
                          f"(not by {bad_batch})")
-    for flag, value in (("--window", cfg.window), ("--windows", cfg.windows)):
+    for flag, value in (("--window", cfg.window), ("--windows", cfg.windows), ("--repeats", cfg.repeats)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if cfg.threads is not None and cfg.threads < 1:
@@ -127,8 +132,8 @@ def extra_train_args(cfg: Config) -> dict[str, list[str]]:
     return out
 
 
-def run_name(optimizer: str, world: int) -> str:
-    return f"{optimizer}-w{world}"
+def run_name(optimizer: str, world: int, repeat: int = 0) -> str:
+    return f"{optimizer}-w{world}" + (f"-r{repeat}" if repeat else "")
 
 
 def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> list[str]:
@@ -154,14 +159,14 @@ def threads_of(cfg: Config, world: int) -> int | None:
     return None if world == 1 else max(1, (os.cpu_count() or 1) // world)
 
 
-def measure(cfg: Config, optimizer: str, world: int) -> dict[str, Any]:
+def measure(cfg: Config, optimizer: str, world: int, repeat: int = 0) -> dict[str, Any]:
     """One run: train, then read its step-time split; a run that cannot or did not finish gets its reason."""
     row: dict[str, Any] = {"optimizer": optimizer, "label": LABELS.get(optimizer, optimizer), "world": world,
                            "window": window_steps(cfg, optimizer)}
     if world > 1 and optimizer in ONE_PROCESS_ONLY:
         return {**row, "status": "not run", "error": f"one process only: {ONE_PROCESS_ONLY[optimizer]}"}
-    run_dir = cfg.out / "runs" / run_name(optimizer, world)
-    log = cfg.out / "runs" / f"{run_name(optimizer, world)}.log"
+    run_dir = cfg.out / "runs" / run_name(optimizer, world, repeat)
+    log = cfg.out / "runs" / f"{run_name(optimizer, world, repeat)}.log"
     log.unlink(missing_ok=True)
     command = train_command(cfg, optimizer, world, run_dir)
     start = time.perf_counter()
@@ -170,6 +175,22 @@ def measure(cfg: Config, optimizer: str, world: int) -> dict[str, Any]:
     if code != 0:
         return {**row, "status": "failed", "error": f"dimuon train exited with status {code}", "tail": log_tail(log)}
     return {**row, "status": "ok", **train_results(run_dir)}
+
+
+TIMES = ("step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "comm_bytes_per_step", "samples_per_s", "steps_per_s")
+
+
+def combine(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer and world size over its repeats: the first repeat's row with every time the median over
+    the repeats (each repeat's step time kept in ``repeat_step_ms``); the first repeat that did not finish
+    decides the status."""
+    bad = next((r for r in repeats if r["status"] != "ok"), None)
+    if bad is not None or len(repeats) == 1:
+        return bad if bad is not None else repeats[0]
+    row = {**repeats[0], **{key: statistics.median(r[key] for r in repeats) for key in TIMES},
+           "records_used": sum(r["records_used"] for r in repeats), "repeats": len(repeats),
+           "repeat_step_ms": [r["step_ms"] for r in repeats]}
+    return row
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -200,7 +221,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             table.append([r["label"], f"{r['step_ms']:.0f}", f"{r['fwd_bwd_ms']:.0f}", f"{r['opt_ms']:.0f}",
                           f"{r['data_ms']:.1f}", f"{100 * r['opt_share']:.0f}%",
                           f"{r['comm_bytes_per_step'] / 2**20:.2f}", _ratio(r["step_x_adamw"]),
-                          _ratio(r["opt_x_adamw"]), f"{r['window']}-step windows x {r['records_used']}"])
+                          _ratio(r["opt_x_adamw"]), f"{r['window']}-step windows x {r['records_used']}"
+                          + (f" ({r['repeats']} runs)" if r.get("repeats", 1) > 1 else "")])
         where = "one process" if world == 1 else f"{world} ranks, FSDP2"
         out += [f"**{where}**", "", format_markdown_table(
             ["optimizer", "step ms", "fwd+bwd ms", "optimizer ms", "data ms", "optimizer share", "MiB/step",
@@ -243,14 +265,16 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     """Every optimizer at every world size, then the record, the Markdown and the plot; returns the record."""
     check_config(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    grid = [(o, w) for w in cfg.worlds for o in cfg.optimizers]
-    rows = []
+    grid = [(o, w, rep) for w in cfg.worlds for rep in range(cfg.repeats) for o in cfg.optimizers]
+    measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tqdm(grid, desc="bench step", unit="run", disable=not cfg.progress) as bar:
-        for optimizer, world in bar:
-            bar.set_postfix_str(run_name(optimizer, world))
-            rows.append(measure(cfg, optimizer, world))
-            if rows[-1]["status"] == "failed":
-                bar.write(f"run {run_name(optimizer, world)} failed: {rows[-1]['error']}\n{rows[-1]['tail']}")
+        for optimizer, world, repeat in bar:
+            bar.set_postfix_str(run_name(optimizer, world, repeat))
+            row = measure(cfg, optimizer, world, repeat)
+            measured.setdefault((optimizer, world), []).append(row)
+            if row["status"] == "failed":
+                bar.write(f"run {run_name(optimizer, world, repeat)} failed: {row['error']}\n{row['tail']}")
+    rows = [combine(repeats) for repeats in measured.values()]
     add_ratios(rows)
     title = f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}"
     record = {
