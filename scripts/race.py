@@ -273,6 +273,10 @@ def report(args: argparse.Namespace) -> int:
                rr.plot_time_to_quality(main, dest / "time_to_quality.png",
                                        f"{task}: time to AdamW's quality (its worst seed's best FD)"),
                rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples")]
+    levels = rr.time_to_levels(curves)
+    outputs.append(rr.plot_time_to_levels(rr.time_to_levels(curves, levels=rr.dense_levels(levels["levels"])),
+                                          dest / "time_to_levels.png",
+                                          f"{task}: time to each quality AdamW has reached on every seed", basis))
     longer = None
     if "long" in records:
         long_curves, _ = rr.timed_by(rr.load_curves(records["long"], args.out / "long"), times)
@@ -300,7 +304,7 @@ def report(args: argparse.Namespace) -> int:
               "settings": QUICK if args.quick else FULL, "eval_settings": main_record["eval_settings"],
               "machine": main_record["machine"],
               "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
-              "main": main, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
+              "main": main, "levels": levels, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
               "inception": inception, "long": longer, "ablations": ablations, "k_costs": k_costs,
               "step_command": step_record["command"] if step_record and basis == "side by side" else None}
     outputs += [dest / "race.json", dest / "race.md"]
@@ -330,6 +334,11 @@ def render(result: dict) -> str:
                   "first gets there (interpolated between evaluations) x the step time. "
                   if main["target_fd"] else "") + "Last FD change: between the last two evaluations (has FD flattened?).",
              "", rr.render_main(main, result["inception"])]
+    if result.get("levels", {}).get("levels"):
+        lines += ["", "### Time to each of AdamW's quality levels", "",
+                  "The FD AdamW has reached on every seed by each of its evaluations (the last is the target above); "
+                  "per optimizer the mean time to it and the ratio to AdamW's own, where every seed got there.", "",
+                  rr.render_levels(result["levels"])]
     if result.get("long"):
         longer = result["long"]
         lines += ["", f"## Twice the steps (long: {longer['steps']} steps, seed 0, the same best lrs)", "",

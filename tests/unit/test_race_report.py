@@ -127,3 +127,27 @@ def test_plots_are_written(tmp_path):
                             log_x=True).is_file()
     assert rr.plot_ablation(summary, {"prm/g0.1": ("x", ""), "prm/g1": ("y", "")}, tmp_path / "c.png", "v").is_file()
     assert rr.plot_ablation(summary, {}, tmp_path / "empty.png", "v") is None
+
+
+def test_time_to_each_of_adamws_quality_levels():
+    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(80, 70, 45, 42), seed=1)],
+              "muon": [curve("muon-s0", fds=(60, 45, 44, 43)), curve("muon-s1", fds=(65, 50, 48, 41), seed=1)]}
+    levels = rr.quality_levels(curves["adamw"])
+    assert levels == [{"step": 500, "fd": 90}, {"step": 1000, "fd": 70}, {"step": 1500, "fd": 50},
+                      {"step": 2000, "fd": 42}]  # what every seed has reached by then; the last is the target
+    assert levels[-1]["fd"] == rr.target_fd(curves["adamw"])
+    got = rr.time_to_levels(curves)
+    assert [lv["step"] for lv in got["levels"]] == [1000, 1500, 2000]  # the first evaluation measures nothing
+    muon = got["optimizers"]["muon"]
+    assert muon[0]["bounded"] == 2 and muon[0]["time_s"]["mean"] == pytest.approx(100)  # both at step 500
+    assert muon[1]["reached"] == 2 and muon[1]["bounded"] == 0
+    assert muon[1]["steps"]["mean"] == pytest.approx((500 + 500 * 10 / 15 + 1000) / 2)  # 60 -> 45 and 65 -> 50
+    assert muon[2]["reached"] == 1 and muon[2]["ratio"] is None
+    adamw = got["optimizers"]["adamw"]
+    assert adamw[1]["steps"]["mean"] == pytest.approx((1500 + 1400) / 2)  # 70 -> 45 crosses 50 at 1400
+    assert adamw[1]["ratio"] == 1.0 and muon[1]["ratio"] == pytest.approx(muon[1]["steps"]["mean"] / 1450)
+    text = rr.render_levels(got)
+    assert "FD 70.00 (adamw step 1000)" in text and "<=100 s (<=" in text and "1 of 2 seeds" in text
+    dense = rr.dense_levels(got["levels"], n=3)
+    assert [round(lv["fd"], 6) for lv in dense] == [70, round((70 * 42) ** 0.5, 6), 42]
+    assert rr.time_to_levels(curves, levels=dense)["levels"] == dense

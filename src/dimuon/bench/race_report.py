@@ -27,18 +27,23 @@ from dimuon.metrics.results import load_results, ok_entries, settings_key
 __all__ = [
     "Curve",
     "ablation_summary",
+    "dense_levels",
     "fd_change",
     "load_curves",
     "optimizer_summary",
     "plot_ablation",
     "plot_fd_vs_time",
     "plot_sample_grids",
+    "plot_time_to_levels",
     "plot_time_to_quality",
+    "quality_levels",
     "ranking",
     "reach",
+    "render_levels",
     "spread",
     "step_times",
     "target_fd",
+    "time_to_levels",
     "timed_by",
 ]
 
@@ -207,6 +212,48 @@ def ranking(summary: Mapping[str, Any]) -> list[str]:
     return [name for _, name in sorted(measured)]
 
 
+def quality_levels(curves: Sequence[Curve]) -> list[dict[str, float]]:
+    """The baseline's quality at each step it was evaluated at on every seed: the highest over its seeds of the
+    best FD so far (a quality every seed has reached by then). The last level is :func:`target_fd`."""
+    if not curves:
+        return []
+    steps = sorted(set.intersection(*(set(c.steps) for c in curves)))
+    return [{"step": s, "fd": max(min(f for st, f in zip(c.steps, c.fds) if st <= s) for c in curves)} for s in steps]
+
+
+def dense_levels(levels: Sequence[Mapping[str, float]], n: int = 12) -> list[dict[str, float]]:
+    """``n`` FD levels spaced evenly in log FD from the first of ``levels`` to the last (for a smooth plot; the
+    crossings in between are interpolated as every crossing is)."""
+    if len(levels) < 2:
+        return [dict(lv) for lv in levels]
+    hi, lo = levels[0]["fd"], levels[-1]["fd"]
+    return [{"step": None, "fd": hi * (lo / hi) ** (i / (n - 1))} for i in range(n)]
+
+
+def time_to_levels(curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE,
+                   levels: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Per optimizer, the time to each of the baseline's :func:`quality_levels` after its first evaluation (which
+    every run reaches by then at the latest, so it measures nothing): the spread over seeds, how many seeds got
+    there, how many only at their first evaluation (``bounded``: an upper bound), the ratio of the mean to the
+    baseline's own. Where along the way an optimizer is ahead, beyond the one level time to quality names.
+    ``levels`` (e.g. :func:`dense_levels`) replaces the evaluation levels."""
+    levels = list(quality_levels(curves.get(baseline, []))[1:] if levels is None else levels)
+    table: dict[str, list[dict[str, Any]]] = {}
+    for name, cs in curves.items():
+        table[name] = []
+        for level in levels:
+            reached = [reach(c, level["fd"]) for c in cs]
+            table[name].append({**level, "time_s": spread([r["time_s"] for r in reached]),
+                                "steps": spread([r["step"] for r in reached]),
+                                "reached": sum(r["reached"] for r in reached),
+                                "bounded": sum(r["bounded"] for r in reached), "seeds": len(cs)})
+    for rows in table.values():
+        for row, base in zip(rows, table.get(baseline, [])):
+            b, v = base["time_s"]["mean"], row["time_s"]["mean"]
+            row["ratio"] = v / b if v is not None and b and row["reached"] == row["seeds"] else None
+    return {"baseline": baseline, "levels": levels, "optimizers": table}
+
+
 def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
     """Per entry and lr of an ablation record: final FD, opt ms and spectral share over its seeds."""
     out: dict[str, Any] = {}
@@ -305,6 +352,29 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
     ax.set_xlim(0, max((s["time_to_target_s"]["max"] or 0) for _, s in rows) * 1.6 or 1)
     ax.grid(True, axis="x", alpha=0.3)
     _title(ax, title)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def plot_time_to_levels(levels: Mapping[str, Any], path: Path, title: str = "",
+                        time_basis: str = "run medians") -> Path | None:
+    """Training time to each of the baseline's quality levels, one line per optimizer (mean over seeds; a level
+    some seed never reached is left out), FD falling to the right: where each optimizer is ahead."""
+    plt = _pyplot()
+    if not levels["levels"]:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rows in levels["optimizers"].items():
+        shown = [r for r in rows if r["reached"] == r["seeds"] and r["time_s"]["mean"] is not None]
+        if shown:
+            ax.plot([r["fd"] for r in shown], [r["time_s"]["mean"] for r in shown], "o-", ms=3, label=name)
+    ax.invert_xaxis()
+    ax.set_xlabel(f"FD to reach (lower is better), from {levels['baseline']}'s at its second evaluation to its best")
+    ax.set_ylabel("\n".join(textwrap.wrap(f"training time to it (s): {TIME_BASES[time_basis]}", 50)))
+    ax.grid(True, alpha=0.3)
+    _title(ax, title)
+    ax.legend(fontsize=8)
     save_figure_atomic(fig, path, **SAVE_KWARGS)
     plt.close(fig)
     return path
@@ -417,6 +487,26 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
                      _pm(s["time_to_target_s"], ".0f") + reached, _ratio(s["time_to_target_s_ratio"]),
                      _pm(s["steps_to_target"], ".0f")])
     return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])
+
+
+def render_levels(levels: Mapping[str, Any]) -> str:
+    """Time to each of the baseline's quality levels as a Markdown table: mean seconds, the ratio to the baseline
+    (``<=`` where some seed got there at its first evaluation: an upper bound) and, where some seed never got
+    there, how many did."""
+    from dimuon.bench.report import format_markdown_table
+
+    headers = ["optimizer", *(f"FD {lv['fd']:.2f} ({levels['baseline']} step {lv['step']})" for lv in levels["levels"])]
+    rows = []
+    for name, cells in levels["optimizers"].items():
+        row = [name]
+        for c in cells:
+            if c["reached"] < c["seeds"]:
+                row.append(f"{c['reached']} of {c['seeds']} seeds" if c["reached"] else "never")
+            else:
+                bound = "<=" if c["bounded"] else ""
+                row.append(f"{bound}{c['time_s']['mean']:.0f} s ({bound}{_ratio(c['ratio'])}x)")
+        rows.append(row)
+    return format_markdown_table(headers, rows, [i > 0 for i in range(len(headers))])
 
 
 def render_ablation(summary: Mapping[str, Any]) -> str:
