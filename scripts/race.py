@@ -197,7 +197,8 @@ def step_time(args: argparse.Namespace) -> int:
 
 
 def inception(args: argparse.Namespace) -> int:
-    """Every ``seeds`` run's last checkpoint in Inception space, then the per-optimizer summary."""
+    """Every ``seeds`` run's last checkpoint in Inception space (one evaluation at a time with ``--jobs`` x
+    ``--threads`` threads; one already scored is not scored again), then the per-optimizer summary."""
     record_path = args.out / "seeds" / "results.json"
     if not record_path.is_file():
         raise SystemExit(f"race: {record_path} is missing: run --part seeds first")
@@ -208,7 +209,7 @@ def inception(args: argparse.Namespace) -> int:
         run_dir = args.out / "seeds" / "runs" / r["name"]
         cmd = [sys.executable, "-m", "dimuon.cli", "eval", "--run", str(run_dir), "--features", "inception",
                "--num-samples", samples, "--sample-steps", steps, "--every", "1000000", "--threads",
-               str(args.threads), "--no-progress"]
+               str(args.jobs * args.threads), "--no-progress"]  # one at a time, with every job's threads
         print("$ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, check=False).returncode != 0:
             return 1
