@@ -50,9 +50,9 @@ from pathlib import Path
 
 MAIN = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp")
 MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks of 4 FSDP ranks
-# Widened where the first sweep's best lr sat on an edge (PeriodicRowMuon at 3e-3, MuonBP at 1e-3)
+# Widened where a sweep's best lr sat on an edge (PeriodicRowMuon at 3e-3; MuonBP at 1e-3, then at 1e-2)
 SWEEP_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "periodic_row_muon": (1e-3, 3e-3, 1e-2, 2e-2),
-             "muon_bp": (3e-4, 1e-3, 3e-3, 1e-2)}
+             "muon_bp": (3e-4, 1e-3, 3e-3, 1e-2, 2e-2)}
 SWEEP_DEFAULT_LRS = (3e-3, 1e-2, 2e-2)
 
 

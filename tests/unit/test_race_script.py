@@ -54,7 +54,7 @@ def test_sweep_brackets_each_optimizer_and_gives_muon_bp_its_blocks(race, tmp_pa
     assert cmd[cmd.index("--steps") + 1] == "2000" and flags(cmd, "--seeds") == ["0"]
     assert flags(cmd, "--optimizers") == list(race.MAIN)
     assert flags(cmd, "--lr-grid") == ["adamw=0.001,0.003,0.01", "periodic_row_muon=0.001,0.003,0.01,0.02",
-                                       "muon_bp=0.0003,0.001,0.003,0.01"]
+                                       "muon_bp=0.0003,0.001,0.003,0.01,0.02"]
     assert flags(cmd, "--train-args-of") == ["muon_bp=--optim.blocks 4"]
     assert cmd[cmd.index("--eval.cache-dir") + 1] == str(tmp_path / "feature_cache") and "--report-only" not in cmd
     assert race.main(["--part", "sweep", "--out", str(tmp_path), "--report-only"]) == 0
