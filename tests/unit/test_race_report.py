@@ -151,3 +151,15 @@ def test_time_to_each_of_adamws_quality_levels():
     dense = rr.dense_levels(got["levels"], n=3)
     assert [round(lv["fd"], 6) for lv in dense] == [70, round((70 * 42) ** 0.5, 6), 42]
     assert rr.time_to_levels(curves, levels=dense)["levels"] == dense
+
+
+def test_the_frontier_plot_takes_seeds_whose_mean_lands_an_ulp_outside_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dimuon.bench.quality_report import plot_fd_frontier
+
+    share = 0.1  # three equal shares whose float mean exceeds each of them
+    assert sum([share] * 3) / 3 > share
+    summary = {"muon": {"fd": 30.0, "fd_min": 30.0, "fd_max": 30.0, "spectral_fraction": sum([share] * 3) / 3,
+                        "runs": ["a", "b", "c"]}}
+    rows = [{"name": n, "optimizer": "muon", "status": "ok", "fd": 30.0, "spectral_fraction": share} for n in "abc"]
+    assert plot_fd_frontier(summary, rows, tmp_path / "f.png", cost="spectral_fraction").is_file()

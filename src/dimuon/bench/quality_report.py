@@ -244,8 +244,10 @@ def plot_fd_frontier(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str
         colours[base] = line.get_color()
         for n, s in mine:
             seen = [r[cost] for r in rows if r["name"] in s["runs"] and r[cost] is not None] or [s[cost]]
-            ax.errorbar(s[cost], s["fd"], xerr=[[s[cost] - min(seen)], [max(seen) - s[cost]]],
-                        yerr=[[s["fd"] - s["fd_min"]], [s["fd_max"] - s["fd"]]], color=line.get_color(), alpha=0.5,
+            # a mean of equal values can land an ulp outside them: clamp, matplotlib refuses negative bars
+            ax.errorbar(s[cost], s["fd"], xerr=[[max(0.0, s[cost] - min(seen))], [max(0.0, max(seen) - s[cost])]],
+                        yerr=[[max(0.0, s["fd"] - s["fd_min"])], [max(0.0, s["fd_max"] - s["fd"])]],
+                        color=line.get_color(), alpha=0.5,
                         lw=1, capsize=2)
             label = n.split(VARIANT_SEPARATOR, 1)[1] if VARIANT_SEPARATOR in n else ""
             if label:
