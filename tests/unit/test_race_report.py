@@ -163,3 +163,21 @@ def test_the_frontier_plot_takes_seeds_whose_mean_lands_an_ulp_outside_them(tmp_
                         "runs": ["a", "b", "c"]}}
     rows = [{"name": n, "optimizer": "muon", "status": "ok", "fd": 30.0, "spectral_fraction": share} for n in "abc"]
     assert plot_fd_frontier(summary, rows, tmp_path / "f.png", cost="spectral_fraction").is_file()
+
+
+def test_error_bars_clamp_a_mean_an_ulp_outside_its_values():
+    from dimuon.metrics.plots import error_bars
+
+    mean = sum([0.1] * 3) / 3
+    (below, above) = error_bars([mean, 5.0], [0.1, 4.0], [0.1, 7.0])
+    assert mean > 0.1 and above == [0.0, 2.0]  # the bar above the mean would be an ulp negative
+    assert below == [mean - 0.1, 1.0] and error_bars([0.1], [mean], [mean]) == [[0.0], [mean - 0.1]]
+
+
+def test_time_to_quality_bars_take_seeds_timed_alike(tmp_path):
+    pytest.importorskip("matplotlib")
+    t = sum([0.1] * 3) / 3  # three seeds bounded at the same evaluation: equal times, a mean an ulp above
+    summary = {"target_fd": 40.0, "optimizers": {"muon": {
+        "time_to_target_s": {"mean": t, "min": 0.1, "max": 0.1, "n": 3}, "seeds": [0, 1, 2], "reached_target": 3,
+        "steps_to_target": {"mean": 500.0}, "time_to_target_s_ratio": 0.5}}}
+    assert rr.plot_time_to_quality(summary, tmp_path / "t.png").is_file()

@@ -21,7 +21,7 @@ from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.eval.compare import compare_runs
 from dimuon.io import RunLayout, read_jsonl, save_figure_atomic
 from dimuon.log import get_logger
-from dimuon.metrics.plots import SAVE_KWARGS
+from dimuon.metrics.plots import SAVE_KWARGS, error_bars
 from dimuon.metrics.results import METRICS, describe_settings, summarize
 
 log = get_logger(__name__)
@@ -244,10 +244,8 @@ def plot_fd_frontier(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str
         colours[base] = line.get_color()
         for n, s in mine:
             seen = [r[cost] for r in rows if r["name"] in s["runs"] and r[cost] is not None] or [s[cost]]
-            # a mean of equal values can land an ulp outside them: clamp, matplotlib refuses negative bars
-            ax.errorbar(s[cost], s["fd"], xerr=[[max(0.0, s[cost] - min(seen))], [max(0.0, max(seen) - s[cost])]],
-                        yerr=[[max(0.0, s["fd"] - s["fd_min"])], [max(0.0, s["fd_max"] - s["fd"])]],
-                        color=line.get_color(), alpha=0.5,
+            ax.errorbar(s[cost], s["fd"], xerr=error_bars([s[cost]], [min(seen)], [max(seen)]),
+                        yerr=error_bars([s["fd"]], [s["fd_min"]], [s["fd_max"]]), color=line.get_color(), alpha=0.5,
                         lw=1, capsize=2)
             label = n.split(VARIANT_SEPARATOR, 1)[1] if VARIANT_SEPARATOR in n else ""
             if label:

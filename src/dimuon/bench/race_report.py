@@ -21,7 +21,7 @@ from typing import Any
 
 from dimuon.bench.quality_report import BASELINE
 from dimuon.io import RunLayout, save_figure_atomic
-from dimuon.metrics.plots import SAVE_KWARGS, fd_axes
+from dimuon.metrics.plots import SAVE_KWARGS, error_bars, fd_axes
 from dimuon.metrics.results import load_results, ok_entries, settings_key
 
 __all__ = [
@@ -340,7 +340,7 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
             ax.text(0, i, "  not reached", va="center", fontsize=8)
             continue
         ax.barh(i, t["mean"], color=f"C{i}", alpha=0.8)
-        ax.errorbar(t["mean"], i, xerr=[[t["mean"] - t["min"]], [t["max"] - t["mean"]]], color="black", capsize=3)
+        ax.errorbar(t["mean"], i, xerr=error_bars([t["mean"]], [t["min"]], [t["max"]]), color="black", capsize=3)
         ratio = f"{s['time_to_target_s_ratio']:.2f}x AdamW" if s.get("time_to_target_s_ratio") else ""
         missing = f", {seeds - s['reached_target']} of {seeds} seeds never" if s["reached_target"] < seeds else ""
         ax.text(t["max"], i, f"  {_seconds(t['mean'])}, {s['steps_to_target']['mean']:.0f} steps {ratio}{missing}",
@@ -401,9 +401,9 @@ def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float |
                 continue
             label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
             xs, fds = [x for x, _ in mine], [s["fd"] for _, s in mine]
-            (line,) = ax.plot(xs, [f["mean"] for f in fds], "o-", label=label or None)
-            ax.errorbar(xs, [f["mean"] for f in fds], yerr=[[f["mean"] - f["min"] for f in fds],
-                                                            [f["max"] - f["mean"] for f in fds]],
+            means = [f["mean"] for f in fds]
+            (line,) = ax.plot(xs, means, "o-", label=label or None)
+            ax.errorbar(xs, means, yerr=error_bars(means, [f["min"] for f in fds], [f["max"] for f in fds]),
                         fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
             every_fd += [f["min"] for f in fds] + [f["max"] for f in fds]
     if categories:

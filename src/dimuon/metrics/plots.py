@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dimuon.io import save_figure_atomic
 from dimuon.metrics.results import ok_entries
 
-__all__ = ["SAVE_KWARGS", "fd_axes", "plot_series"]
+__all__ = ["SAVE_KWARGS", "error_bars", "fd_axes", "plot_series"]
 
 # How every FD figure is written (PNG).
 SAVE_KWARGS: dict[str, Any] = {"dpi": 120, "bbox_inches": "tight"}
+
+
+def error_bars(centres: Sequence[float], lows: Sequence[float], highs: Sequence[float]) -> list[list[float]]:
+    """Matplotlib's ``xerr``/``yerr`` for bars from each low to each high around each centre; a mean of equal
+    values can land an ulp outside them, so the lengths are clamped at 0 (matplotlib refuses negative ones)."""
+    return [[max(0.0, c - lo) for c, lo in zip(centres, lows)], [max(0.0, hi - c) for c, hi in zip(centres, highs)]]
 
 
 def fd_axes(ax: Any, fds: list[float]) -> None:
