@@ -293,12 +293,14 @@ def report(args: argparse.Namespace) -> int:
         spec = ABLATIONS[part]
         points = {f"{spec.base}/{label}": (x, line) for label, (x, line, _) in spec.variants.items()}
         outputs.append(rr.plot_ablation(summary, points, dest / f"fd_vs_{part}.png", spec.xlabel,
-                                        f"{task}: final FD of {spec.base}, mean over seeds", spec.log_x))
+                                        f"{task}: {spec.base}'s final FD and EMA validation loss, mean over seeds "
+                                        "and whiskers from the lowest to the highest", spec.log_x))
         if part == "k":
             for lr in {lr for by_lr in summary.values() for lr in by_lr}:
                 for a, b in ((2, 3), (3, 4)):
-                    k_costs.setdefault(lr, {})[f"K={a}->{b}"] = rr.fd_change(
-                        summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr)
+                    k_costs.setdefault(lr, {})[f"K={a}->{b}"] = {
+                        key: rr.relative_change(summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr, key)
+                        for key in rr.ABLATION_METRICS}
     for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
     result = {"benchmark": "race", "task": task, "feature_space": space, "main_part": main_part,
@@ -357,8 +359,9 @@ def render(result: dict) -> str:
     for part, summary in result["ablations"].items():
         lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", "", rr.render_ablation(summary)]
     for lr, costs in result["k_costs"].items():
-        cells = ", ".join(f"{k}: {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in costs.items())
-        lines += ["", f"FD cost of a longer period at lr {lr}: {cells}."]
+        cells = "; ".join(f"{k}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {'-' if v is None else f'{100 * v:+.1f}%'}"
+                                                for key, v in change.items()) for k, change in costs.items())
+        lines += ["", f"Cost of a longer period at lr {lr} (change of the means over seeds): {cells}."]
     return "\n".join(lines)
 
 

@@ -84,15 +84,16 @@ def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_opti
 
 
 def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
-    rows = [row("k2-s0", "prm/k2", 0.01, 0, 30), row("k2-s1", "prm/k2", 0.01, 1, 32),
-            row("k3-s0", "prm/k3", 0.01, 0, 33), row("k3-s1", "prm/k3", 0.01, 1, 33),
+    rows = [row("k2-s0", "prm/k2", 0.01, 0, 30), row("k2-s1", "prm/k2", 0.01, 1, 32, val_loss_ema=0.21),
+            row("k3-s0", "prm/k3", 0.01, 0, 33, val_loss_ema=0.21), row("k3-s1", "prm/k3", 0.01, 1, 33, val_loss_ema=0.21),
             row("k3-half", "prm/k3", 0.005, 0, 40), {**row("k4-s0", "prm/k4", 0.01, 0, None), "status": "failed"}]
     summary = rr.ablation_summary(record(rows, {"prm/k2": {}, "prm/k3": {}, "prm/k4": {}}))
     assert summary["prm/k3"]["0.01"]["fd"]["mean"] == 33 and summary["prm/k3"]["0.005"]["seeds"] == [0]
     assert summary["prm/k4"]["0.01"]["fd"]["n"] == 0
-    assert rr.fd_change(summary, "prm/k2", "prm/k3", "0.01") == pytest.approx(33 / 31 - 1)
-    assert rr.fd_change(summary, "prm/k3", "prm/k4", "0.01") is None
-    assert "prm/k3 | 0.005 | 1 | 40.00" in rr.render_ablation(summary)
+    assert rr.relative_change(summary, "prm/k2", "prm/k3", "0.01") == pytest.approx(33 / 31 - 1)
+    assert rr.relative_change(summary, "prm/k3", "prm/k4", "0.01") is None
+    assert rr.relative_change(summary, "prm/k2", "prm/k3", "0.01", "val_loss_ema") == pytest.approx(0.21 / 0.205 - 1)
+    assert "prm/k3 | 0.005 | 1 | 40.00 | 0.2000 |" in rr.render_ablation(summary)
 
 
 def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):

@@ -153,14 +153,14 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     assert got["main"]["time_basis"] == "side by side" and (dest / "step.json").is_file()
     assert got["curves"]["muon"][0]["step_ms"] == 120.0
     assert got["main_part"] == "seeds" and got["sweep"] is None and got["main"]["target_fd"] == 55
-    assert got["k_costs"]["0.01"]["K=2->3"] == pytest.approx(33 / 31 - 1)
-    assert got["k_costs"]["0.01"]["K=3->4"] == pytest.approx(36 / 33 - 1)
+    assert got["k_costs"]["0.01"]["K=2->3"]["fd"] == pytest.approx(33 / 31 - 1)
+    assert got["k_costs"]["0.01"]["K=3->4"] == {"fd": pytest.approx(36 / 33 - 1), "val_loss_ema": 0.0}
     assert len(got["curves"]["muon"]) == 2
     for name in ("fd_vs_time.png", "time_to_quality.png", "time_to_levels.png", "samples.png", "fd_vs_k.png",
                  "seeds.json", "k.json"):
         assert (dest / name).is_file(), name
     md = (dest / "race.md").read_text()
-    assert "9.00 (8.00..10.00)" in md and "K=2->3: +6.5%" in md
+    assert "9.00 (8.00..10.00)" in md and "K=2->3: FD +6.5%, EMA val loss +0.0%" in md
     assert "measured side by side" in md and "`dimuon bench step --x`" in md
     assert "### Time to each of AdamW's quality levels" in md and "| FD 55.00 (adamw step 1000) |" in md
     assert got["long"]["steps"] == 2000 and got["long"]["target_fd"] == 30 and (dest / "fd_vs_time_long.png").is_file()

@@ -25,10 +25,10 @@ from dimuon.metrics.plots import SAVE_KWARGS, error_bars, fd_axes
 from dimuon.metrics.results import load_results, ok_entries, settings_key
 
 __all__ = [
+    "ABLATION_METRICS",
     "Curve",
     "ablation_summary",
     "dense_levels",
-    "fd_change",
     "load_curves",
     "optimizer_summary",
     "plot_ablation",
@@ -39,6 +39,7 @@ __all__ = [
     "quality_levels",
     "ranking",
     "reach",
+    "relative_change",
     "render_levels",
     "spread",
     "step_times",
@@ -255,22 +256,28 @@ def time_to_levels(curves: Mapping[str, Sequence[Curve]], baseline: str = BASELI
 
 
 def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Per entry and lr of an ablation record: final FD, opt ms and spectral share over its seeds."""
+    """Per entry and lr of an ablation record: final FD, EMA validation loss, opt ms and spectral share over its
+    seeds (the loss resolves what 500-sample FD's seed noise hides)."""
     out: dict[str, Any] = {}
     for name in record["optimizers"]:
         for lr in sorted({r["lr"] for r in record["runs"] if r["optimizer"] == name}):
             rows = [r for r in record["runs"] if r["optimizer"] == name and r["lr"] == lr and r["status"] == "ok"]
             out.setdefault(name, {})[f"{lr:g}"] = {
                 "seeds": [r["seed"] for r in rows],
-                **{key: spread([r.get(key) for r in rows]) for key in ("fd", "opt_ms", "spectral_fraction")},
+                **{key: spread([r.get(key) for r in rows])
+                   for key in ("fd", "val_loss_ema", "opt_ms", "spectral_fraction")},
             }
     return out
 
 
-def fd_change(summary: Mapping[str, Any], before: str, after: str, lr: str) -> float | None:
-    """Relative change of mean final FD from entry ``before`` to ``after`` at ``lr`` (0.028: 2.8% worse)."""
-    a = summary.get(before, {}).get(lr, {}).get("fd", {}).get("mean")
-    b = summary.get(after, {}).get(lr, {}).get("fd", {}).get("mean")
+ABLATION_METRICS = {"fd": "FD", "val_loss_ema": "EMA val loss"}
+
+
+def relative_change(summary: Mapping[str, Any], before: str, after: str, lr: str, key: str = "fd") -> float | None:
+    """Relative change of the mean ``key`` (final FD, EMA val loss) from entry ``before`` to ``after`` at ``lr``
+    (0.028: 2.8% worse)."""
+    a = summary.get(before, {}).get(lr, {}).get(key, {}).get("mean")
+    b = summary.get(after, {}).get(lr, {}).get(key, {}).get("mean")
     return b / a - 1.0 if a and b is not None else None
 
 
@@ -382,8 +389,9 @@ def plot_time_to_levels(levels: Mapping[str, Any], path: Path, title: str = "",
 
 def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float | str, str]], path: Path,
                   xlabel: str, title: str = "", log_x: bool = False) -> Path | None:
-    """Final FD of an ablation: ``points`` maps each entry to its x value and the line it belongs to (one line
-    per line name and lr); means over seeds joined, whiskers over seeds. String x values are categories."""
+    """Final FD (left) and EMA validation loss (right) of an ablation: ``points`` maps each entry to its x value
+    and the line it belongs to (one line per line name and lr); means over seeds joined, whiskers over seeds.
+    String x values are categories."""
     plt = _pyplot()
     placed = [(name, *points[name], lr, s) for name, by_lr in summary.items() if name in points
               for lr, s in by_lr.items() if s["fd"]["mean"] is not None]
@@ -391,33 +399,40 @@ def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float |
         return None
     categories = list(dict.fromkeys(x for _, x, *_ in placed if isinstance(x, str)))
     lrs = {lr for *_, lr, _ in placed}
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    every_fd: list[float] = []
-    for line_name in dict.fromkeys(ln for _, _, ln, _, _ in placed):
-        for lr in sorted(lrs, key=float):
-            mine = sorted(((categories.index(x) if isinstance(x, str) else x, s) for _, x, ln, lr_, s in placed
-                           if ln == line_name and lr_ == lr), key=lambda p: p[0])
-            if not mine:
-                continue
-            label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
-            xs, fds = [x for x, _ in mine], [s["fd"] for _, s in mine]
-            means = [f["mean"] for f in fds]
-            (line,) = ax.plot(xs, means, "o-", label=label or None)
-            ax.errorbar(xs, means, yerr=error_bars(means, [f["min"] for f in fds], [f["max"] for f in fds]),
-                        fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
-            every_fd += [f["min"] for f in fds] + [f["max"] for f in fds]
-    if categories:
-        ax.set_xticks(range(len(categories)), categories, fontsize=8)
-    if log_x:
-        ax.set_xscale("log")
-        ax.set_xticks([x for _, x, *_ in placed if not isinstance(x, str)],
-                      [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)])
-    ax.set_xlabel(xlabel)
-    fd_axes(ax, every_fd)
-    ax.set_ylabel("final FD (lower is better)")
-    _title(ax, title)
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key in zip(axes, ABLATION_METRICS, strict=True):
+        every: list[float] = []
+        for line_name in dict.fromkeys(ln for _, _, ln, _, _ in placed):
+            for lr in sorted(lrs, key=float):
+                mine = sorted(((categories.index(x) if isinstance(x, str) else x, s[key])
+                               for _, x, ln, lr_, s in placed
+                               if ln == line_name and lr_ == lr and s.get(key, {}).get("mean") is not None),
+                              key=lambda p: p[0])
+                if not mine:
+                    continue
+                label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
+                xs, values = [x for x, _ in mine], [v for _, v in mine]
+                means = [v["mean"] for v in values]
+                (line,) = ax.plot(xs, means, "o-", label=label or None)
+                ax.errorbar(xs, means, yerr=error_bars(means, [v["min"] for v in values], [v["max"] for v in values]),
+                            fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
+                every += [v["min"] for v in values] + [v["max"] for v in values]
+        if categories:
+            ax.set_xticks(range(len(categories)), categories, fontsize=8)
+        if log_x:
+            ax.set_xscale("log")
+            ax.set_xticks([x for _, x, *_ in placed if not isinstance(x, str)],
+                          [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)])
+        ax.set_xlabel(xlabel)
+        if key == "fd":
+            fd_axes(ax, every)
+        else:
+            ax.grid(True, alpha=0.3)
+        ax.set_ylabel(f"final {ABLATION_METRICS[key]} (lower is better)")
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle("\n".join(textwrap.wrap(title, 130)), fontsize=9)
     save_figure_atomic(fig, path, **SAVE_KWARGS)
     plt.close(fig)
     return path
@@ -513,7 +528,8 @@ def render_ablation(summary: Mapping[str, Any]) -> str:
     """An ablation as a Markdown table: one row per entry and lr."""
     from dimuon.bench.report import format_markdown_table
 
-    headers = ["entry", "lr", "seeds", "final FD", "spectral steps", "opt ms/step"]
-    rows = [[name, lr, len(s["seeds"]), _pm(s["fd"]), _pm(s["spectral_fraction"], ".3f"), _pm(s["opt_ms"], ".1f")]
+    headers = ["entry", "lr", "seeds", "final FD", "EMA val loss", "spectral steps", "opt ms/step"]
+    rows = [[name, lr, len(s["seeds"]), _pm(s["fd"]), _pm(s["val_loss_ema"], ".4f"), _pm(s["spectral_fraction"], ".3f"),
+             _pm(s["opt_ms"], ".1f")]
             for name, by_lr in summary.items() for lr, s in by_lr.items()]
     return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])
