@@ -208,7 +208,7 @@ def inception(args: argparse.Namespace) -> int:
     for r in runs:
         run_dir = args.out / "seeds" / "runs" / r["name"]
         cmd = [sys.executable, "-m", "dimuon.cli", "eval", "--run", str(run_dir), "--features", "inception",
-               "--num-samples", samples, "--sample-steps", steps, "--every", "1000000", "--threads",
+               "--num-samples", samples, "--sample-steps", steps, "--latest", "--threads",
                str(args.jobs * args.threads), "--no-progress"]  # one at a time, with every job's threads
         print("$ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, check=False).returncode != 0:

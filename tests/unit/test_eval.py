@@ -174,6 +174,8 @@ def test_select_every_kth_checkpoint_and_always_the_latest() -> None:
     assert [s for s, _ in select_checkpoints(ckpts, 2)] == [10, 30, 50]
     assert [s for s, _ in select_checkpoints(ckpts, 3)] == [10, 40, 50]
     assert select_checkpoints([], 2) == []
+    assert select_checkpoints(ckpts, 1, latest=True) == [(50, Path("step_50"))]
+    assert select_checkpoints([], 1, latest=True) == []
     with pytest.raises(ValueError):
         select_checkpoints(ckpts, 0)
 
@@ -199,6 +201,7 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
         "--features",
         "--dinov2-weights",
         "--every",
+        "--latest",
         "--no-ema",
         "--compare",
     ):
@@ -221,6 +224,7 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
     assert main(["--run", ".", "--compare", "."]) == 2  # one mode at a time
     assert main(["--run", ".", "--features", "dinov2"]) == 2  # needs weights
     assert main(["--run", ".", "--num-samples", "1"]) == 2
+    assert main(["--run", ".", "--latest", "--every", "2"]) == 2  # one selection at a time
     assert "dimuon eval: error" in capsys.readouterr().err
 
 
@@ -333,6 +337,9 @@ def test_changed_settings_start_a_new_series(run_dir, cache_dir) -> None:
     assert len(results) == 2 and results[key0] == first  # the old series is untouched
     (key1,) = set(results) - {key0}
     assert results[key1]["settings"]["seed"] == 1
+    assert run_eval(run_dir, cache_dir, "--latest", "--seed", "2") == 0  # the latest checkpoint alone
+    (key2,) = set(load_results(run_dir / "eval" / "results.json")["evaluations"]) - {key0, key1}
+    assert [e["step"] for e in load_results(run_dir / "eval" / "results.json")["evaluations"][key2]["entries"]] == [30]
     assert [e["fd"] for e in first["entries"]] != [e["fd"] for e in results[key1]["entries"]]
     assert "seed 1" in (run_dir / "eval" / "results.md").read_text()
 

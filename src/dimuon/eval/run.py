@@ -54,6 +54,8 @@ class Config(EvalSettings):
     """Instead of evaluating: compare already-evaluated runs (FD vs step and vs active time, best FD)."""
     every: int = 1
     """Evaluate every K-th checkpoint in step order (always including the latest)."""
+    latest: bool = False
+    """Evaluate the latest checkpoint only (a run's final quality, e.g. in another feature space)."""
     device: str = "auto"
     """Device for sampling and features: auto (cuda if available), cpu, cuda, cuda:1, ..."""
     threads: int | None = None
@@ -68,10 +70,13 @@ class NoCheckpointsError(FileNotFoundError):
     """The run directory holds no complete checkpoint (yet)."""
 
 
-def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int) -> list[tuple[int, Path]]:
-    """Every `every`-th checkpoint in step order, plus the latest."""
+def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int,
+                       latest: bool = False) -> list[tuple[int, Path]]:
+    """Every `every`-th checkpoint in step order, plus the latest; with `latest`, the latest alone."""
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
+    if latest:
+        return list(checkpoints[-1:])
     chosen = [c for i, c in enumerate(checkpoints) if i % every == 0]
     if checkpoints and chosen[-1] != checkpoints[-1]:
         chosen.append(checkpoints[-1])
@@ -88,15 +93,16 @@ def active_time_from_metrics(run: Path, step: int) -> float | None:
     return None if best is None else best[1]
 
 
-def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1) -> dict[str, Any]:
-    """Evaluate every `every`-th checkpoint of the run (and the latest) into its series; counts and output paths.
+def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1, latest: bool = False) -> dict[str, Any]:
+    """Evaluate every `every`-th checkpoint of the run and the latest (with `latest`, the latest alone) into its
+    series; counts and output paths.
 
     Checkpoints already in the series are skipped; one that fails to load is recorded as failed and
     the others are evaluated. The evaluator is built from the first loadable checkpoint's data set.
     """
     run = evaluation.run
     listed = list_checkpoints(run)
-    checkpoints = select_checkpoints(listed, every)
+    checkpoints = select_checkpoints(listed, every, latest)
     if not checkpoints:
         raise NoCheckpointsError(f"no complete checkpoints under {RunLayout(run).checkpoints}")
     counts = {"evaluated": 0, "skipped": 0, "failed": 0}
@@ -176,6 +182,8 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--run {cfg.run}: no such directory")
     if cfg.every < 1:
         raise ValueError(f"--every must be >= 1, got {cfg.every}")
+    if cfg.latest and cfg.every != 1:
+        raise ValueError(f"pass --every {cfg.every} or --latest (the latest checkpoint alone), not both")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
     _check_writable("--run", RunLayout(cfg.run).eval, "the results directory")
@@ -208,7 +216,7 @@ def _run(cfg: Config) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     evaluation = RunEvaluation(cfg.run, cfg, cfg.device, cfg.progress)
-    summary = evaluate_checkpoints(evaluation, cfg.every)
+    summary = evaluate_checkpoints(evaluation, cfg.every, cfg.latest)
     if evaluation.key is not None:
         print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
     print(
