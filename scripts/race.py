@@ -75,9 +75,9 @@ ABLATIONS = {
                       {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
                       log_x=True, main="g0.15"),
     "bp": Ablation("muon_bp", "P: a full-matrix step every P steps, block steps between (4 blocks)",
-                   {f"p{p}-r{r:g}": (p, f"block lr ratio {r:g}",
+                   {f"p{p}_r{r:g}": (p, f"block lr ratio {r:g}",
                                      f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}")
-                    for p in (2, 5, 10) for r in (0.5, 1.0)}, main="p5-r1"),
+                    for p in (2, 5, 10) for r in (0.5, 1.0)}, main="p5_r1"),
     "ns": Ablation("muon", "Newton-Schulz variant of Muon",
                    {"quintic5": ("quintic 5", "", "--optim.ns-steps 5"),
                     "quintic4": ("quintic 4", "", "--optim.ns-steps 4"),

@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import tyro
 from tests.race_records import record, row, write_run
+
+from dimuon.bench.quality import check_config, expand_grid, join_flag_values
+from dimuon.bench.quality_config import Config as QualityConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
 
@@ -92,8 +96,21 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     assert longer[longer.index("--out") + 1] == str(tmp_path / "long")
     assert race.main(["--part", "bp", "--out", str(tmp_path)]) == 0
     bp = dict(a.split("=", 1) for a in flags(race.calls[-1], "--train-args-of"))
-    assert shlex.split(bp["muon_bp/p10-r0.5"]) == ["--optim.blocks", "4", "--optim.period", "10",
+    assert shlex.split(bp["muon_bp/p10_r0.5"]) == ["--optim.blocks", "4", "--optim.period", "10",
                                                     "--optim.block-lr-ratio", "0.5"]
+
+
+def test_every_parts_command_passes_the_quality_benchs_flag_checks(race, tmp_path):
+    """The commands are built here and checked there: a label or flag the bench rejects stops a part hours into
+    a race, so every part's command goes through ``dimuon bench quality``'s own parsing and checks."""
+    write_sweep(tmp_path, {name: (1e-2, [3e-3, 1e-2, 2e-2]) for name in race.MAIN})
+    for part in ("sweep", "seeds", "long", *race.ABLATIONS):
+        assert race.main(["--part", part, "--out", str(tmp_path)]) == 0
+        cmd = race.calls[-1]
+        assert cmd[1:5] == ["-m", "dimuon.cli", "bench", "quality"], cmd[:5]
+        cfg = tyro.cli(QualityConfig, args=join_flag_values(cmd[5:]))
+        check_config(cfg)  # raises FlagError naming the flag
+        assert len(expand_grid(cfg)) >= len(flags(cmd, "--optimizers")), part
 
 
 def test_step_times_the_race_side_by_side_once(race, tmp_path, capsys):
