@@ -11,6 +11,7 @@ import faulthandler
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,11 @@ def _worker(
     os.replace(tmp, Path(out_dir) / f"rank{rank}.pkl")
     dist.barrier()
     dist.destroy_process_group()
+    # torch's gloo backend can abort at interpreter exit once a DeviceMesh group existed ("terminate called
+    # without an active exception"), which mp.spawn reports as a crashed rank: a rank that finished leaves at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_gloo(
