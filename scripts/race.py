@@ -357,7 +357,11 @@ def render(result: dict) -> str:
             edge = " (on the grid's edge)" if s["on_edge"] else ""
             lines.append(f"- {name}: best lr {s['lr']:g}{edge}; {cells}")
     for part, summary in result["ablations"].items():
-        lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", "", rr.render_ablation(summary)]
+        best = "; ".join(f"lr {lr}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {name.split('/')[-1]}"
+                                                  for key, name in by_key.items())
+                         for lr, by_key in rr.best_entries(summary).items())
+        lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", "", rr.render_ablation(summary), "",
+                  f"Lowest mean over seeds: {best}."]
     for lr, costs in result["k_costs"].items():
         cells = "; ".join(f"{k}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {'-' if v is None else f'{100 * v:+.1f}%'}"
                                                 for key, v in change.items()) for k, change in costs.items())

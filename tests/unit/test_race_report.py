@@ -94,6 +94,8 @@ def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
     assert rr.relative_change(summary, "prm/k3", "prm/k4", "0.01") is None
     assert rr.relative_change(summary, "prm/k2", "prm/k3", "0.01", "val_loss_ema") == pytest.approx(0.21 / 0.205 - 1)
     assert "prm/k3 | 0.005 | 1 | 40.00 | 0.2000 |" in rr.render_ablation(summary)
+    assert rr.best_entries(summary) == {"0.01": {"fd": "prm/k2", "val_loss_ema": "prm/k2"},
+                                        "0.005": {"fd": "prm/k3", "val_loss_ema": "prm/k3"}}
 
 
 def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):

@@ -179,6 +179,7 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     md = (dest / "race.md").read_text()
     assert "9.00 (8.00..10.00)" in md and "K=2->3: FD +6.5%, EMA val loss +0.0%" in md
     assert "measured side by side" in md and "`dimuon bench step --x`" in md
+    assert "Lowest mean over seeds: lr 0.01: FD k2, EMA val loss k2." in md
     assert "### Time to each of AdamW's quality levels" in md and "| FD 55.00 (adamw step 1000) |" in md
     assert got["long"]["steps"] == 2000 and got["long"]["target_fd"] == 30 and (dest / "fd_vs_time_long.png").is_file()
     assert "at 1000 steps (main table) muon < adamw; at 2000 steps adamw < muon." in md
