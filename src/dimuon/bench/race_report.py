@@ -437,7 +437,7 @@ def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float |
             ax.set_xscale("log")
             ax.set_xticks([x for _, x, *_ in placed if not isinstance(x, str)],
                           [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)])
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel("\n".join(textwrap.wrap(xlabel, 52)))  # two panels side by side: long labels would meet
         if key == "fd":
             fd_axes(ax, every)
         else:
