@@ -427,7 +427,7 @@ def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float |
                 label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
                 xs, values = [x for x, _ in mine], [v for _, v in mine]
                 means = [v["mean"] for v in values]
-                (line,) = ax.plot(xs, means, "o-", label=label or None)
+                (line,) = ax.plot(xs, means, "o" if categories else "o-", label=label or None)  # categories: unjoined
                 ax.errorbar(xs, means, yerr=error_bars(means, [v["min"] for v in values], [v["max"] for v in values]),
                             fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
                 every += [v["min"] for v in values] + [v["max"] for v in values]
