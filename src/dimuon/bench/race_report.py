@@ -282,17 +282,16 @@ def relative_change(summary: Mapping[str, Any], before: str, after: str, lr: str
 
 
 def best_entries(summary: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """Per lr and metric (final FD, EMA val loss): the entry with the lowest mean over seeds (does the best gamma
-    move with the lr? do FD and the loss pick the same?)."""
-    best: dict[str, dict[str, tuple[float, str]]] = {}
-    for name, by_lr in summary.items():
-        for lr, s in by_lr.items():
-            for key in ABLATION_METRICS:
-                mean = s.get(key, {}).get("mean")
-                if mean is not None and (key not in best.get(lr, {}) or mean < best[lr][key][0]):
-                    best.setdefault(lr, {})[key] = (mean, name)
-    return {lr: {key: name for key, (_, name) in by_key.items()} for lr, by_key in sorted(best.items(),
-                                                                                       key=lambda x: -float(x[0]))}
+    """Per lr (highest first) and metric (final FD, EMA val loss): the entry with the lowest mean over seeds (does
+    the best gamma move with the lr? do FD and the loss pick the same?)."""
+    out: dict[str, dict[str, str]] = {}
+    for lr in sorted({lr for by_lr in summary.values() for lr in by_lr}, key=float, reverse=True):
+        for key in ABLATION_METRICS:
+            means = [(mean, name) for name, by_lr in summary.items()
+                     if (mean := by_lr.get(lr, {}).get(key, {}).get("mean")) is not None]
+            if means:
+                out.setdefault(lr, {})[key] = min(means, key=lambda m: m[0])[1]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
