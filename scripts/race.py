@@ -94,24 +94,36 @@ QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-s
          "--eval.num-samples", "40", "--eval.sample-steps", "2", "--eval.batch-size", "40"]
 
 
+def published(args: argparse.Namespace, name: str) -> Path | None:
+    """``<report-dir>/<name>`` where ``--report-dir`` is given and the file is there (a published copy)."""
+    path = args.report_dir / name if args.report_dir is not None else None
+    return path if path is not None and path.is_file() else None
+
+
 def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1) -> int:
     """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``), its output
-    streamed."""
+    streamed; the finished runs of the part's published record (``<report-dir>/<part>.json``) whose directories
+    are not here are kept from it, not trained again."""
     settings = list(QUICK if args.quick else FULL)
     settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
+    earlier = published(args, f"{part}.json")
     cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *settings, *flags,
            "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
            "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress",
-           *(["--report-only"] if args.report_only else [])]
+           *(["--keep-rows-of", str(earlier)] if earlier else []), *(["--report-only"] if args.report_only else [])]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
 
 def best_lrs(args: argparse.Namespace) -> dict[str, float]:
-    """Each optimizer's best lr from the sweep's record; an lr on its grid's edge is reported."""
+    """Each optimizer's best lr from the sweep's record (its published copy ``<report-dir>/sweep.json`` in a
+    checkout without the runs); an lr on its grid's edge is reported."""
     path = args.out / "sweep" / "results.json"
     if not path.is_file():
-        raise SystemExit(f"race: {path} is missing: run --part sweep first")
+        path = published(args, "sweep.json") or path
+    if not path.is_file():
+        raise SystemExit(f"race: {path} is missing: run --part sweep first (or pass --report-dir with its "
+                         "published sweep.json)")
     summary = json.loads(path.read_text(encoding="utf-8"))["optimizers"]
     missing = [name for name in MAIN if summary.get(name, {}).get("lr") is None]
     if missing:
@@ -248,46 +260,83 @@ def sweep_summary(record: dict) -> dict[str, dict]:
 
 def report(args: argparse.Namespace) -> int:
     """``<report-dir>``: the race's numbers (race.json, race.md), its plots and a copy of every part's record,
-    from whatever parts have finished (the main table from ``seeds``, or from ``sweep``'s seed 0 before it)."""
+    from whatever parts have finished (the main table from ``seeds``, or from ``sweep``'s seed 0 before it).
+
+    A checkout without some parts' runs (a fresh clone of the published report, say) takes those parts' records
+    from their copies in ``<report-dir>`` and the FD curves of runs whose directories are gone from the
+    published race.json; a plot that needs files no longer here (the sample grids) is kept as published."""
     from dimuon.bench import race_report as rr
     from dimuon.io import write_json_atomic, write_text_atomic
 
     dest = args.report_dir or args.out / "report"
-    records = {part: rec for part in ("sweep", "seeds", "long", *ABLATIONS)
-               if (rec := _record(args.out / part / "results.json")) is not None}
+    previous = _record(dest / "race.json") or {}
+    records, carried = {}, []
+    for part in ("sweep", "seeds", "long", *ABLATIONS):
+        rec = _record(args.out / part / "results.json")
+        if rec is None and (rec := _record(dest / f"{part}.json")) is not None:
+            carried.append(f"{part}.json")
+        if rec is not None:
+            records[part] = rec
     main_part = "seeds" if "seeds" in records else "sweep"
     if main_part not in records:
         raise SystemExit(f"race: no {args.out}/sweep/results.json yet: run --part sweep first")
     main_record = records[main_part]
     step_record = _record(args.out / "step" / "results.json")
+    if step_record is None and (step_record := _record(dest / "step.json")) is not None:
+        carried.append("step.json")
     times = rr.step_times(step_record)
-    curves, basis = rr.timed_by(rr.load_curves(main_record, args.out / main_part), times)
+    same_main = previous.get("main_part") == main_part
+    curves, filled = rr.fill_curves(rr.load_curves(main_record, args.out / main_part), main_record,
+                                    previous.get("curves", {}) if same_main else {})
+    curves, basis = rr.timed_by(curves, times)
     main = rr.optimizer_summary(main_record, curves, side_by_side=times if basis == "side by side" else None)
     inception = _record(args.out / "inception.json")
+    if inception is None and (inception := previous.get("inception")) is not None:
+        carried.append("race.json's Inception FDs")
     ablations = {part: rr.ablation_summary(rec) for part, rec in records.items() if part in ABLATIONS}
     c = main_record["config"]
     task = f"{c['model']} on {c['dataset']}, batch {c['batch_size']}, {c['steps']} steps"
     space = next((r["feature_space"] for r in main_record["runs"] if r.get("feature_space")), "?")
+
+    def kept(plot: Path | None, path: Path, missing: bool) -> Path | None:
+        """The plot just drawn, or the published one where files it needs are gone."""
+        if missing and path.is_file():
+            carried.append(path.name)
+            return path
+        return plot
+
     outputs = [rr.plot_fd_vs_time(curves, dest / "fd_vs_time.png", main["target_fd"],
                                   f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest",
                                   basis),
                rr.plot_time_to_quality(main, dest / "time_to_quality.png",
-                                       f"{task}: time to AdamW's quality (its worst seed's best FD)"),
-               rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples")]
+                                       f"{task}: time to AdamW's quality (its worst seed's best FD)")]
+    grids_gone = any(not (cs[0].grid and Path(cs[0].grid).is_file()) for cs in curves.values())
+    outputs.append(kept(None if grids_gone else rr.plot_sample_grids(
+        curves, dest / "samples.png", f"{task}: the last evaluation's samples"), dest / "samples.png", grids_gone))
     levels = rr.time_to_levels(curves)
     outputs.append(rr.plot_time_to_levels(rr.time_to_levels(curves, levels=rr.dense_levels(levels["levels"])),
                                           dest / "time_to_levels.png",
                                           f"{task}: time to each quality AdamW has reached on every seed", basis))
-    longer = None
+    longer, long_curves = None, {}
     if "long" in records:
-        long_curves, _ = rr.timed_by(rr.load_curves(records["long"], args.out / "long"), times)
-        longer = rr.optimizer_summary(records["long"], long_curves,
-                                      side_by_side=times if basis == "side by side" else None)
+        long_curves, long_filled = rr.fill_curves(rr.load_curves(records["long"], args.out / "long"),
+                                                  records["long"], previous.get("long_curves") or {})
+        long_curves, _ = rr.timed_by(long_curves, times)
+        filled += long_filled
         lc = records["long"]["config"]
-        outputs.append(rr.plot_fd_vs_time(long_curves, dest / "fd_vs_time_long.png", longer["target_fd"],
-                                          f"{lc['model']} on {lc['dataset']}, batch {lc['batch_size']}, "
-                                          f"{lc['steps']} steps (seed 0): FD in {space}", basis))
-        longer["steps"] = lc["steps"]
+        if long_curves or not previous.get("long"):
+            longer = rr.optimizer_summary(records["long"], long_curves,
+                                          side_by_side=times if basis == "side by side" else None)
+            longer["steps"] = lc["steps"]
+        else:  # published before its curves were: its summary and plot as they are
+            longer = previous["long"]
+            carried.append("race.json's long summary")
+        outputs.append(kept(rr.plot_fd_vs_time(long_curves, dest / "fd_vs_time_long.png", longer["target_fd"],
+                                               f"{lc['model']} on {lc['dataset']}, batch {lc['batch_size']}, "
+                                               f"{lc['steps']} steps (seed 0): FD in {space}", basis)
+                            if long_curves else None, dest / "fd_vs_time_long.png", not long_curves))
+    if filled:
+        carried.append(f"race.json's FD curves of {', '.join(filled)}")
     k_costs = {}
     for part, summary in ablations.items():
         spec = ABLATIONS[part]
@@ -308,13 +357,19 @@ def report(args: argparse.Namespace) -> int:
               "machine": main_record["machine"],
               "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
               "main": main, "levels": levels, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
-              "inception": inception, "long": longer, "ablations": ablations, "k_costs": k_costs,
+              "inception": inception, "long": longer,
+              "long_curves": {n: [c.to_dict() for c in cs] for n, cs in long_curves.items()},
+              "ablations": ablations, "ablation_machines": {part: rr.run_machines(records[part]) for part in ablations},
+              "k_costs": k_costs,
               "step_command": step_record["command"] if step_record and basis == "side by side" else None}
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
     write_json_atomic(dest / "race.json", result)
     write_text_atomic(dest / "race.md", render(result) + "\n")
     print(render(result), flush=True)
+    if carried:
+        print(f"race: taken as published in {dest} (their runs are not under {args.out}): {'; '.join(carried)}",
+              flush=True)
     print("wrote " + ", ".join(result["outputs"]), flush=True)
     return 0
 
@@ -360,8 +415,13 @@ def render(result: dict) -> str:
         best = "; ".join(f"lr {lr}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {name.split('/')[-1]}"
                                                   for key, name in by_key.items())
                          for lr, by_key in rr.best_entries(summary).items())
-        lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", "", rr.render_ablation(summary), "",
-                  f"Lowest mean over seeds: {best}."]
+        lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", ""]
+        machines = (result.get("ablation_machines") or {}).get(part) or {}
+        if set(machines) - {f"{m.get('cpu_model') or m.get('cuda') or '?'}, torch {m.get('torch') or '?'}"}:
+            where = "; ".join(f"{label} ({n} run{'s' * (n > 1)})" for label, n in machines.items()) if len(machines) > 1 else (
+                next(iter(machines)))
+            lines += [f"Measured on {where}, not the main race's machine.", ""]
+        lines += [rr.render_ablation(summary), "", f"Lowest mean over seeds: {best}."]
     for lr, costs in result["k_costs"].items():
         cells = "; ".join(f"{k}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {'-' if v is None else f'{100 * v:+.1f}%'}"
                                                 for key, v in change.items()) for k, change in costs.items())

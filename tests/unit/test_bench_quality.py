@@ -357,6 +357,45 @@ def test_report_only_rebuilds_the_record_from_the_runs_launching_nothing(tmp_pat
     assert record["optimizers"]["muon"]["lr"] == 1e-3 and (cfg.out / "results.json").is_file()
 
 
+def test_finished_rows_of_an_earlier_record_are_kept_where_their_runs_are_gone(tmp_path, fake_training, capsys):
+    """A published record in a fresh checkout: its finished runs are not trained again, the failed one is, a run
+    whose command differs is, and a run directory that is here wins over the record."""
+    cfg = tiny_config(tmp_path / "first", seeds=(0, 1))
+    first = quality.run(cfg)  # muon at 1e-2, seed 1 fails
+    published = tmp_path / "published.json"
+    earlier = {r["name"]: r for r in first["runs"]}
+    earlier["adamw-lr0.001-s1"]["command"] += " --ema-decay 0.5"  # trained otherwise: not this grid's run
+    published.write_text(json.dumps({**first, "runs": list(earlier.values())}))
+    fresh = tiny_config(tmp_path / "fresh", seeds=(0, 1), keep_rows_of=published)
+    fabricate_run(fresh, RunSpec("muon", 1e-3, 0))  # here already: read from its directory
+    fake_training.clear()
+    record = quality.run(fresh)
+    trained = sorted(spec_of(c).optimizer + f"-{spec_of(c).lr:g}-s{spec_of(c).seed}" for c in fake_training)
+    assert trained == ["adamw-0.001-s1", "muon-0.01-s1"]
+    assert "adamw-lr0.001-s1 of " in capsys.readouterr().err
+    rows = {r["name"]: r for r in record["runs"]}
+    kept = rows["adamw-lr0.01-s0"]
+    assert kept["action"] == "kept" and kept["kept_from"] == str(published) and kept["status"] == "ok"
+    assert kept["machine"] == first["machine"] and "machine" not in rows["adamw-lr0.001-s1"]
+    assert kept["fd"] == earlier["adamw-lr0.01-s0"]["fd"] and kept["run_dir"] == str(fresh.out / "runs" / kept["name"])
+    assert rows["muon-lr0.001-s0"]["action"] == "skipped" and rows["muon-lr0.01-s1"]["status"] == "failed"
+    assert record["optimizers"]["muon"]["lr"] == 1e-3 and record["optimizers"]["adamw"]["fd"] == 41.0
+    assert record["optimizers"]["adamw"]["target_active_time_s"] is None  # its runs are not here to compare
+    fake_training.clear()
+    again = {r["name"]: r for r in quality.run(replace(fresh, report_only=True))["runs"]}
+    assert fake_training == [] and again["adamw-lr0.01-s0"]["action"] == "kept"
+    assert again["adamw-lr0.001-s1"]["action"] == "skipped"  # trained in the fresh directory above
+
+
+@pytest.mark.parametrize("content, message", [(None, "cannot be read"), ("[1]", "not a dimuon bench quality record")])
+def test_keep_rows_of_must_be_a_record(tmp_path, content, message):
+    path = tmp_path / "earlier.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(quality.FlagError, match=f"--keep-rows-of: .*{message}"):
+        quality.check_config(tiny_config(tmp_path / "b", keep_rows_of=path))
+
+
 def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, optimizers=("muon", "periodic_row_muon/k2", "periodic_row_muon/k4"), lrs=(1e-2,),
                       train_args_of=("periodic_row_muon/k2=--optim.k 2", "periodic_row_muon/k4=--optim.k 4"))

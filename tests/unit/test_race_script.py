@@ -185,6 +185,54 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     assert "at 1000 steps (main table) muon < adamw; at 2000 steps adamw < muon." in md
 
 
+def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(race, tmp_path, capsys):
+    """Only ``<report-dir>`` survives (a clone of the published report): the parts take the best lrs and the
+    finished runs from its records, and the report keeps every published number while adding a new part."""
+    pytest.importorskip("matplotlib")
+    test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path / "first")
+    dest = tmp_path / "first" / "published"
+    before = json.loads((dest / "race.json").read_text())
+    md_before = (dest / "race.md").read_text()
+    samples = (dest / "samples.png").read_bytes()
+    (dest / "sweep.json").write_text(json.dumps({"optimizers": {
+        name: {"lr": 1e-2, "lrs_tried": [3e-3, 1e-2, 2e-2]} for name in race.MAIN}}))
+    fresh = tmp_path / "fresh"
+    assert race.main(["--part", "k", "--out", str(fresh), "--report-dir", str(dest)]) == 0
+    cmd = race.calls[-1]
+    assert flags(cmd, "--keep-rows-of") == [str(dest / "k.json")] and flags(cmd, "--lrs") == ["0.01"]
+    assert race.main(["--part", "gamma", "--out", str(fresh), "--report-dir", str(dest)]) == 0
+    assert "--keep-rows-of" not in race.calls[-1]  # nothing of it published yet
+    (dest / "sweep.json").unlink()
+
+    g_rows = [row(f"g{g}-s{s}", f"periodic_row_muon/g{g:g}", 0.01, s, fd)
+              for g, fds in {0.1: (30, 31), 0.15: (29, 33)}.items() for s, fd in enumerate(fds)]
+    (fresh / "gamma").mkdir(parents=True)
+    (fresh / "gamma" / "results.json").write_text(json.dumps({
+        **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
+        "machine": {"cpu_model": "other cpu", "torch": "2"}}))
+    capsys.readouterr()
+    assert race.main(["--part", "report", "--out", str(fresh), "--report-dir", str(dest)]) == 0
+    out = capsys.readouterr().out
+    assert "taken as published" in out and "seeds.json" in out and "FD curves of adamw, muon" in out
+    got = json.loads((dest / "race.json").read_text())
+    for key in ("main", "levels", "curves", "inception", "long", "k_costs", "step_command"):
+        assert got[key] == before[key], key
+    assert (dest / "samples.png").read_bytes() == samples and str(dest / "samples.png") in got["outputs"]
+    assert (dest / "fd_vs_gamma.png").is_file() and (dest / "gamma.json").is_file()
+    md = (dest / "race.md").read_text()
+    assert md.startswith(md_before.split("## Ablation")[0])
+    assert "Measured on other cpu, torch 2, not the main race's machine." in md
+    assert "Lowest mean over seeds: lr 0.01: FD g0.1, EMA val loss g0.1." in md
+    assert md.count("Measured on") == 1  # the k ablation ran on the main race's machine
+    g_rows[0]["machine"] = {"cpu_model": "cpu", "torch": "2"}  # kept from a record of the main race's machine
+    (fresh / "gamma" / "results.json").write_text(json.dumps({
+        **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
+        "machine": {"cpu_model": "other cpu", "torch": "2"}}))
+    assert race.main(["--part", "report", "--out", str(fresh), "--report-dir", str(dest)]) == 0
+    md = (dest / "race.md").read_text()
+    assert "Measured on cpu, torch 2 (1 run); other cpu, torch 2 (3 runs), not the main race's machine." in md
+
+
 def test_report_needs_a_sweep_or_seeds_record(race, tmp_path):
     with pytest.raises(SystemExit, match=r"no .*sweep/results\.json yet"):
         race.main(["--part", "report", "--out", str(tmp_path)])

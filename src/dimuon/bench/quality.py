@@ -34,13 +34,21 @@ from dimuon.bench.quality_report import (
     add_ratios,
     compare_best,
     eval_settings_of,
+    kept_row,
     optimizer_summary,
     plot_fd_frontier,
     plot_fd_vs_lr,
     render,
     run_row,
 )
-from dimuon.bench.quality_runs import eval_interval, inspect_run, run_grid, threads_per_run
+from dimuon.bench.quality_runs import (
+    eval_interval,
+    inspect_run,
+    kept_rows,
+    load_record,
+    run_grid,
+    threads_per_run,
+)
 from dimuon.bench.report import machine_info, named_values
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS
@@ -189,6 +197,11 @@ def check_config(cfg: Config) -> None:
         reason = None if path is None else unwritable_reason(path)
         if reason is not None:
             raise FlagError(f"{flag} {path} cannot be written: {reason}")
+    if cfg.keep_rows_of is not None:
+        try:
+            load_record(cfg.keep_rows_of)
+        except ValueError as exc:
+            raise FlagError(f"--keep-rows-of: {exc}") from None
     train_args_of(cfg)
     expand_grid(cfg)
 
@@ -224,8 +237,13 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"dimuon bench quality: note: {note}", file=sys.stderr)
     specs = expand_grid(cfg)
     extra = train_args_of(cfg)
-    outcomes = [inspect_run(cfg, s) for s in specs] if cfg.report_only else run_grid(cfg, specs, extra)
-    rows = [run_row(cfg, o, extra[o.spec.optimizer]) for o in outcomes]
+    kept, retrained = kept_rows(cfg, specs, extra)
+    for note in retrained:
+        print(f"dimuon bench quality: note: {note}", file=sys.stderr)
+    todo = [s for s in specs if s.name not in kept]
+    outcomes = [inspect_run(cfg, s) for s in todo] if cfg.report_only else run_grid(cfg, todo, extra)
+    made = {o.spec.name: run_row(cfg, o, extra[o.spec.optimizer]) for o in outcomes}
+    rows = [kept_row(cfg, s, kept[s.name], extra[s.optimizer]) if s.name in kept else made[s.name] for s in specs]
     summary = optimizer_summary(rows, cfg.optimizers)
     compared = compare_best(cfg, summary)
     add_ratios(summary)

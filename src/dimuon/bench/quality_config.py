@@ -72,6 +72,10 @@ class Config:
     report_only: bool = False
     """Launch nothing: rebuild results.json/.md and the plots from the run directories as they are (a grid
     still running elsewhere, say); unfinished runs are listed as such."""
+    keep_rows_of: Path | None = None
+    """An earlier results.json of this grid (a published copy, say): a finished run of it whose directory is
+    not here is kept from it rather than trained again, where its dimuon train command is this grid's (the
+    interpreter, --out and --eval.cache-dir aside). Delete the row there to train such a run again."""
 
 
 VARIANT_SEPARATOR = "/"  # --optimizers NAME/LABEL: optimizer NAME under its own label

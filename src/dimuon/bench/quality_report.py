@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dimuon.bench.quality_config import VARIANT_SEPARATOR, Config, base_optimizer, run_directory
+from dimuon.bench.quality_config import VARIANT_SEPARATOR, Config, RunSpec, base_optimizer, run_directory
 from dimuon.bench.quality_runs import LOG_NAME, Outcome, find_series, series_entries, train_command
 from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.eval.compare import compare_runs
@@ -117,6 +117,15 @@ def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, An
     }
 
 
+def kept_row(cfg: Config, spec: RunSpec, earlier: dict[str, Any], extra: Sequence[str]) -> dict[str, Any]:
+    """A finished run's row kept from ``cfg.keep_rows_of`` (its directory is not here): what it reached and cost
+    as recorded there, where it would live and the command it was trained with as this grid spells them."""
+    run_dir = run_directory(cfg, spec)
+    return {**earlier, "action": "kept", "error": None, "kept_from": str(cfg.keep_rows_of), "train_s": 0.0,
+            "run_dir": str(run_dir), "log": str(run_dir / LOG_NAME),
+            "command": shlex.join(train_command(cfg, spec, extra)), "launched": None}
+
+
 # --------------------------------------------------------------------------------------------------
 # Summarizing
 # --------------------------------------------------------------------------------------------------
@@ -173,8 +182,9 @@ def add_ratios(summary: dict[str, dict[str, Any]], baseline: str = BASELINE) -> 
 
 
 def compare_best(cfg: Config, summary: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """``dimuon eval --compare`` of every best-lr run into ``<out>/best_lr``; adds time to the target FD."""
-    runs = [cfg.out / "runs" / name for s in summary.values() for name in s["runs"]]
+    """``dimuon eval --compare`` of every best-lr run here into ``<out>/best_lr`` (a row kept from an earlier
+    record has no directory to compare); adds time to the target FD where every seed's run is here."""
+    runs = [path for s in summary.values() for name in s["runs"] if (path := cfg.out / "runs" / name).is_dir()]
     if not runs:
         return None
     try:
@@ -184,7 +194,7 @@ def compare_best(cfg: Config, summary: dict[str, dict[str, Any]]) -> dict[str, A
         return None
     reached = {Path(r["run"]).name: r["summary"] for r in record["runs"]}
     for s in summary.values():
-        times = [reached[n]["target_active_time_s"] for n in s["runs"]]
+        times = [reached[n]["target_active_time_s"] if n in reached else None for n in s["runs"]]
         s["target_active_time_s"] = statistics.fmean(times) if times and None not in times else None
     return record
 

@@ -145,6 +145,51 @@ def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
     return f"{run_dir} holds a run with {', '.join(diff)}; use another --out or delete that directory"
 
 
+# ``dimuon train`` flags whose value is a path, which differs between checkouts of the same grid
+PATH_FLAGS = ("--out", "--eval.cache-dir")
+
+
+def comparable_command(command: str) -> list[str]:
+    """A run's ``dimuon train`` command (shell-quoted) as two checkouts of the same grid spell it alike: without
+    the interpreter and with the values of :data:`PATH_FLAGS` blanked."""
+    tokens = shlex.split(command)[1:]
+    return ["<path>" if flag in PATH_FLAGS else token for flag, token in zip([None, *tokens], tokens)]
+
+
+def kept_rows(cfg: Config, specs: Sequence[RunSpec], extra: dict[str, list[str]]) -> tuple[dict[str, dict], list[str]]:
+    """The rows of ``cfg.keep_rows_of`` kept rather than trained again: finished runs of that record whose
+    directory is not here (nothing of theirs but a log), each trained with this grid's command, with the machine
+    it trained on; and a note per finished run left out because its command differs."""
+    if cfg.keep_rows_of is None:
+        return {}, []
+    record = load_record(cfg.keep_rows_of)
+    earlier = {r["name"]: {**r, "machine": r.get("machine") or record.get("machine")}  # where it trained
+               for r in record["runs"] if r.get("status") == "ok"}
+    kept: dict[str, dict] = {}
+    notes = []
+    for spec in specs:
+        row = earlier.get(spec.name)
+        if row is None or run_mode(run_directory(cfg, spec), cfg.eval, cfg.steps) != "new":
+            continue
+        want = comparable_command(shlex.join(train_command(cfg, spec, extra[spec.optimizer])))
+        if comparable_command(row.get("command") or "") != want:
+            notes.append(f"{spec.name} of {cfg.keep_rows_of} is trained again: it was trained with another command")
+            continue
+        kept[spec.name] = row
+    return kept, notes
+
+
+def load_record(path: Path) -> dict[str, Any]:
+    """A ``dimuon bench quality`` record (results.json); ValueError naming the file when it is not one."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be read as a results.json: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+        raise ValueError(f"{path} is not a dimuon bench quality record (it has no list of runs)")
+    return record
+
+
 def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     """The last ``lines`` lines of a log file (empty if it does not exist)."""
     if not path.is_file():

@@ -29,6 +29,7 @@ __all__ = [
     "Curve",
     "ablation_summary",
     "dense_levels",
+    "fill_curves",
     "load_curves",
     "optimizer_summary",
     "plot_ablation",
@@ -41,6 +42,7 @@ __all__ = [
     "reach",
     "relative_change",
     "render_levels",
+    "run_machines",
     "spread",
     "step_times",
     "target_fd",
@@ -115,6 +117,26 @@ def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
         if found:
             curves[name] = found
     return curves
+
+
+def fill_curves(found: Mapping[str, Sequence[Curve]], record: Mapping[str, Any],
+                published: Mapping[str, Sequence[Mapping[str, Any]]]) -> tuple[dict[str, list[Curve]], list[str]]:
+    """``found`` (:func:`load_curves`), with an optimizer's published curves (a race.json's ``curves``) in place
+    of its own where some of its best-lr runs' directories are gone and the published ones are of exactly those
+    runs; and the optimizers so filled. A fresh checkout of a published race rebuilds its report this way."""
+    out: dict[str, list[Curve]] = {}
+    filled = []
+    for name, summary in record["optimizers"].items():
+        want = sorted(r["name"] for r in record["runs"]
+                      if r["optimizer"] == name and r["status"] == "ok" and r["lr"] == summary.get("lr"))
+        mine = list(found.get(name, []))
+        earlier = [Curve(**c) for c in published.get(name, [])]
+        if want and sorted(c.name for c in mine) != want and sorted(c.name for c in earlier) == want:
+            mine = sorted(earlier, key=lambda c: (c.lr, c.seed))
+            filled.append(name)
+        if mine:
+            out[name] = mine
+    return out, filled
 
 
 def step_times(record: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
@@ -268,6 +290,20 @@ def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
                    for key in ("fd", "val_loss_ema", "opt_ms", "spectral_fraction")},
             }
     return out
+
+
+def run_machines(record: Mapping[str, Any]) -> dict[str, int]:
+    """How many finished runs of a record trained on each machine (CPU model, or GPU): the record's own, or a
+    kept row's (``dimuon bench quality --keep-rows-of``); runs without a recorded machine are not counted."""
+    counts: dict[str, int] = {}
+    for r in record["runs"]:
+        if r["status"] == "ok":
+            m = r.get("machine") or record.get("machine")
+            if not m:
+                continue  # not recorded
+            label = f"{m.get('cpu_model') or m.get('cuda') or '?'}, torch {m.get('torch') or '?'}"
+            counts[label] = counts.get(label, 0) + 1
+    return counts
 
 
 ABLATION_METRICS = {"fd": "FD", "val_loss_ema": "EMA val loss"}
