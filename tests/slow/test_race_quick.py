@@ -41,3 +41,17 @@ def test_quick_race_runs_its_parts(tmp_path):
     for name in ("fd_vs_time.png", "fd_vs_time_long.png", "time_to_quality.png", "samples.png", "fd_vs_k.png",
                  "race.md"):
         assert (tmp_path / "report" / name).is_file(), name
+
+    # A fresh checkout holds only the published report: the best lrs, the finished runs and the report's numbers
+    # come from it, and nothing trains again.
+    fresh, published = tmp_path / "fresh", tmp_path / "report"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--part", "k", "--quick", "--out", str(fresh),
+                           "--report-dir", str(published)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kept = json.loads((fresh / "k" / "results.json").read_text())
+    assert {r["action"] for r in kept["runs"]} == {"kept"} and not (fresh / "k" / "runs").exists()
+    md = (published / "race.md").read_text()
+    done = subprocess.run([sys.executable, str(SCRIPT), "--part", "report", "--quick", "--out", str(fresh),
+                           "--report-dir", str(published)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "taken as published" in done.stdout and (published / "race.md").read_text() == md
