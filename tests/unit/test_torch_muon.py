@@ -37,20 +37,32 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> N
 
 def test_matches_dimuon_muon_with_bf16_newton_schulz() -> None:
     """Both orthogonalize in bf16: a first step agrees to bf16 rounding on the matrices and to float rounding on the
-    AdamW groups; after three steps (the rounding now in the gradients too) everything agrees to bf16 rounding."""
+    AdamW groups. After three steps the rounding is in the gradients too, and how much depends on the CPU's bf16
+    matmul (AMX units or an fp32 fallback), so the matrices' bound is measured here: the two bf16 optimizers must
+    agree with each other much better than dimuon's bf16 Muon agrees with its fp32 Muon."""
     start = tiny_model()
-    ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
+    ours, theirs, exact = copy.deepcopy(start), copy.deepcopy(start), copy.deepcopy(start)
     opt_ours = build("muon", ours, lr=1e-2, ns_dtype=torch.bfloat16)
     opt_theirs = build("torch_muon", theirs, lr=1e-2)
+    opt_exact = build("muon", exact, lr=1e-2, ns_dtype=torch.float32)
     algorithm = {name: g["algorithm"] for g in param_groups(start) for name, _ in g["params"]}
     assert set(algorithm.values()) == {"muon", "adamw"}
-    for steps, bound in ((range(1), {"muon": 3e-2, "adamw": 1e-5}), (range(1, 3), {"muon": 5e-2, "adamw": 5e-2})):
-        train_steps(ours, opt_ours, steps)
-        train_steps(theirs, opt_theirs, steps)
-        for (name, p0), a, b in zip(start.named_parameters(), ours.parameters(), theirs.parameters()):
-            step_ours, step_theirs = a.detach() - p0.detach(), b.detach() - p0.detach()
-            rel = ((step_ours - step_theirs).norm() / step_theirs.norm()).item()
-            assert rel < bound[algorithm[name]], (steps, name, rel)
+
+    def rel(a: torch.Tensor, b: torch.Tensor, p0: torch.Tensor) -> float:
+        """Relative difference of the two runs' total updates of one parameter."""
+        step_a, step_b = a.detach() - p0.detach(), b.detach() - p0.detach()
+        return ((step_a - step_b).norm() / step_b.norm()).item()
+
+    for steps, bound in ((range(1), {"muon": 3e-2, "adamw": 1e-5}), (range(1, 3), {"muon": None, "adamw": 5e-2})):
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs), (exact, opt_exact)):
+            train_steps(model, opt, steps)
+        for (name, p0), a, b, c in zip(start.named_parameters(), ours.parameters(), theirs.parameters(),
+                                       exact.parameters()):
+            limit = bound[algorithm[name]]
+            if limit is None:  # a bf16 rounding's worth, as this CPU rounds: 0.45 of it on an AVX2-only CPU
+                limit = 0.6 * rel(a, c, p0)
+                assert limit > 1e-3, (name, "bf16 and fp32 Newton-Schulz agree too well to tell anything apart")
+            assert rel(a, b, p0) < limit, (steps, name, rel(a, b, p0), limit)
 
 
 def test_inner_optimizers_share_the_listed_groups() -> None:
