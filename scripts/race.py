@@ -417,9 +417,9 @@ def render(result: dict) -> str:
                          for lr, by_key in rr.best_entries(summary).items())
         lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", ""]
         machines = (result.get("ablation_machines") or {}).get(part) or {}
-        if set(machines) - {f"{m.get('cpu_model') or m.get('cuda') or '?'}, torch {m.get('torch') or '?'}"}:
-            where = "; ".join(f"{label} ({n} run{'s' * (n > 1)})" for label, n in machines.items()) if len(machines) > 1 else (
-                next(iter(machines)))
+        if set(machines) - {rr.machine_label(m)}:
+            where = (next(iter(machines)) if len(machines) == 1 else
+                     "; ".join(f"{label} ({n} run{'s' * (n > 1)})" for label, n in machines.items()))
             lines += [f"Measured on {where}, not the main race's machine.", ""]
         lines += [rr.render_ablation(summary), "", f"Lowest mean over seeds: {best}."]
     for lr, costs in result["k_costs"].items():

@@ -30,7 +30,9 @@ __all__ = [
     "ablation_summary",
     "dense_levels",
     "fill_curves",
+    "finished_rows",
     "load_curves",
+    "machine_label",
     "optimizer_summary",
     "plot_ablation",
     "plot_fd_vs_time",
@@ -101,6 +103,12 @@ def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path
                  str(grid) if grid.is_file() else None)
 
 
+def finished_rows(record: Mapping[str, Any], name: str, lr: float | None = None) -> list[dict[str, Any]]:
+    """The finished runs of one optimizer of a record (at ``lr`` where given)."""
+    return [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"
+            and (lr is None or r["lr"] == lr)]
+
+
 def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
                 best_lr_only: bool = True) -> dict[str, list[Curve]]:
     """Per optimizer of a ``dimuon bench quality`` record, the FD curves of its finished runs (at its best lr
@@ -110,8 +118,7 @@ def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
     if not settings:
         return curves
     for name, summary in record["optimizers"].items():
-        rows = [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"
-                and (not best_lr_only or r["lr"] == summary["lr"])]
+        rows = finished_rows(record, name, summary["lr"] if best_lr_only else None)
         found = [c for c in (_curve(r, settings, record_dir) for r in sorted(rows, key=lambda r: (r["lr"], r["seed"])))
                  if c is not None]
         if found:
@@ -127,8 +134,7 @@ def fill_curves(found: Mapping[str, Sequence[Curve]], record: Mapping[str, Any],
     out: dict[str, list[Curve]] = {}
     filled = []
     for name, summary in record["optimizers"].items():
-        want = sorted(r["name"] for r in record["runs"]
-                      if r["optimizer"] == name and r["status"] == "ok" and r["lr"] == summary.get("lr"))
+        want = sorted(r["name"] for r in finished_rows(record, name, summary.get("lr"))) if summary.get("lr") else []
         mine = list(found.get(name, []))
         earlier = [Curve(**c) for c in published.get(name, [])]
         if want and sorted(c.name for c in mine) != want and sorted(c.name for c in earlier) == want:
@@ -283,7 +289,7 @@ def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in record["optimizers"]:
         for lr in sorted({r["lr"] for r in record["runs"] if r["optimizer"] == name}):
-            rows = [r for r in record["runs"] if r["optimizer"] == name and r["lr"] == lr and r["status"] == "ok"]
+            rows = finished_rows(record, name, lr)
             out.setdefault(name, {})[f"{lr:g}"] = {
                 "seeds": [r["seed"] for r in rows],
                 **{key: spread([r.get(key) for r in rows])
@@ -301,9 +307,14 @@ def run_machines(record: Mapping[str, Any]) -> dict[str, int]:
             m = r.get("machine") or record.get("machine")
             if not m:
                 continue  # not recorded
-            label = f"{m.get('cpu_model') or m.get('cuda') or '?'}, torch {m.get('torch') or '?'}"
+            label = machine_label(m)
             counts[label] = counts.get(label, 0) + 1
     return counts
+
+
+def machine_label(machine: Mapping[str, Any]) -> str:
+    """A record's machine as its figures are tagged: the CPU model (or the GPU) and torch's version."""
+    return f"{machine.get('cpu_model') or machine.get('cuda') or '?'}, torch {machine.get('torch') or '?'}"
 
 
 ABLATION_METRICS = {"fd": "FD", "val_loss_ema": "EMA val loss"}
