@@ -6,7 +6,13 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 
 - ``sweep``: AdamW, ``torch.optim.Muon``, Muon, PeriodicRowMuon (K=3, gamma 0.15), MuonBP (P=5, the row blocks
   of 4 ranks) over an lr grid each, seed 0. A best lr on the edge of its grid is reported: widen the grid.
-- ``seeds``: every optimizer at its best lr from ``sweep`` with seeds 0, 1, 2 (seed 0's runs are the sweep's,
+- ``select``: the lr selection that can resolve the optimizers: every optimizer of ``sweep`` on one grid no
+  coarser than factors of 2 around the bests (3e-3, 5e-3, 1e-2, 2e-2) with seeds 0 and 1, the best lr the lowest
+  mean EMA validation loss over the seeds (its seed spread is below the gaps that FD's is not), reported flat
+  where a neighbour's seed range overlaps the best's. The runs ``sweep`` and ``seeds`` already trained there are
+  linked (or kept from their published records), not trained again. Once it exists, every later part takes its
+  best lrs from here rather than from the sweep's final FD of one seed.
+- ``seeds``: every optimizer at its best lr (``select``, else ``sweep``) with seeds 0, 1, 2 (seed 0's runs are the sweep's,
   linked, not retrained).
 - ``step``: each optimizer's training-step time on the race's model and batch, measured side by side in one
   ``dimuon bench step`` (one process, ``--threads`` threads, three runs each taken in rounds, nothing else
@@ -54,6 +60,9 @@ MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks 
 SWEEP_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "periodic_row_muon": (1e-3, 3e-3, 1e-2, 2e-2),
              "muon_bp": (3e-4, 1e-3, 3e-3, 1e-2, 2e-2)}
 SWEEP_DEFAULT_LRS = (3e-3, 1e-2, 2e-2)
+# The selection's grid: factors of at most 2 around every optimizer's best of the sweep (by loss or by FD)
+SELECT_LRS = (3e-3, 5e-3, 1e-2, 2e-2)
+SELECT_SEEDS = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ ABLATIONS = {
 }
 ABLATION_SEEDS = (0, 1)
 LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
-PARTS = ("sweep", "seeds", "step", "inception", "long", *ABLATIONS, "report")
+PARTS = ("sweep", "select", "seeds", "step", "inception", "long", *ABLATIONS, "report")
 FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
         "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
 QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
@@ -100,39 +109,84 @@ def published(args: argparse.Namespace, name: str) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1) -> int:
+def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1,
+          keep_rows_of: list[str] | None = None) -> int:
     """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``), its output
     streamed; the finished runs of the part's published record (``<report-dir>/<part>.json``) whose directories
     are not here are kept from it, not trained again."""
     settings = list(QUICK if args.quick else FULL)
     settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
     earlier = published(args, f"{part}.json")
+    keep = keep_rows_of if keep_rows_of is not None else ["--keep-rows-of", str(earlier)] if earlier else []
     cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *settings, *flags,
            "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
            "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress",
-           *(["--keep-rows-of", str(earlier)] if earlier else []), *(["--report-only"] if args.report_only else [])]
+           *keep, *(["--report-only"] if args.report_only else [])]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
 
 def best_lrs(args: argparse.Namespace) -> dict[str, float]:
-    """Each optimizer's best lr from the sweep's record (its published copy ``<report-dir>/sweep.json`` in a
-    checkout without the runs); an lr on its grid's edge is reported."""
-    path = args.out / "sweep" / "results.json"
-    if not path.is_file():
-        path = published(args, "sweep.json") or path
-    if not path.is_file():
-        raise SystemExit(f"race: {path} is missing: run --part sweep first (or pass --report-dir with its "
-                         "published sweep.json)")
+    """Each optimizer's best lr: from the ``select`` part's record where there is one (it must be finished), else
+    from the sweep's (its published copy ``<report-dir>/<part>.json`` in a checkout without the runs); an lr on
+    its grid's edge is reported."""
+    chosen = args.out / "select" / "results.json"
+    if not chosen.is_file():
+        chosen = published(args, "select.json") or chosen
+    if chosen.is_file():
+        record = json.loads(chosen.read_text(encoding="utf-8"))
+        unfinished = [r["name"] for r in record["runs"] if r["status"] != "ok"]
+        if unfinished or len(record["runs"]) < len(MAIN) * len(SELECT_LRS) * len(SELECT_SEEDS):
+            raise SystemExit(f"race: the selection ({chosen}) is not finished ({len(unfinished)} runs unfinished "
+                             "or missing): run --part select again")
+        path = chosen
+    else:
+        path = args.out / "sweep" / "results.json"
+        if not path.is_file():
+            path = published(args, "sweep.json") or path
+        if not path.is_file():
+            raise SystemExit(f"race: {path} is missing: run --part sweep first (or pass --report-dir with its "
+                             "published sweep.json)")
+        print("race: note: best lrs from the sweep (seed 0); --part select chooses by the mean EMA validation loss "
+              "of 2 seeds", flush=True)
     summary = json.loads(path.read_text(encoding="utf-8"))["optimizers"]
     missing = [name for name in MAIN if summary.get(name, {}).get("lr") is None]
     if missing:
-        raise SystemExit(f"race: the sweep has no finished run of {missing}: run --part sweep again")
+        raise SystemExit(f"race: {path} has no finished run of {missing}: run its part again")
     for name in MAIN:
         lr, tried = summary[name]["lr"], summary[name]["lrs_tried"]
         if lr in (min(tried), max(tried)):
             print(f"race: warning: {name}'s best lr {lr:g} is on the edge of its grid {tried}: widen it", flush=True)
     return {name: summary[name]["lr"] for name in MAIN}
+
+
+def select(args: argparse.Namespace) -> int:
+    """The selection grid, seeds 0 and 1; the runs of ``sweep`` and ``seeds`` on it linked where they are here, or
+    kept from their published records (one merged record, ``<out>/select/earlier.json``), not trained again."""
+    runs = args.out / "select" / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    names = {f"{name}-lr{lr:g}-s{seed}" for name in MAIN for lr in SELECT_LRS for seed in SELECT_SEEDS}
+    for name in sorted(names):
+        for part in ("sweep", "seeds"):
+            link(runs / name, args.out / part / "runs" / name)
+    earlier: dict[str, dict] = {}
+    for part in ("select", "sweep", "seeds"):  # the selection's own published rows first
+        rec = _record(args.out / part / "results.json") if part != "select" else None
+        rec = rec or (_record(p) if (p := published(args, f"{part}.json")) else None)
+        for r in (rec or {}).get("runs", []):
+            if r["name"] in names and r.get("status") == "ok" and r["name"] not in earlier:
+                earlier[r["name"]] = {**r, "machine": r.get("machine") or rec.get("machine")}
+    keep = []
+    if earlier:
+        from dimuon.io import write_json_atomic
+
+        keep = ["--keep-rows-of", str(write_json_atomic(args.out / "select" / "earlier.json",
+                                                         {"runs": list(earlier.values())}))]
+    trained = args.only or MAIN
+    return bench(args, "select", ["--optimizers", *trained, "--lrs", *(f"{lr:g}" for lr in SELECT_LRS),
+                                  "--seeds", *map(str, SELECT_SEEDS), "--select-by", "val_loss_ema",
+                                  *(["--train-args-of", MUON_BP_BLOCKS] if "muon_bp" in trained else [])],
+                 keep_rows_of=keep)
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -271,7 +325,7 @@ def report(args: argparse.Namespace) -> int:
     dest = args.report_dir or args.out / "report"
     previous = _record(dest / "race.json") or {}
     records, carried = {}, []
-    for part in ("sweep", "seeds", "long", *ABLATIONS):
+    for part in ("sweep", "select", "seeds", "long", *ABLATIONS):
         rec = _record(args.out / part / "results.json")
         if rec is None and (rec := _record(dest / f"{part}.json")) is not None:
             carried.append(f"{part}.json")
@@ -356,6 +410,11 @@ def report(args: argparse.Namespace) -> int:
               "settings": QUICK if args.quick else FULL, "eval_settings": main_record["eval_settings"],
               "machine": main_record["machine"],
               "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
+              "selection": ({name: {**s["selection"], "machines": rr.run_machines(
+                  {"runs": [r for r in records["select"]["runs"] if r["optimizer"] == name],
+                   "machine": records["select"]["machine"]})}
+                             for name, s in records["select"]["optimizers"].items()}
+                            if "select" in records else None),
               "main": main, "levels": levels, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
               "inception": inception, "long": longer,
               "long_curves": {n: [c.to_dict() for c in cs] for n, cs in long_curves.items()},
@@ -411,6 +470,18 @@ def render(result: dict) -> str:
             cells = ", ".join(f"{lr}: {fd:.2f}" for lr, fd in sorted(s["fd_by_lr"].items(), key=lambda x: float(x[0])))
             edge = " (on the grid's edge)" if s["on_edge"] else ""
             lines.append(f"- {name}: best lr {s['lr']:g}{edge}; {cells}")
+    if result.get("selection"):
+        from dimuon.bench.quality_report import selection_lines
+
+        lines += ["", "## Learning-rate selection (select: lowest mean EMA validation loss over seeds 0 and 1)", "",
+                  "Per lr the mean (lowest..highest) over seeds; bold: the chosen lr. Flat: a neighbour's seed range "
+                  "overlaps the chosen one's, so the loss cannot tell them apart.", "",
+                  *selection_lines({n: {"selection": sel} for n, sel in result["selection"].items()})]
+        machines: dict[str, int] = {}
+        for sel in result["selection"].values():
+            for label, n in (sel.get("machines") or {}).items():
+                machines[label] = machines.get(label, 0) + n
+        lines += ["", "Trained on " + "; ".join(f"{label} ({n} runs)" for label, n in machines.items()) + "."]
     for part, summary in result["ablations"].items():
         best = "; ".join(f"lr {lr}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {name.split('/')[-1]}"
                                                   for key, name in by_key.items())
@@ -439,11 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="the parts' records rebuilt from their run directories, launching nothing (a part "
                              "still training elsewhere)")
+    parser.add_argument("--only", nargs="+", choices=MAIN, default=None,
+                        help="--part select: train these optimizers' runs first (their record alone; a later run "
+                             "without --only completes the part and its record)")
     parser.add_argument("--report-dir", type=Path, default=None,
                         help="where --part report writes (default: <out>/report)")
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        steps = {"sweep": sweep, "seeds": seeds, "step": step_time, "inception": inception, "long": long,
+        steps = {"sweep": sweep, "select": select, "seeds": seeds, "step": step_time, "inception": inception, "long": long,
                  "report": report}
         code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:

@@ -288,11 +288,19 @@ def test_best_lr_averages_seeds_and_ratios_use_adamw():
         {"optimizer": "muon", "lr": 1e-3, "seed": 0, "status": "failed", "fd": 1.0, "opt_ms": 5.0,
          "active_time_s": 10.0},
     ]
-    for i, r in enumerate(rows):
-        r.update(name=f"r{i}", best_fd=r["fd"], val_loss_ema=0.3, step_ms=1.0)
-    assert quality_report.best_lr(rows[:4]) == 1e-2  # mean 16 beats mean 20, though 1e-3 has the single best run
+    for i, (r, loss) in enumerate(zip(rows, (0.30, 0.34, 0.31, 0.31, 0.3, 0.1))):
+        r.update(name=f"r{i}", best_fd=r["fd"], val_loss_ema=loss, step_ms=1.0)
+    assert quality_report.best_lr(rows[:4], "fd") == 1e-2  # mean 16 beats mean 20, though 1e-3 has the best run
+    assert quality_report.best_lr(rows[:4]) == 1e-2  # by EMA loss (the default): mean 0.31 beats 0.32
+    rows[0]["val_loss_ema"] = 0.27
+    assert quality_report.best_lr(rows[:4]) == 1e-3 and quality_report.best_lr(rows[:4], "fd") == 1e-2
     assert quality_report.best_lr(rows[5:]) is None
-    summary = quality_report.optimizer_summary(rows, ("adamw", "muon", "muon_bp"))
+    sel = quality_report.selection(rows[:4], "val_loss_ema")
+    assert sel["best"] == 1e-3 and sel["on_edge"] and sel["flat_with"] == [1e-2]  # 0.27..0.34 overlaps 0.31
+    assert sel["lrs"]["0.001"] == {"mean": pytest.approx(0.305), "min": 0.27, "max": 0.34, "seeds": 2}
+    rows[1]["val_loss_ema"] = 0.28
+    assert quality_report.selection(rows[:4], "val_loss_ema")["flat_with"] == []  # 0.27..0.28 vs 0.31..0.31
+    summary = quality_report.optimizer_summary(rows, ("adamw", "muon", "muon_bp"), select_by="fd")
     quality_report.add_ratios(summary)
     assert summary["adamw"]["fd"] == 16.0 and summary["adamw"]["seeds"] == [0, 1]
     assert (summary["adamw"]["fd_min"], summary["adamw"]["fd_max"]) == (15.0, 17.0)

@@ -236,3 +236,35 @@ def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(rac
 def test_report_needs_a_sweep_or_seeds_record(race, tmp_path):
     with pytest.raises(SystemExit, match=r"no .*sweep/results\.json yet"):
         race.main(["--part", "report", "--out", str(tmp_path)])
+
+
+def test_select_trains_the_finer_grid_on_two_seeds_keeping_what_other_parts_trained(race, tmp_path, capsys):
+    published = tmp_path / "published"
+    published.mkdir()
+    sweep_rows = [row(f"{n}-lr{lr:g}-s0", n, lr, 0, 20.0, command="x") for n in race.MAIN for lr in (1e-3, 1e-2)]
+    seeds_rows = [row(f"{n}-lr0.01-s1", n, 1e-2, 1, 20.0, command="x") for n in race.MAIN]
+    (published / "sweep.json").write_text(json.dumps({**record(sweep_rows, {}), "machine": {"cpu_model": "A"}}))
+    (published / "seeds.json").write_text(json.dumps({**record(seeds_rows, {}), "machine": {"cpu_model": "B"}}))
+    (tmp_path / "out" / "seeds" / "runs" / "muon-lr0.02-s1").mkdir(parents=True)  # a run here is linked
+    assert race.main(["--part", "select", "--out", str(tmp_path / "out"), "--report-dir", str(published)]) == 0
+    assert (tmp_path / "out" / "select" / "runs" / "muon-lr0.02-s1").is_symlink()
+    cmd = race.calls[-1]
+    assert flags(cmd, "--lrs") == ["0.003", "0.005", "0.01", "0.02"] and flags(cmd, "--seeds") == ["0", "1"]
+    assert flags(cmd, "--select-by") == ["val_loss_ema"] and flags(cmd, "--optimizers") == list(race.MAIN)
+    earlier = json.loads(Path(flags(cmd, "--keep-rows-of")[0]).read_text())
+    kept = {r["name"]: r["machine"]["cpu_model"] for r in earlier["runs"]}
+    assert kept == {**{f"{n}-lr0.01-s0": "A" for n in race.MAIN}, **{f"{n}-lr0.01-s1": "B" for n in race.MAIN}}
+    cfg = tyro.cli(QualityConfig, args=join_flag_values(cmd[5:]))
+    check_config(cfg)
+    assert len(expand_grid(cfg)) == 5 * 4 * 2
+    # the later parts take their lrs from the selection once it is finished, and refuse an unfinished one
+    out = tmp_path / "out"
+    grid = [row(f"{n}-lr{lr:g}-s{s}", n, lr, s, 20.0) for n in race.MAIN for lr in race.SELECT_LRS for s in (0, 1)]
+    summary = {n: {"lr": 5e-3, "lrs_tried": list(race.SELECT_LRS)} for n in race.MAIN}
+    (out / "select" / "results.json").write_text(json.dumps(record(grid[:-1], summary)))
+    with pytest.raises(SystemExit, match=r"selection .* is not finished"):
+        race.main(["--part", "seeds", "--out", str(out)])
+    (out / "select" / "results.json").write_text(json.dumps(record(grid, summary)))
+    assert race.main(["--part", "seeds", "--out", str(out)]) == 0
+    assert flags(race.calls[-1], "--lr-grid") == [f"{n}=0.005" for n in race.MAIN]
+    assert "note: best lrs from the sweep" not in capsys.readouterr().out

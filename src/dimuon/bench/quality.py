@@ -4,7 +4,8 @@ Trains the same DiT on the same data once per (optimizer, learning rate, seed), 
 ``dimuon train`` process with in-training generation-quality evaluation (``--eval.*``), and puts
 what each run reached (FD, precision/recall/density/coverage, EMA validation loss) beside what it
 cost (optimizer milliseconds per step, step milliseconds, active training time). Per optimizer it
-takes the learning rate with the lowest final FD (mean over seeds) and sets it against AdamW's.
+takes the learning rate with the lowest mean EMA validation loss over seeds (``--select-by fd``: final FD)
+and sets it against AdamW's, and records how flat that choice is.
 
 Runs live in ``<out>/runs/<optimizer>-lr<lr>-s<seed>/`` with their output in ``train.log``. A rerun
 skips the finished runs (last step evaluated), resumes the interrupted ones from their newest
@@ -244,7 +245,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     outcomes = [inspect_run(cfg, s) for s in todo] if cfg.report_only else run_grid(cfg, todo, extra)
     made = {o.spec.name: run_row(cfg, o, extra[o.spec.optimizer]) for o in outcomes}
     rows = [kept_row(cfg, s, kept[s.name], extra[s.optimizer]) if s.name in kept else made[s.name] for s in specs]
-    summary = optimizer_summary(rows, cfg.optimizers)
+    summary = optimizer_summary(rows, cfg.optimizers, cfg.select_by)
     compared = compare_best(cfg, summary)
     add_ratios(summary)
     outputs = [cfg.out / "results.json", cfg.out / "results.md"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
@@ -72,6 +72,9 @@ class Config:
     report_only: bool = False
     """Launch nothing: rebuild results.json/.md and the plots from the run directories as they are (a grid
     still running elsewhere, say); unfinished runs are listed as such."""
+    select_by: Literal["val_loss_ema", "fd"] = "val_loss_ema"
+    """What chooses each optimizer's best lr: the lowest mean over seeds of the final EMA validation loss
+    (default: its seed spread is below the gaps between lrs) or of the final FD."""
     keep_rows_of: Path | None = None
     """An earlier results.json of this grid (a published copy, say): a finished run of it whose directory is
     not here is kept from it rather than trained again, where its dimuon train command is this grid's (the

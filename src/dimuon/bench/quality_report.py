@@ -136,27 +136,61 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def best_lr(rows: Sequence[dict[str, Any]]) -> float | None:
-    """The learning rate whose finished runs reach the lowest final FD on average over their seeds."""
-    by_lr: dict[float, list[float]] = {}
+SELECTION_METRICS = {"val_loss_ema": "EMA validation loss", "fd": "final FD"}
+"""What may choose a best lr (``--select-by``), with its name in reports."""
+
+
+def by_lr(rows: Sequence[dict[str, Any]], key: str) -> dict[float, list[float]]:
+    """The values of ``key`` of the finished runs, per learning rate (seeds in row order)."""
+    out: dict[float, list[float]] = {}
     for r in rows:
-        if r["status"] == "ok":
-            by_lr.setdefault(r["lr"], []).append(r["fd"])
-    return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else None
+        if r["status"] == "ok" and r.get(key) is not None:
+            out.setdefault(r["lr"], []).append(r[key])
+    return out
+
+
+def best_lr(rows: Sequence[dict[str, Any]], key: str = "val_loss_ema") -> float | None:
+    """The learning rate whose finished runs reach the lowest ``key`` on average over their seeds."""
+    values = by_lr(rows, key)
+    return min(values, key=lambda lr: statistics.fmean(values[lr])) if values else None
+
+
+def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """How one optimizer's lr was chosen: per lr tried the mean and range of ``key`` over seeds, the best lr,
+    whether it sits on the grid's edge, and the neighbours whose seed range overlaps the best's (a flat
+    choice: the metric cannot tell them apart)."""
+    values = by_lr(rows, key)
+    lrs = sorted(values)
+    best = best_lr(rows, key)
+    table = {f"{lr:g}": {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "seeds": len(v)}
+             for lr, v in sorted(values.items())}
+    flat = []
+    if best is not None:
+        i, b = lrs.index(best), table[f"{best:g}"]
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(lrs):
+                n = table[f"{lrs[j]:g}"]
+                if n["min"] <= b["max"] and b["min"] <= n["max"]:
+                    flat.append(lrs[j])
+    return {"by": key, "lrs": table, "best": best, "on_edge": best is not None and len(lrs) > 1
+            and best in (lrs[0], lrs[-1]), "flat_with": flat}
 
 
 SUMMARY_KEYS = ("fd", "best_fd", "val_loss_ema", "spectral_fraction", "opt_ms", "step_ms", "active_time_s")
 RATIO_KEYS = ("fd", "opt_ms", "active_time_s", "target_active_time_s")
 
 
-def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per optimizer, its finished runs at its best learning rate averaged over seeds."""
+def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str],
+                      select_by: str = "val_loss_ema") -> dict[str, dict[str, Any]]:
+    """Per optimizer, its finished runs at its best learning rate (lowest mean ``select_by``) averaged over
+    seeds, with how that lr was chosen."""
     summary: dict[str, dict[str, Any]] = {}
     for name in optimizers:
         mine = [r for r in rows if r["optimizer"] == name]
-        lr = best_lr(mine)
+        lr = best_lr(mine, select_by)
         chosen = [r for r in mine if r["lr"] == lr and r["status"] == "ok"]
         fds = [r["fd"] for r in chosen]
+        losses = [r["val_loss_ema"] for r in chosen if r.get("val_loss_ema") is not None]
         ms = [r["opt_ms"] for r in chosen if r["opt_ms"] is not None]
         summary[name] = {
             "lr": lr,
@@ -166,8 +200,11 @@ def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str])
             **{key: _mean(chosen, key) for key in SUMMARY_KEYS},
             "fd_min": min(fds) if fds else None,
             "fd_max": max(fds) if fds else None,
+            "val_loss_ema_min": min(losses) if losses else None,
+            "val_loss_ema_max": max(losses) if losses else None,
             "opt_ms_min": min(ms) if ms else None,
             "opt_ms_max": max(ms) if ms else None,
+            "selection": selection(mine, select_by),
         }
     return summary
 
@@ -331,6 +368,27 @@ def run_rows(record: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def selection_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per optimizer: the chooser's mean (lowest..highest over seeds) at every lr tried, the best
+    marked, whether it is on the grid's edge, and the neighbours it cannot be told apart from."""
+    lines = []
+    for name, s in summary.items():
+        sel = s.get("selection")
+        if not sel or sel["best"] is None:
+            continue
+        digits = ".4f" if sel["by"] == "val_loss_ema" else ".2f"
+        cells = ", ".join(
+            f"{'**' if float(lr) == sel['best'] else ''}{lr}: {v['mean']:{digits}}"
+            + (f" ({v['min']:{digits}}..{v['max']:{digits}}, {v['seeds']} seeds)" if v["seeds"] > 1 else " (1 seed)")
+            + ("**" if float(lr) == sel["best"] else "") for lr, v in sel["lrs"].items())
+        notes = (["on the grid's edge: widen it"] if sel["on_edge"] else []) + (
+            [f"flat: seed ranges overlap at {', '.join(f'{lr:g}' for lr in sel['flat_with'])}"]
+            if sel["flat_with"] else [])
+        lines.append(f"- {name}: best lr {sel['best']:g} by {SELECTION_METRICS[sel['by']]}"
+                     + (f" ({'; '.join(notes)})" if notes else "") + f"; {cells}")
+    return lines
+
+
 def render(record: dict[str, Any], markdown: bool = False) -> str:
     """The report: task and settings, the best-lr summary against AdamW, every run, the failures."""
     table = format_markdown_table if markdown else format_table
@@ -346,13 +404,17 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     if record["eval_settings"]:
         lines += ["", describe_settings(record["eval_settings"]) + "."]
     target = record.get("target_fd")
+    select_by = c.get("select_by", "fd")  # records before --select-by chose by FD
     lines += [
         "",
-        "Per optimizer at its best lr (lowest final FD, mean over seeds); x AdamW: ratio to AdamW at its best lr"
+        f"Per optimizer at its best lr (lowest {SELECTION_METRICS[select_by]}, mean over seeds); x AdamW: ratio to "
+        "AdamW at its best lr"
         + (f"; target FD {target:.3f}: the best FD of the worst best-lr run, reached by every one of them."
            if target is not None else "."),
         "",
         table(SUMMARY_HEADERS, summary_rows(record), _right(SUMMARY_HEADERS, 1)),
+        *(["", "How each lr was chosen (mean over seeds, lowest..highest):", *selection]
+          if (selection := selection_lines(record["optimizers"])) else []),
         "",
         table(RUN_HEADERS, run_rows(record), _right(RUN_HEADERS, 2)),
     ]
