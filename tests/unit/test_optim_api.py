@@ -14,6 +14,7 @@ from dimuon.optim import (
     DEFAULT_BUCKET_MB,
     AdaptiveRowMuon,
     FlattenedParameterWarning,
+    ForeignGroupKeyWarning,
     Muon,
     MuonBP,
     PeriodicRowMuon,
@@ -146,8 +147,12 @@ def test_bad_schedule_options(cls, kwargs, match):
 def test_unknown_options_and_group_keys():
     with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['k'\]"):
         Muon([nn.Parameter(torch.randn(3, 4))], k=3)
-    with pytest.raises(ValueError, match=r"unknown parameter-group option\(s\) \['weight_decy'\]"):
+    with pytest.raises(ValueError, match=r"option\(s\) 'weight_decy' \(did you mean 'weight_decay'\?\)"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "weight_decy": 0.1}])
+    with pytest.raises(ValueError, match=r"'ns_step' \(did you mean 'ns_steps'\?\)"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "ns_step": 4, "foreach": True}])
+    with pytest.raises(ValueError, match=r"'K' \(did you mean 'k'\?\)"):
+        PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "K": 4}])
     with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "sgd"}])
     with pytest.raises(ValueError, match="lr \\(parameter group 1\\) must be in"):
@@ -468,3 +473,30 @@ def test_fused_adamw_refused_where_torch_has_none():
     p = nn.Parameter(torch.randn(3, 4, device="meta"))
     with pytest.raises(ValueError, match=r"adamw_fused=True, but torch has no fused AdamW for parameter 'b'"):
         Muon([{"params": [("b", p)], "algorithm": "adamw"}], adamw_fused=True)
+
+
+def test_keys_other_libraries_add_to_groups_are_kept_and_ignored_with_one_warning():
+    """torchtitan's containers put ``fused``/``foreach`` in every group, schedulers ``initial_lr``: accepted as
+    torch's optimizers accept them, one warning naming what dimuon ignores, the update unchanged."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4))
+    a2, b2 = (nn.Parameter(p.detach().clone()) for p in (a, b))
+    foreign = {"fused": False, "foreach": True, "capturable": False}
+    with pytest.warns(ForeignGroupKeyWarning, match=r"\['capturable', 'foreach', 'fused'\]") as caught:
+        opt = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}],
+                              lr=0.02)
+    assert len([w for w in caught if w.category is ForeignGroupKeyWarning]) == 1
+    plain = PeriodicRowMuon([{"params": [a2]}, {"params": [b2], "algorithm": "adamw"}], lr=0.02)
+    for _ in range(3):
+        for p in (a, b, a2, b2):
+            p.grad = torch.ones_like(p) + p.detach()
+        opt.step()
+        plain.step()
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert opt.param_groups[0]["foreach"] is True  # kept, as torch keeps them
+    restored = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}],
+                               lr=0.02)
+    restored.load_state_dict(opt.state_dict())
+    assert restored.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    with pytest.warns(ForeignGroupKeyWarning, match=r"\['maximize'\]"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3))], "maximize": False})

@@ -5,7 +5,7 @@ The product. It imports torch only, nothing else of dimuon, so a training script
 """
 
 from dimuon.optim.build import OPTIMIZERS, build
-from dimuon.optim.core import FlattenedParameterWarning, MuonFamily
+from dimuon.optim.core import FlattenedParameterWarning, ForeignGroupKeyWarning, MuonFamily
 from dimuon.optim.distributed.engine import DEFAULT_BUCKET_MB
 from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
 from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
@@ -17,6 +17,7 @@ __all__ = [
     "OPTIMIZERS",
     "AdaptiveRowMuon",
     "FlattenedParameterWarning",
+    "ForeignGroupKeyWarning",
     "Muon",
     "MuonBP",
     "MuonFamily",

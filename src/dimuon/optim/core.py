@@ -10,6 +10,7 @@ where the maps run is the engine's business (single process or sharded).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import typing
@@ -63,9 +64,12 @@ Nonfinite = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 
 # Keys a parameter group may carry besides its options: "params", torch's "param_names", the LR
-# schedulers' "initial_lr", a free "name", and the counters this core keeps per group. Anything
-# else is a typo that would otherwise be silently ignored.
+# schedulers' "initial_lr", a free "name", and the counters this core keeps per group. Other keys (what
+# trainers and containers add, e.g. torchtitan's "fused"/"foreach") are kept and ignored with one
+# ForeignGroupKeyWarning, as torch's optimizers keep them; a key close to one of dimuon's options is a typo
+# that would otherwise be silently ignored, and is refused naming the option it resembles.
 _EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "skipped_steps"}
+_TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspelt option
 
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
@@ -85,6 +89,18 @@ class _MuonWork:
     jobs: list[MatrixJob]
     config: MapConfig
     keys: list[str]  # each parameter's name in refresh_stats()
+
+
+class ForeignGroupKeyWarning(UserWarning):
+    """A parameter group carries keys dimuon does not use (a trainer's ``fused``/``foreach``, say): kept, ignored."""
+
+
+def misspelt_option(key: str, options: Iterable[str]) -> str | None:
+    """The option ``key`` reads as a misspelling of (same name but for case, or a close match), or None."""
+    options = sorted(options)
+    same = [o for o in options if o.lower() == key.lower()]
+    close = same or difflib.get_close_matches(key.lower(), options, n=1, cutoff=_TYPO_CUTOFF)
+    return close[0] if close else None
 
 
 class FlattenedParameterWarning(UserWarning):
@@ -193,10 +209,12 @@ class MuonFamily(torch.optim.Optimizer):
         self._engine_given = engine is not None
         self._constructing = True
         self._flattened: list[str] = []
+        self._foreign_keys: set[str] = set()
         self._refresh_counts: dict[str, list[int]] = {}  # parameter name -> [spectral steps, steps]
         super().__init__(params, defaults)
         self._constructing = False
         self._warn_flattened(stacklevel=4)
+        self._warn_foreign_keys(stacklevel=4)
 
     # ----------------------------------------------------------------- configuration
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -267,10 +285,12 @@ class MuonFamily(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         unknown = set(param_group) - set(self.defaults) - _EXTRA_GROUP_KEYS
-        if unknown:
+        typos = {key: option for key in sorted(unknown) if (option := misspelt_option(key, self.defaults))}
+        if typos:
             raise ValueError(
-                f"unknown parameter-group option(s) {sorted(unknown)}; allowed: "
-                f"{sorted(set(self.defaults) | {'params', 'param_names'})}"
+                "unknown parameter-group option(s) "
+                + ", ".join(f"{key!r} (did you mean {option!r}?)" for key, option in typos.items())
+                + f"; {type(self).__name__}'s options: {sorted(self.defaults)}"
             )
         super().add_param_group(param_group)
         try:
@@ -283,10 +303,12 @@ class MuonFamily(torch.optim.Optimizer):
         group.setdefault("skipped_steps", 0)
         for p in group["params"]:
             self._param_state(p, group)
+        self._foreign_keys |= unknown
         if not self._constructing:
             if not self._engine_given:
                 self._engine = None  # the engine learns the new parameters' process groups
             self._warn_flattened(stacklevel=3)
+            self._warn_foreign_keys(stacklevel=3)
 
     def _check_group(self, gi: int) -> None:
         """Options, parameter dtypes and shapes of group ``gi``, each error naming the parameter."""
@@ -324,6 +346,17 @@ class MuonFamily(torch.optim.Optimizer):
                         f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
                         f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
                         "plan for its layer")
+
+    def _warn_foreign_keys(self, stacklevel: int) -> None:
+        """One warning for the group keys dimuon ignores, gathered since the last one."""
+        if self._foreign_keys:
+            warnings.warn(
+                f"{type(self).__name__} ignores these parameter-group keys (kept in param_groups, as torch's "
+                f"optimizers keep them): {sorted(self._foreign_keys)}",
+                ForeignGroupKeyWarning,
+                stacklevel=stacklevel,
+            )
+            self._foreign_keys = set()
 
     def _warn_flattened(self, stacklevel: int) -> None:
         """One warning for the parameters flattened since the last one (``stacklevel`` reaches the caller)."""
@@ -395,7 +428,7 @@ class MuonFamily(torch.optim.Optimizer):
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
         runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
-                   "_engine_given": False, "_constructing": False, "_flattened": [],
+                   "_engine_given": False, "_constructing": False, "_flattened": [], "_foreign_keys": set(),
                    "_engine_params": (), "_refresh_counts": {}}
         for key, value in runtime.items():
             if not hasattr(self, key):
