@@ -113,3 +113,38 @@ def test_fused_splits_reach_the_optimizer():
     loss.backward()
     opt.step()
     assert "blocks.0.attn.qkv.weight" in describe_groups(groups)
+
+
+class ZooShapes(nn.Module):
+    """What the DiT zoo registers beside linear maps: tables and tokens as bare parameters, Wan-style patch
+    embedding, timestep and guidance MLPs, a torch MultiheadAttention."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.randn(6, d))
+        self.register_tokens = nn.Parameter(torch.randn(4, d))
+        self.patch_embedding = nn.Conv3d(4, d, (1, 2, 2), (1, 2, 2))
+        self.blocks = nn.ModuleList([nn.Module()])
+        self.blocks[0].scale_shift_table = nn.Parameter(torch.randn(1, 6, d))
+        self.blocks[0].attn = nn.MultiheadAttention(d, 2)
+        self.blocks[0].ffn = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.condition_embedder = nn.Module()
+        self.condition_embedder.time_embedder = nn.Module()
+        self.condition_embedder.time_embedder.linear_1 = nn.Linear(256, d)
+        self.condition_embedder.time_embedder.linear_2 = nn.Linear(d, d)
+        self.guidance_embedder = nn.Module()
+        self.guidance_embedder.linear_1 = nn.Linear(256, d)
+        self.time_embedding = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        self.text_embedder = nn.Module()
+        self.text_embedder.linear_1 = nn.Linear(32, d)  # reads text features, not sinusoids: a hidden map
+        self.proj_out = nn.Linear(d, 16)
+
+
+def test_bare_parameters_tables_patch_embeddings_and_sinusoidal_inputs_go_to_adamw():
+    groups = param_groups(ZooShapes())
+    muon = {n for g in groups if g["algorithm"] == "muon" for n, _ in g["params"]}
+    assert muon == {"blocks.0.attn.in_proj_weight", "blocks.0.attn.out_proj.weight", "blocks.0.ffn.0.weight",
+                    "blocks.0.ffn.2.weight", "condition_embedder.time_embedder.linear_2.weight",
+                    "time_embedding.2.weight", "text_embedder.linear_1.weight"}
+    rules = param_groups(ZooShapes(), rules={"scale_shift_table": "muon"})  # user rules still win
+    assert "scale_shift_table" in {n for g in rules if g["algorithm"] == "muon" for n, _ in g["params"]}

@@ -1,9 +1,12 @@
 """Role-based parameter grouping: hidden matrices to Muon, everything else to AdamW.
 
-docs/algorithms.md, "Which parameters get Muon": Muon updates the hidden 2-D weights (attention qkv and out-proj, MLP,
-adaLN modulation, the timestep MLP's second linear); AdamW takes the patch/label embeddings, the
-final output projection, biases, norm gains and any other 1-D/0-D tensor. The decision is made
-by module role (module type plus name rules), not by ``ndim == 2`` alone, and user rules win.
+docs/algorithms.md, "Which parameters get Muon": Muon updates the weights of hidden linear maps and hidden
+convolutions (attention, MLP, adaLN modulation, the second linear of a timestep MLP); AdamW takes every
+parameter that is not the weight of a linear or convolution module (biases, norm gains, embedding tables,
+learned modulation tables such as ``scale_shift_table``, positional and padding embeddings, learned tokens
+registered as bare parameters), the patch/latent embeddings, the first linear of every sinusoidal-input MLP
+(timestep, guidance) and the output projections. The decision is made by module role (module type, then
+name rules), not by ``ndim == 2`` alone, and user rules win.
 """
 
 from __future__ import annotations
@@ -18,22 +21,53 @@ from dimuon.optim.core import ALGORITHMS
 
 Rule = tuple[str, "str | Mapping[str, Any]"]
 
-# Names (glob patterns) of weights that are inputs or outputs of the network, not hidden layers.
-# Covers dimuon's DiT, facebookresearch-style DiTs and diffusers' DiTTransformer2DModel.
+# Names (glob patterns) of weights that are inputs or outputs of the network, not hidden layers: dimuon's DiT,
+# facebookresearch-style DiTs and the transformer classes diffusers ships (docs/algorithms.md lists them).
 INPUT_OUTPUT_PATTERNS: tuple[str, ...] = (
-    "x_embedder.*",  # patch embedding (DiT)
-    "pos_embed.*",  # patch embedding (diffusers)
-    "patch_embed.*",
-    "y_embedder.*",  # label embedding table
+    # patch / latent embeddings
+    "x_embedder.*",  # DiT (a conv), Flux (a linear)
+    "x_embedders.*",
+    "pos_embed.*",  # diffusers' PatchEmbed
+    "patch_embed*",  # patch_embed, patch_embedding (Wan's Conv3d), patch_embedder
+    "*_patch_embedding.*",
+    "patch_short.*",
+    "patch_mid.*",
+    "patch_long.*",
+    "img_in.*",
+    "proj.*",  # at the top of the model (EasyAnimate's patch embedding)
+    "proj_in.*",  # at the top of the model: the latents' input projection
+    "proj_in_conv.*",
+    "audio_proj_in.*",
+    "input_proj.*",
+    "image_projector.*",
+    "preprocess_conv.*",
+    # label embedding tables
+    "y_embedder.*",
     "*class_embedder.*",
-    "t_embedder.mlp.0.*",  # first timestep-MLP linear reads sinusoidal features
+    # the first linear of dimuon's timestep MLP (diffusers' are found by their module, see SINUSOIDAL_INPUTS)
+    "t_embedder.mlp.0.*",
     "*timestep_embedder.linear_1.*",
-    "final_layer.linear.*",  # output projection to pixels/latents
+    # output projections to pixels / latents
+    "final_layer.linear.*",
+    "final_linear.*",
     "proj_out*",  # diffusers' final modulation and output projections
+    "audio_proj_out.*",
+    "postprocess_conv.*",
     "lm_head.*",
 )
 
-_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# The first layer of an MLP that reads sinusoidal features (a timestep's, a guidance scale's): a linear named
+# one of FIRST_LAYER_NAMES directly under a module whose own name holds one of SINUSOIDAL_WORDS or is one of
+# SINUSOIDAL_MODULES (``time_embedder.linear_1``, ``guidance_embedder.linear_1``, ``time_embedding.0``, ...).
+FIRST_LAYER_NAMES: tuple[str, ...] = ("linear_1", "0", "in_layer", "in_proj", "fc1")
+SINUSOIDAL_WORDS: tuple[str, ...] = ("time", "guidance")
+SINUSOIDAL_MODULES: tuple[str, ...] = ("t_embedder", "delta_embedder")  # whole names: text_embedder is not one
+# Output projections named like a hidden layer, recognised by the class of the module that holds them.
+OUTPUT_CHILDREN: dict[str, str] = {"LuminaLayerNormContinuous": "linear_2"}
+
+# Modules whose ``weight`` is a linear map (conv weights are flattened to (out, in * kernel)).
+MATRIX_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+                                               nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 # Fused matrices of dimuon's DiT that can be orthogonalized chunk by chunk.
 DIT_FUSED_SPLITS: dict[str, int] = {
@@ -43,13 +77,34 @@ DIT_FUSED_SPLITS: dict[str, int] = {
 }
 
 
-def default_algorithm(name: str, param: nn.Parameter, module: nn.Module) -> str:
-    """The default algorithm of one parameter, decided by its role in the model."""
-    if param.ndim < 2:
-        return "adamw"  # biases, norm gains, scalars
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag, *_NORM_TYPES)):
+def is_matrix_weight(name: str, module: nn.Module) -> bool:
+    """Whether parameter ``name`` of ``module`` is the weight of a linear map or convolution (or the fused input
+    projection of ``nn.MultiheadAttention``), rather than a table, an embedding or a bare parameter."""
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(module, nn.MultiheadAttention):
+        return leaf in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+    return isinstance(module, MATRIX_MODULES) and leaf == "weight"
+
+
+def reads_sinusoidal_features(name: str) -> bool:
+    """Whether weight ``name`` is the first layer of a timestep or guidance MLP (it reads sinusoidal features)."""
+    parts = name.split(".")
+    if len(parts) < 3:
+        return False
+    parent, layer = parts[-3], parts[-2]
+    lowered = parent.lower()
+    return layer in FIRST_LAYER_NAMES and (any(w in lowered for w in SINUSOIDAL_WORDS) or lowered in SINUSOIDAL_MODULES)
+
+
+def default_algorithm(name: str, param: nn.Parameter, module: nn.Module, parent: nn.Module | None = None) -> str:
+    """The default algorithm of one parameter, decided by its role in the model (``parent``: the module that
+    holds ``module``, for output projections recognised by their holder)."""
+    if param.ndim < 2 or not is_matrix_weight(name, module):
+        return "adamw"  # biases, norm gains, embedding tables, modulation tables, positions, tokens
+    if any(fnmatch.fnmatchcase(name, pat) for pat in INPUT_OUTPUT_PATTERNS) or reads_sinusoidal_features(name):
         return "adamw"
-    if any(fnmatch.fnmatchcase(name, pat) for pat in INPUT_OUTPUT_PATTERNS):
+    child = name.split(".")[-2] if name.count(".") else ""
+    if parent is not None and OUTPUT_CHILDREN.get(type(parent).__name__) == child:
         return "adamw"
     return "muon"
 
@@ -85,22 +140,24 @@ def param_groups(
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     normalized = [(pat, _normalize_rule(pat, val)) for pat, val in rule_list]
     owner = {}
-    for mod_name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for mod_name, module in modules.items():
+        parent = modules.get(mod_name.rpartition(".")[0]) if mod_name else None
         for p_name, p in module.named_parameters(recurse=False):
-            owner.setdefault(id(p), (f"{mod_name}.{p_name}" if mod_name else p_name, module))
+            owner.setdefault(id(p), (f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
     groups: dict[tuple, dict[str, Any]] = {}
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        _, module = owner[id(p)]
+        own_name, module, parent = owner[id(p)]
         options: dict[str, Any] = {}
         for pattern, opts in normalized:
             if fnmatch.fnmatchcase(name, pattern):
                 options = dict(opts)
                 break
-        options.setdefault("algorithm", default_algorithm(name, p, module))
+        options.setdefault("algorithm", default_algorithm(own_name, p, module, parent))
         if options["algorithm"] == "muon":
             split = _match_split(name, split_sizes)
             if split is not None:

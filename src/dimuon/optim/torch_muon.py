@@ -72,6 +72,14 @@ class TorchMuonAdamW(torch.optim.Optimizer):
     def _adopt(self, group: dict[str, Any]) -> None:
         """Hand ``group`` (the very dict) to the inner optimizer of its algorithm, so lr changes reach it."""
         kind = group["algorithm"]
+        if kind == "muon":
+            names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
+            for name, p in zip(names, group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"torch.optim.Muon takes 2-D parameters only, and {name!r} with shape {tuple(p.shape)} is in a "
+                        "'muon' group: use dimuon's 'muon' (it updates conv weights as (out, rest) matrices), or a "
+                        "rule that puts it in an 'adamw' group")
         inner = self._muon if kind == "muon" else self._adamw
         if inner is not None:
             inner.add_param_group(group)
