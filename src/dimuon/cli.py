@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "train": "dimuon.train.run",
     "sample": "dimuon.train.sample",
     "eval": "dimuon.eval.run",
+    "groups": "dimuon.groups",
 }
 BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",
@@ -31,6 +32,7 @@ commands:
   train              train a DiT (single process, or under torchrun with FSDP2)
   sample             sample images from a checkpoint
   eval               generation quality (FD, precision/recall/density/coverage) over a run's checkpoints
+  groups             which parameters of a model go to Muon and which to AdamW, and why
   bench optimizer    optimizer step time on DiT parameter shapes
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid

@@ -1,12 +1,13 @@
 """The layering of the package: every import inside ``dimuon`` points down (or within its own package).
 
 ```
-cli.py                       dimuon train | sample | eval | bench: loads the commands lazily
+cli.py                       dimuon train | sample | eval | groups | bench: loads the commands lazily
   bench/                     may also drive the other two commands (bench quality runs dimuon train
-  train/  eval/              and dimuon eval --compare); train and eval never import each other
+  train/  eval/  groups.py   and dimuon eval --compare); train and eval never import each other
     metrics/                 may import data and dit
     dit/  data/              never each other, nor metrics
       io.py  log.py  optim/  import nothing else of dimuon
+integrations/                other trainers' extension points (torchtitan): import optim only; nothing imports them
 ```
 """
 
@@ -31,6 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "train": LOW | BLOCKS | {"optim"},
     "eval": LOW | BLOCKS | {"optim"},
     "bench": LOW | BLOCKS | {"optim", "train", "eval"},
+    "groups": LOW | BLOCKS | {"optim"},
+    "integrations": {"optim"},
     "cli": set(),
     "__init__": set(),
 }
@@ -85,6 +88,7 @@ def test_every_import_points_down_the_layers() -> None:
 # Modules that load other *packages* by name, and why (never a dimuon module: checked below).
 LOADS_THIRD_PARTY_BY_NAME = {
     "bench/peers/registry.py": "the optional peer optimizer packages of the benchmarks, probed by name",
+    "groups.py": "dimuon groups --builder module:callable, the user's model builder",
 }
 
 

@@ -96,17 +96,28 @@ def reads_sinusoidal_features(name: str) -> bool:
     return layer in FIRST_LAYER_NAMES and (any(w in lowered for w in SINUSOIDAL_WORDS) or lowered in SINUSOIDAL_MODULES)
 
 
-def default_algorithm(name: str, param: nn.Parameter, module: nn.Module, parent: nn.Module | None = None) -> str:
-    """The default algorithm of one parameter, decided by its role in the model (``parent``: the module that
-    holds ``module``, for output projections recognised by their holder)."""
-    if param.ndim < 2 or not is_matrix_weight(name, module):
-        return "adamw"  # biases, norm gains, embedding tables, modulation tables, positions, tokens
-    if any(fnmatch.fnmatchcase(name, pat) for pat in INPUT_OUTPUT_PATTERNS) or reads_sinusoidal_features(name):
-        return "adamw"
+def default_role(name: str, param: nn.Parameter, module: nn.Module, parent: nn.Module | None = None) -> tuple[str, str]:
+    """The default algorithm of one parameter and why, decided by its role in the model (``parent``: the module
+    that holds ``module``, for output projections recognised by their holder)."""
+    if param.ndim < 2:
+        return "adamw", "a bias, gain or scalar (fewer than 2 dimensions)"
+    if not is_matrix_weight(name, module):
+        return "adamw", f"not the weight of a linear map or convolution ({type(module).__name__}.{name.split('.')[-1]})"
+    pattern = next((pat for pat in INPUT_OUTPUT_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
+    if pattern is not None:
+        return "adamw", f"an input or output layer (name matches {pattern!r})"
+    if reads_sinusoidal_features(name):
+        return "adamw", "the first layer of a timestep/guidance MLP (reads sinusoidal features)"
     child = name.split(".")[-2] if name.count(".") else ""
     if parent is not None and OUTPUT_CHILDREN.get(type(parent).__name__) == child:
-        return "adamw"
-    return "muon"
+        return "adamw", f"the output projection of {type(parent).__name__}"
+    kind = "convolution" if param.ndim > 2 else "linear map"
+    return "muon", f"a hidden {kind}" + (" (updated as a (shape[0], rest) matrix)" if param.ndim > 2 else "")
+
+
+def default_algorithm(name: str, param: nn.Parameter, module: nn.Module, parent: nn.Module | None = None) -> str:
+    """The default algorithm of one parameter, decided by its role in the model (see :func:`default_role`)."""
+    return default_role(name, param, module, parent)[0]
 
 
 def _normalize_rule(pattern: str, value: str | Mapping[str, Any]) -> dict[str, Any]:
@@ -128,6 +139,7 @@ def param_groups(
     model: nn.Module,
     rules: Sequence[Rule] | Mapping[str, str | Mapping[str, Any]] | None = None,
     split_sizes: Mapping[str, int | Sequence[int]] | None = None,
+    reasons: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Parameter groups for a Muon-family optimizer, with parameter names.
 
@@ -135,7 +147,8 @@ def param_groups(
     options (e.g. ``{"algorithm": "adamw", "lr": 3e-4}``); the first matching rule wins over the
     role-based default. ``split_sizes`` maps patterns to a chunk count or row counts of fused
     matrices to orthogonalize chunk by chunk (see :data:`DIT_FUSED_SPLITS`). Frozen parameters
-    (``requires_grad=False``) are left out.
+    (``requires_grad=False``) are left out. ``reasons``, when given, is filled with why each parameter went
+    where it did (``dimuon groups`` prints them).
     """
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     normalized = [(pat, _normalize_rule(pat, val)) for pat, val in rule_list]
@@ -153,11 +166,16 @@ def param_groups(
         seen.add(id(p))
         own_name, module, parent = owner[id(p)]
         options: dict[str, Any] = {}
+        why = ""
         for pattern, opts in normalized:
             if fnmatch.fnmatchcase(name, pattern):
                 options = dict(opts)
+                why = f"user rule {pattern!r}"
                 break
-        options.setdefault("algorithm", default_algorithm(own_name, p, module, parent))
+        algorithm, role = default_role(own_name, p, module, parent)
+        if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
+            reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
+        options.setdefault("algorithm", algorithm)
         if options["algorithm"] == "muon":
             split = _match_split(name, split_sizes)
             if split is not None:
