@@ -10,7 +10,7 @@ from torch import nn
 
 from dimuon.optim import Muon, PeriodicRowMuon, build
 from dimuon.optim.distributed.collectives import CommCounter
-from dimuon.optim.linalg import compiled_newton_schulz, default_ns_dtype, newton_schulz
+from dimuon.optim.linalg import CompiledNewtonSchulz, compiled_newton_schulz, default_ns_dtype, newton_schulz
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,6 +52,23 @@ def test_compiled_newton_schulz_matches_eager(shape, algorithm):
         eager = newton_schulz(x, 5, "quintic", algorithm, torch.float32)
         compiled = compiled_newton_schulz()(x, 5, "quintic", algorithm, torch.float32)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_newton_schulz_compiles_once_per_shape_past_the_recompile_limit():
+    """More distinct shapes than dynamo's recompile limit (8), twice over: one static graph each, compiled once,
+    none falling back to eager (a compile counter sees every shape's frame, and no frame again)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    ns = CompiledNewtonSchulz(backend=counter)
+    shapes = [(4 + i, 12) for i in range(10)] + [(2, 8, 6)]
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(*shape, generator=gen) for shape in shapes]
+    for _ in range(2):
+        for x in inputs:
+            torch.testing.assert_close(ns(x, 5, "quintic", "standard", torch.float32),
+                                       newton_schulz(x, 5, "quintic", "standard", torch.float32))
+    assert ns.compiles == len(shapes) and counter.frame_count == len(shapes)
 
 
 def test_ns_compile_steps_like_eager():

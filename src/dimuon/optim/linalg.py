@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ __all__ = [
     "GRAM_RESTART_EVERY",
     "LR_SCALES",
     "NS_ALGORITHMS",
+    "CompiledNewtonSchulz",
     "LrScale",
     "NsAlgorithm",
     "NsCoefficients",
@@ -303,14 +305,41 @@ def newton_schulz(
     return y.squeeze(0) if squeeze else y
 
 
-@functools.cache
-def compiled_newton_schulz() -> Callable[..., Tensor]:
-    """:func:`newton_schulz` through ``torch.compile`` (same arguments, same results within rounding).
+class CompiledNewtonSchulz:
+    """:func:`newton_schulz` through ``torch.compile``, one static-shape graph per call signature (shape, dtype,
+    device and the iteration's options), each compiled once.
 
-    Built once per process. The first call on a new shape compiles (seconds); after a second shape
-    dynamo compiles a shape-generic version, so a model's handful of matrix shapes costs a few compiles.
+    Each signature gets its own copy of the function's code, so its graph has a dynamo cache of its own: a model
+    with more distinct matrix shapes than dynamo's recompile limit (8) never falls back to eager, and no graph
+    is shape-generic (``dynamic=False``: the shape branches of the iteration are resolved at compile time).
+    ``compiles`` counts the signatures compiled so far.
     """
-    return torch.compile(newton_schulz)
+
+    def __init__(self, backend: Any = "inductor") -> None:
+        self.backend = backend
+        self._graphs: dict[tuple, Callable[..., Tensor]] = {}
+
+    @property
+    def compiles(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, x: Tensor, steps: int = 5, coefficients: str = "quintic", algorithm: str = "standard",
+                 dtype: torch.dtype | None = None, gram_restart_every: int = GRAM_RESTART_EVERY) -> Tensor:
+        key = (tuple(x.shape), x.dtype, x.device, steps, coefficients, algorithm, dtype, gram_restart_every)
+        graph = self._graphs.get(key)
+        if graph is None:
+            code = newton_schulz.__code__.replace()  # a code object of its own: its own dynamo cache
+            copy = types.FunctionType(code, newton_schulz.__globals__, newton_schulz.__name__,
+                                      newton_schulz.__defaults__, newton_schulz.__closure__)
+            graph = self._graphs[key] = torch.compile(copy, dynamic=False, backend=self.backend)
+        return graph(x, steps, coefficients, algorithm, dtype, gram_restart_every)
+
+
+@functools.cache
+def compiled_newton_schulz() -> CompiledNewtonSchulz:
+    """The process's :class:`CompiledNewtonSchulz` (same arguments as :func:`newton_schulz`, same results
+    within rounding; the first call on a new shape compiles, seconds)."""
+    return CompiledNewtonSchulz()
 
 
 def uses_gram(algorithm: str, rows: int, cols: int) -> bool:
