@@ -121,3 +121,23 @@ def test_name_loaders_load_no_dimuon_module() -> None:
     from dimuon.bench.peers import PEERS
 
     assert PEERS and not [p.module for p in PEERS.values() if p.module.split(".")[0] == "dimuon"]
+
+
+def test_integrations_import_their_trainer_only_when_imported() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import dimuon, dimuon.optim, dimuon.integrations\n"
+        "assert 'torchtitan' not in sys.modules, 'dimuon imported torchtitan'\n"
+        "sys.modules['torchtitan'] = None  # as if not installed\n"
+        "try:\n"
+        "    import dimuon.integrations.torchtitan\n"
+        "except ImportError as error:\n"
+        "    assert \"pip install 'dimuon[torchtitan]'\" in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError without torchtitan')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
