@@ -49,7 +49,30 @@ def test_a_part_over_its_budget_is_recorded_and_the_others_still_run(tmp_path: P
     assert code == 1
     assert (parts["tests"]["status"], parts["bench"]["status"], parts["train"]["status"]) == ("timeout", "not run", "ok")
     assert parts["tests"]["seconds"] < 30  # stopped at its budget, not when it finished
+    assert parts["tests"]["results"]["partial"] is True
     assert "Did not complete: tests (timeout)" in record["readme"]
+
+
+def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Path) -> None:
+    """Tests: each outcome is kept as it ends, and a test past --test-timeout-s fails while the rest run on."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(Path(TESTS, "conftest.py").read_text())
+    (suite / "test_some.py").write_text(
+        "import time, pytest\n"
+        "pytestmark = pytest.mark.cuda\n"
+        "def test_quick(): pass\n"
+        "def test_hangs(): time.sleep(30)\n"
+        "def test_after(): pass\n"
+        + "".join(f"def test_slow_{i}(): time.sleep(30)\n" for i in range(12)))
+    out = tmp_path / "gpu-check.json"
+    code = cli_main(["bench", "gpu", "--device", "cpu", "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
+                     "--tests", str(suite), "--parts", "tests", "--test-timeout-s", "2", "--tests-budget-s", "20"])
+    tests = json.loads(out.read_text())["parts"]["tests"]
+    assert code == 1 and tests["status"] == "timeout"  # 13 tests of 2 s each outlast the part's 20 s budget
+    r = tests["results"]
+    assert r["partial"] and r["passed"] == 2 and 1 <= r["failed"] < 13, r  # each hung test failed at its limit
+    assert r["failures"][0] == "test_some.py::test_hangs"
 
 
 def test_bad_flags_are_refused_before_anything_runs(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -13,8 +13,13 @@ is recorded and the others still run:
 then one JSON record (GPU, driver, torch, CUDA, cuDNN and NCCL versions, CPU, each part's status, time
 and results) under ``docs/results/``, and the README rows printed.
 
-The budgets (180 + 200 + 70 s) keep the check within 8 minutes on one GPU. ``--device cpu --quick``
-runs every part on tiny sizes in well under a minute: the dry run the test suite keeps working.
+The budgets (180 + 200 + 70 s) keep the check within 8 minutes on one GPU. A part that overruns its budget
+keeps what it finished: every test's outcome as it ends (and each test has a time limit of its own,
+``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows written so far, the training run's
+records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so kernels the
+tests compiled are not compiled again by the benchmark or the training run, nor by the next check.
+``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
+working.
 
 Run ``dimuon bench gpu --help`` (or ``python -m dimuon.bench.gpu --help``).
 """
@@ -70,6 +75,8 @@ class Config:
     """Seconds the benchmark part may take before it is stopped."""
     train_budget_s: float = 70.0
     """Seconds the training part may take before it is stopped."""
+    test_timeout_s: float = 60.0
+    """Seconds one CUDA test may take before it fails (the others still run)."""
     model: str = "DiT-XL/2"
     """DiT whose parameter shapes the benchmark uses (ignored with --quick)."""
     train_steps: int = TRAIN_STEPS
@@ -91,7 +98,7 @@ class Part:
 
 def check_config(cfg: Config) -> None:
     """One clear error per bad flag, before anything runs."""
-    for name in ("tests_budget_s", "bench_budget_s", "train_budget_s"):
+    for name in ("tests_budget_s", "bench_budget_s", "train_budget_s", "test_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(cfg, name)}")
     if cfg.train_steps < 1:
@@ -150,6 +157,19 @@ def junit_counts(path: Path) -> dict[str, Any]:
     return counts
 
 
+def test_log_counts(path: Path) -> dict[str, Any]:
+    """The same counts as :func:`junit_counts` from the lines the tests wrote as each finished (what an overrun
+    leaves: pytest writes its JUnit report only at the end)."""
+    counts: dict[str, Any] = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": []}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        entry = json.loads(line)
+        key = {"passed": "passed", "failed": "failed", "skipped": "skipped"}.get(entry["outcome"], "errors")
+        counts[key] += 1
+        if key in ("failed", "errors"):
+            counts["failures"].append(entry["test"])
+    return counts
+
+
 def bench_results(path: Path) -> dict[str, Any]:
     """The benchmark's own JSON record (every row, the FLOP rate, the machine)."""
     return json.loads(path.read_text(encoding="utf-8"))
@@ -163,6 +183,8 @@ class Plan:
     budget_s: float
     read: Callable[[], dict[str, Any]]
     output: Path
+    env: dict[str, str] = field(default_factory=dict)
+    partial: Callable[[], dict[str, Any]] | None = None  # what an overrun leaves (default: ``read``)
 
 
 def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
@@ -172,12 +194,12 @@ def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
     check wrote can pass for this one's results.
     """
     log = work / f"{name}.log"
-    for stale in (log, plan.output):
+    for stale in (log, plan.output, *(Path(v) for k, v in plan.env.items() if k == "DIMUON_TEST_LOG")):
         stale.unlink(missing_ok=True)
     start = time.perf_counter()
     status, results = "ok", {}
     try:
-        code = launch(plan.command, log, threads, timeout_s=plan.budget_s)
+        code = launch(plan.command, log, threads, timeout_s=plan.budget_s, env_extra=plan.env)
     except subprocess.TimeoutExpired:
         status = "timeout"
     except OSError as exc:
@@ -186,7 +208,12 @@ def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
         if code != 0:
             status, results = "failed", {"error": f"exited with status {code}"}
     seconds = time.perf_counter() - start
-    if status != "timeout":
+    if status == "timeout":  # what the part finished before its budget ran out, marked partial
+        try:
+            results = {**(plan.partial or plan.read)(), "partial": True}
+        except Exception as exc:
+            results = {"partial": True, "error": f"nothing finished: {type(exc).__name__}: {exc}"}
+    else:
         try:
             results = {**plan.read(), **results}
         except Exception as exc:  # missing or unreadable output is this part's failure, not the check's
@@ -210,8 +237,12 @@ def readme_rows(record: dict[str, Any]) -> str:
         r = tests["results"]
         lines += [f"- CUDA-marked tests: {tests['status']}: {r.get('passed', '-')} passed, {r.get('failed', '-')} failed, "
                   f"{r.get('errors', '-')} errors, {r.get('skipped', '-')} skipped ({tests['seconds']:.0f} s)", ""]
+    def shown(part: dict[str, Any], key: str) -> bool:
+        """A part that finished, or one that overran its budget with some results to show (marked partial)."""
+        return part["status"] == "ok" or (part["results"].get("partial", False) and key in part["results"])
+
     bench = parts["bench"]
-    if bench["status"] == "ok":
+    if shown(bench, "optimizers"):
         r = bench["results"]
         rows = [[o["label"], f"{o['median_ms']:.2f}", f"{o['ratio_to_adamw']:.2f}" if o["ratio_to_adamw"] else "-",
                  f"{o['ratio_to_muon']:.2f}" if o.get("ratio_to_muon") else "-",
@@ -219,7 +250,8 @@ def readme_rows(record: dict[str, Any]) -> str:
                 for o in r["optimizers"].values()]
         m = r["model"]
         lines += [f"Optimizer step, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
-                  f"{m['muon_matrices']} Muon matrices):", "",
+                  f"{m['muon_matrices']} Muon matrices)" + (" (partial: the rows done within its budget)"
+                                                            if r.get("partial") else "") + ":", "",
                   format_markdown_table(["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"],
                                         rows), ""]
         ns = r.get("ns_flop_rate")
@@ -229,11 +261,11 @@ def readme_rows(record: dict[str, Any]) -> str:
                               f"{res['bmm_gflops'] * scale:.1f})" for alg, res in ns_algorithms(ns).items())
             lines += [f"Newton-Schulz in {ns['dtype']} on the stacked Muon shapes: {rates}.", ""]
     train = parts["train"]
-    if train["status"] == "ok":
+    if shown(train, "steps"):
         r = train["results"]
         lines += [format_markdown_table(
             ["training (demo task, bf16 autocast)", "steps/s", "ms/step", "data ms", "fwd+bwd ms", "optimizer ms"],
-            [[f"{r['steps']} steps on {r['device']}", f"{r['steps_per_s']:.1f}", f"{r['step_ms']:.1f}",
+            [[f"{r['steps']} steps on {r['device']}" + (" (partial)" if r.get("partial") else ""), f"{r['steps_per_s']:.1f}", f"{r['step_ms']:.1f}",
               f"{r['data_ms']:.2f}", f"{r['fwd_bwd_ms']:.1f}", f"{r['opt_ms']:.1f}"]]), ""]
     failed = [f"{name} ({p['status']})" for name, p in parts.items() if p["status"] not in ("ok", "not run")]
     if failed:
@@ -248,11 +280,17 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     bench_out, run_dir, junit = work / "optimizer.json", work / "train", work / "tests.xml"
+    test_log = work / "tests.jsonl"
+    cache = (work / "compile-cache").resolve()
+    shared = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     plans = {
-        "tests": Plan(tests_command(cfg, junit), cfg.tests_budget_s, lambda: junit_counts(junit), junit),
-        "bench": Plan(bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out),
+        "tests": Plan(tests_command(cfg, junit), cfg.tests_budget_s, lambda: junit_counts(junit), junit,
+                      {**shared, "DIMUON_TEST_TIMEOUT_S": f"{cfg.test_timeout_s:g}", "DIMUON_TEST_LOG": str(test_log)},
+                      partial=lambda: test_log_counts(test_log)),
+        "bench": Plan(bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out,
+                      shared),
         "train": Plan(train_command(cfg, run_dir), cfg.train_budget_s, lambda: train_results(run_dir),
-                      run_dir / "metrics.jsonl"),
+                      run_dir / "metrics.jsonl", shared),
     }
     parts: dict[str, Part] = {}
     for name, plan in plans.items():

@@ -197,13 +197,15 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def launch(cmd: Sequence[str], log_path: Path, threads: int | None, timeout_s: float | None = None) -> int:
+def launch(cmd: Sequence[str], log_path: Path, threads: int | None, timeout_s: float | None = None,
+           env_extra: dict[str, str] | None = None) -> int:
     """Run one command with its output appended to ``log_path`` (after a ``$ command`` line); its exit status.
 
     With ``timeout_s`` the command runs in its own process group, which is killed (the command and every
     process it started) once that many seconds have passed; then ``subprocess.TimeoutExpired`` is raised.
+    ``env_extra`` is added to the environment the command inherits.
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log_path.parent.mkdir(parents=True, exist_ok=True)
