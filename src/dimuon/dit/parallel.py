@@ -146,10 +146,15 @@ def _fsdp_placement(param: nn.Parameter) -> Any:
     return None  # FSDP2's default, Shard(0)
 
 
-def apply_parallelism(model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True) -> nn.Module:
+def apply_parallelism(model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True,
+                      param_dtype: torch.dtype | None = None) -> nn.Module:
     """Tensor parallelism over ``tp`` (if any), then FSDP2 over the data-parallel dimensions: every block,
-    then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded)."""
-    from torch.distributed.fsdp import fully_shard
+    then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded).
+
+    ``param_dtype`` (bf16 for ``--precision bf16``): FSDP2's ``MixedPrecisionPolicy`` all-gathers the parameters
+    in that dtype and computes with them, and reduce-scatters the gradients in fp32 into the fp32 shards the
+    optimizer steps: half the all-gather bytes of fp32, the optimizer's math unchanged."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if par.tp > 1:
         tensor_parallel_dit(model, mesh["tp"])
@@ -157,9 +162,10 @@ def apply_parallelism(model: nn.Module, par: Parallelism, mesh: Any, reshard_roo
     if not dp:
         return model
     dp_mesh = mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=policy)
     return model
 
 

@@ -79,16 +79,18 @@ def data_parallel(env: DistEnv, par: Parallelism) -> DataParallel:
     return DataParallel(rank=env.rank // par.tp, world=env.world // par.tp)
 
 
-def shard_model(model: nn.Module, env: DistEnv, par: Parallelism) -> ProcessGroup | None:
+def shard_model(model: nn.Module, env: DistEnv, par: Parallelism,
+                param_dtype: torch.dtype | None = None) -> ProcessGroup | None:
     """Lay the model out on one device mesh of the ``par`` degrees (dimuon.dit.parallel): the tensor-parallel
-    plan over ``tp``, then FSDP2 per block and root over the data-parallel dimensions (HSDP with replicas).
+    plan over ``tp``, then FSDP2 per block and root over the data-parallel dimensions (HSDP with replicas),
+    all-gathering in ``param_dtype`` with fp32 gradient reductions where given (``--precision bf16``).
 
     The root also reshards after forward: gradient-free forwards (validation, sampling) then leave
     every parameter sharded, which the EMA's weight swap relies on. Returns the group that shares the plain
     parameters under tensor parallelism alone (the optimizer's ``process_group``), else None.
     """
     mesh = build_mesh(par, env.device.type)
-    apply_parallelism(model, par, mesh, reshard_root=True)
+    apply_parallelism(model, par, mesh, reshard_root=True, param_dtype=param_dtype)
     return tp_process_group(par, mesh)
 
 
