@@ -27,6 +27,7 @@ from dimuon.train.optim_options import OPTION_SPECS, OptimOptions, accepted_para
 __all__ = [
     "FROZEN_ON_RESUME",
     "FROZEN_OPTIM_ON_RESUME",
+    "RESUME_AUTO",
     "ConfigError",
     "EvalOptions",
     "OptimOptions",
@@ -39,6 +40,9 @@ __all__ = [
     "parallelism",
     "validate",
 ]
+
+RESUME_AUTO = "auto"  # --resume auto: continue the run in --out if it has one, else start it
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag and what is allowed."""
@@ -121,7 +125,8 @@ class TrainConfig:
     ema_warmup: bool = True
     """Ramp the EMA decay as min(decay, (1 + k) / (10 + k)) so early averages forget the init."""
     precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16 runs forward/backward under autocast; parameters and optimizer state stay fp32."""
+    """bf16 runs forward/backward under autocast and, under FSDP2, all-gathers the parameters in bf16 with fp32
+    gradient reductions (MixedPrecisionPolicy); parameters and optimizer state stay fp32."""
     nonfinite: Literal["raise", "skip"] = "raise"
     """A step whose loss or gradient norm is NaN/inf, with any optimizer: raise stops the run with an error
     naming the step (and the data, where known); skip drops the step (weights, optimizer and EMA unchanged)
@@ -159,8 +164,11 @@ class TrainConfig:
     """Run directory: config.json, metrics.jsonl, checkpoints/, samples/, plots/."""
     resume: str | None = None
     """Continue from a checkpoint directory, or from the newest complete one of a run directory (a run
-    without one restarts from step 0 with its config); --resume with no value: the run in --out. Flags not
-    given keep the run's saved values; those that fix the model, the data or the data order cannot change."""
+    without one restarts from step 0 with its config); --resume with no value: the run in --out. --resume
+    auto: the run in --out from its newest checkpoint that passes its manifest, or a new run there if it
+    holds none yet (one command for the first launch and every restart of torchrun --max-restarts; a
+    directory named auto is ./auto). Flags not given keep the run's saved values; those that fix the model,
+    the data or the data order cannot change."""
     overwrite: bool = False
     """Start afresh in an --out that already holds a run (its old files are deleted)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -261,6 +269,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.device == "cuda":
         _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
     _require(bool(cfg.out), "--out must name a directory")
+    _require(not (cfg.resume == RESUME_AUTO and cfg.overwrite),
+             "--overwrite cannot go with --resume auto: --resume auto continues the run in --out, which --overwrite "
+             "would delete (at every restart); pass one of them")
     _validate_data(cfg)
     _validate_eval(cfg)
     _validate_parallel(cfg)

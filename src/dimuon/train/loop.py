@@ -50,7 +50,7 @@ from dimuon.train.logger import tensorboard_available
 from dimuon.train.plan import TrainPlan, resolve
 from dimuon.train.plots import plot_losses, plot_refreshes
 from dimuon.train.records import RunClock, RunLog, StepTimes, Window, train_record, validation_record
-from dimuon.train.rundir import check_free_space, check_run_dir, prepare_run_dir
+from dimuon.train.rundir import check_free_space, check_run_dir, check_same_start, prepare_run_dir, start_of
 
 __all__ = ["Trainer", "train"]
 
@@ -142,6 +142,7 @@ class Trainer:
         cfg, layout = plan.cfg, plan.layout
         self.plan, self.cfg, self.layout, self.env = plan, cfg, layout, env
         self.resume_from = plan.resume.checkpoint if plan.resume is not None else None
+        check_same_start(all_gather_objects(start_of(plan.resume), env))  # every rank found what --resume found
         on_main(lambda: check_run_dir(layout, plan.resume, cfg.overwrite), env)
         if cfg.tensorboard and not tensorboard_available():
             raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)")
@@ -167,7 +168,8 @@ class Trainer:
             "torch_version": torch.__version__,
         }
         self.model.to(env.device)
-        shared = shard_model(self.model, env, self.par) if env.distributed else None
+        all_gather_dtype = torch.bfloat16 if cfg.precision == "bf16" else None  # FSDP2's MixedPrecisionPolicy
+        shared = shard_model(self.model, env, self.par, param_dtype=all_gather_dtype) if env.distributed else None
         self.opt = plan.optimizer.build(self.model, process_group=shared)
         self.ema = EMA(self.model, cfg.ema_decay, warmup=cfg.ema_warmup)
         self.checkpoint_bytes = ckpt.checkpoint_bytes(self.model, self.ema)
@@ -386,7 +388,9 @@ class Trainer:
             f"{cfg.steps} steps ({data.batches.num_epochs(cfg.steps):.1f} epochs); {env.world} process(es) on "
             f"{env.device}; out {self.layout.root}"
         )
-        if self.resume_from is not None:
+        if self.plan.auto_resume is not None:
+            print(f"dimuon train: {self.plan.auto_resume.describe()}")
+        elif self.resume_from is not None:
             print(f"dimuon train: resumed from {self.resume_from} at step {self.start}")
         elif self.plan.resume is not None:
             print(f"dimuon train: restarted {self.plan.resume.run} from step 0 (it had no checkpoint)")

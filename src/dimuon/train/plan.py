@@ -1,9 +1,10 @@
 """``dimuon train``'s flags resolved once, at start-up, into the parts a run needs.
 
 :func:`resolve` checks the flags (:func:`dimuon.train.config.validate`), lets the optimizer check its
-own options, finds what ``--resume`` continues from (refusing flags a resumed run cannot change), and
-returns a :class:`TrainPlan`: the run directory's layout, the data set, the model, the optimizer (name
-and ``build`` keywords), the learning-rate schedule, the evaluation settings and the resume point.
+own options, finds what ``--resume`` continues from (with ``--resume auto``: whether the run in ``--out``
+continues, and from which checkpoint; refusing flags a resumed run cannot change), and returns a
+:class:`TrainPlan`: the run directory's layout, the data set, the model, the optimizer (name and ``build``
+keywords), the learning-rate schedule, the evaluation settings and the resume point.
 The training loop is handed these parts; nothing re-derives them from the flags later. The parallel
 environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the process group is set up.
 """
@@ -24,6 +25,7 @@ from dimuon.dit.parallel import Parallelism
 from dimuon.io import RunLayout
 from dimuon.optim import OPTIMIZERS, build
 from dimuon.train.config import (
+    RESUME_AUTO,
     ConfigError,
     EvalOptions,
     TrainConfig,
@@ -33,7 +35,7 @@ from dimuon.train.config import (
     validate,
 )
 from dimuon.train.optim_options import optimizer_kwargs
-from dimuon.train.resume import ResumePoint, find_resume_point
+from dimuon.train.resume import AutoResume, ResumePoint, auto_resume_point, find_resume_point
 from dimuon.train.schedule import LrSchedule
 
 __all__ = ["ModelSpec", "OptimizerSpec", "TrainPlan", "data_spec", "resolve", "resume_point"]
@@ -93,6 +95,7 @@ class TrainPlan:
     schedule: LrSchedule
     evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
     resume: ResumePoint | None  # what --resume continues from (found on disk at start-up)
+    auto_resume: AutoResume | None = None  # what --resume auto found in --out (None without it)
 
 
 def data_spec(cfg: TrainConfig) -> DataSpec:
@@ -111,11 +114,20 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
     return DataSpec(cfg.dataset, kwargs)
 
 
-def resume_point(cfg: TrainConfig) -> ResumePoint | None:
-    """What ``--resume`` continues from, with the flags checked against the run's saved config."""
+def resume_point(cfg: TrainConfig, auto: AutoResume | None = None) -> ResumePoint | None:
+    """What ``--resume`` continues from, with the flags checked against the run's saved config.
+
+    With ``--resume auto`` it is what ``auto`` (found in ``--out`` when not given) continues; None there is a
+    new run, as without ``--resume``. A resumed run is checked exactly as ``--resume PATH`` is.
+    """
     if not cfg.resume:
         return None
-    point = find_resume_point(cfg.resume)
+    if cfg.resume == RESUME_AUTO:
+        point = (auto or auto_resume_point(cfg.out)).point
+        if point is None:
+            return None
+    else:
+        point = find_resume_point(cfg.resume)
     check_resume_flags(cfg, point.config, point.where)
     if point.step > cfg.steps:
         raise ConfigError(f"--steps {cfg.steps} is behind the step {point.step} of {point.where}; "
@@ -126,7 +138,8 @@ def resume_point(cfg: TrainConfig) -> ResumePoint | None:
 def resolve(cfg: TrainConfig) -> TrainPlan:
     """Check the flags and resolve them into a :class:`TrainPlan`; :class:`ConfigError` names a bad flag."""
     validate(cfg)
-    resume = resume_point(cfg)  # first: a flag a resumed run cannot change is the error to report
+    auto = auto_resume_point(cfg.out) if cfg.resume == RESUME_AUTO else None
+    resume = resume_point(cfg, auto)  # first: a flag a resumed run cannot change is the error to report
     optimizer = OptimizerSpec(cfg.optimizer, optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr))
     optimizer.check()
     return TrainPlan(
@@ -140,4 +153,5 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
         schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
         evaluation=cfg.eval if cfg.eval.interval > 0 else None,
         resume=resume,
+        auto_resume=auto,
     )

@@ -5,6 +5,10 @@ that stopped before its first checkpoint (a divergence in the first steps, a kil
 resumed too: it restarts from step 0 with the config it was started with (its ``config.json``), in place,
 so that its directory never blocks a rerun. Which flags may change on resume is decided in
 :func:`dimuon.train.config.check_resume_flags`.
+
+``--resume auto`` (:func:`auto_resume_point`) is the same command for the first launch and for every
+restart, as ``torchrun --max-restarts`` needs: the run in ``--out`` continues from its newest checkpoint
+that passes its manifest, and a new run starts when ``--out`` holds none yet.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, read_meta
+from dimuon.dit.checkpoint import TMP_PREFIX, CheckpointError, list_checkpoints, read_meta, verify_checkpoint
 from dimuon.io import RunLayout, step_of
 
-__all__ = ["ResumePoint", "find_resume_point"]
+__all__ = ["AutoResume", "ResumePoint", "auto_resume_point", "find_resume_point"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,8 @@ class ResumePoint:
         return f"checkpoint {self.checkpoint}" if self.checkpoint is not None else f"run {self.run}"
 
 
-def _from_checkpoint(checkpoint: Path) -> ResumePoint:
-    meta = read_meta(checkpoint)
+def _from_checkpoint(checkpoint: Path, meta: dict[str, Any] | None = None) -> ResumePoint:
+    meta = read_meta(checkpoint) if meta is None else meta
     return ResumePoint(checkpoint.parent.parent, checkpoint, int(meta["step"]), meta["config"])
 
 
@@ -62,3 +66,79 @@ def find_resume_point(path: str | Path) -> ResumePoint:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{layout.config}: unreadable run config ({e})") from None
     return ResumePoint(path, None, 0, config)
+
+
+@dataclass(frozen=True)
+class AutoResume:
+    """What ``--resume auto`` found in ``--out``: the point to continue from (None: start a new run there), and
+    the newer checkpoints it passed over, each with why."""
+
+    out: Path
+    point: ResumePoint | None
+    passed_over: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """The start line of the run: which it did, from which checkpoint and step."""
+        if self.point is None:
+            text = f"--resume auto: {self.out} holds no run yet, so a new run starts there at step 0"
+        elif self.point.checkpoint is None:
+            text = f"--resume auto: restarted {self.out} from step 0 with its config (it had no checkpoint)"
+        else:
+            text = (f"--resume auto: resumed from {self.point.checkpoint} at step {self.point.step}, the newest "
+                    "complete checkpoint in --out")
+        return text + ("; passed over " + "; ".join(self.passed_over) if self.passed_over else "")
+
+
+def auto_resume_point(out: str | Path) -> AutoResume:
+    """What ``--resume auto`` continues in ``out``: the newest checkpoint of the run there that passes its
+    manifest (:func:`~dimuon.dit.checkpoint.verify_checkpoint`), step 0 of the run if it has no checkpoint
+    yet, or nothing (a new run) when ``out`` holds no run.
+
+    Checkpoints are tried newest first; one that fails its manifest (a missing, truncated or corrupted piece)
+    or a save that never finished (``checkpoints/.tmp-step_N``, left by a rank killed while writing it) is
+    passed over and named in :attr:`AutoResume.passed_over`. Nothing is written here. Refused
+    (:class:`CheckpointError`): a directory without dimuon's run marker that holds checkpoints (``--resume
+    PATH`` continues such a run explicitly), a run whose every checkpoint fails its manifest, and a run that
+    recorded neither its config nor a checkpoint. A directory without the marker that holds a run's files is
+    refused at start-up as without ``--resume`` (:func:`dimuon.train.rundir.check_run_dir`): it is never
+    written into.
+    """
+    out = Path(out)
+    layout = RunLayout(out)
+    if not out.is_dir():  # absent (a new run), or not a directory (refused at start-up, as without --resume)
+        return AutoResume(out, None)
+    found = list_checkpoints(out)
+    if not layout.is_run():
+        if found:
+            raise CheckpointError(
+                f"--resume auto: {out} holds checkpoints but is not marked as a dimuon run (no {layout.MARKER}: "
+                f"a run of a dimuon version before the marker, or a copy without it), and --resume auto continues "
+                f"only marked runs; continue it once with --resume {out}, which marks it"
+            )
+        return AutoResume(out, None)
+    unfinished = {step: path for path in (layout.checkpoints.glob(TMP_PREFIX + "step_*")
+                                          if layout.checkpoints.is_dir() else ())
+                  if path.is_dir() and (step := step_of(path.name[len(TMP_PREFIX):])) is not None}
+    passed: list[tuple[int, str]] = [(step, f"step {step} ({path.name}: a save that did not finish)")
+                                     for step, path in unfinished.items()]
+    for step, path in reversed(found):
+        try:
+            meta = verify_checkpoint(path)
+        except CheckpointError as e:
+            passed.append((step, f"step {step} ({e})"))
+            continue
+        notes = tuple(note for s, note in sorted(passed, reverse=True) if s > step)
+        return AutoResume(out, _from_checkpoint(path, meta), notes)
+    notes = tuple(note for _, note in sorted(passed, reverse=True))
+    if found:
+        raise CheckpointError(
+            f"--resume auto: no checkpoint of the run in {out} passes its manifest: {'; '.join(notes)}; "
+            "start it afresh with --overwrite instead of --resume auto, or resume an intact copy of one with "
+            "--resume PATH"
+        )
+    if not layout.config.is_file():
+        raise CheckpointError(
+            f"--resume auto: the run in {out} recorded neither its config.json nor a checkpoint (it stopped while "
+            "it was being set up); start it afresh with --overwrite instead of --resume auto"
+        )
+    return AutoResume(out, find_resume_point(out), notes)

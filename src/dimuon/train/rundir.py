@@ -31,7 +31,8 @@ from dimuon.train.checkpoint import set_aside_checkpoints_after
 from dimuon.train.config import ConfigError
 from dimuon.train.resume import ResumePoint
 
-__all__ = ["check_free_space", "check_run_dir", "continues_in_place", "describe_entries", "prepare_run_dir"]
+__all__ = ["check_free_space", "check_run_dir", "check_same_start", "continues_in_place", "describe_entries",
+           "prepare_run_dir", "start_of"]
 
 log = get_logger(__name__)
 
@@ -41,6 +42,28 @@ MIB = 1 << 20
 def continues_in_place(layout: RunLayout, resume: ResumePoint | None) -> bool:
     """Whether the run resumes a run in its own ``--out``."""
     return resume is not None and resume.run.resolve() == layout.root.resolve()
+
+
+def start_of(resume: ResumePoint | None) -> str | None:
+    """What a rank starts from, as the ranks compare it: the checkpoint, the run restarted from step 0, or None
+    (a new run)."""
+    return None if resume is None else str(resume.checkpoint or resume.run)
+
+
+def check_same_start(starts: list[str | None]) -> None:
+    """Refuse to start when the ranks (``starts``: :func:`start_of` of each, in rank order) found different things
+    to continue, so that no rank loads another checkpoint than its peers: the nodes see different files in
+    ``--out`` (not one shared file system, or one that shows a node an old listing)."""
+    if len(set(starts)) > 1:
+        ranks: dict[str | None, list[int]] = {}
+        for rank, start in enumerate(starts):
+            ranks.setdefault(start, []).append(rank)
+        found = "; ".join(f"{start or 'a new run'} on rank {r[0]}" + (f" and {len(r) - 1} more" if len(r) > 1 else "")
+                          for start, r in ranks.items())
+        raise ConfigError(
+            f"the ranks found different things to start from in --out ({found}): every node must see the same "
+            "files there (one shared file system); rerun once they do"
+        )
 
 
 def describe_entries(paths: list[Path], root: Path, shown: int = 5) -> str:

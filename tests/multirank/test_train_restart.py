@@ -1,0 +1,74 @@
+"""``torchrun --max-restarts 1`` with ``dimuon train --resume auto`` as a cluster fails: 2 gloo ranks, rank 1
+killed with SIGKILL mid-run (as it begins step 6 of 8, on the first attempt only); torchrun restarts both ranks
+with the same command, which resumes from the newest complete checkpoint (step 4) and finishes with exit 0 and
+the final weights of an uninterrupted run, bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dimuon.dit.checkpoint import load_model_for_eval
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # three torchrun attempts: 50-80 s on 2 shared cores
+
+KILLED = Path(__file__).with_name("killed_rank.py")
+ARGS = ["--model", "DiT-T/2", "--dataset", "digits", "--batch-size", "16", "--steps", "8", "--warmup-steps", "3",
+        "--ckpt-interval", "4", "--log-interval", "2", "--val-interval", "4", "--val-samples", "16", "--sample-count",
+        "4", "--sample-steps", "2", "--threads", "1", "--no-progress", "--resume", "auto"]
+TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
+               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+
+
+def _torchrun(out: Path, *program: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 --max-restarts 1 PROGRAM train ARGS --out OUT``.
+
+    Each attempt gets its own rendezvous store, as docs/training.md's recipe says: with the store torch 2.13's
+    agent shares by default, a restarted attempt can read the killed one's addresses and fail or hang while
+    joining the process group (pytorch/pytorch#135712).
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--monitor-interval", "0.5", *program, "train", *ARGS, "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timing(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path: Path) -> None:
+    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
+    result = _torchrun(straight, "-m", "dimuon.cli")
+    assert result.returncode == 0, result.stdout[-4000:]
+    result = _torchrun(restarted, str(KILLED), "6")
+    log = result.stdout
+    assert result.returncode == 0, log[-6000:]
+
+    # The first attempt started the run; rank 1 died in step 6, so torchrun restarted both ranks with the same
+    # command, which continued from step 4, the newest complete checkpoint.
+    assert f"--resume auto: {restarted} holds no run yet, so a new run starts there at step 0" in log
+    assert (f"--resume auto: resumed from {restarted}/checkpoints/step_0000004 at step 4, the newest complete "
+            "checkpoint in --out") in log, log[-6000:]
+    starts = [r for r in _records(restarted) if r["kind"] == "start"]
+    assert [(r["step"], Path(r["resumed_from"]).name) for r in starts] == [(0, ""), (4, "step_0000004")]
+    assert sorted(p.name for p in (restarted / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
+
+    for use_ema in (True, False):
+        a, _ = load_model_for_eval(straight / "checkpoints" / "step_0000008", use_ema=use_ema)
+        b, _ = load_model_for_eval(restarted / "checkpoints" / "step_0000008", use_ema=use_ema)
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            assert torch.equal(x, y), (use_ema, name)
+    assert _without_timing(_records(straight)) == _without_timing(_records(restarted))
