@@ -53,6 +53,8 @@ class GroupsConfig:
     """param_groups rules as PATTERN=adamw or PATTERN=muon [...] (globs on parameter names; the first match wins)."""
     split: tuple[str, ...] = ()
     """Fused-matrix row splits as PATTERN=N or PATTERN=R1,R2,...; 'dit' alone: dimuon's DiT splits."""
+    per_head: bool = False
+    """Attention projections orthogonalized per head (param_groups(per_head=True))."""
     all: bool = False
     """List every parameter; by default biases and norm gains (1-D) are counted, not listed."""
     json: Path | None = None
@@ -153,19 +155,24 @@ def grouping_options(cfg: GroupsConfig) -> tuple[dict[str, str], dict[str, Any]]
     return rules, splits
 
 
-def group_table(model: nn.Module, rules: dict[str, str] | None = None,
-                split_sizes: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One row per parameter: name, shape, algorithm, the matrix Muon updates (rows x cols, per split), why."""
+def group_table(model: nn.Module, rules: dict[str, str] | None = None, split_sizes: dict[str, Any] | None = None,
+                per_head: bool = False) -> list[dict[str, Any]]:
+    """One row per parameter: name, shape, algorithm, the matrices Muon updates (rows x cols of every row chunk x
+    column chunk, per expert when stacked), why."""
     reasons: dict[str, str] = {}
     rows = []
-    for group in param_groups(model, rules=rules, split_sizes=split_sizes, reasons=reasons):
+    for group in param_groups(model, rules=rules, split_sizes=split_sizes, reasons=reasons, per_head=per_head):
         for name, p in group["params"]:
             row: dict[str, Any] = {"name": name, "shape": list(p.shape), "numel": p.numel(),
                                    "algorithm": group["algorithm"], "reason": reasons[name]}
             if group["algorithm"] == "muon":
-                rows_, cols = p.shape[0], math.prod(p.shape[1:])
-                ranges = split_sizes_to_ranges(rows_, group.get("split_sizes"), name)
-                row["matrices"] = [[stop - start, cols] for start, stop in ranges]
+                shape = p.shape[1:] if group.get("stacked") else p.shape
+                rows_, cols = shape[0], math.prod(shape[1:])  # no split: one range over the whole side
+                row_ranges = split_sizes_to_ranges(rows_, group.get("split_sizes"), name) or ((0, rows_),)
+                col_ranges = split_sizes_to_ranges(cols, group.get("col_split_sizes"), name, "col_split_sizes",
+                                                   "columns") or ((0, cols),)
+                chunks = [[r1 - r0, c1 - c0] for r0, r1 in row_ranges for c0, c1 in col_ranges]
+                row["matrices"] = chunks * (p.shape[0] if group.get("stacked") else 1)
             rows.append(row)
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     return sorted(rows, key=lambda r: order[r["name"]])
@@ -179,9 +186,11 @@ def render(rows: list[dict[str, Any]], what: str, everything: bool) -> str:
     for r in shown:
         shape = "x".join(map(str, r["shape"])) or "scalar"
         matrices = r.get("matrices")
+        distinct = sorted({(m, n) for m, n in matrices or []}, reverse=True)
         as_matrix = "" if not matrices else " as " + (
             f"{matrices[0][0]}x{matrices[0][1]}" if len(matrices) == 1 else
-            f"{len(matrices)} x ({', '.join(f'{m}x{n}' for m, n in matrices)})")
+            f"{len(matrices)} x ({', '.join(f'{m}x{n}' for m, n in matrices)})" if len(matrices) <= 6 else
+            f"{len(matrices)} matrices of {', '.join(f'{m}x{n}' for m, n in distinct)}")
         lines.append(f"{r['algorithm']:6s} {r['name']:{width}s} {shape:>16s}{as_matrix}  - {r['reason']}")
     hidden = len(rows) - len(shown)
     if hidden:
@@ -197,7 +206,7 @@ def render(rows: list[dict[str, Any]], what: str, everything: bool) -> str:
 def run(cfg: GroupsConfig) -> list[dict[str, Any]]:
     rules, splits = grouping_options(cfg)
     model, what = build_model(cfg)
-    rows = group_table(model, rules, splits)
+    rows = group_table(model, rules, splits, cfg.per_head)
     print(render(rows, what, cfg.all))
     if cfg.json is not None:
         cfg.json.write_text(json.dumps({"model": what, "parameters": rows}, indent=2) + "\n", encoding="utf-8")

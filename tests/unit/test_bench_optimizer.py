@@ -39,6 +39,7 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
         assert r["first_ms"] is None, name  # --warmup 0: no first step apart
     assert record["optimizers"]["muon"]["ratio_to_muon"] == 1.0
     assert record["optimizers"]["muon_compiled"]["label"] == "dimuon Muon (standard NS, compiled)"
+    assert record["optimizers"]["muon_per_head"]["label"].endswith("per head: qkv rows, proj columns, H=2)")
     assert record["ns_flop_rate"]["dtype"] == "float32" and record["machine"]["gpu"] is None
     assert record["optimizers"]["periodic_row_muon"]["calls_per_sample"] == 3
     assert record["optimizers"]["muon_bp"]["calls_per_sample"] == 5
@@ -79,7 +80,8 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
     monkeypatch.setitem(PEERS, "failing", _peer("failing", "torch", lambda mod, muon, rest, lr: Failing()))
     out = tmp_path / "o.json"
     argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_compiled", "muon_bf16", "muon_bp", "periodic_row_muon",
-            "reference_muon", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out", str(out)]
+            "reference_muon", "muon_per_head", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out",
+            str(out)]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert set(record["optimizers"]) == {"adamw_foreach", "muon", "torch_muon"}

@@ -148,3 +148,17 @@ def test_bare_parameters_tables_patch_embeddings_and_sinusoidal_inputs_go_to_ada
                     "time_embedding.2.weight", "text_embedder.linear_1.weight"}
     rules = param_groups(ZooShapes(), rules={"scale_shift_table": "muon"})  # user rules still win
     assert "scale_shift_table" in {n for g in rules if g["algorithm"] == "muon" for n, _ in g["params"]}
+
+
+def test_per_head_splits_qkv_rows_and_out_projection_columns_under_user_rules_too():
+    model = TinyDiT(d=16)  # 2 blocks; its attention has no num_heads attribute: give it one, as DiT's has
+    for block in model.blocks:
+        block.attn.num_heads = 4
+    groups = param_groups(model, rules={"blocks.1.attn.proj.weight": {"lr": 1e-3}}, split_sizes=DIT_FUSED_SPLITS,
+                          per_head=True)
+    by_name = {n: g for g in groups for n, _ in g["params"]}
+    assert by_name["blocks.0.attn.qkv.weight"]["split_sizes"] == 12  # 3 x 4 heads, refining the fused 3
+    assert by_name["blocks.0.attn.proj.weight"]["col_split_sizes"] == 4
+    assert by_name["blocks.1.attn.proj.weight"]["col_split_sizes"] == 4 and by_name["blocks.1.attn.proj.weight"]["lr"] == 1e-3
+    assert "col_split_sizes" not in by_name["blocks.0.mlp.fc1.weight"]
+    assert "col_split_sizes" not in {k for g in param_groups(model) for k in g}  # off by default

@@ -56,3 +56,10 @@ def test_a_builder_callable_with_arguments(capsys):
 def test_bad_flags_say_which_and_exit_2(capsys, argv, message):
     assert main(["groups", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_per_head_shows_each_heads_matrices(capsys):
+    assert main(["groups", "--model", "DiT-S/2", "--split", "dit", "--per-head"]) == 0  # 6 heads of 64
+    text = capsys.readouterr().out
+    assert "blocks.0.attn.qkv.weight" in text and "as 18 matrices of 64x384" in text
+    assert "as 6 x (384x64, 384x64, 384x64, 384x64, 384x64, 384x64)" in text  # the out-projection's columns

@@ -153,6 +153,12 @@ def test_unknown_options_and_group_keys():
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "ns_step": 4, "foreach": True}])
     with pytest.raises(ValueError, match=r"'K' \(did you mean 'k'\?\)"):
         PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "K": 4}])
+    with pytest.raises(ValueError, match=r"'betas' \(did you mean 'adamw_betas'\?\)"):  # torch AdamW's name
+        Muon([{"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", "betas": (0.9, 0.99)}])
+    with pytest.raises(ValueError, match=r"'gamma' \(AdaptiveRowMuon's, PeriodicRowMuon's\), 'k' \(PeriodicRowMuon's\), not Muon's"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "k": 3, "gamma": 0.5}])
+    with pytest.raises(ValueError, match=r"'period' \(MuonBP's\), not PeriodicRowMuon's"):
+        PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "period": 3}])
     with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "sgd"}])
     with pytest.raises(ValueError, match="lr \\(parameter group 1\\) must be in"):

@@ -3,7 +3,7 @@
 Builds a registry DiT (optionally with fewer blocks) on ``--device``, gives every parameter a seeded
 random gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
 ``opt.step()`` for AdamW (foreach and fused), the fp32 per-tensor reference Muon, dimuon's Muon
-(standard and Gram Newton-Schulz, compiled with ``ns_compile=True``, and standard in bf16),
+(standard and Gram Newton-Schulz, per attention head, compiled with ``ns_compile=True``, and standard in bf16),
 PeriodicRowMuon and MuonBP, and for the peers (other installable Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``,
 muon-fsdp2, dtensor-muon, heavyball) built over the same matrices; a peer that cannot run here gets
 a row that says why. Every sample starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
@@ -45,7 +45,7 @@ from dimuon.bench.report import format_markdown_table, format_table, gpu_info, l
 from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
-from dimuon.optim import build, linalg, param_groups
+from dimuon.optim import build, linalg, param_groups, per_head_splits
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.reference import ReferenceMuon
 
@@ -55,6 +55,7 @@ OPTIMIZERS: dict[str, str] = {
     "adamw_fused": "AdamW (fused)",
     "reference_muon": "reference Muon (fp32, per tensor) + AdamW",
     "muon": "dimuon Muon (standard NS)",
+    "muon_per_head": "dimuon Muon (standard NS, per head: qkv rows, proj columns)",
     "muon_gram": "dimuon Muon (Gram NS)",
     "muon_compiled": "dimuon Muon (standard NS, compiled)",
     "muon_bf16": "dimuon Muon (standard NS in bf16)",
@@ -192,6 +193,10 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
             steps[name] = (Paired(ref, adamw_for_rest(rest, cfg.lr)).step, 1)
         elif name == "muon":
             steps[name] = (build("muon", model, lr=cfg.lr).step, 1)
+        elif name == "muon_per_head":  # every attention head its own matrix (dimuon.optim.per_head_splits)
+            heads = per_head_splits(model)
+            groups = param_groups(model, rules=heads.rules, split_sizes=heads.split_sizes)
+            steps[name] = (build("muon", groups, lr=cfg.lr).step, 1)
         elif name == "muon_gram":
             steps[name] = (build("muon", model, lr=cfg.lr, ns_algorithm="gram").step, 1)
         elif name == "muon_compiled":  # its first step compiles (reported apart as the first step)
@@ -241,6 +246,9 @@ def label(cfg: Config, name: str) -> str:
         return f"{OPTIMIZERS[name]} K={cfg.k} (per step)"
     if name == "muon_bp":
         return f"{OPTIMIZERS[name]} P={cfg.period}, blocks={cfg.bp_blocks} (per step)"
+    if name == "muon_per_head":
+        heads = cfg.num_heads if cfg.num_heads is not None else dit_arch(cfg.model)["num_heads"]
+        return f"{OPTIMIZERS[name].removesuffix(')')}, H={heads})"
     return OPTIMIZERS[name]
 
 

@@ -8,6 +8,7 @@ from dimuon.optim.build import OPTIMIZERS, build
 from dimuon.optim.core import FlattenedParameterWarning, ForeignGroupKeyWarning, MuonFamily
 from dimuon.optim.distributed.engine import DEFAULT_BUCKET_MB
 from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
+from dimuon.optim.heads import HeadSplits, dit_per_head_splits, per_head_splits
 from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
 from dimuon.optim.schedules import StepKind
 
@@ -18,6 +19,7 @@ __all__ = [
     "AdaptiveRowMuon",
     "FlattenedParameterWarning",
     "ForeignGroupKeyWarning",
+    "HeadSplits",
     "Muon",
     "MuonBP",
     "MuonFamily",
@@ -26,5 +28,7 @@ __all__ = [
     "build",
     "default_algorithm",
     "describe_groups",
+    "dit_per_head_splits",
     "param_groups",
+    "per_head_splits",
 ]

@@ -37,10 +37,12 @@ from dimuon.optim.distributed.engine import (
     ReplicaRefresh,
     RowRange,
     block_grid,
+    col_split_sizes_to_ranges,
     read_flag,
     split_sizes_to_ranges,
+    stacked_ranges,
 )
-from dimuon.optim.distributed.layout import derive_layout, is_dtensor
+from dimuon.optim.distributed.layout import derive_layout, is_dtensor, placement_words
 from dimuon.optim.linalg import (
     COEFFICIENT_SETS,
     LR_SCALES,
@@ -57,7 +59,7 @@ from dimuon.optim.staleness import (
     staleness_from_sums,
     staleness_partial_sums_many,
 )
-from dimuon.optim.validation import check_choice, check_lr, check_number
+from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
 
 ALGORITHMS = ("muon", "adamw")
 Nonfinite = Literal["raise", "skip"]
@@ -95,9 +97,16 @@ class ForeignGroupKeyWarning(UserWarning):
     """A parameter group carries keys dimuon does not use (a trainer's ``fused``/``foreach``, say): kept, ignored."""
 
 
+# torch.optim.AdamW's names for what dimuon's groups call adamw_*: in a dimuon group they would be ignored.
+_TORCH_NAMES = {"betas": "adamw_betas", "eps": "adamw_eps"}
+
+
 def misspelt_option(key: str, options: Iterable[str]) -> str | None:
-    """The option ``key`` reads as a misspelling of (same name but for case, or a close match), or None."""
+    """The option ``key`` reads as a misspelling of (same name but for case, torch's name for it, or a close
+    match), or None."""
     options = sorted(options)
+    if _TORCH_NAMES.get(key) in options:
+        return _TORCH_NAMES[key]
     same = [o for o in options if o.lower() == key.lower()]
     close = same or difflib.get_close_matches(key.lower(), options, n=1, cutoff=_TYPO_CUTOFF)
     return close[0] if close else None
@@ -110,6 +119,27 @@ class FlattenedParameterWarning(UserWarning):
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
+    """``(count, rows, cols)`` of the matrices parameter ``p`` holds: one ``(shape[0], rest)`` matrix (a conv
+    weight's flattening), or with ``stacked`` ``shape[0]`` matrices of ``(shape[1], rest)``."""
+    if stacked:
+        return p.shape[0], p.shape[1], math.prod(p.shape[2:])
+    return 1, p.shape[0], math.prod(p.shape[1:])
+
+
+def row_sums_width(p: Tensor, group: dict[str, Any]) -> int:
+    """Columns of a parameter's ``refresh_row_sums``: per row of ``p`` (per stacked matrix), two sums for every
+    row of its matrix (one for an unstacked parameter) and every column range."""
+    _, rows, cols = matrix_shape(p, group["stacked"])
+    col_ranges = col_split_sizes_to_ranges(cols, group["col_split_sizes"], "") or ((0, cols),)
+    return ROW_SUMS * len(col_ranges) * (rows if group["stacked"] else 1)
+
+
+def _row_sums_view(state: dict[str, Any], job: MatrixJob) -> Tensor:
+    """The local ``refresh_row_sums`` of a job's parameter, one row per row of the job's (local) matrix."""
+    return local_tensor(state["refresh_row_sums"]).view(job.update.shape[0], ROW_SUMS * len(job.col_ranges()))
 
 
 def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
@@ -179,6 +209,8 @@ class MuonFamily(torch.optim.Optimizer):
             adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps,
             split_sizes=None,
+            col_split_sizes=None,
+            stacked=False,
             **self._schedule_defaults(),
         )
         unknown = set(schedule_options) - set(self._schedule_defaults())
@@ -251,6 +283,18 @@ class MuonFamily(torch.optim.Optimizer):
         init.__annotations__ = {p.name: hints[p.name] for p in ordered if p.name in hints} | {"return": None}
 
     @classmethod
+    def _optimizers_taking(cls, key: str) -> list[str]:
+        """The other optimizers of the family whose schedule takes option ``key`` (a PeriodicRowMuon option given
+        to Muon is a mistake, not a foreign key)."""
+        found, todo = [], list(MuonFamily.__subclasses__())
+        while todo:
+            other = todo.pop()
+            todo += other.__subclasses__()
+            if other is not cls and not other.__name__.startswith("_") and key in other._schedule_defaults():
+                found.append(other.__name__)
+        return sorted(set(found))
+
+    @classmethod
     def _schedule_defaults(cls) -> dict[str, Any]:
         """Schedule hyperparameters this optimizer accepts, with their defaults (from its ``__init__``)."""
         return dict(cls._schedule_options)
@@ -277,6 +321,10 @@ class MuonFamily(torch.optim.Optimizer):
         for i, b in enumerate(betas):
             check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
         check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
+        check_split(f"split_sizes{where}", g["split_sizes"])
+        check_split(f"col_split_sizes{where}", g["col_split_sizes"])
+        if not isinstance(g["stacked"], bool):
+            raise TypeError(f"stacked{where} must be a bool, got {g['stacked']!r}")
         for key in self._schedule_defaults():
             self._validate_schedule_option(key, g[key], where)
 
@@ -285,6 +333,11 @@ class MuonFamily(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         unknown = set(param_group) - set(self.defaults) - _EXTRA_GROUP_KEYS
+        elsewhere = {key: owners for key in sorted(unknown) if (owners := self._optimizers_taking(key))}
+        if elsewhere:
+            whose = [f"{key!r} (" + ", ".join(f"{owner}'s" for owner in owners) + ")" for key, owners in elsewhere.items()]
+            raise ValueError(f"parameter-group option(s) of other optimizers: {', '.join(whose)}, not "
+                             f"{type(self).__name__}'s; its options: {sorted(self.defaults)}")
         typos = {key: option for key in sorted(unknown) if (option := misspelt_option(key, self.defaults))}
         if typos:
             raise ValueError(
@@ -335,11 +388,33 @@ class MuonFamily(torch.optim.Optimizer):
                     "updates matrices (ndim >= 2; conv weights are flattened to (out, in*k*k)); "
                     "put it in an 'adamw' group (dimuon.optim.param_groups does this)"
                 )
-            if p.ndim > 2:
+            if group["stacked"] and p.ndim < 3:
+                raise ValueError(
+                    f"stacked=True for parameter {pname!r} with shape {tuple(p.shape)}: a stacked parameter holds "
+                    "matrices along its leading dimension, (count, rows, cols), so it needs at least 3 dimensions; "
+                    "put the parameter in a group without stacked=True"
+                )
+            if p.ndim > 2 and not group["stacked"]:
                 self._flattened.append(f"{pname} {tuple(p.shape)}")
-            split_sizes_to_ranges(p.shape[0], group["split_sizes"], pname)
+            _, rows, cols = matrix_shape(p, group["stacked"])
+            split_sizes_to_ranges(rows, group["split_sizes"], pname)
+            col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
             if is_dtensor(p):
                 layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
+                if group["stacked"] and layout.col_dims:
+                    raise ValueError(
+                        f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
+                        "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
+                        "shard only the leading dimension (FSDP2's Shard(0)) or replicate it")
+                col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
+                if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
+                    raise ValueError(
+                        f"col_split_sizes for parameter {pname!r} under {type(self).__name__}: its "
+                        f"{placement_words(p)} split its columns, and {type(self).__name__}'s "
+                        f"{'/'.join(k.value for k in self.schedule.kinds if k is not StepKind.SPECTRAL)} steps cut "
+                        "column chunks out of each rank's rows, so they need whole rows on every rank (FSDP, HSDP, "
+                        "Shard(0) tensor parallelism); use muon for it (its spectral steps assemble whole "
+                        "matrices), drop col_split_sizes, or a layout that keeps its rows whole")
                 if self.schedule.per_matrix and layout.col_dims:
                     raise ValueError(
                         f"{type(self).__name__} keeps per-row sums for its staleness signal, so its matrices may be "
@@ -364,7 +439,8 @@ class MuonFamily(torch.optim.Optimizer):
             warnings.warn(
                 f"{type(self).__name__} updates these parameters as (shape[0], rest) matrices, as it does conv "
                 f"weights (out, in, *kernel): {', '.join(self._flattened)}; if a leading dimension stacks separate "
-                "matrices (heads, experts), split the parameter or put it in an 'adamw' group",
+                "matrices (heads, experts), give its group stacked=True, split the parameter or put it in an "
+                "'adamw' group",
                 FlattenedParameterWarning,
                 stacklevel=stacklevel,
             )
@@ -400,7 +476,7 @@ class MuonFamily(torch.optim.Optimizer):
                 if ref is None or (group["step"] == 0 and ref.device != p.device):
                     state["refresh_direction"] = torch.zeros_like(p, dtype=REFERENCE_DTYPE,
                                                                   memory_format=torch.contiguous_format)
-                    state["refresh_row_sums"] = _zeros_by_rows(p, ROW_SUMS)
+                    state["refresh_row_sums"] = _zeros_by_rows(p, row_sums_width(p, group))
                 state.setdefault("refresh_age", NEVER_REFRESHED)
             return state
         if "step" in state and not isinstance(state["step"], Tensor):  # a number in older state dicts
@@ -508,7 +584,7 @@ class MuonFamily(torch.optim.Optimizer):
                                  f"{len(saved['params'])} in the state_dict")
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 for name, value in state_dict["state"].get(key, {}).items():
-                    shape = (p.shape[0], ROW_SUMS) if name == "refresh_row_sums" else p.shape
+                    shape = (p.shape[0], row_sums_width(p, group)) if name == "refresh_row_sums" else p.shape
                     if isinstance(value, Tensor) and value.ndim > 0 and value.shape != shape:
                         raise ValueError(
                             f"state_dict does not fit parameter {self._param_name(group, i, gi)!r}: its "
@@ -620,21 +696,25 @@ class MuonFamily(torch.optim.Optimizer):
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
         updates = self._nesterov_updates(params, grads, bufs, beta, group["nesterov"])
+        stacked = group["stacked"]
         for p, u in zip(params, updates):
-            rows = p.shape[0]
-            cols = math.prod(p.shape[1:])
+            count, rows, cols = matrix_shape(p, stacked)
             i = index[id(p)]
             name = names[i] if names else f"params[{i}]"
             keys.append(self._param_name(group, i, gi))
+            splits = split_sizes_to_ranges(rows, group["split_sizes"], name)
             jobs.append(
                 MatrixJob(
                     name=name,
-                    update=u,
-                    rows=rows,
+                    # A stacked parameter's matrices lie one under the other: the (count*rows, cols) view.
+                    update=u.reshape(-1, cols) if stacked else u,
+                    rows=count * rows,
                     cols=cols,
-                    splits=split_sizes_to_ranges(rows, group["split_sizes"], name),
+                    splits=stacked_ranges(count, rows, splits) if stacked else splits,
                     blocks=block_grid(group.get("blocks", 1)),
                     meta={"param": p},
+                    col_splits=col_split_sizes_to_ranges(cols, group["col_split_sizes"], name),
+                    matrix_rows=rows if stacked else None,
                 )
             )
         config = MapConfig(
@@ -664,7 +744,8 @@ class MuonFamily(torch.optim.Optimizer):
                 return staleness_partial_sums_many(
                     [job.update for job in jobs],
                     [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
-                    [local_tensor(st["refresh_row_sums"]) for st in states], local_ranges)
+                    [_row_sums_view(st, job) for st, job in zip(states, jobs)],
+                    local_ranges, [job.col_splits for job in jobs])
 
             sums = self._get_engine().matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
             # A fused parameter refreshes as one: its stalest logical matrix decides.
@@ -706,7 +787,7 @@ class MuonFamily(torch.optim.Optimizer):
             if kind is StepKind.SPECTRAL:
                 ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
                 ref.copy_(d)
-                local_tensor(state["refresh_row_sums"]).copy_(reference_row_sums(job.update, ref))
+                _row_sums_view(state, job).copy_(reference_row_sums(job.update, ref, job.col_splits))
                 state["refresh_age"] = 1
             else:
                 state["refresh_age"] += 1

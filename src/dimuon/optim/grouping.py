@@ -140,6 +140,7 @@ def param_groups(
     rules: Sequence[Rule] | Mapping[str, str | Mapping[str, Any]] | None = None,
     split_sizes: Mapping[str, int | Sequence[int]] | None = None,
     reasons: dict[str, str] | None = None,
+    per_head: bool = False,
 ) -> list[dict[str, Any]]:
     """Parameter groups for a Muon-family optimizer, with parameter names.
 
@@ -148,10 +149,19 @@ def param_groups(
     role-based default. ``split_sizes`` maps patterns to a chunk count or row counts of fused
     matrices to orthogonalize chunk by chunk (see :data:`DIT_FUSED_SPLITS`). Frozen parameters
     (``requires_grad=False``) are left out. ``reasons``, when given, is filled with why each parameter went
-    where it did (``dimuon groups`` prints them).
+    where it did (``dimuon groups`` prints them). ``per_head=True`` orthogonalizes attention projections per head
+    (:func:`dimuon.optim.heads.per_head_splits`: q/k/v rows and output-projection columns by head) wherever they
+    land in a Muon group, under user rules too: its row splits refine ``split_sizes`` (a fused qkv in 3H chunks
+    rather than 3), and a rule's own ``col_split_sizes`` wins over its column splits.
     """
+    from dimuon.optim.heads import per_head_splits
+
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     normalized = [(pat, _normalize_rule(pat, val)) for pat, val in rule_list]
+    heads = per_head_splits(model) if per_head else None
+    if heads is not None:  # per-head rows first: they refine a fused split (3H chunks of a qkv rather than 3)
+        split_sizes = heads.with_split_sizes(split_sizes)
+    head_cols = {name: opts["col_split_sizes"] for name, opts in (heads.rules if heads else {}).items()}
     owner = {}
     modules = dict(model.named_modules())
     for mod_name, module in modules.items():
@@ -180,6 +190,8 @@ def param_groups(
             split = _match_split(name, split_sizes)
             if split is not None:
                 options["split_sizes"] = split
+            if name in head_cols:
+                options.setdefault("col_split_sizes", head_cols[name])
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         group = groups.setdefault(key, {"params": [], **options})
         group["params"].append((name, p))

@@ -4,7 +4,10 @@ Deliberately plain: one matrix at a time, no batching, no engine, explicit orien
 Newton-Schulz loop written out (so it checks :mod:`dimuon.optim.linalg` rather than reusing it).
 Follows the update of ``torch.optim.Muon`` in the compute dtype you give it (fp32 by default)
 and extends it with the RowNorm and block steps of docs/algorithms.md ("Direction maps", "Step size", "Schedules")
-and the per-matrix decisions of the adaptive schedule ("Adaptive refresh"), with its own staleness signal.
+and the per-matrix decisions of the adaptive schedule ("Adaptive refresh"), with its own staleness signal. Fused
+matrices split by rows (``split_sizes``) and by columns (``col_split_sizes``) and stacked matrices
+(``stacked=True``) are cut apart here with plain slicing, one logical matrix at a time ("Fused, per-head and
+stacked matrices").
 """
 
 from __future__ import annotations
@@ -67,6 +70,52 @@ def reference_direction(
     return reference_orthogonalize(u, dtype=dtype).float() * reference_scale(lr_scale, rows, cols)
 
 
+def _chunks(size: int, sizes: int | tuple[int, ...] | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each chunk: a chunk count (equal chunks) or chunk sizes; None is one chunk."""
+    if sizes is None:
+        sizes = 1
+    if isinstance(sizes, int):
+        sizes = [size // sizes] * sizes
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    assert start == size, (size, sizes)
+    return bounds
+
+
+def _torch_chunks(size: int, n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each piece ``torch.chunk`` cuts ``size`` indices into."""
+    return [(int(c[0]), int(c[-1]) + 1) for c in torch.chunk(torch.arange(size), n)]
+
+
+def reference_split_direction(
+    u: Tensor, kind: StepKind, lr_scale: str, blocks: int | tuple[int, int] = 1,
+    split_sizes: int | tuple[int, ...] | None = None, col_split_sizes: int | tuple[int, ...] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Scaled direction of one ``(rows, cols)`` momentum matrix made of logical matrices: every row chunk
+    (``split_sizes``) times every column chunk (``col_split_sizes``) gets its own direction and scale. On block
+    steps the ``blocks`` grid is cut from the whole matrix (``torch.chunk`` on each side) and each grid cell
+    that overlaps a logical matrix is orthogonalized on that overlap."""
+    rows, cols = u.shape
+    out = torch.empty(rows, cols, dtype=torch.float32, device=u.device)
+    row_blocks, col_blocks = (blocks, 1) if isinstance(blocks, int) else (*blocks, 1)[:2]
+    for a, b in _chunks(rows, split_sizes):
+        for c, d in _chunks(cols, col_split_sizes):
+            if kind is not StepKind.BLOCK:
+                out[a:b, c:d] = reference_direction(u[a:b, c:d], kind, lr_scale, dtype=dtype)
+                continue
+            for r0, r1 in _torch_chunks(rows, row_blocks):
+                for c0, c1 in _torch_chunks(cols, col_blocks):
+                    lo, hi, left, right = max(a, r0), min(b, r1), max(c, c0), min(d, c1)
+                    if lo < hi and left < right:
+                        block = u[lo:hi, left:right]
+                        out[lo:hi, left:right] = (reference_orthogonalize(block, dtype=dtype).float()
+                                                  * reference_scale(lr_scale, *block.shape))
+    return out
+
+
 def _cosine(a: Tensor, b: Tensor) -> float:
     return float((a.double() * b.double()).sum() / (a.double().norm() * b.double().norm()))
 
@@ -92,17 +141,22 @@ class ReferenceMuon:
         k_min: int = 2,
         k_max: int = 6,
         dtype: torch.dtype = torch.float32,
+        split_sizes: int | tuple[int, ...] | None = None,
+        col_split_sizes: int | tuple[int, ...] | None = None,
+        stacked: bool = False,
     ) -> None:
         self.params = list(params)
         self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
         self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
         self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
         self.threshold, self.k_min, self.k_max = threshold, k_min, k_max
+        self.split_sizes, self.col_split_sizes, self.stacked = split_sizes, col_split_sizes, stacked
         self.bufs = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self.t = 0
-        # Adaptive schedule: per matrix, the direction of its last spectral step (bf16), cos(U_s, O_s) then, and s.
+        # Adaptive schedule: per matrix, the direction of its last spectral step (bf16), cos(U_s, O_s) of each of its
+        # logical matrices then, and s.
         self.refs: list[Tensor | None] = [None] * len(self.params)
-        self.ref_cos: list[float] = [0.0] * len(self.params)
+        self.ref_cos: list[list[float]] = [[] for _ in self.params]
         self.last_spectral: list[int | None] = [None] * len(self.params)
         self.decisions: list[list[StepKind]] = []  # per step, each matrix's kind (adaptive schedule)
 
@@ -113,18 +167,37 @@ class ReferenceMuon:
             return StepKind.BLOCK
         return StepKind.SPECTRAL
 
+    def matrices(self, u: Tensor) -> list[Tensor]:
+        """The ``(rows, cols)`` matrices a parameter-shaped tensor holds: one, or each stacked one."""
+        if self.stacked:
+            return [x.reshape(x.shape[0], -1) for x in u.unbind(0)]
+        return [u.reshape(u.shape[0], -1)]
+
+    def logical(self, u: Tensor) -> list[Tensor]:
+        """Every logical matrix of a parameter-shaped tensor: per matrix, each row chunk x column chunk."""
+        return [x[a:b, c:d] for x in self.matrices(u) for a, b in _chunks(x.shape[0], self.split_sizes)
+                for c, d in _chunks(x.shape[1], self.col_split_sizes)]
+
     def adaptive_kind(self, i: int, u: Tensor) -> StepKind:
         """Matrix ``i``'s kind: spectral if never refreshed or ``k_max`` steps on, RowNorm before ``k_min`` steps,
-        else spectral when ``1 - cos(U, O_s) / cos(U_s, O_s) > threshold``."""
+        else spectral when ``1 - cos(U, O_s) / cos(U_s, O_s) > threshold`` for any of its logical matrices."""
         last, ref = self.last_spectral[i], self.refs[i]
         if last is None or self.t - last >= self.k_max:
             return StepKind.SPECTRAL
         if self.t - last < self.k_min:
             return StepKind.ROWNORM
-        if self.ref_cos[i] <= 0 or u.norm() == 0:
-            return StepKind.SPECTRAL
-        staleness = 1 - _cosine(u, ref.float()) / self.ref_cos[i]
-        return StepKind.SPECTRAL if staleness > self.threshold else StepKind.ROWNORM
+        for x, o, then in zip(self.logical(u), self.logical(ref.float()), self.ref_cos[i]):
+            if then <= 0 or x.norm() == 0 or 1 - _cosine(x, o) / then > self.threshold:
+                return StepKind.SPECTRAL
+        return StepKind.ROWNORM
+
+    def direction(self, u: Tensor, kind: StepKind) -> Tensor:
+        """The scaled direction of one parameter-shaped momentum, matrix by matrix."""
+        return torch.stack([
+            reference_split_direction(x, kind, self.lr_scale, self.blocks, self.split_sizes, self.col_split_sizes,
+                                      self.dtype)
+            for x in self.matrices(u)
+        ]).view(u.shape)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -138,11 +211,12 @@ class ReferenceMuon:
             kind = self.adaptive_kind(i, u) if self.schedule == "adaptive_row_muon" else self.kind()
             kinds.append(kind)
             mult = {StepKind.SPECTRAL: 1.0, StepKind.ROWNORM: self.gamma, StepKind.BLOCK: self.block_lr_ratio}[kind]
-            d = reference_direction(u.reshape(u.shape[0], -1), kind, self.lr_scale, self.blocks, self.dtype)
+            d = self.direction(u, kind)
             if self.schedule == "adaptive_row_muon" and kind is StepKind.SPECTRAL:
                 ref = d.view(u.shape).to(torch.bfloat16)
                 self.refs[i], self.last_spectral[i] = ref, self.t
-                self.ref_cos[i] = _cosine(u, ref.float()) if u.norm() > 0 else 0.0
+                self.ref_cos[i] = [_cosine(x, o) if x.norm() > 0 else 0.0
+                                   for x, o in zip(self.logical(u), self.logical(ref.float()))]
             p.mul_(1 - self.lr * self.wd)
             p.add_(d.view(p.shape).to(p.dtype), alpha=-self.lr * mult)
         self.decisions.append(kinds)

@@ -29,6 +29,7 @@ class Schedule:
 
     name: str = "muon"
     per_matrix: bool = False  # True: kinds are decided per matrix by ``decide``, not per group by ``kind``
+    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL,)  # every kind the schedule may take
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL
@@ -46,6 +47,7 @@ class PeriodicRowSchedule(Schedule):
     """Spectral when ``t % k == 0``, RowNorm (scaled by ``gamma``) otherwise."""
 
     name: str = "periodic_row_muon"
+    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL if step % int(group["k"]) == 0 else StepKind.ROWNORM
@@ -56,6 +58,7 @@ class BlockPeriodicSchedule(Schedule):
     """MuonBP: full spectral when ``t % period == 0``, block-wise spectral otherwise."""
 
     name: str = "muon_bp"
+    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.BLOCK)
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL if step % int(group["period"]) == 0 else StepKind.BLOCK
@@ -76,6 +79,7 @@ class AdaptiveRowSchedule(Schedule):
 
     name: str = "adaptive_row_muon"
     per_matrix: bool = True
+    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         raise TypeError("AdaptiveRowSchedule picks a kind per matrix (decide), not per group")

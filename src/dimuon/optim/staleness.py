@@ -7,9 +7,10 @@ With ``O_s`` the spectral direction of the matrix's last spectral step ``s`` and
 
 (Frobenius cosines; docs/algorithms.md, "Adaptive refresh"): 0 at step ``s``, growing as the momentum turns away
 from the direction last computed for it. It needs the reference ``O_s`` (kept in bf16) and, per row, the two
-sums ``U_s . O_s`` and ``|U_s|^2`` taken at step ``s``; at step ``t`` each process adds four sums per logical
-matrix over the rows it holds, so a sharded matrix needs one all-reduce of four scalars. Pure tensor math: the
-core keeps the references, the engine adds the sums over the ranks.
+sums ``U_s . O_s`` and ``|U_s|^2`` taken at step ``s`` (per row and column range when the parameter's columns
+are split, ``col_split_sizes``); at step ``t`` each process adds four sums per logical matrix over the rows it
+holds, so a sharded matrix needs one all-reduce of four scalars. Pure tensor math: the core keeps the
+references, the engine adds the sums over the ranks.
 """
 
 from __future__ import annotations
@@ -29,33 +30,48 @@ ROW_SUMS = 2  # per row of the reference step: U_s . O_s and |U_s|^2
 SIGNAL_SUMS = 4  # per logical matrix: U_t . O_s, |U_t|^2, U_s . O_s, |U_s|^2
 
 
-def reference_row_sums(update: Tensor, direction: Tensor) -> Tensor:
-    """``(rows, 2)`` fp32: per row, ``U_s . O_s`` and ``|U_s|^2`` (``direction`` as stored, e.g. bf16)."""
+def reference_row_sums(update: Tensor, direction: Tensor, col_ranges: Sequence[RowRange] = ()) -> Tensor:
+    """``(rows, 2)`` fp32: per row, ``U_s . O_s`` and ``|U_s|^2`` (``direction`` as stored, e.g. bf16); with column
+    ranges ``(rows, 2 * len(col_ranges))``, the two sums over each range's columns, range after range."""
     u, o = update.float(), direction.float()
-    return torch.stack(((u * o).sum(dim=1), u.square().sum(dim=1)), dim=1)
+    if not col_ranges:
+        return torch.stack(((u * o).sum(dim=1), u.square().sum(dim=1)), dim=1)
+    return torch.stack([torch.stack(((u[:, c:d] * o[:, c:d]).sum(dim=1), u[:, c:d].square().sum(dim=1)), dim=1)
+                        for c, d in col_ranges], dim=1).reshape(u.shape[0], ROW_SUMS * len(col_ranges))
 
 
 def staleness_partial_sums(update: Tensor, direction: Tensor, row_sums: Tensor,
-                           local_ranges: Sequence[RowRange | None]) -> Tensor:
+                           local_ranges: Sequence[RowRange | None], col_ranges: Sequence[RowRange] = ()) -> Tensor:
     """``(len(local_ranges), 4)`` fp32: per logical matrix, this process's part of ``U_t . O_s``, ``|U_t|^2``,
     ``U_s . O_s`` and ``|U_s|^2`` over the rows it holds: local rows ``local_ranges[i]`` of ``update``,
-    ``direction`` and ``row_sums`` (None: none of matrix ``i``'s rows are here)."""
-    return staleness_partial_sums_many([update], [direction], [row_sums], [local_ranges])[0]
+    ``direction`` and ``row_sums`` (None: none of matrix ``i``'s rows are here). With column ranges (the
+    ``row_sums`` of :func:`reference_row_sums` over the same ranges) ``(len(local_ranges) * len(col_ranges), 4)``:
+    every row range times every column range, row ranges first."""
+    return staleness_partial_sums_many([update], [direction], [row_sums], [local_ranges], [col_ranges])[0]
 
 
 def staleness_partial_sums_many(updates: Sequence[Tensor], directions: Sequence[Tensor], row_sums: Sequence[Tensor],
-                                local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+                                local_ranges: Sequence[Sequence[RowRange | None]],
+                                col_ranges: Sequence[Sequence[RowRange]] | None = None) -> list[Tensor]:
     """:func:`staleness_partial_sums` of many matrices: per matrix two row dot products and one segmented sum
     over its logical matrices (a few kernels per matrix, none per logical matrix; matrices are not stacked,
     which would copy what the dot products only read)."""
     out = []
-    for u, o, rs, ranges in zip(updates, directions, row_sums, local_ranges):
-        u = u.float()
-        rows = torch.cat((torch.linalg.vecdot(u, o.float()).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1),
-                          rs.float()), dim=1)  # (m, 4)
+    col_ranges = col_ranges if col_ranges is not None else [()] * len(updates)
+    for u, o, rs, ranges, cols in zip(updates, directions, row_sums, local_ranges, col_ranges):
+        u, o = u.float(), o.float()
+        if not cols:
+            rows = torch.cat((torch.linalg.vecdot(u, o).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1),
+                              rs.float()), dim=1)  # (m, 4)
+        else:  # per row and column range: (m, C, 4), flattened so one segmented sum takes every range
+            now = torch.stack([torch.linalg.vecdot(u[:, c:d], o[:, c:d]) for c, d in cols], dim=1)
+            norm = torch.stack([torch.linalg.vecdot(u[:, c:d], u[:, c:d]) for c, d in cols], dim=1)
+            then = rs.float().view(u.shape[0], len(cols), ROW_SUMS)
+            rows = torch.cat((now.unsqueeze(2), norm.unsqueeze(2), then), dim=2).reshape(u.shape[0], -1)
         ranges = tuple(ranges)
-        sums = rows.new_zeros(len(ranges) + 1, SIGNAL_SUMS)  # the last slot takes rows in no range
-        out.append(sums.index_add_(0, _segments(u.shape[0], ranges, u.device), rows)[: len(ranges)])
+        sums = rows.new_zeros(len(ranges) + 1, rows.shape[1])  # the last slot takes rows in no range
+        total = sums.index_add_(0, _segments(u.shape[0], ranges, u.device), rows)[: len(ranges)]
+        out.append(total.reshape(-1, SIGNAL_SUMS))
     return out
 
 

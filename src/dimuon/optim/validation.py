@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,3 +43,16 @@ def check_lr(value: Any, where: str) -> None:
             raise TypeError(f"Tensor lr{where} must be floating point, got {value.dtype}")
         value = value.item()
     check_number(f"lr{where}", value, low=0.0)
+
+
+def check_split(name: str, value: Any) -> None:
+    """``None``, a chunk count (an int >= 1) or chunk sizes (a non-empty sequence of ints >= 1)."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if value is None or (is_int(value) and value >= 1):
+        return
+    if isinstance(value, Sequence) and not isinstance(value, str) and value and all(is_int(v) and v >= 1 for v in value):
+        return
+    raise ValueError(f"{name} must be None, a chunk count (an int >= 1) or chunk sizes (a non-empty sequence of "
+                     f"ints >= 1), got {value!r}")

@@ -9,6 +9,7 @@ sharded engine implements the same call with collectives. Tests hold the two aga
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,9 +59,14 @@ class MatrixJob:
 
     ``update`` holds this process's piece of the ``(rows, cols)`` Nesterov momentum (all of it in a
     single process; a sharded engine reads where the piece sits from the parameter's placements).
-    ``splits`` are the global row ranges of the logical matrices the parameter is made of (one range
-    unless fused matrices are split). ``blocks`` is the ``(row blocks, column blocks)`` grid a
-    single-process block step cuts the matrix into (``torch.chunk`` on each side; an int: row blocks).
+    ``splits`` are the global row ranges and ``col_splits`` the global column ranges of the logical
+    matrices the parameter is made of: every row range times every column range is one matrix (one range
+    each unless fused matrices are split, by ``split_sizes`` and ``col_split_sizes``). ``blocks`` is the
+    ``(row blocks, column blocks)`` grid a single-process block step cuts each stacked matrix into
+    (``torch.chunk`` on each side; an int: row blocks). ``matrix_rows`` is set for a stacked parameter
+    (``stacked=True``, shape ``(E, m, n)``): the matrix is then the ``(E*m, n)`` view, the ``m`` rows of each
+    stacked matrix are apart (``splits`` holds each stacked matrix's row ranges), and a sharded engine
+    finds each rank's whole stacked matrices by the leading dimension.
     """
 
     name: str
@@ -70,9 +76,25 @@ class MatrixJob:
     splits: tuple[RowRange, ...] = ()
     blocks: int | BlockGrid = (1, 1)
     meta: dict = field(default_factory=dict)
+    col_splits: tuple[RowRange, ...] = ()
+    matrix_rows: int | None = None
 
     def logical_ranges(self) -> tuple[RowRange, ...]:
+        """The row ranges of the logical matrices (for a stacked parameter, of every stacked matrix)."""
         return self.splits or ((0, self.rows),)
+
+    def col_ranges(self) -> tuple[RowRange, ...]:
+        """The column ranges of the logical matrices."""
+        return self.col_splits or ((0, self.cols),)
+
+    def regions(self) -> list[Region]:
+        """Every logical matrix as rows ``[r0, r1)`` x columns ``[c0, c1)``, row ranges first."""
+        return [(a, b, c, d) for a, b in self.logical_ranges() for c, d in self.col_ranges()]
+
+    def stacked_ranges(self) -> tuple[RowRange, ...]:
+        """The row range of each stacked matrix (one range, all rows, unless stacked)."""
+        m = self.matrix_rows
+        return ((0, self.rows),) if not m else tuple((e, e + m) for e in range(0, self.rows, m))
 
 
 class DirectionEngine(Protocol):
@@ -116,27 +138,43 @@ def intersect(a: RowRange, b: RowRange) -> RowRange | None:
     return (lo, hi) if lo < hi else None
 
 
-def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, name: str) -> tuple[RowRange, ...]:
-    """Global row ranges of the fused matrices given ``split_sizes`` (a chunk count or row counts)."""
+def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, name: str,
+                          option: str = "split_sizes", side: str = "rows") -> tuple[RowRange, ...]:
+    """Global row ranges of the fused matrices given ``split_sizes`` (a chunk count or row counts); with
+    ``option="col_split_sizes", side="columns"`` the same for column chunks."""
     if split_sizes is None or split_sizes == 1:
         return ()
-    if isinstance(split_sizes, int):
+    if isinstance(split_sizes, numbers.Integral) and not isinstance(split_sizes, bool):
+        split_sizes = int(split_sizes)
         if split_sizes < 1 or rows % split_sizes:
             raise ValueError(
-                f"split_sizes={split_sizes} for parameter {name!r} must divide its {rows} rows evenly"
+                f"{option}={split_sizes} for parameter {name!r} must divide its {rows} {side} evenly"
             )
         sizes = [rows // split_sizes] * split_sizes
     else:
         sizes = [int(s) for s in split_sizes]
-        if sum(sizes) != rows or min(sizes) < 1:
+        if sum(sizes) != rows or min(sizes, default=0) < 1:
             raise ValueError(
-                f"split_sizes={tuple(sizes)} for parameter {name!r} must be positive and sum to its {rows} rows"
+                f"{option}={tuple(sizes)} for parameter {name!r} must be positive and sum to its {rows} {side}"
             )
     out, start = [], 0
     for s in sizes:
         out.append((start, start + s))
         start += s
     return tuple(out)
+
+
+def col_split_sizes_to_ranges(cols: int, col_split_sizes: int | Sequence[int] | None,
+                              name: str) -> tuple[RowRange, ...]:
+    """Global column ranges of the matrices given ``col_split_sizes`` (a chunk count or column counts)."""
+    return split_sizes_to_ranges(cols, col_split_sizes, name, option="col_split_sizes", side="columns")
+
+
+def stacked_ranges(count: int, matrix_rows: int, ranges: Sequence[RowRange]) -> tuple[RowRange, ...]:
+    """The row ranges of ``count`` stacked matrices of ``matrix_rows`` rows each in their ``(count*m, n)`` view:
+    each matrix's ``ranges`` (its split rows; all its rows when empty), matrix after matrix."""
+    ranges = tuple(ranges) or ((0, matrix_rows),)
+    return tuple((e * matrix_rows + a, e * matrix_rows + b) for e in range(count) for a, b in ranges)
 
 
 def as_batch(matrices: Sequence[Tensor]) -> Tensor:
@@ -200,14 +238,16 @@ def block_grid(blocks: int | Sequence[int]) -> BlockGrid:
 
 def map_regions(job: MatrixJob, kind: StepKind) -> list[Region]:
     """The regions of an unsharded job's matrix that the map acts on at this step kind: each logical matrix,
-    or on block steps each logical matrix cut by the ``blocks`` grid (row chunks of the whole matrix
-    intersected with the logical matrices, times column chunks)."""
-    ranges = list(job.logical_ranges())
+    or on block steps each logical matrix cut by the ``blocks`` grid (row chunks of the whole matrix, or of
+    each stacked matrix, intersected with the logical row ranges, times column chunks intersected with the
+    logical column ranges)."""
     row_blocks, col_blocks = block_grid(job.blocks)
     if kind is not StepKind.BLOCK or (row_blocks, col_blocks) == (1, 1):
-        return [(a, b, 0, job.cols) for a, b in ranges]
-    rows = [r for lr in ranges for b in chunk_ranges(0, job.rows, row_blocks) if (r := intersect(lr, b)) is not None]
-    cols = chunk_ranges(0, job.cols, col_blocks)
+        return job.regions()
+    row_chunks = [b for a, z in job.stacked_ranges() for b in chunk_ranges(a, z, row_blocks)]
+    col_chunks = chunk_ranges(0, job.cols, col_blocks)
+    rows = [r for lr in job.logical_ranges() for b in row_chunks if (r := intersect(lr, b)) is not None]
+    cols = [c for lc in job.col_ranges() for b in col_chunks if (c := intersect(lc, b)) is not None]
     return [(a, b, c, d) for a, b in rows for c, d in cols]
 
 
@@ -244,4 +284,8 @@ class LocalEngine:
             if outs[j] is None:
                 outs[j] = torch.empty(job.update.shape, dtype=res.dtype, device=res.device)
             outs[j][r0:r1, c0:c1] = res
+        for j, job in enumerate(jobs):  # a matrix without regions (a rank's empty share of stacked matrices)
+            if outs[j] is None:
+                wide = torch.promote_types(job.update.dtype, torch.float32)
+                outs[j] = torch.zeros(job.update.shape, dtype=wide, device=job.update.device)
         return outs  # type: ignore[return-value]

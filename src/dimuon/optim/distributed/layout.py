@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Layout", "Piece", "Span", "derive_layout", "is_dtensor"]
+__all__ = ["Layout", "Piece", "Span", "derive_layout", "is_dtensor", "placement_words"]
 
 ROWS, COLS = 0, 1
 
@@ -67,12 +67,11 @@ class Piece:
 
     def rows_in(self, start: int, stop: int) -> list[Span]:
         """The parts of this piece's row spans inside global rows ``[start, stop)``."""
-        out = []
-        for s in self.rows:
-            lo, hi = max(s.start, start), min(s.stop, stop)
-            if lo < hi:
-                out.append(Span(lo, hi, s.local + lo - s.start))
-        return out
+        return _spans_in(self.rows, start, stop)
+
+    def cols_in(self, start: int, stop: int) -> list[Span]:
+        """The parts of this piece's column spans inside global columns ``[start, stop)``."""
+        return _spans_in(self.cols, start, stop)
 
     def local_rows_in(self, start: int, stop: int) -> tuple[int, int] | None:
         """Local row range holding global rows ``[start, stop)`` of this piece (None: none held). The
@@ -85,12 +84,15 @@ class Piece:
                 raise NotImplementedError("a rank's rows of one logical matrix are not adjacent in its local tensor")
         return spans[0].local, spans[-1].local + spans[-1].size
 
-    def write(self, out: Tensor, full: Tensor, start: int, stop: int) -> None:
-        """``out`` (this piece's local tensor) gets its entries of ``full`` = global rows ``[start, stop)``."""
+    def write(self, out: Tensor, full: Tensor, start: int, stop: int, col_start: int = 0,
+              col_stop: int | None = None) -> None:
+        """``out`` (this piece's local tensor) gets its entries of ``full`` = global rows ``[start, stop)`` x
+        global columns ``[col_start, col_stop)`` (default: every column)."""
+        col_stop = col_start + full.shape[1] if col_stop is None else col_stop
         for r in self.rows_in(start, stop):
-            for c in self.cols:
+            for c in self.cols_in(col_start, col_stop):
                 out[r.local : r.local + r.size, c.local : c.local + c.size] = (
-                    full[r.start - start : r.stop - start, c.start : c.stop])
+                    full[r.start - start : r.stop - start, c.start - col_start : c.stop - col_start])
 
     def place(self, full: Tensor, local: Tensor) -> None:
         """``full`` gets this piece's local tensor ``local`` at its global position."""
@@ -134,6 +136,16 @@ class Layout:
         row_idx = _indices(shape[ROWS], ROWS, self.placements, self.mesh, coord)
         col_idx = _indices(shape[COLS], COLS, self.placements, self.mesh, coord)
         return Piece(_spans(row_idx, 1), _spans(col_idx, self.col_unit))
+
+
+def _spans_in(spans: Sequence[Span], start: int, stop: int) -> list[Span]:
+    """The parts of ``spans`` inside global indices ``[start, stop)``."""
+    out = []
+    for s in spans:
+        lo, hi = max(s.start, start), min(s.stop, stop)
+        if lo < hi:
+            out.append(Span(lo, hi, s.local + lo - s.start))
+    return out
 
 
 def _mesh_words(mesh: Any) -> str:
@@ -186,6 +198,11 @@ def _spans(idx: Tensor, unit: int) -> tuple[Span, ...]:
     starts = [0, *breaks]
     stops = [*breaks, idx.numel()]
     return tuple(Span(int(idx[a]) * unit, (int(idx[b - 1]) + 1) * unit, a * unit) for a, b in zip(starts, stops))
+
+
+def placement_words(param: Any) -> str:
+    """``placements (...) on a 1-D mesh (4)``: a DTensor's layout in words, for error messages."""
+    return f"placements {tuple(param.placements)} on a {_mesh_words(param.device_mesh)}"
 
 
 def _refuse(name: str, what: str, param: Any) -> ValueError:

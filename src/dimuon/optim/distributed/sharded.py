@@ -22,6 +22,11 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
   and broadcasts the refreshed pieces over the replicate dimension.
 - Parameters held whole (``Replicate()`` everywhere, or plain tensors under DDP with
   ``process_group=``): owners orthogonalize their share and broadcast it; RowNorm and block steps are local.
+- Stacked parameters (``stacked=True``, ``(E, m, n)``) sharded by their leading dimension: every rank holds
+  whole matrices, so every map runs on the local ones as in one process, with no communication.
+- Column splits (``col_split_sizes``): every region of rows x columns is its own matrix; gather and owner
+  refreshes cut the assembled matrix, RowNorm and block steps cut the local rows (the core allows them only
+  where each rank holds whole rows, i.e. no mesh dimension splits the columns).
 
 Every decision uses global shapes and the placements only, and the collectives of each process group
 are issued in the order the parameters come, so every rank of every group (shard, replicate, reduction,
@@ -47,9 +52,11 @@ from dimuon.optim.distributed.engine import (
     MapConfig,
     MatrixJob,
     PartialSums,
+    RowRange,
     apply_map_batched,
     map_regions,
     read_flag,
+    stacked_ranges,
 )
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
 from dimuon.optim.linalg import lr_scale_factor, oriented_shape, row_normalize
@@ -246,6 +253,14 @@ class ShardedEngine:
     # ----------------------------------------------------------------- dispatch
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
         placed = [(job, self._placement(job)) for job in jobs]
+        local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
+        if local:  # stacked matrices held whole: the single-process maps on the local ones, no communication
+            out = dict(zip(local, self._local.directions([_local_stacked_job(*placed[i]) for i in local], kind,
+                                                         config)))
+            rest = [i for i in range(len(placed)) if i not in out]
+            if rest:
+                out.update(zip(rest, self.directions([jobs[i] for i in rest], kind, config)))
+            return [out[i] for i in range(len(placed))]
         if kind is StepKind.ROWNORM:
             return self._rownorm(placed, config)
         if kind is StepKind.BLOCK:
@@ -271,8 +286,7 @@ class ShardedEngine:
         (kind ``all_reduce[signal]``) per shard group, all issued before any wait. Matrices split by columns
         are refused at construction (their per-row sums would be partial)."""
         placed = [(job, self._placement(job)) for job in jobs]
-        parts = partial_sums(jobs, [[plc.mine.local_rows_in(a, b) if plc.shard is not None else (a, b)
-                                     for a, b in job.logical_ranges()] for job, plc in placed])
+        parts = partial_sums(jobs, [_local_logical_rows(job, plc) for job, plc in placed])
         pending = []
         for comm, members in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
             flat = torch.cat([parts[i].reshape(-1) for i in members])
@@ -292,9 +306,10 @@ class ShardedEngine:
             if plc.shard is None:
                 regions = map_regions(job, StepKind.BLOCK)
             else:
-                cols = job.update.shape[1]
-                regions = [(r[0], r[1], 0, cols) for a, b in job.logical_ranges()
-                           if (r := plc.mine.local_rows_in(a, b)) is not None]
+                # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
+                cols = job.col_ranges() if job.col_splits else ((0, job.update.shape[1]),)
+                regions = [(r[0], r[1], c, d) for a, b in job.logical_ranges()
+                           if (r := plc.mine.local_rows_in(a, b)) is not None for c, d in cols]
             for r0, r1, c0, c1 in regions:
                 pieces.append(job.update[r0:r1, c0:c1])
                 where.append((i, r0, r1, c0, c1))
@@ -310,33 +325,39 @@ class ShardedEngine:
         pending: dict[int, tuple[Collectives, list]] = {}
         for i, (job, plc) in enumerate(placed):
             u = job.update
+            # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
+            col_ranges = job.col_ranges() if job.col_splits else ((0, u.shape[1]),)
             for a, b in job.logical_ranges():
-                scale = lr_scale_factor(config.lr_scale, b - a, job.cols)
-                wide = b - a <= job.cols
-                local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
-                comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
-                block = u[local[0] : local[1]].to(outs[i].dtype) if local is not None else None
-                if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
-                    if block is not None:
-                        outs[i][local[0] : local[1]] = row_normalize(block, scale=scale)
-                    continue
-                if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
-                    sums = u.new_zeros(u.shape[1], dtype=outs[i].dtype)
-                else:
-                    sums = block.square().sum(dim=1 if wide else 0)
-                pending.setdefault(id(comm), (comm, []))[1].append((i, local, block, scale, wide, sums))
+                for c, d in col_ranges:
+                    cols = d - c if job.col_splits else job.cols  # the logical matrix's global columns
+                    scale = lr_scale_factor(config.lr_scale, b - a, cols)
+                    wide = b - a <= cols
+                    local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
+                    comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
+                    block = u[local[0] : local[1], c:d].to(outs[i].dtype) if local is not None else None
+                    where = (i, local, (c, d))
+                    if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
+                        if block is not None:
+                            outs[i][local[0] : local[1], c:d] = row_normalize(block, scale=scale)
+                        continue
+                    if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
+                        sums = u.new_zeros(d - c, dtype=outs[i].dtype)
+                    else:
+                        sums = block.square().sum(dim=1 if wide else 0)
+                    pending.setdefault(id(comm), (comm, []))[1].append((where, block, scale, wide, sums))
         reduced = []
         for comm, entries in pending.values():
             flat = torch.cat([e[-1] for e in entries])
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            for (i, local, block, scale, wide, _), norms in zip(entries, flat.split([len(e[-1]) for e in entries])):
+            for ((i, local, (c, d)), block, scale, wide, _), norms in zip(
+                    entries, flat.split([len(e[-1]) for e in entries])):
                 if block is None:
                     continue
                 # The same division as linalg.row_normalize, with the norm of each whole oriented row.
                 factor = scale / norms.sqrt().clamp(min=1e-7)
-                outs[i][local[0] : local[1]] = block * (factor[:, None] if wide else factor[None, :])
+                outs[i][local[0] : local[1], c:d] = block * (factor[:, None] if wide else factor[None, :])
         return outs
 
     # ----------------------------------------------------------------- spectral refreshes
@@ -391,14 +412,14 @@ class ShardedEngine:
                 job, plc = placed[i]
                 full = self._full(job, plc, table[:, offset : offset + plc.pad])
                 offset += plc.pad
-                for a, bnd in job.logical_ranges():
-                    if plc.mine.rows_in(a, bnd):  # Newton-Schulz only where this rank keeps rows
-                        pieces.append(full[a:bnd])
-                        where.append((i, a, bnd))
-            for (i, a, bnd), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+                for a, bnd, c, e in job.regions():
+                    if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
+                        pieces.append(full[a:bnd, c:e])
+                        where.append((i, a, bnd, c, e))
+            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
                 if outs[i] is None:
                     outs[i] = _empty_direction(placed[i][0])
-                placed[i][1].mine.write(outs[i], d, a, bnd)
+                placed[i][1].mine.write(outs[i], d, a, bnd, c, e)
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
     def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
@@ -435,12 +456,12 @@ class ShardedEngine:
                     cursor += member.numel
             pieces, where = [], []
             for i in owned:
-                for a, bnd in placed[i][0].logical_ranges():
-                    pieces.append(fulls[i][a:bnd])
-                    where.append((i, a, bnd))
+                for a, bnd, c, e in placed[i][0].regions():
+                    pieces.append(fulls[i][a:bnd, c:e])
+                    where.append((i, a, bnd, c, e))
             dirs = {i: torch.empty_like(fulls[i], dtype=_wide(placed[i][0].update)) for i in owned}
-            for (i, a, bnd), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
-                dirs[i][a:bnd] = d
+            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+                dirs[i][a:bnd, c:e] = d
             parts = [[placed[i][1].members[dst].take(dirs[i]).reshape(-1) for i in owned] for dst in range(comm.world)]
             back_splits = [sum(placed[i][1].mine.numel for i in idx if owner[i] == src) for src in range(comm.world)]
             job0 = placed[idx[0]][0]
@@ -514,6 +535,35 @@ class ShardedEngine:
             for i, part in zip(owned, flat.split([outs[i].numel() for i in owned])):
                 outs[i] = part.view(outs[i].shape)
         return outs
+
+
+def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
+    """A stacked parameter sharded by its leading dimension: each rank holds whole stacked matrices (the core
+    refuses placements that split them)."""
+    return job.matrix_rows is not None and plc.shard is not None
+
+
+def _local_stacked_job(job: MatrixJob, plc: _Placement) -> MatrixJob:
+    """The job of the stacked matrices this rank holds, as one process would see a parameter of that many."""
+    m = job.matrix_rows
+    count = job.update.shape[0] // m
+    own = tuple((a, b) for a, b in job.splits if b <= m)  # the row ranges of one stacked matrix
+    return MatrixJob(name=job.name, update=job.update, rows=count * m, cols=job.cols,
+                     splits=stacked_ranges(count, m, own) if job.splits else (), blocks=job.blocks, meta=job.meta,
+                     col_splits=job.col_splits, matrix_rows=m)
+
+
+def _local_logical_rows(job: MatrixJob, plc: _Placement) -> list[RowRange | None]:
+    """Per logical row range of the job, the local rows holding it here (None: none of them)."""
+    if plc.shard is None:
+        return list(job.logical_ranges())
+    if job.matrix_rows is None:
+        return [plc.mine.local_rows_in(a, b) for a, b in job.logical_ranges()]
+    m, out = job.matrix_rows, []
+    for a, b in job.logical_ranges():  # the layout counts stacked matrices: rows of the (E, m*n) view
+        held = plc.mine.local_rows_in(a // m, a // m + 1)
+        out.append(None if held is None else (held[0] * m + a % m, held[0] * m + a % m + b - a))
+    return out
 
 
 def _coordinates(mesh) -> dict[int, tuple[int, ...]]:
