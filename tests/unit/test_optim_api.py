@@ -157,6 +157,8 @@ def test_unknown_options_and_group_keys():
         Muon([{"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", "betas": (0.9, 0.99)}])
     with pytest.raises(ValueError, match=r"'gamma' \(AdaptiveRowMuon's, PeriodicRowMuon's\), 'k' \(PeriodicRowMuon's\), not Muon's"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "k": 3, "gamma": 0.5}])
+    with pytest.raises(ValueError, match=r"\['split_sizes'\] shape a 'muon' group's matrices; this group's algorithm is"):
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "adamw", "split_sizes": 3}])
     with pytest.raises(ValueError, match=r"'period' \(MuonBP's\), not PeriodicRowMuon's"):
         PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "period": 3}])
     with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):

@@ -72,6 +72,8 @@ NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 # that would otherwise be silently ignored, and is refused naming the option it resembles.
 _EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "skipped_steps"}
 _TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspelt option
+# Options that say how a 'muon' group's parameters become matrices: in an 'adamw' group they are a mistake.
+_MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
 
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
@@ -345,6 +347,11 @@ class MuonFamily(torch.optim.Optimizer):
                 + ", ".join(f"{key!r} (did you mean {option!r}?)" for key, option in typos.items())
                 + f"; {type(self).__name__}'s options: {sorted(self.defaults)}"
             )
+        algorithm = param_group.get("algorithm", self.defaults.get("algorithm"))
+        matrix_only = [k for k in _MATRIX_GROUP_OPTIONS if param_group.get(k) not in (None, False)]
+        if algorithm == "adamw" and matrix_only:
+            raise ValueError(f"parameter-group option(s) {matrix_only} shape a 'muon' group's matrices; this group's "
+                             "algorithm is 'adamw' (set 'algorithm': 'muon' to orthogonalize its parameters)")
         super().add_param_group(param_group)
         try:
             self._check_group(len(self.param_groups) - 1)
