@@ -154,8 +154,11 @@ def refusals(rank: int, world: int, mesh) -> dict[str, str]:
     _, group, stacked = _column_sharded(rank, world, mesh, "periodic_row_muon", {})
     for key, optimizer, groups_ in (("prm_col_split", "periodic_row_muon", group), ("bp_col_split", "muon_bp", group),
                                     ("stacked_shard1", "muon", [stacked])):
+        # Each optimizer its own copies of the groups: building one fills the dicts with its own options.
+        own = [{k: v for k, v in g.items() if k in ("params", "algorithm", "split_sizes", "col_split_sizes",
+                                                     "stacked")} for g in groups_]
         try:
-            build(optimizer, groups_, lr=LR)
+            build(optimizer, own, lr=LR)
             out[key] = "built"
         except ValueError as e:
             out[key] = str(e)

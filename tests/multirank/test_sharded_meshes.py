@@ -118,7 +118,8 @@ def test_split_replicas_trade_shard_bytes_for_replicate_bytes(meshes):
     for rank_result in meshes:
         repeat, split = (rank_result[k]["log"][0]["by_dim"] for k in ("hsdp2x2_gather", "hsdp2x2_split"))
         assert set(repeat["replicate"]) == {CHECK}  # every replica refreshes: nothing crosses replicas
-        assert split["replicate"]["broadcast"]["bytes"] > 0
+        # one all-gather per Muon parameter group (col, row, fused) hands the replicas' pieces over
+        assert split["replicate"]["all_gather"]["calls"] == 3 and split["replicate"]["all_gather"]["bytes"] > 0
         assert split["shard"]["all_gather"]["bytes"] < repeat["shard"]["all_gather"]["bytes"]
     # The two replicas of a piece together refresh each matrix once: shard bytes add up to one repeat.
     shard_split = sum(r["hsdp2x2_split"]["log"][0]["by_dim"]["shard"]["all_gather"]["bytes"] for r in meshes)

@@ -144,10 +144,13 @@ def test_replicated_parameters_split_the_work(optimizer):
             assert (r["params"][name] - ref).abs().max() <= 1e-5, name
         assert r["refreshes"] == refreshes  # every rank decides as one process does
     first = results[0]["stats"][0]
-    # A spectral step: per parameter group, one broadcast from each rank that owns matrices; nothing else.
+    # A spectral step: per parameter group one all-gather of every owner's directions (padded to the largest
+    # share), whatever the number of owners; nothing else.
     groups = [[(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)], [(48, 16)]]  # plain and split matrices
-    owners = sum(len(set(assign_owners(shapes, world))) for shapes in groups)
-    assert set(first) - {"all_reduce[check]"} == {"broadcast"} and first["broadcast"]["calls"] == owners
+    shares = [max(sum(m * n for (m, n), o in zip(shapes, assign_owners(shapes, world)) if o == r)
+                  for r in range(world)) for shapes in groups]
+    assert set(first) - {"all_reduce[check]"} == {"all_gather"} and first["all_gather"]["calls"] == len(groups)
+    assert first["all_gather"]["bytes"] == sum(4 * pad * (world - 1) for pad in shares)  # fp32 on the CPU
     if optimizer == "periodic_row_muon":
         assert set(results[0]["stats"][1]) <= {"all_reduce[check]"}  # RowNorm is local
 
@@ -171,7 +174,7 @@ def test_replicate_placement_dtensors():
     for r in results:
         for got, ref in zip(r["params"], params):
             assert (got - ref.detach()).abs().max() <= 1e-5
-    assert set(results[0]["stats"][0]) - {"all_reduce[check]"} == {"broadcast"}  # spectral: split + broadcast
+    assert set(results[0]["stats"][0]) - {"all_reduce[check]"} == {"all_gather"}  # spectral: split, then one all-gather
     assert set(results[0]["stats"][1]) <= {"all_reduce[check]"}  # RowNorm: local
 
 

@@ -156,11 +156,15 @@ def test_unknown_options_and_group_keys():
     with pytest.raises(ValueError, match=r"'betas' \(did you mean 'adamw_betas'\?\)"):  # torch AdamW's name
         Muon([{"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", "betas": (0.9, 0.99)}])
     with pytest.raises(ValueError, match=r"'gamma' \(AdaptiveRowMuon's, PeriodicRowMuon's\), 'k' \(PeriodicRowMuon's\), not Muon's"):
-        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "k": 3, "gamma": 0.5}])
+        Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "k": 4, "gamma": 0.5}])
+    reused = [{"params": [nn.Parameter(torch.randn(3, 4))]}]
+    PeriodicRowMuon(reused)  # torch fills the dict in place with k=3, gamma=0.15: reused, they are ignored
+    with pytest.warns(ForeignGroupKeyWarning, match=r"\['gamma', 'k'\]"):
+        Muon(reused)
     with pytest.raises(ValueError, match=r"\['split_sizes'\] shape a 'muon' group's matrices; this group's algorithm is"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "adamw", "split_sizes": 3}])
     with pytest.raises(ValueError, match=r"'period' \(MuonBP's\), not PeriodicRowMuon's"):
-        PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "period": 3}])
+        PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "period": 3, "threshold": 0.35}])
     with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "sgd"}])
     with pytest.raises(ValueError, match="lr \\(parameter group 1\\) must be in"):

@@ -113,3 +113,16 @@ def test_compiled_step_on_cuda_matches_eager():
     train(a, torch.compile(opt_a.step), opt_a, 4)
     train(b, opt_b.step, opt_b, 4)
     assert max_relative_gap(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_gradient_entry_on_cuda_is_caught_by_the_list_reduction(bad):
+    model = model_on("cuda")
+    opt = build("periodic_row_muon", model, lr=1e-2, nonfinite="skip")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    next(iter(model.parameters())).grad.view(-1)[7] = bad
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -11,6 +11,7 @@ where the maps run is the engine's business (single process or sharded).
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import typing
@@ -99,6 +100,14 @@ class ForeignGroupKeyWarning(UserWarning):
     """A parameter group carries keys dimuon does not use (a trainer's ``fused``/``foreach``, say): kept, ignored."""
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """``a == b`` for option values (numbers, tuples), False where they cannot be compared."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 # torch.optim.AdamW's names for what dimuon's groups call adamw_*: in a dimuon group they would be ignored.
 _TORCH_NAMES = {"betas": "adamw_betas", "eps": "adamw_eps"}
 
@@ -155,6 +164,12 @@ def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
 
     return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols),
                               stride=(cols, 1))
+
+
+def _as_weight(direction: Tensor, weight: Tensor) -> Tensor:
+    """``direction`` shaped as ``weight`` (a view where it can be) and in its dtype (a copy only where they differ)."""
+    d = direction.view(weight.shape) if direction.is_contiguous() else direction.reshape(weight.shape)
+    return d if d.dtype == weight.dtype else d.to(weight.dtype)
 
 
 class MuonFamily(torch.optim.Optimizer):
@@ -285,14 +300,18 @@ class MuonFamily(torch.optim.Optimizer):
         init.__annotations__ = {p.name: hints[p.name] for p in ordered if p.name in hints} | {"return": None}
 
     @classmethod
-    def _optimizers_taking(cls, key: str) -> list[str]:
-        """The other optimizers of the family whose schedule takes option ``key`` (a PeriodicRowMuon option given
-        to Muon is a mistake, not a foreign key)."""
+    def _optimizers_taking(cls, key: str, value: Any) -> list[str]:
+        """The other optimizers of the family whose schedule takes option ``key`` at a value other than its
+        default: a PeriodicRowMuon setting given to Muon is a mistake. At the default it is what building that
+        optimizer left in a reused group dict (torch fills groups in place), kept with a warning like any
+        foreign key."""
         found, todo = [], list(MuonFamily.__subclasses__())
         while todo:
             other = todo.pop()
             todo += other.__subclasses__()
-            if other is not cls and not other.__name__.startswith("_") and key in other._schedule_defaults():
+            defaults = other._schedule_defaults()
+            if other is not cls and not other.__name__.startswith("_") and key in defaults and not (
+                    _same_value(value, defaults[key])):
                 found.append(other.__name__)
         return sorted(set(found))
 
@@ -335,7 +354,8 @@ class MuonFamily(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         unknown = set(param_group) - set(self.defaults) - _EXTRA_GROUP_KEYS
-        elsewhere = {key: owners for key in sorted(unknown) if (owners := self._optimizers_taking(key))}
+        elsewhere = {key: owners for key in sorted(unknown)
+                     if (owners := self._optimizers_taking(key, param_group[key]))}
         if elsewhere:
             whose = [f"{key!r} (" + ", ".join(f"{owner}'s" for owner in owners) + ")" for key, owners in elsewhere.items()]
             raise ValueError(f"parameter-group option(s) of other optimizers: {', '.join(whose)}, not "
@@ -628,17 +648,23 @@ class MuonFamily(torch.optim.Optimizer):
             del self.state[stale]
 
     def _local_grads_finite(self) -> Tensor:
-        """0-d bool on the parameters' device: every local gradient entry is finite (one pass per gradient:
-        the extremes are finite exactly when every entry is, NaN propagates)."""
+        """0-d bool on the parameters' device: every local gradient entry is finite (one pass per gradient: the
+        extremes, or on an accelerator the largest magnitudes, are finite exactly when every entry is, NaN
+        propagates)."""
         params = [p for g in self.param_groups for p in g["params"]]
         device = local_tensor(params[0]).device if params else torch.device("cpu")
-        extremes: dict[torch.device, list[Tensor]] = {}
+        grads: dict[torch.device, list[Tensor]] = {}
         for g in (local_tensor(p.grad) for p in params if p.grad is not None):
             if g.numel() > 0:  # an empty local shard has nothing to check
-                extremes.setdefault(g.device, []).append(torch.stack(torch.aminmax(g)))
+                grads.setdefault(g.device, []).append(g)
         flag = torch.ones((), dtype=torch.bool, device=device)
-        for parts in extremes.values():
-            flag = flag & torch.isfinite(torch.cat(parts).float()).all().to(device)
+        for where, parts in grads.items():
+            if where.type == "cpu":  # no launches to save, and aminmax is ~20x faster there than the inf-norm
+                extremes = torch.cat([torch.stack(torch.aminmax(g)) for g in parts])
+            else:  # one list reduction for every gradient, not two launches per gradient
+                wide = functools.reduce(torch.promote_types, {g.dtype for g in parts}, torch.float32)
+                extremes = torch.stack(torch._foreach_norm(parts, ord=math.inf, dtype=wide))
+            flag = flag & torch.isfinite(extremes).all().to(device)
         return flag
 
     def _first_nonfinite(self) -> str:
@@ -697,7 +723,10 @@ class MuonFamily(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(group["params"])}
         grads, bufs, jobs, keys = [], [], [], []
         for p in params:
-            buf = local_tensor(self._param_state(p, group)["momentum_buffer"])
+            state = self.state[p]
+            if group["step"] == 0 or "momentum_buffer" not in state:  # made, or remade after a move, before step 1
+                state = self._param_state(p, group)
+            buf = local_tensor(state["momentum_buffer"])
             grads.append(local_tensor(p.grad).to(buf.dtype))
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
@@ -766,22 +795,26 @@ class MuonFamily(torch.optim.Optimizer):
         """Directions for each kind's jobs (one engine call per kind present), then the weight update."""
         group, engine = work.group, self._get_engine()
         lr, wd = group["lr"], group["weight_decay"]
+        weights = [local_tensor(p) for p in work.params]
         directions: list[Tensor | None] = [None] * len(work.jobs)
-        for kind in StepKind:
-            chosen = [i for i, k in enumerate(kinds) if k is kind]
-            if chosen:
-                for i, d in zip(chosen, engine.directions([work.jobs[i] for i in chosen], kind, work.config)):
-                    directions[i] = d
-        for p, d, kind in zip(work.params, directions, kinds):
-            w = local_tensor(p)
-            if wd != 0:
-                w.mul_(1.0 - lr * wd)  # decoupled, with the unscaled lr
-            d = d.reshape(w.shape).to(w.dtype)
+        # Per kind present: one engine call, then one list update of the weights it moves (every matrix of a kind
+        # shares the step size lr * mult, as the engine's directions carry their shape scale).
+        chosen_by_kind = {kind: [i for i, k in enumerate(kinds) if k is kind] for kind in StepKind}
+        chosen_by_kind = {kind: chosen for kind, chosen in chosen_by_kind.items() if chosen}
+        for kind, chosen in chosen_by_kind.items():
+            for i, d in zip(chosen, engine.directions([work.jobs[i] for i in chosen], kind, work.config)):
+                directions[i] = d
+        if wd != 0:
+            torch._foreach_mul_(weights, 1.0 - lr * wd)  # decoupled, with the unscaled lr
+        for kind, chosen in chosen_by_kind.items():
+            ws = [weights[i] for i in chosen]
+            # The direction as a view of the weight's shape, cast only where the weight is narrower (bf16).
+            ds = [_as_weight(directions[i], weights[i]) for i in chosen]  # type: ignore[arg-type]
             step_size = lr * self.schedule.multiplier(kind, group)
-            if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (add_'s alpha takes numbers only)
-                w.sub_(d.mul(step_size))
+            if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (alpha takes numbers only)
+                torch._foreach_sub_(ws, torch._foreach_mul(ds, step_size))
             else:
-                w.add_(d, alpha=-step_size)
+                torch._foreach_add_(ws, ds, alpha=-step_size)
         self._count_kinds(work, kinds)
         if self.schedule.per_matrix:
             self._keep_references(work, kinds, directions)
@@ -817,9 +850,11 @@ class MuonFamily(torch.optim.Optimizer):
         out: list[Tensor] = [flat[0]] * len(flat)
         for shape, idx in by_shape.items():
             batch = torch.empty((len(idx), *shape), dtype=flat[idx[0]].dtype, device=flat[idx[0]].device)
-            for j, i in enumerate(idx):
-                torch.lerp(grads[i].reshape(shape), flat[i], beta, out=batch[j])
-                out[i] = batch[j]
+            for i, row in zip(idx, batch.unbind(0)):
+                out[i] = row
+        # Two list ops over every parameter: U <- G, then U <- lerp(U, M, beta), the same lerp as lerp(G, M, beta).
+        torch._foreach_copy_(out, [g.reshape(u.shape) for g, u in zip(grads, out)])
+        torch._foreach_lerp_(out, flat, beta)
         return out
 
     @staticmethod

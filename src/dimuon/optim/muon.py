@@ -32,7 +32,8 @@ _COMMON_DOC = """
             rank orthogonalizes) or ``"owner"`` (one owner rank per matrix, all-to-all there and back).
         bucket_mb: size of the communication buckets that overlap with Newton-Schulz, in MiB.
         comm_dtype: dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math
-            stays in the compute dtype.
+            stays in the compute dtype. None: the Newton-Schulz dtype where it is narrower than the momentum
+            (bf16 on CUDA), which gives the same directions as fp32 payloads for half the bytes.
         process_group: for plain parameters replicated across ranks (DDP): split the Newton-Schulz
             work over this group and broadcast the results. DTensor parameters need nothing.
         ns_compile: run Newton-Schulz through ``torch.compile`` (the first step on each new matrix

@@ -197,12 +197,14 @@ def as_batch(matrices: Sequence[Tensor]) -> Tensor:
 
 
 def apply_map_batched(
-    pieces: Sequence[Tensor], kind: StepKind, config: MapConfig
+    pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True
 ) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
     Matrices of one exact shape share a batched call (tall ones are handled tall, never copied
-    transposed). Returns, in order, the scaled direction of each piece (fp32 or wider).
+    transposed). Returns, in order, the scaled direction of each piece (fp32 or wider); with
+    ``scaled=False`` (spectral maps only) Newton-Schulz's output as it is, in its compute dtype, for a caller
+    that applies the lr scale later (an owner sending directions back in bf16).
     """
     out: list[Tensor | None] = [None] * len(pieces)
     by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -222,9 +224,10 @@ def apply_map_batched(
                 algorithm=config.ns_algorithm,
                 dtype=config.ns_dtype,
             )
-            result = result.to(torch.promote_types(result.dtype, torch.float32)).mul_(scale)
-        for j, i in enumerate(idx):
-            out[i] = result[j]
+            if scaled:
+                result = result.to(torch.promote_types(result.dtype, torch.float32)).mul_(scale)
+        for i, res in zip(idx, result.unbind(0)):
+            out[i] = res
     return out  # type: ignore[return-value]
 
 
@@ -276,14 +279,22 @@ class LocalEngine:
                 owners.append((j, region))
         results = apply_map_batched(pieces, kind, config)
         outs: list[Tensor | None] = [None] * len(jobs)
-        for (j, (r0, r1, c0, c1)), res in zip(owners, results):
+        cut: dict[tuple[Any, ...], list[int]] = defaultdict(list)  # jobs assembled from regions, by shape and dtype
+        copies: list[tuple[int, Region, Tensor]] = []
+        for (j, region), res in zip(owners, results):
             job = jobs[j]
-            if (r0, r1, c0, c1) == (0, job.rows, 0, job.cols):
+            if region == (0, job.rows, 0, job.cols):
                 outs[j] = res
                 continue
-            if outs[j] is None:
-                outs[j] = torch.empty(job.update.shape, dtype=res.dtype, device=res.device)
-            outs[j][r0:r1, c0:c1] = res
+            if not copies or copies[-1][0] != j:  # a job's regions come one after another
+                cut[(tuple(job.update.shape), res.dtype, res.device)].append(j)
+            copies.append((j, region, res))
+        for (shape, dtype, device), js in cut.items():  # one buffer per shape
+            for j, whole in zip(js, torch.empty((len(js), *shape), dtype=dtype, device=device).unbind(0)):
+                outs[j] = whole
+        if copies:  # one list copy for every region
+            torch._foreach_copy_([outs[j][r0:r1, c0:c1] for j, (r0, r1, c0, c1), _ in copies],  # type: ignore[index]
+                                 [res for *_, res in copies])
         for j, job in enumerate(jobs):  # a matrix without regions (a rank's empty share of stacked matrices)
             if outs[j] is None:
                 wide = torch.promote_types(job.update.dtype, torch.float32)

@@ -59,7 +59,7 @@ from dimuon.optim.distributed.engine import (
     stacked_ranges,
 )
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
-from dimuon.optim.linalg import lr_scale_factor, oriented_shape, row_normalize
+from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, row_normalize
 from dimuon.optim.schedules import StepKind
 
 
@@ -177,6 +177,7 @@ class ShardedEngine:
         self._comms: dict[int, Collectives] = {}
         self._flat_meshes: dict[int, object] = {}
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
+        self._assembly: dict[tuple, Tensor] = {}  # (rows, cols, pad, members, device) -> gather index
         self._local = LocalEngine()
         self._voters = [self._collectives(g, label) for g, label in vote_groups(params, process_group)]
 
@@ -361,35 +362,58 @@ class ShardedEngine:
         return outs
 
     # ----------------------------------------------------------------- spectral refreshes
-    def _payload_dtype(self, job: MatrixJob) -> torch.dtype:
-        return self.comm_dtype or job.update.dtype
+    def _payload_dtype(self, job: MatrixJob, config: MapConfig) -> torch.dtype:
+        """What a spectral refresh sends of ``job``'s momentum: ``comm_dtype`` where set, else the Newton-Schulz
+        compute dtype where it is narrower than the momentum (bf16 on CUDA): Newton-Schulz rounds the assembled
+        matrix to it before anything else, so sending it rounded gives the same directions for half the bytes."""
+        if self.comm_dtype is not None:
+            return self.comm_dtype
+        ns = config.ns_dtype or default_ns_dtype(job.update.device)
+        return ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
 
-    def _buckets(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int]]]:
+    def _buckets(self, placed: Sequence[Placed], config: MapConfig) -> list[tuple[Collectives, list[int]]]:
         """Per shard group (in first-appearance order), buckets sized by the full (padded) matrices they
         materialize on a rank, not by the pieces, so memory and overlap do not depend on the world size."""
         out = []
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0]).itemsize for i in idx]
+            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0], config).itemsize
+                     for i in idx]
             out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
         return out
 
     def _full(self, job: MatrixJob, plc: _Placement, table: Tensor) -> Tensor:
-        """The whole matrix from the gathered pieces: ``table`` row ``g`` holds group rank ``g``'s piece."""
+        """The whole matrix from the gathered pieces: ``table`` row ``g`` holds group rank ``g``'s piece. Layouts
+        that are not consecutive row blocks (strided, column-split) are assembled by one gather through an index
+        precomputed per layout, not one slice copy per piece."""
         if plc.row_major:  # consecutive row blocks: the gathered buffer already is the padded matrix
             return table.reshape(-1, job.cols)[: job.rows].to(job.update.dtype)
-        full = table.new_empty((job.rows, job.cols), dtype=job.update.dtype)
-        for g, member in enumerate(plc.members):
-            member.place(full, table[g, : member.numel].view(member.shape))
-        return full
+        index = self._assembly_index(job, plc, table.device)
+        return table.reshape(-1).index_select(0, index).view(job.rows, job.cols).to(job.update.dtype)
+
+    def _assembly_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
+        """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
+        group's pieces; built once per layout and shape (matrices of one shape and placement share it), int32
+        where it fits."""
+        key = (job.rows, job.cols, plc.pad, plc.members, device)
+        index = self._assembly.get(key)
+        if index is None:
+            count = len(plc.members) * plc.pad
+            dtype = torch.int32 if count < 2**31 else torch.int64
+            positions = torch.arange(count, dtype=dtype, device=device).view(len(plc.members), plc.pad)
+            full = torch.empty((job.rows, job.cols), dtype=dtype, device=device)
+            for g, member in enumerate(plc.members):
+                member.place(full, positions[g, : member.numel].view(member.shape))
+            index = self._assembly[key] = full.reshape(-1)
+        return index
 
     def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
-        buckets = self._buckets(placed)
+        buckets = self._buckets(placed, config)
         outs: list[Tensor | None] = [None] * len(placed)
 
         def launch(bucket: tuple[Collectives, list[int]]):
             comm, idx = bucket
-            dtype = self._payload_dtype(placed[idx[0]][0])
+            dtype = self._payload_dtype(placed[idx[0]][0], config)
             parts = []
             for i in idx:
                 job, plc = placed[i]
@@ -427,7 +451,7 @@ class ShardedEngine:
         owner: dict[int, int] = {}
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
             owner.update(zip(idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)))
-        buckets = self._buckets(placed)
+        buckets = self._buckets(placed, config)
         outs: list[Tensor | None] = [None] * len(placed)
 
         def launch(bucket: tuple[Collectives, list[int]]):
@@ -436,7 +460,7 @@ class ShardedEngine:
             parts = [[placed[i][0].update.reshape(-1) for i in idx if owner[i] == dst] for dst in range(comm.world)]
             out_splits = [sum(placed[i][1].members[src].numel for i in idx if owner[i] == comm.rank)
                           for src in range(comm.world)]
-            return _exchange(comm, parts, out_splits, self._payload_dtype(job0), job0.update.device)
+            return _exchange(comm, parts, out_splits, self._payload_dtype(job0, config), job0.update.device)
 
         returns = []
         pending = launch(buckets[0]) if buckets else None
@@ -459,15 +483,21 @@ class ShardedEngine:
                 for a, bnd, c, e in placed[i][0].regions():
                     pieces.append(fulls[i][a:bnd, c:e])
                     where.append((i, a, bnd, c, e))
-            dirs = {i: torch.empty_like(fulls[i], dtype=_wide(placed[i][0].update)) for i in owned}
-            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+            # Directions go back as Newton-Schulz left them (its dtype, unscaled) where every matrix of the
+            # bucket has one lr scale, which the receiver applies as the owner would have: same values.
+            job0 = placed[idx[0]][0]
+            back_dtype, scales = self._return_dtype(placed, idx, config)
+            unscaled = scales is not None
+            dirs = {i: torch.empty_like(fulls[i], dtype=back_dtype if unscaled else _wide(placed[i][0].update))
+                    for i in owned}
+            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config,
+                                                                     scaled=not unscaled)):
                 dirs[i][a:bnd, c:e] = d
             parts = [[placed[i][1].members[dst].take(dirs[i]).reshape(-1) for i in owned] for dst in range(comm.world)]
             back_splits = [sum(placed[i][1].mine.numel for i in idx if owner[i] == src) for src in range(comm.world)]
-            job0 = placed[idx[0]][0]
-            recv_back, _, work_back = _exchange(comm, parts, back_splits, self._payload_dtype(job0), job0.update.device)
-            returns.append((idx, recv_back, back_splits, work_back))
-        for idx, recv_back, back_splits, work in returns:
+            recv_back, _, work_back = _exchange(comm, parts, back_splits, back_dtype, job0.update.device)
+            returns.append((idx, recv_back, back_splits, work_back, scales))
+        for idx, recv_back, back_splits, work, scales in returns:
             work.wait()
             for src, segment in enumerate(recv_back.split(back_splits)):
                 cursor = 0
@@ -475,8 +505,29 @@ class ShardedEngine:
                     job = placed[i][0]
                     n = job.update.numel()
                     outs[i] = segment[cursor : cursor + n].view(job.update.shape).to(_wide(job.update))
+                    if scales is not None:
+                        outs[i].mul_(scales[i])
                     cursor += n
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
+
+    def _return_dtype(self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
+                      ) -> tuple[torch.dtype, dict[int, float] | None]:
+        """The dtype an owner sends a bucket's directions back in, and per job the lr scale the receiver then
+        applies: Newton-Schulz's own dtype, unscaled, where it is narrower than the directions and every job of
+        the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or wide)."""
+        wide = _wide(placed[idx[0]][0].update)
+        narrow = self._payload_dtype(placed[idx[0]][0], config)
+        if self.comm_dtype is None and narrow.itemsize < wide.itemsize:
+            scales = {}
+            for i in idx:
+                job = placed[i][0]
+                found = {lr_scale_factor(config.lr_scale, b - a, e - c) for a, b, c, e in job.regions()}
+                if len(found) != 1:
+                    break
+                scales[i] = found.pop()
+            else:
+                return narrow, scales
+        return self.comm_dtype or wide, None
 
     def _replica_shares(self, placed: Sequence[Placed], sharded: Sequence[int]
                         ) -> tuple[list[int], list[tuple[Collectives, list[int], list[int]]]]:
@@ -493,48 +544,76 @@ class ShardedEngine:
         return sorted(mine), exchanges
 
     def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor]) -> None:
-        """Each replica broadcasts the pieces it refreshed to the other replicas (same piece, same shape)."""
-        works = []
+        """The replicas swap the pieces they refreshed (same piece, same shape): per replicate group one
+        all-gather of every replica's pieces, padded to the largest replica's, all issued before any wait."""
+        pending = []
         for comm, idx, owners in exchanges:
-            for src in range(comm.world):
-                owned = [i for i, o in zip(idx, owners) if o == src]
-                if not owned:
-                    continue
-                dtype = self.comm_dtype or _wide(placed[owned[0]][0].update)
-                if src == comm.rank:
-                    flat = torch.cat([out[i].reshape(-1) for i in owned]).to(dtype)
-                else:
-                    job0 = placed[owned[0]][0]
-                    flat = torch.empty(sum(placed[i][0].update.numel() for i in owned), dtype=dtype,
-                                       device=job0.update.device)
-                works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
-        for owned, flat, work in works:
+            dtype = self.comm_dtype or _wide(placed[idx[0]][0].update)
+            owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
+            mine = [out[i].reshape(-1) for i in owned[comm.rank]]
+            pending.append((owned, _gather_segments(comm, placed, owned, mine, dtype)))
+        for owned, (recv, pad, work) in pending:
             work.wait()
-            for i, part in zip(owned, flat.split([placed[i][0].update.numel() for i in owned])):
-                job = placed[i][0]
-                out[i] = part.view(job.update.shape).to(_wide(job.update))
+            for r, jobs in enumerate(owned):
+                for i, part in zip(jobs, _segment_parts(recv, r, pad, placed, jobs)):
+                    job = placed[i][0]
+                    out[i] = part.view(job.update.shape).to(_wide(job.update))
 
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
-        """Whole matrices on every rank: each owner orthogonalizes its share, then broadcasts it."""
+        """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
+        all-gather of every owner's directions, padded to the largest share (in Newton-Schulz's dtype, unscaled,
+        where every matrix of the group has one lr scale: the receivers apply it, as the owner would have)."""
         outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
-        works = []
+        pending = []
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas):
             owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
-            mine = [i for i, o in zip(idx, owners) if o == comm.rank]
-            for i, d in zip(mine, self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)):
-                outs[i] = d.contiguous()
-            for src in range(comm.world):
-                owned = [i for i, o in zip(idx, owners) if o == src]
-                if not owned:
-                    continue
-                flat = torch.cat([outs[i].reshape(-1) for i in owned]) if src == comm.rank else torch.empty(
-                    sum(outs[i].numel() for i in owned), dtype=outs[owned[0]].dtype, device=outs[owned[0]].device)
-                works.append((owned, flat, comm.broadcast(flat, src, async_op=True)))
-        for owned, flat, work in works:
+            owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
+            mine = owned[comm.rank]
+            dtype, scales = self._return_dtype(placed, idx, config)
+            if scales is not None:  # Newton-Schulz's output as it is, region by region
+                pieces, where = [], []
+                for i in mine:
+                    for a, b, c, e in placed[i][0].regions():
+                        pieces.append(placed[i][0].update[a:b, c:e])
+                        where.append((i, a, b, c, e))
+                dirs = {i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device)
+                        for i in mine}
+                for (i, a, b, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config,
+                                                                       scaled=False)):
+                    dirs[i][a:b, c:e] = d
+                flats = [dirs[i].reshape(-1) for i in mine]
+            else:
+                flats = [d.reshape(-1) for d in self._local.directions([placed[i][0] for i in mine],
+                                                                       StepKind.SPECTRAL, config)]
+            pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
+        for owned, scales, (recv, pad, work) in pending:
             work.wait()
-            for i, part in zip(owned, flat.split([outs[i].numel() for i in owned])):
-                outs[i] = part.view(outs[i].shape)
+            for r, jobs in enumerate(owned):
+                for i, part in zip(jobs, _segment_parts(recv, r, pad, placed, jobs)):
+                    outs[i] = part.view(outs[i].shape).to(outs[i].dtype)
+                    if scales is not None:
+                        outs[i].mul_(scales[i])
         return outs
+
+
+def _gather_segments(comm: Collectives, placed: Sequence[Placed], owned: Sequence[Sequence[int]],
+                     mine: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, int, object]:
+    """Async all-gather of every rank's segment (the flat tensors ``mine`` of the jobs it owns, ``owned[rank]``),
+    each padded to the largest segment: ``(recv, pad, work)``, rank ``r``'s segment at ``recv[r * pad:]``."""
+    pad = max(sum(placed[i][0].update.numel() for i in jobs) for jobs in owned)
+    first = next(i for jobs in owned for i in jobs)  # every job of the group is owned by some rank
+    send = torch.zeros(pad, dtype=dtype, device=placed[first][0].update.device)
+    if mine:
+        flat = torch.cat(list(mine))
+        send[: flat.numel()] = flat
+    recv = send.new_empty(comm.world * pad)
+    return recv, pad, comm.all_gather(recv, send, async_op=True)
+
+
+def _segment_parts(recv: Tensor, rank: int, pad: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
+    """Rank ``rank``'s segment of a :func:`_gather_segments` buffer, cut into its jobs' flat directions."""
+    sizes = [placed[i][0].update.numel() for i in jobs]
+    return list(recv[rank * pad : rank * pad + sum(sizes)].split(sizes)) if jobs else []
 
 
 def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
