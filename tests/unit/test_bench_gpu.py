@@ -74,7 +74,7 @@ def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Pa
     assert code == 1 and tests["status"] == "timeout"
     r = tests["results"]
     assert r["partial"] and (r["passed"], r["failed"]) == (2, 1), r  # what finished before the budget ran out
-    assert r["failures"][0] == "test_some.py::test_hangs"
+    assert r["failures"][0].endswith("test_some.py::test_hangs")  # node ids are relative to where pytest ran
 
 
 def test_bad_flags_are_refused_before_anything_runs(tmp_path: Path, capsys, monkeypatch) -> None:
