@@ -4,26 +4,18 @@ PeriodicRowMuon was built and re-points its groups; the run equals one process t
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from dimuon.optim.distributed.launch import run_gloo
+from tests.example_modules import import_example
 
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs dimuon[accelerate]")]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
 
 def _example():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import accelerate_fsdp2_dit
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return accelerate_fsdp2_dit
+    return import_example("accelerate_fsdp2_dit")
 
 
 def run_example(rank: int, world: int, steps: int) -> dict:

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("torchtitan.components.optimizer", reason="needs torchtitan (see README: torchtitan)")
 
+from tests.example_modules import import_example
 from tests.flux_shaped import FluxShaped, flux_batch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torchtitan.components.optimizer import ParamGroupConfig
@@ -25,8 +24,6 @@ from dimuon.integrations.torchtitan import (
     torchtitan_param_groups,
 )
 from dimuon.optim import ForeignGroupKeyWarning, MuonBP, PeriodicRowMuon, param_groups
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def roles(groups: list[dict]) -> dict[str, tuple[str, object]]:
@@ -182,12 +179,7 @@ def test_command_line_overrides_reach_the_config() -> None:
 
 
 def _example():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import torchtitan_flux
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return torchtitan_flux
+    return import_example("torchtitan_flux")
 
 
 def test_example_configs_build_over_a_tiny_flux() -> None:
