@@ -12,8 +12,9 @@ from . import payload_scenarios as ps
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("col_split", [None, 2, (6, 10)], ids=["one_scale", "even_columns", "uneven_columns"])
-@pytest.mark.parametrize("refresh", ["gather", "owner"])
+@pytest.mark.parametrize(("refresh", "col_split"), [("gather", (6, 10)), ("owner", None), ("owner", 2),
+                                                    ("owner", (6, 10))],
+                         ids=["gather", "owner_one_scale", "owner_even_columns", "owner_uneven_columns"])
 def test_bf16_payloads_give_the_fp32_payloads_directions_for_half_the_bytes(refresh, col_split):
     narrow = run_gloo(ps.run, 2, refresh, None, col_split, timeout_s=240)
     wide = run_gloo(ps.run, 2, refresh, torch.float32, col_split, timeout_s=240)
