@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "quality": "dimuon.bench.quality",
     "gpu": "dimuon.bench.gpu",
     "step": "dimuon.bench.step",
+    "census": "dimuon.bench.census",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -37,6 +38,7 @@ commands:
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid
   bench step         training-step time per optimizer (forward/backward vs optimizer), one process and FSDP2
+  bench census       what one optimizer step costs at 4-256 ranks: collectives, host reads, ops, NS FLOPs per rank
   bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
 'dimuon <command> --help' lists each command's options."""

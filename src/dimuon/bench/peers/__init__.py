@@ -7,7 +7,7 @@
 - :mod:`~dimuon.bench.peers.harness`: same gradients every step, a first step that may fail.
 """
 
-from dimuon.bench.peers.boundary import CallCounter, count_collectives, fold_kinds
+from dimuon.bench.peers.boundary import CallCounter, CallRecord, count_collectives, fold_kinds
 from dimuon.bench.peers.harness import GradientSnapshot, bf16_note, first_step, start_peer
 from dimuon.bench.peers.registry import (
     INSTALL_HINT,
@@ -24,6 +24,7 @@ __all__ = [
     "INSTALL_HINT",
     "PEERS",
     "CallCounter",
+    "CallRecord",
     "GradientSnapshot",
     "Peer",
     "PeerStatus",

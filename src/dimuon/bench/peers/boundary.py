@@ -22,6 +22,10 @@ group size and ``N`` the bytes of the tensor named:
 - DTensor's ``Shard(i) -> Shard(j)`` redistribution (``shard_dim_alltoall``) is booked as the
   all-to-all it is, on every backend (gloo runs it as an all-gather plus a local chunk).
 
+Besides the totals per kind, the counter keeps every booked call in issue order (:class:`CallRecord`: kind,
+process group, its size, payload dtype, logical bytes and the largest tensor the call names), so a caller can
+split the count per process group and compare the sequences of ranks.
+
 Not seen: collectives called as ``torch.ops`` directly by other code, inside a ``torch.compile``d
 graph, or through a reference bound before entering and held elsewhere than a module attribute.
 """
@@ -42,19 +46,36 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CallCounter", "count_collectives", "fold_kinds"]
+__all__ = ["CallCounter", "CallRecord", "count_collectives", "fold_kinds"]
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One booked collective: its kind, the process group's name (``group_name``) and size, the dtype of the
+    tensors it names, its logical bytes, and the bytes of the largest of them (a buffer the call needs)."""
+
+    kind: str
+    group: str
+    world: int
+    dtype: str
+    bytes: int
+    buffer_bytes: int
 
 
 class CallCounter:
-    """Calls and logical bytes per collective kind since the last reset (this rank's view)."""
+    """Calls and logical bytes per collective kind since the last reset (this rank's view), and every call in
+    the order this rank issued it (``log``)."""
 
     def __init__(self) -> None:
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+        self.log: list[CallRecord] = []
 
-    def record(self, kind: str, calls: int, logical_bytes: int) -> None:
+    def record(self, kind: str, calls: int, logical_bytes: int, call: CallRecord | None = None) -> None:
         entry = self._stats[kind]
         entry["calls"] += calls
         entry["bytes"] += int(logical_bytes)
+        if call is not None:
+            self.log.append(call)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """``{kind: {"calls": n, "bytes": b}}``, the format of ``opt.comm_stats()`` without timings."""
@@ -65,6 +86,7 @@ class CallCounter:
 
     def reset(self) -> None:
         self._stats.clear()
+        self.log.clear()
 
 
 def fold_kinds(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -131,6 +153,34 @@ def _all_to_all_bytes(out: Tensor, splits: Sequence[int] | None, world: int, ran
 
 def _others(tensors: Sequence[Tensor] | None, rank: int) -> int:
     return sum(_nbytes(t) for r, t in enumerate(tensors or ()) if r != rank)
+
+
+def _group_name(group: Any) -> tuple[str, int]:
+    """(``group_name``, size) of a collective's group in any form the two APIs take (None: the default group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        group = group[0].get_group(group[1])
+    elif isinstance(group, DeviceMesh):
+        group = group.get_group()
+    elif isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    elif isinstance(group, list):
+        world, _ = _funcol_geometry(group)
+        return f"ranks{group}", world
+    group = dist.group.WORLD if group is None else group
+    return group.group_name, dist.get_world_size(group)
+
+
+def _call_record(kind: str, arguments: dict[str, Any], nbytes: int) -> CallRecord:
+    """The :class:`CallRecord` of a call with these bound arguments: the first tensor's dtype, the largest one."""
+    tensors = [t for v in arguments.values() for t in (v if isinstance(v, (list, tuple)) else [v])
+               if isinstance(t, Tensor)]
+    name, world = _group_name(arguments.get("group"))
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
+    return CallRecord(kind, name, world, dtype, int(nbytes), max((_nbytes(t) for t in tensors), default=0))
 
 
 # ------------------------------------------------------------------- byte rules, one per function
@@ -322,17 +372,17 @@ def _book(rule: _Rule, signature: inspect.Signature, args: tuple[Any, ...], kwar
         return None
     if frames and not frames[-1].transparent:
         return _Frame(frames[-1].kind, False)  # inside another counted collective: already booked
-    if rule.nbytes is None:
-        if not frames:
-            counter.record(rule.kind, 1, 0)
-        return _Frame(frames[-1].kind if frames else rule.kind, True)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
+    if rule.nbytes is None:
+        if not frames:  # its bytes come from the tensor collectives it issues; its record keeps none
+            counter.record(rule.kind, 1, 0, _call_record(rule.kind, bound.arguments, 0))
+        return _Frame(frames[-1].kind if frames else rule.kind, True)
     nbytes = rule.nbytes(bound.arguments)
     if frames:  # a tensor collective inside an object collective: its bytes, not a call
         counter.record(frames[-1].kind, 0, nbytes)
     else:
-        counter.record(rule.kind, 1, nbytes)
+        counter.record(rule.kind, 1, nbytes, _call_record(rule.kind, bound.arguments, nbytes))
     return _Frame(rule.kind, False)
 
 

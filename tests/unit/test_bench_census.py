@@ -1,0 +1,94 @@
+"""dimuon bench census in one process: the fake-process-group path at 16 ranks (every rank traced), the layouts
+it derives per world size, and clear flag errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from dimuon import cli
+from dimuon.bench import census
+
+WORLD = 16
+TINY = ["--gloo-worlds", "--fake-worlds", str(WORLD), "--fake-model", "DiT-T/2", "--fake-depth", "1",
+        "--fake-heads", "8", "--input-size", "8", "--num-classes", "10", "--no-progress",
+        "--optimizers", "adamw", "muon_gather", "muon_owner", "prm_k3", "muon_bp_p5", "adaptive", "adaptive_skip"]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    out = tmp_path_factory.mktemp("census")
+    assert census.main([*TINY, "--out", str(out)]) == 0
+    assert not dist.is_initialized()  # every fake rank's group destroyed
+    return json.loads((out / "census.json").read_text())
+
+
+def _cases(record, key=None, layout=None):
+    return [(j, c) for j in record["jobs"] for c in j["cases"]
+            if (key is None or c["optimizer"] == key) and (layout is None or j["layout"] == layout)]
+
+
+def test_fake_ranks_are_traced_alike_and_the_plan_pass_matches_rank_0(record):
+    assert {j["layout"] for j in record["jobs"]} == {"fsdp", "hsdp", "fsdp_tp", "replicated"}
+    assert [(r["layout"], r["world"]) for r in record["refused"]] == [("tp", WORLD)]  # 8 heads over 16 ranks
+    for job, case in _cases(record):
+        assert job["backend"] == "fake" and case["same_sequence_on_all_ranks"], (job["layout"], case["label"])
+        if case["optimizer"] in census.PLAN_VARIANTS:
+            assert case["ranks_traced"] == WORLD and case["plan_matches_full"], (job["layout"], case["label"])
+        else:  # AdamW and the nonfinite="skip" twins: rank 0 only
+            assert case["ranks_traced"] == 1 and case["ns_flops_max_over_mean"] is None
+    fsdp_tp = next(j for j in record["jobs"] if j["layout"] == "fsdp_tp")
+    assert set(fsdp_tp["refused_optimizers"]) == {"adaptive", "adaptive_skip"}  # columns split by tp
+
+
+def test_newton_schulz_is_stubbed_and_its_work_counted_per_rank(record):
+    for job, case in _cases(record, "muon_owner"):
+        if job["layout"] in ("fsdp", "replicated"):  # every matrix once in the world
+            assert case["ns_flops_sum_over_model"] == pytest.approx(1.0), job["layout"]
+    gather = next(c for _, c in _cases(record, "muon_gather", "fsdp"))
+    assert gather["ns_flops_sum_over_model"] == pytest.approx(WORLD) and gather["ns_ops"] == gather["ns_calls"]
+    assert gather["ns_dtypes"] == ["bfloat16"] and gather["ns_flops_rank0"] > 0
+
+
+def test_host_reads_are_counted_with_their_sites(record):
+    for job, case in _cases(record, "adaptive"):
+        if case["step"] == 2:  # the vote and the staleness signals
+            assert case["host_reads_by_kind"] == {"item": 1, "tolist": 1}, job["layout"]
+            assert any("core.py" in site for site in case["read_sites"])
+    for _, case in _cases(record, "prm_k3"):
+        assert case["host_reads"] == 1 and "engine.py:read_flag" in next(iter(case["read_sites"]))
+
+
+def test_a_world_size_gets_the_meshes_of_a_cluster():
+    assert census.mesh_words(census.layout_degrees("hsdp", 256)) == "32x8 (dp_replicate x dp_shard)"
+    assert census.mesh_words(census.layout_degrees("fsdp_tp", 64)) == "8x8 (dp_shard x tp)"
+    assert census.mesh_words(census.layout_degrees("fsdp_tp", 8)) == "4x2 (dp_shard x tp)"
+    assert census.mesh_words(census.layout_degrees("hsdp", 8)) == "2x4 (dp_replicate x dp_shard)"
+    assert census.layout_degrees("replicated", 8) is None
+    with pytest.raises(ValueError, match="HSDP needs"):
+        census.layout_degrees("hsdp", 2)
+    assert census.ranks_to_trace(256, None) == list(range(256))
+    assert census.ranks_to_trace(256, 5) == [0, 64, 128, 191, 255]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--optimizers", "sgd"], "--optimizers must name some of"),
+    (["--layouts", "pp"], "--layouts must name some of"),
+    (["--fake-worlds", "1"], "--fake-worlds must be world sizes >= 2"),
+    (["--gloo-worlds", "--fake-worlds"], "--gloo-worlds and --fake-worlds are both empty: nothing to count"),
+    (["--flop-ranks", "0"], "--flop-ranks must be >= 1"),
+    (["--fake-model", "DiT-Q/2"], "--fake-model: unknown DiT model"),
+    (["--gloo-heads", "5"], "--gloo-model DiT-S/2: 5 heads must divide the hidden size 384"),
+])
+def test_bad_flags_are_refused_by_name(flags, message, capsys):
+    assert census.main(flags) == 2
+    assert capsys.readouterr().err.startswith(f"dimuon bench census: error: {message}")
+
+
+def test_the_command_is_registered():
+    assert cli.BENCHMARKS["census"] == "dimuon.bench.census"
+    assert "bench census" in cli.USAGE
