@@ -67,15 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def leave_if_distributed(code: int) -> None:
-    """In a process that joined a process group (a rank under torchrun), end it now with ``code``.
+    """In a rank under torchrun, or a process that joined a process group, end it now with ``code``.
 
     torch 2.13 with gloo can abort at interpreter exit once a process group or device mesh exists (SIGABRT,
     "terminate called without an active exception"), with or without ``destroy_process_group``; torchrun then
     reports a finished run as failed and stops the other ranks. The command's work is done and its files are
-    closed, so the rank flushes its output and leaves without the interpreter's teardown.
+    closed, so the rank flushes its output and leaves without the interpreter's teardown. A command may have
+    destroyed its group already (``dimuon train`` does, as a library call should): the abort can come anyway.
     """
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if dist is None or not dist.is_available():
+        return
+    if not (dist.is_initialized() or dist.is_torchelastic_launched()):
         return
     sys.stdout.flush()
     sys.stderr.flush()

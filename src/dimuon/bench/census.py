@@ -895,7 +895,7 @@ def summarize_case(key: str, index: int, full: dict[str, Any], per_rank: dict[in
         "ns_flops_max_over_mean": max(flops) / mean if mean and spread else None,
         # Over the ranks traced, scaled to the world: the Newton-Schulz work of all ranks against one refresh.
         "ns_flops_sum_over_model": mean * world / model_flops if model_flops and spread else None,
-        "ns_flops_by_rank": {str(r): rec["ns_flops"] for r, rec in sorted(per_rank.items())},
+        "ns_flops_by_rank": {str(r): int(rec["ns_flops"]) for r, rec in sorted(per_rank.items())},
         "ranks_traced": len(per_rank),
         "same_sequence_on_all_ranks": same,
         "peak_comm_buffer_bytes": max((c[5] for c in full["collectives"]), default=0),
@@ -958,6 +958,7 @@ def table_rows(jobs: Sequence[dict[str, Any]]) -> list[list[Any]]:
                 collective_words(c), _mib(c["bytes"]), ",".join(DTYPE_SHORT.get(d, d) for d in c["payload_dtypes"])
                 or "-", c["host_reads"], c["ops"], _gflops(c["ns_flops_max"]),
                 "-" if balance is None else f"{balance:.2f}", "-" if dup is None else f"{dup:.2f}",
+                "- (rank 0 only)" if c["ranks_traced"] == 1 else
                 f"{'yes' if c['same_sequence_on_all_ranks'] else 'NO'} ({c['ranks_traced']})",
             ])
     return rows
@@ -1021,10 +1022,13 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         lines += ["", ("## " if markdown else "") + f"W = {world}: {first['model']} ({first['depth']} blocks"
                   + (f"; {depth}" if depth else "") + f", {first['heads']} heads), {how}", ""]
         lines.append(table(HEADERS, table_rows(jobs), right=RIGHT))
-    refused = record["refused"]
+    refused = [f"{r['layout']} at W = {r['world']} ({r['model']}): {r['reason']}" for r in record["refused"]]
+    refused += [f"{VARIANTS[k].label} on {j['layout']} at W = {j['world']}: {why}" for j in record["jobs"]
+                if not j["tag"] for k, why in j["refused_optimizers"].items()]
     if refused:
-        lines += ["", "Not traced: " + "; ".join(f"{r['layout']} at W = {r['world']} ({r['model']}): {r['reason']}"
-                                                 for r in refused) + "."]
+        lines += ["", "Not traced: " + "; ".join(refused) + "."]
+    lines += ["", ("## " if markdown else "") + "First step and refresh buffers (rank 0)", ""]
+    lines.append(table(BUFFER_HEADERS, buffer_rows(record), right=[False, True, *[True] * 5]))
     rows = depth_rows(record)
     if rows:
         lines += ["", ("## " if markdown else "") + "Ops of RowNorm and block steps against the model's depth", ""]
@@ -1032,8 +1036,6 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     lines += ["", ("## " if markdown else "") + "Targets", ""]
     lines.append(table(["target", "measured"], [[t["target"], t["measured"]] for t in record["targets"]],
                        right=[False, False]))
-    lines += ["", "Peak refresh buffers (rank 0, largest over layouts and worlds): "
-              + "; ".join(f"{k}: {v}" for k, v in record["buffers"].items()) + "."]
     return "\n".join(lines)
 
 
@@ -1087,27 +1089,58 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
         or "-")
     parts = []
     for key in ("muon_gather", "muon_owner"):
-        found = sorted({d for _, c in _cases(record, key) for d in c["payload_dtypes"]})
-        ns = sorted({d for _, c in _cases(record, key) for d in c["ns_dtypes"]})
-        if found:
-            parts.append(f"{VARIANTS[key].label}: sends {'/'.join(found)}, Newton-Schulz in {'/'.join(ns)}")
+        for what, kinds in (("sharded refresh", ("all_gather", "all_to_all")), ("whole matrices", ("all_gather",))):
+            whole = what == "whole matrices"
+            found = sorted({x["dtype"] for j, c in _cases(record, key) if (j["layout"] == "replicated") == whole
+                            for x in c["collectives"] if x["kind"] in kinds})
+            ns = sorted({d for j, c in _cases(record, key) if (j["layout"] == "replicated") == whole
+                         for d in c["ns_dtypes"]})
+            if found:
+                parts.append(f"{VARIANTS[key].label}, {what}: sends {'/'.join(found)}, Newton-Schulz in {'/'.join(ns)}")
     add("payload dtype = Newton-Schulz dtype where chosen (gather refresh currently sends fp32)", "; ".join(parts) or "-")
     return out
 
 
-def buffers(record: dict[str, Any]) -> dict[str, str]:
-    """The largest collective buffer and Newton-Schulz batch of each refresh, over every layout and world."""
-    out = {}
-    for key in ("muon_gather", "muon_owner"):
-        found = _cases(record, key)
-        if found:
-            comm = max(c["peak_comm_buffer_bytes"] for _, c in found)
-            ns = max(c["peak_ns_batch_bytes"] for _, c in found)
-            out[VARIANTS[key].label] = f"collective buffer {_mib(comm)} MiB, Newton-Schulz batch {_mib(ns)} MiB"
-    return out
+BUFFER_HEADERS = ["layout (mesh)", "W", "first step setup s", "gather: largest collective MiB",
+                  "gather: largest NS batch MiB", "owner: largest collective MiB", "owner: largest NS batch MiB"]
+
+
+def buffer_rows(record: dict[str, Any]) -> list[list[Any]]:
+    """Per layout and world: the engine's first-step setup on rank 0 (this CPU's seconds) and each spectral
+    refresh's largest collective buffer and Newton-Schulz batch (the refresh buffers it assembles)."""
+    rows = []
+    for job in record["jobs"]:
+        if job["tag"]:
+            continue
+        found = {c["optimizer"]: c for c in job["cases"] if c["optimizer"] in ("muon_gather", "muon_owner")}
+        cells = [f"{_mib(found[k][field])}" if k in found else "-" for k in ("muon_gather", "muon_owner")
+                 for field in ("peak_comm_buffer_bytes", "peak_ns_batch_bytes")]
+        setup = job["first_step_setup_s"]
+        rows.append([f"{job['layout']} {job['mesh']}", job["world"], "-" if setup is None else f"{setup:.1f}", *cells])
+    return rows
 
 
 # ----------------------------------------------------------------------------------------- main
+
+
+def source_state() -> dict[str, Any]:
+    """The dimuon version and, from a git checkout, the commit and whether the tree differed from it: the engine
+    the counts describe."""
+    import subprocess
+
+    import dimuon
+
+    out: dict[str, Any] = {"dimuon": dimuon.__version__, "commit": None, "modified": None}
+    root = Path(dimuon.__file__).resolve().parents[2]
+    try:
+        git = ["git", "-C", str(root)]
+        out["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                       timeout=30).stdout.strip()
+        out["modified"] = bool(subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True,
+                                              text=True, check=True, timeout=30).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1139,6 +1172,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "benchmark": "census",
         "command": "dimuon bench census" + ("" if not argv else " " + " ".join(argv)),
         "machine": machine_info(argv),
+        "source": source_state(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "layouts": LAYOUTS,
         "variants": {k: {"label": v.label, "build": {"name": v.name, **v.options}, "steps": list(v.steps)}
@@ -1157,7 +1191,6 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - start,
     }
     record["targets"] = targets(record)
-    record["buffers"] = buffers(record)
     cfg.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cfg.out / "census.json", record)
     write_text_atomic(cfg.out / "census.md", render(record, markdown=True) + "\n")
