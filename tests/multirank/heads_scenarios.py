@@ -166,16 +166,16 @@ def refusals(rank: int, world: int, mesh) -> dict[str, str]:
 
 
 CASES = [
-    ("muon_gather", "muon", {}),
+    ("muon_gather", "muon", {"refresh": "gather"}),
     ("muon_owner", "muon", {"refresh": "owner"}),
-    ("prm", "periodic_row_muon", {"k": 2, "gamma": 0.5}),
+    ("prm", "periodic_row_muon", {"k": 2, "gamma": 0.5, "refresh": "gather"}),
     ("prm_owner", "periodic_row_muon", {"k": 3, "refresh": "owner"}),
     ("bp", "muon_bp", {"period": 2, "block_lr_ratio": 0.8}),
     ("arm", "adaptive_row_muon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),
 ]
 STACKED_ONLY = [("stacked_muon", "muon", {}), ("stacked_prm", "periodic_row_muon", {"k": 2}),
                 ("stacked_bp", "muon_bp", {"period": 2})]
-COLUMN_SHARDED = [("tp_gather", {}), ("tp_owner", {"refresh": "owner"})]
+COLUMN_SHARDED = [("tp_gather", {"refresh": "gather"}), ("tp_owner", {"refresh": "owner"})]
 
 
 def everything(rank: int, world: int) -> dict:

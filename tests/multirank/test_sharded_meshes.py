@@ -12,13 +12,13 @@ pytestmark = pytest.mark.multirank
 
 WORLD = 4
 OPTIMIZERS = [
-    ("gather", "muon", {}),
+    ("gather", "muon", {"refresh": "gather"}),
     ("owner", "muon", {"refresh": "owner"}),
     ("prm", "periodic_row_muon", {"k": 3}),
     ("bp", "muon_bp", {"period": 3}),
 ]
 CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, optimizer, opts in OPTIMIZERS] + [
-    ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split"}),
+    ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "gather"}),
     ("hsdp2x2_split_owner", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "owner"}),
     ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
 ] + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
@@ -117,7 +117,8 @@ def test_adaptive_decisions_agree_and_its_signal_stays_in_the_shard_group(meshes
 def test_split_replicas_trade_shard_bytes_for_replicate_bytes(meshes):
     for rank_result in meshes:
         repeat, split = (rank_result[k]["log"][0]["by_dim"] for k in ("hsdp2x2_gather", "hsdp2x2_split"))
-        assert set(repeat["replicate"]) == {CHECK}  # every replica refreshes: nothing crosses replicas
+        # Every replica refreshes: nothing crosses replicas but the vote, one all-reduce over the world.
+        assert "replicate" not in repeat and set(repeat["world"]) == {CHECK}
         # one all-gather per Muon parameter group (col, row, fused) hands the replicas' pieces over
         assert split["replicate"]["all_gather"]["calls"] == 3 and split["replicate"]["all_gather"]["bytes"] > 0
         assert split["shard"]["all_gather"]["bytes"] < repeat["shard"]["all_gather"]["bytes"]
@@ -171,4 +172,4 @@ def test_parameters_replaced_after_construction_take_their_new_layout(spawned):
             assert (r["params"][name] - ref).abs().max().item() <= 1e-5, name
         assert r["momentum"] == ["DTensor"] * len(ms.LAYERS)  # the unsharded zeros made at construction are gone
         assert r["state_keys"] == list(range(n_params))
-        assert set(r["log"][0]["by_dim"]) == {"mesh_dim0"} and "all_gather" in r["log"][0]["kinds"]
+        assert set(r["log"][0]["by_dim"]) == {"mesh_dim0"} and "all_to_all" in r["log"][0]["kinds"]  # owner

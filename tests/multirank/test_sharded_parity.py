@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dimuon.optim.distributed.launch import run_gloo
-from dimuon.optim.distributed.sharded import assign_owners, make_buckets
+from dimuon.optim.distributed.sharded import assign_owners, make_buckets, owner_buckets
 
 from . import scenarios as sc
 
@@ -16,19 +16,20 @@ DIT_SHAPES = [(192, 64), (64, 192), (256, 64), (64, 256), (384, 64)] * 2
 CASES = [
     ("muon_gather", "odd", "muon", {"refresh": "gather"}),
     ("muon_owner", "odd", "muon", {"refresh": "owner"}),
-    ("prm_k3", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.15}),
+    ("prm_k3", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.15, "refresh": "gather"}),
     ("prm_k3_owner", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.5, "refresh": "owner"}),
     ("muon_bp_p5", "odd", "muon_bp", {"period": 5, "block_lr_ratio": 0.8}),
     ("adamw", "odd", "adamw", {}),
     ("muon_adamw_only", "odd", "muon_adamw_only", {}),
     ("bytes_muon_gather", "dit", "muon", {"refresh": "gather", "bucket_mb": 0.05}),
     ("bytes_muon_owner", "dit", "muon", {"refresh": "owner", "bucket_mb": 0.05}),
-    ("bytes_prm_k3", "dit", "periodic_row_muon", {"k": 3, "bucket_mb": 0.05}),
+    ("bytes_prm_k3", "dit", "periodic_row_muon", {"k": 3, "bucket_mb": 0.05, "refresh": "gather"}),
     ("bytes_muon_gather_bf16", "dit", "muon", {"refresh": "gather", "bucket_mb": 0.05, "comm_dtype": torch.bfloat16}),
     # Thresholds that leave kinds to the staleness on these batches (no signal within 1e-3 of them).
     ("arm", "odd", "adaptive_row_muon", {"threshold": 0.5, "k_min": 1, "k_max": 4}),
     ("arm_owner", "odd", "adaptive_row_muon", {"threshold": 0.3, "k_min": 2, "k_max": 4, "refresh": "owner"}),
-    ("bytes_arm", "dit", "adaptive_row_muon", {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05}),
+    ("bytes_arm", "dit", "adaptive_row_muon", {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05,
+                                               "refresh": "gather"}),
 ]
 ADAPTIVE = ["arm", "arm_owner", "bytes_arm"]
 
@@ -124,6 +125,23 @@ def test_owner_moves_exactly_the_shards(sharded):
         chunk = -(-m // world)
         kept += max(0, min(chunk, m - o * chunk)) * n * 4
     assert moved == 2 * (total - kept)
+
+
+def test_owner_exchanges_once_each_way_per_bucket_of_same_shape_matrices(sharded):
+    world, results = sharded
+    # The plan from shapes alone: owners balanced per shape class, at most per_owner matrices of an owner per bucket.
+    owners = assign_owners(DIT_SHAPES, world)
+    buckets = 0
+    for shape in dict.fromkeys(DIT_SHAPES):
+        idx = [i for i, s in enumerate(DIT_SHAPES) if s == shape]
+        pad = -(-shape[0] // world) * shape[1]
+        per_owner = max(1, int(0.05 * 2**20) // (world * pad * 4))
+        buckets += len(owner_buckets(idx, [owners[i] for i in idx], per_owner))
+    assert buckets < len(DIT_SHAPES)  # same-shape matrices share their exchanges
+    for r in results:
+        step = r["bytes_muon_owner"]["stats"][0]
+        assert set(step) == {"all_to_all", "all_reduce[check]"}
+        assert step["all_to_all"]["calls"] == 2 * buckets
 
 
 def test_every_rank_issues_the_same_collectives(sharded):

@@ -56,11 +56,16 @@ def test_newton_schulz_is_stubbed_and_its_work_counted_per_rank(record):
 
 def test_host_reads_are_counted_with_their_sites(record):
     for job, case in _cases(record, "adaptive"):
-        if case["step"] == 2:  # the vote and the staleness signals
-            assert case["host_reads_by_kind"] == {"item": 1, "tolist": 1}, job["layout"]
-            assert any("core.py" in site for site in case["read_sites"])
-    for _, case in _cases(record, "prm_k3"):
-        assert case["host_reads"] == 1 and "engine.py:read_flag" in next(iter(case["read_sites"]))
+        if case["step"] == 2:  # the vote read with the staleness signals: one read
+            assert case["host_reads_by_kind"] == {"tolist": 1}, job["layout"]
+            assert list(case["read_sites"]) == ["tolist at dimuon/optim/core.py:_decide_kinds"]
+    for _, case in _cases(record, "prm_k3"):  # the vote (with this rank's verdicts, for the message)
+        assert case["read_sites"] == {"tolist at dimuon/optim/core.py:step": 1}
+    for job, case in _cases(record, "adaptive_skip"):  # the vote stays on the device
+        assert case["host_reads"] == (1 if case["step"] == 2 else 0) == census.signal_reads(case), job["layout"]
+    rows = {t["target"].split(":")[0]: t["measured"] for t in record["targets"]}
+    assert "AdaptiveRowMuon, skip step 2: 0 (+1 signal read)" in rows[
+        "host reads per optimizer step with nonfinite='skip'"]
 
 
 def test_a_world_size_gets_the_meshes_of_a_cluster():

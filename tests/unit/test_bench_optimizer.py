@@ -46,7 +46,10 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     for algorithm in linalg.NS_ALGORITHMS:
         ns = record["ns_flop_rate"][algorithm]
         assert ns["gflop"] > 0 and ns["ns_ms"] > 0 and ns["bmm_ms"] > 0 and ns["ratio"] > 0
-    assert [t["value"] is not None for t in record["targets"]] == [True, True, True]
+    assert [t["value"] is not None for t in record["targets"]] == [True, True, True, True]
+    # The RowNorm and block rows time steps of their kind only (their spectral first step is taken untimed).
+    assert record["optimizers"]["rownorm_step"]["calls_per_sample"] == 1
+    assert record["optimizers"]["block_step"]["label"] == "dimuon MuonBP, block steps only"
     machine = record["machine"]
     assert machine["torch"] == torch.__version__ and machine["torch_threads"] == 1 and machine["cpu_model"]
     assert record["model"]["muon_matrices"] == 7  # qkv, proj, fc1, fc2, adaLN, t-MLP 2nd linear, final adaLN
@@ -80,7 +83,7 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
     monkeypatch.setitem(PEERS, "failing", _peer("failing", "torch", lambda mod, muon, rest, lr: Failing()))
     out = tmp_path / "o.json"
     argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_compiled", "muon_bf16", "muon_bp", "periodic_row_muon",
-            "reference_muon", "muon_per_head", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out",
+            "reference_muon", "muon_per_head", "rownorm_step", "block_step", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out",
             str(out)]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
@@ -185,3 +188,20 @@ def test_on_cuda_every_row_runs_in_bf16_with_the_gpu_recorded(tmp_path):
     assert record["optimizers"]["muon"]["ns_dtype"] == "bfloat16" and record["ns_flop_rate"]["dtype"] == "bfloat16"
     assert all(r["first_ms"] > 0 for r in record["optimizers"].values())
     assert record["machine"]["gpu"]["name"] and record["machine"]["gpu"]["cuda"]
+
+
+def test_the_rownorm_and_block_rows_time_steps_of_their_kind_only():
+    from dimuon.optim.schedules import StepKind
+
+    cfg = bench.Config(model="DiT-S/2", depth=1, hidden_size=32, num_heads=2, input_size=8, num_classes=10)
+    model = bench.build_model(cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    steps = bench.make_steps(cfg, model, ["rownorm_step", "block_step"])
+    for name, kind in (("rownorm_step", StepKind.ROWNORM), ("block_step", StepKind.BLOCK)):
+        step, calls = steps[name]
+        opt = step.__self__
+        assert calls == 1 and opt.param_groups[0]["step"] == 1, name  # the spectral first step was taken
+        for _ in range(3):
+            assert {k for k in opt.step_kinds() if k is not None} == {kind}, name
+            step()

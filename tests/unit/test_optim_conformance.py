@@ -148,7 +148,7 @@ def test_resume_from_a_saved_file_continues_bitwise(name):
 @pytest.mark.parametrize("copier", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
 @pytest.mark.parametrize("name", NAMES)
 def test_copies_keep_every_attribute_and_step_alike(name, copier):
-    extra = {"nonfinite": "skip", "adamw_fused": False, "refresh": "owner"} if name in FAMILY else {}
+    extra = {"nonfinite": "skip", "adamw_fused": False, "refresh": "gather"} if name in FAMILY else {}
     _, opt = trained(name, 2, **extra)
     twin = copier(opt)
     public = {k: v for k, v in vars(opt).items() if not k.startswith("_") and k not in ("state", "param_groups")}

@@ -126,3 +126,30 @@ def test_a_nonfinite_gradient_entry_on_cuda_is_caught_by_the_list_reduction(bad)
     opt.step()
     assert opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon"])
+def test_skip_on_cuda_reads_nothing_and_leaves_every_state_tensor_as_it_was(name):
+    # The fused AdamW kernel's found_inf on CUDA, the list reduction's vote, the masked Muon kernels: no host read
+    # in the step (AdaptiveRowMuon's staleness signals apart), and a skipped step leaves every tensor bitwise.
+    from dimuon.bench.census import tracing
+    from dimuon.bench.peers import CallCounter, count_collectives
+
+    model = model_on("cuda")
+    opt = build(name, model, lr=1e-2, weight_decay=0.1, nonfinite="skip")
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    next(iter(model.parameters())).grad.view(-1)[3] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    before += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    with count_collectives(CallCounter()) as counter, tracing(counter) as tally:
+        opt.step()
+    assert {k: n for k, n in tally.read_sites.items() if "_decide_kinds" not in k} == {}
+    after = [p.detach() for p in model.parameters()]
+    after += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert opt.skipped_steps == 1

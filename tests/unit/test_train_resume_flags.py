@@ -39,7 +39,7 @@ CHANGED_OPTIM = {
     "weight_decay": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "amsgrad": True, "maximize": True, "foreach": False,
     "capturable": True, "differentiable": True, "fused": True, "momentum": 0.9, "nesterov": False,
     "lr_scale": "original", "ns_coefficients": "polar_express", "ns_steps": 4, "ns_dtype": "bfloat16",
-    "ns_algorithm": "gram", "refresh": "owner", "bucket_mb": 4.0, "comm_dtype": "bfloat16", "ns_compile": True,
+    "ns_algorithm": "gram", "refresh": "gather", "bucket_mb": 4.0, "comm_dtype": "bfloat16", "ns_compile": True,
     "k": 7, "gamma": 0.5, "period": 3, "blocks": 2, "block_lr_ratio": 0.5, "adjust_lr_fn": "original",
     "replica_refresh": "split", "threshold": 0.5, "k_min": 2, "k_max": 6,
 }

@@ -69,13 +69,19 @@ class EMA:
         return min(self.decay, (1 + k) / (10 + k))
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """Move the EMA toward the model's current weights (call after each optimizer step)."""
+    def update(self, model: nn.Module, mask: Tensor | None = None) -> None:
+        """Move the EMA toward the model's current weights (call after each optimizer step).
+
+        ``mask`` (a 0-d bool on the device, e.g. the optimizer's non-finite vote): where it is false the EMA and its
+        buffers stay bitwise as they were, without a host read (each weight is taken as ``where(mask, p, e)``: one
+        pass per parameter); ``num_updates``, a host number, counts the update either way."""
         weight = 1.0 - self.current_decay()
         named = dict(model.named_parameters())
         ema_same, model_same, ema_cast, model_cast = [], [], [], []
         for name, e in self.params.items():
             e_loc, p_loc = _local(e), _local(named[name].detach())
+            if mask is not None:
+                p_loc = torch.where(mask, p_loc.to(e_loc.dtype), e_loc)  # lerp(e, e, w) = e
             if e_loc.dtype == p_loc.dtype:
                 ema_same.append(e_loc)
                 model_same.append(p_loc)
@@ -88,7 +94,8 @@ class EMA:
             e_loc.lerp_(p_loc.to(e_loc.dtype), weight)
         buffers = dict(_persistent_buffers(model))
         for name, b in self.buffers.items():
-            _local(b).copy_(_local(buffers[name]))
+            new = _local(buffers[name])
+            _local(b).copy_(new if mask is None else torch.where(mask, new, _local(b)))
         self.num_updates += 1
 
     def weights(self) -> dict[str, Tensor]:

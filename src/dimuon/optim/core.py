@@ -28,6 +28,7 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
+    DEFAULT_REFRESH,
     REFRESH_STRATEGIES,
     REPLICA_REFRESH_STRATEGIES,
     DirectionEngine,
@@ -39,7 +40,6 @@ from dimuon.optim.distributed.engine import (
     RowRange,
     block_grid,
     col_split_sizes_to_ranges,
-    read_flag,
     split_sizes_to_ranges,
     stacked_ranges,
 )
@@ -81,7 +81,7 @@ _MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
 # Matrix state whose saved dtype a load keeps (torch would cast it to the parameter's dtype).
 _MATRIX_STATE_DTYPES = ("momentum_buffer", "refresh_direction", "refresh_row_sums")
-_ENGINE_DEFAULTS: dict[str, Any] = {"refresh": "gather", "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
+_ENGINE_DEFAULTS: dict[str, Any] = {"refresh": DEFAULT_REFRESH, "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
                                     "process_group": None, "replica_refresh": "repeat"}
 
 
@@ -94,6 +94,14 @@ class _MuonWork:
     jobs: list[MatrixJob]
     config: MapConfig
     keys: list[str]  # each parameter's name in refresh_stats()
+
+
+@dataclass
+class _Verdicts:
+    """This rank's verdict per local gradient of one step: which parameter (group, index) each is, and 1/0 finite."""
+
+    owners: list[tuple[int, int]]
+    finite: Tensor
 
 
 class ForeignGroupKeyWarning(UserWarning):
@@ -202,7 +210,7 @@ class MuonFamily(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         nonfinite: Nonfinite = "raise",
-        refresh: Refresh = "gather",
+        refresh: Refresh = DEFAULT_REFRESH,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         comm_dtype: torch.dtype | None = None,
         process_group: Any = None,
@@ -260,6 +268,8 @@ class MuonFamily(torch.optim.Optimizer):
         self._flattened: list[str] = []
         self._foreign_keys: set[str] = set()
         self._refresh_counts: dict[str, list[int]] = {}  # parameter name -> [spectral steps, steps]
+        self._pending_skips: Tensor | None = None  # steps skipped since the last read, counted on the device
+        self._last_vote: Tensor | None = None
         super().__init__(params, defaults)
         self._constructing = False
         self._warn_flattened(stacklevel=4)
@@ -372,6 +382,8 @@ class MuonFamily(torch.optim.Optimizer):
         if algorithm == "adamw" and matrix_only:
             raise ValueError(f"parameter-group option(s) {matrix_only} shape a 'muon' group's matrices; this group's "
                              "algorithm is 'adamw' (set 'algorithm': 'muon' to orthogonalize its parameters)")
+        if getattr(self, "_pending_skips", None) is not None:
+            self._fold_skips()  # the skips so far are the existing groups'
         super().add_param_group(param_group)
         try:
             self._check_group(len(self.param_groups) - 1)
@@ -518,8 +530,31 @@ class MuonFamily(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients (``nonfinite="skip"``); kept per group, so it is saved."""
+        """Steps skipped for non-finite gradients (``nonfinite="skip"``); kept per group, so it is saved.
+
+        ``step()`` counts them on the device; reading this property (or saving the state) reads that count on
+        the host, once, and adds it to every group's ``skipped_steps``."""
+        self._fold_skips()
         return max((g["skipped_steps"] for g in self.param_groups), default=0)
+
+    @property
+    def last_step_taken(self) -> Tensor | None:
+        """The last ``step()``'s non-finite vote: a 0-d bool tensor on the parameters' device, true where the step
+        was taken (None before the first step). A trainer can mask its own updates with it (an EMA, say) without a
+        host read; reading it on the host waits for the device."""
+        return self._last_vote
+
+    def _fold_skips(self) -> None:
+        """The device count of skipped steps since the last fold, added to every group's number (one host read)."""
+        pending, self._pending_skips = self._pending_skips, None
+        if pending is not None:
+            count = int(pending)
+            for group in self.param_groups:
+                group["skipped_steps"] += count
+
+    def state_dict(self) -> dict[str, Any]:
+        self._fold_skips()
+        return super().state_dict()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -532,7 +567,7 @@ class MuonFamily(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
         runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
                    "_engine_given": False, "_constructing": False, "_flattened": [], "_foreign_keys": set(),
-                   "_engine_params": (), "_refresh_counts": {}}
+                   "_engine_params": (), "_refresh_counts": {}, "_pending_skips": None, "_last_vote": None}
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -549,6 +584,7 @@ class MuonFamily(torch.optim.Optimizer):
         grouping or parameter shapes, and keeping the matrix state in its saved dtypes (torch casts every
         floating state tensor to its parameter's dtype: momenta and row sums stay wide, references bf16)."""
         saved: list[tuple[Tensor, str, Tensor]] = []  # (parameter, key, the state tensor as loaded)
+        self._pending_skips = None  # the loaded counts replace this run's
 
         def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
             self._check_loadable(loaded)
@@ -647,33 +683,54 @@ class MuonFamily(torch.optim.Optimizer):
         for stale in [p for p in self.state if id(p) not in held]:
             del self.state[stale]
 
-    def _local_grads_finite(self) -> Tensor:
+    def _local_grads_finite(self) -> tuple[Tensor, _Verdicts]:
         """0-d bool on the parameters' device: every local gradient entry is finite (one pass per gradient: the
         extremes, or on an accelerator the largest magnitudes, are finite exactly when every entry is, NaN
-        propagates)."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        device = local_tensor(params[0]).device if params else torch.device("cpu")
-        grads: dict[torch.device, list[Tensor]] = {}
-        for g in (local_tensor(p.grad) for p in params if p.grad is not None):
-            if g.numel() > 0:  # an empty local shard has nothing to check
-                grads.setdefault(g.device, []).append(g)
+        propagates); and the verdict per local gradient, for the error message (:meth:`_vote_values`)."""
+        params = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        device = local_tensor(params[0][2]).device if params else torch.device("cpu")
+        grads: dict[torch.device, list[tuple[int, int, Tensor]]] = {}
+        for gi, i, p in params:
+            g = local_tensor(p.grad) if p.grad is not None else None
+            if g is not None and g.numel() > 0:  # an empty local shard has nothing to check
+                grads.setdefault(g.device, []).append((gi, i, g))
         flag = torch.ones((), dtype=torch.bool, device=device)
-        for where, parts in grads.items():
+        owners: list[tuple[int, int]] = []
+        verdicts: list[Tensor] = []
+        for where, entries in grads.items():
+            parts = [g for _, _, g in entries]
             if where.type == "cpu":  # no launches to save, and aminmax is ~20x faster there than the inf-norm
-                extremes = torch.cat([torch.stack(torch.aminmax(g)) for g in parts])
+                extremes = torch.cat([torch.stack(torch.aminmax(g)) for g in parts]).view(len(parts), 2)
             else:  # one list reduction for every gradient, not two launches per gradient
                 wide = functools.reduce(torch.promote_types, {g.dtype for g in parts}, torch.float32)
-                extremes = torch.stack(torch._foreach_norm(parts, ord=math.inf, dtype=wide))
-            flag = flag & torch.isfinite(extremes).all().to(device)
-        return flag
+                extremes = torch.stack(torch._foreach_norm(parts, ord=math.inf, dtype=wide)).view(len(parts), 1)
+            finite = torch.isfinite(extremes).all(dim=1).to(device)
+            owners += [(gi, i) for gi, i, _ in entries]
+            verdicts.append(finite)
+            flag = flag & finite.all()
+        return flag, _Verdicts(owners, torch.cat(verdicts) if verdicts else flag[None][:0])
 
-    def _first_nonfinite(self) -> str:
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is not None and not read_flag(torch.isfinite(local_tensor(p.grad)).all()):
-                    name = self._param_name(group, i, gi)
-                    return name if group.get("param_names") else f"{name} with shape {tuple(p.shape)}"
-        return "a parameter on another rank"
+    @staticmethod
+    def _vote_values(ok: Tensor, verdicts: _Verdicts) -> Tensor:
+        """``[vote, this rank's verdict per gradient...]`` as floats (1 finite): what ``"raise"`` reads, once."""
+        return torch.cat([ok.reshape(1), verdicts.finite]).to(torch.float32)
+
+    def _check_vote(self, values: Sequence[float], verdicts: _Verdicts) -> None:
+        """Raise, naming this rank's first non-finite gradient, where the vote read as ``values`` failed."""
+        if values[0] > 0:  # a meta tensor's read (the census's plan pass) reads as inf: finite
+            return
+        owners = verdicts.owners
+        bad = next((owners[j] for j, v in enumerate(values[1:]) if not v > 0), None)
+        where = "a parameter on another rank"
+        if bad is not None:
+            gi, i = bad
+            group = self.param_groups[gi]
+            name = self._param_name(group, i, gi)
+            where = name if group.get("param_names") else f"{name} with shape {tuple(group['params'][i].shape)}"
+        raise FloatingPointError(
+            f"non-finite gradient in {where}; the step was not taken and the "
+            "momentum is unchanged (pass nonfinite='skip' to skip such steps instead)"
+        )
 
     def _check_sparse(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -684,22 +741,31 @@ class MuonFamily(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step; returns the closure's loss if a closure is given."""
+        """One optimization step; returns the closure's loss if a closure is given.
+
+        Every rank votes (one 4-byte all-reduce where the parameters span the world) on whether every gradient
+        entry is finite, before any other collective of the step, and the result stays on the device. With
+        ``nonfinite="skip"`` the step runs its usual kernels masked by the vote (weights, momenta, AdamW state and
+        references unchanged where it fails) and the host reads nothing. With ``"raise"`` the host reads the vote
+        once and raises before anything is touched; a per-matrix schedule reads it with its staleness signals
+        (still one read), after the masked momentum update and before any weight moves.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_sparse()
-        # Every rank votes before any other collective of the step, so all of them raise or skip together.
-        if not self._get_engine().all_true(self._local_grads_finite()):
-            if self.nonfinite == "skip":
-                for group in self.param_groups:
-                    group["skipped_steps"] += 1
-                return loss
-            raise FloatingPointError(
-                f"non-finite gradient in {self._first_nonfinite()}; the step was not taken and the "
-                "momentum is unchanged (pass nonfinite='skip' to skip such steps instead)"
-            )
+        local, verdicts = self._local_grads_finite()
+        ok = self._get_engine().all_true(local)
+        # "raise" and a fixed schedule: the one read now, then the plain kernels. Otherwise the step is masked.
+        read_now = self.nonfinite == "raise" and not self.schedule.per_matrix
+        if read_now:  # the vote and this rank's verdicts, one host read
+            self._check_vote(self._vote_values(ok, verdicts).tolist(), verdicts)
+        mask = None if read_now else ok
+        self._last_vote = ok
+        if self.nonfinite == "skip":
+            skipped = (~ok).to(torch.int64)  # a device counter: read when skipped_steps is read or the state saved
+            self._pending_skips = skipped if self._pending_skips is None else self._pending_skips + skipped
         stepped, works = [], []
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
@@ -707,17 +773,24 @@ class MuonFamily(torch.optim.Optimizer):
                 continue
             stepped.append(group)
             if group["algorithm"] == "adamw":
-                self._adamw_step(group, params)
+                self._adamw_step(group, params, mask)
             else:
-                works.append(self._muon_work(gi, group, params))
-        for work, kinds in zip(works, self._decide_kinds(works)):
-            self._muon_apply(work, kinds)
+                works.append(self._muon_work(gi, group, params, mask))
+        kinds = self._decide_kinds(works, (ok, verdicts) if self.nonfinite == "raise" and not read_now else None)
+        for work, work_kinds in zip(works, kinds):
+            self._muon_apply(work, work_kinds, mask)
+        # The schedule's step counter is host data: it counts step slots, taken or skipped ("skip" cannot know).
         for group in stepped:
             group["step"] += 1
         return loss
 
-    def _muon_work(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> _MuonWork:
-        """Momentum update of Muon group ``gi`` and its matrix jobs (the Nesterov momenta), ready for the engine."""
+    def _muon_work(self, gi: int, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> _MuonWork:
+        """Momentum update of Muon group ``gi`` and its matrix jobs (the Nesterov momenta), ready for the engine.
+
+        With a ``mask`` (the vote, a 0-d bool) each gradient is taken as ``where(mask, G, M)``: one pass per
+        gradient (it replaces the cast of a narrower gradient), after which a failed vote leaves ``M`` bitwise
+        unchanged (``lerp(M, M, w) = M``) and ``U = M`` finite, and a passed one computes what the unmasked step
+        does, bit for bit. A NaN never reaches a kernel whose result is kept."""
         beta = group["momentum"]
         names = group.get("param_names")
         index = {id(p): i for i, p in enumerate(group["params"])}
@@ -727,7 +800,8 @@ class MuonFamily(torch.optim.Optimizer):
             if group["step"] == 0 or "momentum_buffer" not in state:  # made, or remade after a move, before step 1
                 state = self._param_state(p, group)
             buf = local_tensor(state["momentum_buffer"])
-            grads.append(local_tensor(p.grad).to(buf.dtype))
+            grad = local_tensor(p.grad)
+            grads.append(grad.to(buf.dtype) if mask is None else torch.where(mask, grad, buf))
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
@@ -763,10 +837,12 @@ class MuonFamily(torch.optim.Optimizer):
         )
         return _MuonWork(group, params, jobs, config, keys)
 
-    def _decide_kinds(self, works: Sequence[_MuonWork]) -> list[list[StepKind]]:
+    def _decide_kinds(self, works: Sequence[_MuonWork], vote: tuple[Tensor, _Verdicts] | None = None
+                      ) -> list[list[StepKind]]:
         """The step kind of every job: the group's from a fixed schedule; per matrix from a per-matrix one,
         whose staleness signals (where the bounds leave the choice open) take one engine reduction and one host read
-        for all groups together, so every rank decides alike."""
+        for all groups together, so every rank decides alike. ``vote`` (``nonfinite="raise"`` under a per-matrix
+        schedule): read here, with the signals where there are any, and raised on before any weight moves."""
         schedule = self.schedule
         if not schedule.per_matrix:
             return [[schedule.kind(w.group["step"], w.group)] * len(w.jobs) for w in works]
@@ -787,12 +863,24 @@ class MuonFamily(torch.optim.Optimizer):
             # A fused parameter refreshes as one: its stalest logical matrix decides.
             per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
             stalest = torch.stack([s.max() for s in per_matrix])
-            signals = dict(zip(open_, stalest.tolist()))  # the host reads the decisions' inputs once
+            if vote is not None:  # the vote travels with the signals: one read for both
+                stalest = torch.cat([stalest, self._vote_values(*vote).to(stalest)])
+            values = stalest.tolist()  # the host reads the decisions' inputs once
+            if vote is not None:
+                self._check_vote(values[len(open_):], vote[1])
+            signals = dict(zip(open_, values))
+        elif vote is not None:
+            self._check_vote(self._vote_values(*vote).tolist(), vote[1])
         return [[schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
                 for wi, w in enumerate(works)]
 
-    def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind]) -> None:
-        """Directions for each kind's jobs (one engine call per kind present), then the weight update."""
+    def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind], mask: Tensor | None) -> None:
+        """Directions for each kind's jobs (one engine call per kind present), then the weight update.
+
+        With a ``mask`` the decay factor is ``where(mask, 1 - lr wd, 1)`` (the same multiply) and the directions are
+        multiplied by the mask (one list op: exact, ``D * 1 = D``; finite ``D * 0 = 0``, ``U`` being finite) before
+        the usual update: a passed vote moves the weights bit for bit as the unmasked step, a failed one not at all.
+        """
         group, engine = work.group, self._get_engine()
         lr, wd = group["lr"], group["weight_decay"]
         weights = [local_tensor(p) for p in work.params]
@@ -804,12 +892,19 @@ class MuonFamily(torch.optim.Optimizer):
         for kind, chosen in chosen_by_kind.items():
             for i, d in zip(chosen, engine.directions([work.jobs[i] for i in chosen], kind, work.config)):
                 directions[i] = d
-        if wd != 0:
-            torch._foreach_mul_(weights, 1.0 - lr * wd)  # decoupled, with the unscaled lr
+        if wd != 0 and weights:
+            decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
+            if mask is not None:
+                keep = torch.ones((), dtype=torch.float64, device=mask.device)
+                decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64).to(mask.device)
+                                    if isinstance(decay, Tensor) else torch.full_like(keep, decay), keep)
+            torch._foreach_mul_(weights, decay)
         for kind, chosen in chosen_by_kind.items():
             ws = [weights[i] for i in chosen]
             # The direction as a view of the weight's shape, cast only where the weight is narrower (bf16).
             ds = [_as_weight(directions[i], weights[i]) for i in chosen]  # type: ignore[arg-type]
+            if mask is not None:
+                ds = torch._foreach_mul(ds, mask.to(torch.float32))
             step_size = lr * self.schedule.multiplier(kind, group)
             if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (alpha takes numbers only)
                 torch._foreach_sub_(ws, torch._foreach_mul(ds, step_size))
@@ -817,17 +912,31 @@ class MuonFamily(torch.optim.Optimizer):
                 torch._foreach_add_(ws, ds, alpha=-step_size)
         self._count_kinds(work, kinds)
         if self.schedule.per_matrix:
-            self._keep_references(work, kinds, directions)
+            self._keep_references(work, kinds, directions, mask)
 
-    def _keep_references(self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor]) -> None:
+    def _keep_references(self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor],
+                         mask: Tensor | None) -> None:
         """After a per-matrix schedule's step: a refreshed matrix keeps its new direction (bf16) and row sums as
-        the staleness signal's reference, and its age restarts; the others age by one step."""
+        the staleness signal's reference, and its age restarts; the others age by one step.
+
+        Under a ``mask`` (``nonfinite="skip"``) the reference and its row sums are written as ``where(mask, new,
+        old)``: a skipped step leaves them bitwise as they were. The ages are host numbers and advance as the step
+        slot's decisions say (the host cannot know the vote): a matrix whose refresh was skipped restarts its
+        age with its older reference kept, so its next refresh may come up to ``k_max`` slots later (sooner where
+        its staleness, measured against that older reference, passes the threshold from ``k_min`` on)."""
         for p, job, kind, d in zip(work.params, work.jobs, kinds, directions):
             state = self.state[p]
             if kind is StepKind.SPECTRAL:
                 ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
-                ref.copy_(d)
-                _row_sums_view(state, job).copy_(reference_row_sums(job.update, ref, job.col_splits))
+                sums = _row_sums_view(state, job)
+                if mask is None:
+                    ref.copy_(d)
+                    sums.copy_(reference_row_sums(job.update, ref, job.col_splits))
+                else:
+                    new = d.to(ref.dtype)  # the reference's own rounding, as copy_ makes it
+                    new_sums = reference_row_sums(job.update, new, job.col_splits)
+                    ref.copy_(torch.where(mask, new, ref))
+                    sums.copy_(torch.where(mask, new_sums, sums))
                 state["refresh_age"] = 1
             else:
                 state["refresh_age"] += 1
@@ -865,17 +974,23 @@ class MuonFamily(torch.optim.Optimizer):
         return all(local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
                    for p in params)
 
-    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _adamw_step(self, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
         """torch's AdamW over the group, one kernel call per device mesh: a list kernel takes plain tensors or
         DTensors of one mesh, and tensor parallelism mixes them (layers in the plan, others outside it)."""
         by_mesh: dict[int, list[Tensor]] = {}
         for p in params:
             by_mesh.setdefault(id(p.device_mesh) if is_dtensor(p) else 0, []).append(p)
         for part in by_mesh.values():
-            self._adamw_kernel(group, part)
+            self._adamw_kernel(group, part, mask)
 
-    def _adamw_kernel(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _adamw_kernel(self, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
+        """torch's AdamW on ``params``; under a ``mask`` (the vote) torch's fused kernel is told ``found_inf`` where
+        the vote failed (it then leaves parameters and moments untouched and torch takes the step counters back),
+        and elsewhere :meth:`_masked_adamw` runs."""
         fused = self.adamw_fused if self.adamw_fused is not None else self._fused_supported(params)
+        if mask is not None and not fused:
+            self._masked_adamw(group, params, mask)
+            return
         # Under torch.compile the unfused kernel needs its capturable form (tensor step sizes).
         capturable = not fused and torch.compiler.is_compiling()
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
@@ -905,6 +1020,7 @@ class MuonFamily(torch.optim.Optimizer):
             fused=fused,
             capturable=capturable,
             amsgrad=False,
+            found_inf=None if mask is None else (~mask).to(torch.float32),
             beta1=beta1,
             beta2=beta2,
             lr=lr,
@@ -912,6 +1028,38 @@ class MuonFamily(torch.optim.Optimizer):
             eps=group["adamw_eps"],
             maximize=False,
         )
+
+    def _masked_adamw(self, group: dict[str, Any], params: list[Tensor], mask: Tensor) -> None:
+        """AdamW (decoupled weight decay) where torch's fused kernel is not used (``adamw_fused=False``, a
+        non-contiguous parameter, a device without it), masked by the vote without a host read.
+
+        torch's other kernels cannot be masked: the foreach one keeps its step counters on the CPU and computes the
+        bias corrections on the host, and neither takes ``found_inf``. So this is the single-tensor loop with the
+        counters on the parameter's device (as torch's capturable form keeps them) and masked factors, the cheapest
+        correct masking found: the first moment lerped towards ``where(mask, G, m)`` (``lerp(m, m, w) = m``), the second
+        scaled by ``where(mask, beta2, 1)`` and added ``G'^2`` with ``G' = where(mask, G, 0)`` (``0 * NaN`` would leak), the
+        decay by ``where(mask, 1 - lr wd, 1)``, the step by ``lr mask / (1 - beta1^t)``: a failed vote leaves the
+        parameter, both moments and the counter bitwise unchanged. It rounds as torch's unfused kernels do, to
+        within an ulp (not bit for bit), on every step: a run's kernel does not change with its votes."""
+        beta1, beta2 = group["adamw_betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["adamw_eps"]
+        for p in params:
+            state = self._param_state(p, group)
+            param, grad = local_tensor(p), local_tensor(p.grad)
+            if state["step"].device != param.device:
+                state["step"] = state["step"].to(param.device)
+            step, exp_avg, exp_avg_sq = state["step"], local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+            ok = mask.to(param.device)
+            okf = ok.to(torch.float32)
+            g = torch.where(ok, grad, 0)
+            step.add_(okf)
+            t = step.clamp_min(1)  # a skipped first step: finite corrections, multiplied by 0
+            if wd != 0:
+                param.mul_(torch.where(ok, 1.0 - lr * wd, 1.0))
+            exp_avg.lerp_(torch.where(ok, grad, exp_avg), 1.0 - beta1)  # lerp(m, m, w) = m
+            exp_avg_sq.mul_(torch.where(ok, beta2, 1.0)).addcmul_(g, g, value=1.0 - beta2)
+            denom = (exp_avg_sq.sqrt() / (1.0 - beta2**t).sqrt()).add_(eps)
+            param.sub_(exp_avg / denom * (okf * lr / (1.0 - beta1**t)))
 
     # ----------------------------------------------------------------- introspection
     def step_kinds(self) -> list[StepKind | None]:

@@ -27,9 +27,14 @@ _COMMON_DOC = """
         ns_algorithm: ``"standard"`` or ``"gram"`` (Gram Newton-Schulz on matrices with cols >= 2 rows).
         adamw_betas, adamw_eps: AdamW hyperparameters of the ``"adamw"`` groups.
         nonfinite: ``"raise"`` (default) or ``"skip"`` a step whose gradients hold inf/nan; either
-            way no state is touched by such a step.
-        refresh: spectral steps on sharded parameters: ``"gather"`` (all-gather the momentum, every
-            rank orthogonalizes) or ``"owner"`` (one owner rank per matrix, all-to-all there and back).
+            way no state tensor is touched by such a step. The ranks vote on the device (one 4-byte
+            all-reduce where the parameters span the world); ``"skip"`` masks the step with the vote and
+            reads nothing on the host (a skipped step still takes its slot in the schedule: ``t`` advances;
+            ``skipped_steps`` is read when asked for or saved), ``"raise"`` reads the vote once.
+        refresh: spectral steps on sharded parameters: ``"owner"`` (default: one owner rank per matrix,
+            buckets of same-shape matrices, one all-to-all there and one back per bucket; ``2/W`` of gather's
+            bytes and no repeated Newton-Schulz) or ``"gather"`` (all-gather the momentum, every rank
+            orthogonalizes every matrix).
         bucket_mb: size of the communication buckets that overlap with Newton-Schulz, in MiB.
         comm_dtype: dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math
             stays in the compute dtype. None: the Newton-Schulz dtype where it is narrower than the momentum

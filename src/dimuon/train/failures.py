@@ -1,14 +1,24 @@
 """How a training run fails: the non-finite policy (one for every optimizer) and the error that stops a run.
 
-Every step the loop checks its loss and its global gradient norm (one scalar each, already computed for
-the log and for clipping; under FSDP2 the verdict is agreed by all ranks) before the optimizer sees the
-gradients. A non-finite step is never applied, whatever the optimizer:
+Every step is checked for a finite loss and global gradient norm (one scalar each, already computed for the log
+and for clipping; under FSDP2 the verdict is agreed by all ranks) before the optimizer applies the gradients. A
+non-finite step is never applied, whatever the optimizer:
 
 - ``--nonfinite raise`` (default): the run stops with :class:`RunFailed`, naming the step, what was not
   finite, the batch's non-finite input items where there are any, and the flags that get past it;
 - ``--nonfinite skip``: the step is dropped (weights, optimizer state and EMA unchanged, the batch is not
   retried), counted, and logged as a ``nonfinite`` record; ``--skip-limit`` steps skipped in a row stop
   the run as diverged.
+
+With the Muon family nothing waits for the device for this: the check is folded into the gradients the optimizer
+votes on (:func:`dimuon.train.loop.fold_into_gradients`), the optimizer's vote (one 4-byte all-reduce) masks the
+step and the EMA update on the device, and with ``skip`` the harness reads the votes of the window at the next
+logging step (or checkpoint, or the run's end): the ``nonfinite`` record of a step skipped in between is written
+then, with the step it happened at (``step``) and the step it was read at (``logged_at``), and ``--skip-limit`` is
+checked then, so a diverged run stops up to ``--log-interval - 1`` steps after the limit was reached (every one
+of them skipped too). With ``raise`` the optimizer reads its vote once per step and the run stops at that step.
+Other optimizers (torch's AdamW, ``torch_muon``) have their check read on the host before they step, every step
+(:func:`all_finite`).
 """
 
 from __future__ import annotations

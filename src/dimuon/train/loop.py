@@ -9,13 +9,15 @@ EMA state (plus the global RNG, restored for anything else that draws from it) t
 :class:`Trainer`: set-up in ``__init__`` (data checked, output checked, state restored), then
 :meth:`Trainer.fit` runs :meth:`Trainer.train_step` and, after each step, the hooks that are due (log,
 validate, sample, evaluate, checkpoint). A step whose loss or gradient norm is not finite is never
-applied (``--nonfinite``, :mod:`dimuon.train.failures`); a run that stops early raises
+applied (``--nonfinite``, :mod:`dimuon.train.failures`: with the Muon family and ``skip`` it is decided on the device
+and the host waits for the device only at logging steps); a run that stops early raises
 :class:`~dimuon.train.failures.RunFailed` saying how to continue it.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -49,7 +51,15 @@ from dimuon.train.gen_eval import TrainingEvaluator
 from dimuon.train.logger import tensorboard_available
 from dimuon.train.plan import TrainPlan, resolve
 from dimuon.train.plots import plot_losses, plot_refreshes
-from dimuon.train.records import RunClock, RunLog, StepTimes, Window, train_record, validation_record
+from dimuon.train.records import (
+    RunClock,
+    RunLog,
+    StepTimes,
+    Window,
+    phase_seconds,
+    train_record,
+    validation_record,
+)
 from dimuon.train.rundir import check_free_space, check_run_dir, check_same_start, prepare_run_dir, start_of
 
 __all__ = ["Trainer", "train"]
@@ -170,7 +180,9 @@ class Trainer:
         self.model.to(env.device)
         all_gather_dtype = torch.bfloat16 if cfg.precision == "bf16" else None  # FSDP2's MixedPrecisionPolicy
         shared = shard_model(self.model, env, self.par, param_dtype=all_gather_dtype) if env.distributed else None
-        self.opt = plan.optimizer.build(self.model, process_group=shared)
+        self.opt = plan.optimizer.build(self.model, process_group=shared, nonfinite=cfg.nonfinite)
+        # The Muon family votes on the device: the harness's check rides on its vote (train_step).
+        self.device_vote = hasattr(type(self.opt), "last_step_taken")
         self.ema = EMA(self.model, cfg.ema_decay, warmup=cfg.ema_warmup)
         self.checkpoint_bytes = ckpt.checkpoint_bytes(self.model, self.ema)
         on_main(lambda: check_free_space(layout, self.checkpoint_bytes), env)
@@ -228,6 +240,7 @@ class Trainer:
                     self.checkpoint(done)
                 if stop_after is not None and done >= stop_after:
                     break
+            self.settle()
         except (RunFailed, ckpt.CheckpointWriteError, OSError) as e:
             raise RunFailed(str(e), self.how_to_continue()) from e
         finally:
@@ -239,12 +252,18 @@ class Trainer:
         return self.summary
 
     def train_step(self, step: int) -> None:
-        """One optimizer step on the batch of ``step``, timed part by part, then the EMA update."""
+        """One optimizer step on the batch of ``step``, timed part by part, then the EMA update.
+
+        With an optimizer that votes on the device (the Muon family) nothing here waits for the device: the loss
+        and gradient-norm check is folded into the gradients the optimizer votes on, its vote masks the step and
+        the EMA update, and the window keeps the vote, read at the next logging step (:meth:`settle`). Other
+        optimizers have their check read on the host before they step, every step.
+        """
         env, cfg = self.env, self.cfg
-        t0 = time.perf_counter()
+        timer = PhaseTimer(env.device)
         x1, y = get_batch(self.data.train_set, self.data.batches.indices(step))
         x1, y = x1.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        t_data = time.perf_counter()
+        timer.mark()
 
         # One lr for every group: the Muon family scales its matrix updates to AdamW's RMS itself.
         self.lr = self.plan.schedule.lr(step)
@@ -260,28 +279,47 @@ class Trainer:
                              timesteps=self.timesteps, generator=gen)
         loss.backward()
         grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
-        sync(env)
-        t_fb = time.perf_counter()
-        if not all_finite(loss, grad_norm, env):  # never applied, whatever the optimizer
+        timer.mark()
+        log_step = due(step + 1, cfg.log_interval, cfg.steps)
+        if not self.device_vote:
+            if not all_finite(loss, grad_norm, env):  # never applied, whatever the optimizer
+                self.opt.zero_grad(set_to_none=True)
+                self.nonfinite(step, loss, grad_norm)
+                self.window.skip(timer.finish(self.window, sync=log_step))
+                self.clock.active_s += timer.step_s
+                return
+            self.guard.passed()
+        else:
+            fold_into_gradients(self.model, finite_flag(loss, grad_norm))
+        try:
+            self.opt.step()
+        except FloatingPointError:  # --nonfinite raise: the optimizer's vote failed, nothing was applied
             self.opt.zero_grad(set_to_none=True)
-            self.nonfinite(step, loss, grad_norm, x1)
-            step_s = time.perf_counter() - t0
-            self.clock.active_s += step_s
-            self.window.skip(StepTimes(t_data - t0, t_fb - t_data, 0.0, step_s))
-            return
-        self.guard.passed()
-        self.opt.step()
-        sync(env)
-        t_opt = time.perf_counter()
+            self.nonfinite(step, loss, grad_norm)
+            raise
+        taken = self.opt.last_step_taken if self.device_vote and cfg.nonfinite == "skip" else None
+        timer.mark()
         self.opt.zero_grad(set_to_none=True)
-        self.ema.update(self.model)
+        self.ema.update(self.model, mask=taken)
+        times = timer.finish(self.window, sync=log_step)
+        self.clock.active_s += timer.step_s
+        if taken is None:
+            self.window.add(loss, grad_norm, times)
+        else:
+            self.window.add_voted(step, taken, loss, grad_norm, times)
 
-        step_s = time.perf_counter() - t0
-        self.clock.active_s += step_s
-        self.window.add(loss, grad_norm, StepTimes(t_data - t0, t_fb - t_data, t_opt - t_fb, step_s))
+    def settle(self) -> None:
+        """Read the votes of the steps since the last read (one host read) and account each skipped one: its
+        ``nonfinite`` record (``step`` the step it happened at, ``logged_at`` now), the count, ``--skip-limit``."""
+        for step, taken, loss, grad_norm in self.window.settle():
+            if taken:
+                self.guard.passed()
+            else:
+                self.nonfinite(step, loss, grad_norm)
 
-    def nonfinite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float, x1: torch.Tensor) -> None:
+    def nonfinite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float) -> None:
         """A step with a non-finite loss or gradient norm: log it, then skip it or stop (``--nonfinite``)."""
+        x1, _ = get_batch(self.data.train_set, self.data.batches.indices(step))  # the batch, read again
         bad = (~torch.isfinite(x1.flatten(1)).all(dim=1)).nonzero().flatten().tolist()
         items = self.data.batches.indices(step)
         mine = [describe_item(self.data.train_set, int(items[i])) for i in bad]
@@ -289,6 +327,8 @@ class Trainer:
         global_loss = torch.tensor(mean_over_ranks(loss.detach().float(), self.env))  # as every rank sees it
         record, message = self.guard.event(step + 1, self.cfg.steps, global_loss, grad_norm, bad_items,
                                            self.data.batches.global_batch_size)
+        if self.summary["step"] != step + 1:  # read at a later logging step
+            record["logged_at"] = self.summary["step"]
         self.record(record)
         self.summary["skipped_steps"] = self.guard.skipped
         if self.guard.stops():
@@ -306,6 +346,7 @@ class Trainer:
 
     def log_train(self, done: int) -> None:
         """The ``train`` record of the steps since the last one (and the optimizer's communication)."""
+        self.settle()
         by_dim = self.comm_stats(by_mesh_dim=True)  # read before optimizer_stats resets the counts
         rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.optimizer_stats("comm_stats"),
                            self.optimizer_stats("refresh_stats"))
@@ -359,6 +400,7 @@ class Trainer:
     def checkpoint(self, done: int) -> None:
         """Save the training state (every rank), keep the newest checkpoints, redraw the loss plots."""
         t = time.perf_counter()
+        self.settle()  # the count saved is every step's so far
         progress = {**self.clock.progress(), "skipped_steps": self.guard.skipped}
         path = ckpt.save_checkpoint(self.layout.root, done, model=self.model, optimizer=self.opt, ema=self.ema,
                                     progress=progress, meta=self.meta, env=self.env)
@@ -479,7 +521,54 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return clip_grad_norm_over_meshes(model.parameters(), max_norm)
 
 
-def sync(env: DistEnv) -> None:
-    """Wait for queued GPU work so that host timers measure it."""
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
+def finite_flag(loss: torch.Tensor, grad_norm: torch.Tensor | float) -> torch.Tensor:
+    """0-d bool on the device: this rank's loss and the global gradient norm are finite (no host read)."""
+    norm = torch.as_tensor(grad_norm, device=loss.device)
+    return torch.isfinite(loss.detach()).all() & torch.isfinite(norm).all()
+
+
+def fold_into_gradients(model: torch.nn.Module, ok: torch.Tensor) -> None:
+    """Let the optimizer's non-finite vote carry the harness's verdict ``ok``: ``where(ok, 0, nan)`` is added to
+    one entry of this rank's first non-empty local gradient (``x + 0 = x``), so a rank whose loss is not finite
+    fails the vote of every rank, without a host read or a collective of its own."""
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if local.numel() > 0:
+            local[(0,) * local.ndim].add_(torch.where(ok, 0.0, math.nan))
+            return
+
+
+class PhaseTimer:
+    """The phases of one step (data, forward and backward, optimizer): host clocks on a CPU; on a GPU, CUDA
+    events read at the next logging step, so no step but a logging one waits for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = [time.perf_counter()]
+        self.events = [self._event()] if self.cuda else []
+        self.step_s = 0.0
+
+    @staticmethod
+    def _event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            self.events.append(self._event())
+
+    def finish(self, window: Window, sync: bool) -> StepTimes:
+        """The step's times (``sync``: wait for the device first, at a logging step); on a GPU the phases are
+        handed to ``window`` as events and read there."""
+        if sync and self.cuda:
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        self.step_s = end - self.host[0]
+        if self.cuda:
+            window.add_events(self.events)
+            return StepTimes(0.0, 0.0, 0.0, self.step_s)
+        return StepTimes(*phase_seconds([b - a for a, b in itertools.pairwise(self.host)]), self.step_s)

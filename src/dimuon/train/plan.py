@@ -60,14 +60,18 @@ class OptimizerSpec:
     name: str
     kwargs: dict[str, Any]
 
-    def build(self, model: nn.Module, process_group: Any = None) -> torch.optim.Optimizer:
+    def build(self, model: nn.Module, process_group: Any = None, nonfinite: str | None = None
+              ) -> torch.optim.Optimizer:
         """The optimizer over ``model``; a combination it refuses (e.g. a one-process baseline on FSDP) names the flag.
 
         ``process_group``: the ranks that hold the parameters outside a tensor-parallel plan as plain tensors
-        (the Muon family splits their Newton-Schulz work over it; other optimizers need nothing).
+        (the Muon family splits their Newton-Schulz work over it; other optimizers need nothing). ``nonfinite``:
+        the policy, for the optimizers that take one (the Muon family votes on the device).
         """
-        takes = "process_group" in inspect.signature(OPTIMIZERS[self.name]).parameters
-        extra = {"process_group": process_group} if process_group is not None and takes else {}
+        takes = inspect.signature(OPTIMIZERS[self.name]).parameters
+        extra: dict[str, Any] = {"process_group": process_group} if process_group is not None and "process_group" in takes else {}
+        if nonfinite is not None and "nonfinite" in takes:
+            extra["nonfinite"] = nonfinite
         try:
             return build(self.name, model, **self.kwargs, **extra)
         except (NotImplementedError, ValueError) as e:  # a layout the optimizer refuses, named by it

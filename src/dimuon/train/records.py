@@ -7,6 +7,7 @@ between a kill and its resume); :class:`RunClock` keeps both.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,11 @@ class StepTimes:
     step_s: float
 
 
+def phase_seconds(spans: list[float]) -> tuple[float, float, float]:
+    """(data, forward and backward, optimizer) from the spans between a step's marks (a skipped step has two)."""
+    return spans[0], spans[1], spans[2] if len(spans) > 2 else 0.0
+
+
 @dataclass
 class Window:
     """Sums over the steps since the last training record (losses over the steps taken, times over all)."""
@@ -74,6 +80,8 @@ class Window:
     fwd_bwd_s: float = 0.0
     opt_s: float = 0.0
     step_s: float = 0.0
+    pending: list[Any] = field(default_factory=list)  # (step, vote, loss, grad_norm) of steps not yet read
+    events: list[Any] = field(default_factory=list)  # CUDA events of each step's phases, not yet read
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, times: StepTimes) -> None:
         """Account one step (the loss stays a tensor: no device sync per step)."""
@@ -81,6 +89,42 @@ class Window:
         self.loss = self.loss + loss.detach().float()
         self.grad_norm = self.grad_norm + grad_norm
         self.add_times(times)
+
+    def add_voted(self, step: int, taken: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | float,
+                  times: StepTimes) -> None:
+        """Account a step the optimizer took or skipped on the device (``taken``, its vote, unread): the loss and
+        gradient norm summed where it was taken; which it was is read by :meth:`settle`."""
+        self.pending.append((step, taken, loss.detach(), grad_norm))
+        self.loss = self.loss + torch.where(taken, loss.detach().float(), 0.0)
+        self.grad_norm = self.grad_norm + torch.where(taken, torch.as_tensor(grad_norm, device=taken.device), 0.0)
+        self.add_times(times)
+
+    def settle(self) -> list[tuple[int, bool, torch.Tensor, torch.Tensor | float]]:
+        """The pending steps as ``(step, taken, loss, grad_norm)``, their votes read at once (one host read),
+        now counted as taken or skipped."""
+        if not self.pending:
+            return []
+        flags = torch.stack([taken for _, taken, _, _ in self.pending]).tolist()
+        out = [(step, bool(flag), loss, norm) for (step, _, loss, norm), flag in zip(self.pending, flags)]
+        self.pending = []
+        self.steps += sum(flags)
+        self.skipped += len(flags) - sum(flags)
+        return out
+
+    def add_events(self, events: list[Any]) -> None:
+        """A step's CUDA events (its start, then one per phase), read when the times are asked for."""
+        self.events.append(events)
+
+    def read_events(self) -> None:
+        """The phases of the steps timed by CUDA events, added to the sums (waits for the last)."""
+        for events in self.events:
+            events[-1].synchronize()
+            spans = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
+            data, fwd_bwd, opt = phase_seconds(spans)
+            self.data_s += data
+            self.fwd_bwd_s += fwd_bwd
+            self.opt_s += opt
+        self.events = []
 
     def skip(self, times: StepTimes) -> None:
         """Account a skipped step: its time, not its (non-finite) loss."""
@@ -99,6 +143,7 @@ def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, e
     """The ``train`` record of a window: mean loss over its steps taken and the ranks (None if every step was
     skipped), the skipped steps, timing split over all steps, communication, and (``refresh``: the optimizer's
     ``refresh_stats()`` over the window) the share of spectral steps."""
+    window.read_events()
     taken, n = window.steps, window.steps + window.skipped
     loss = torch.as_tensor(window.loss, dtype=torch.float32, device=env.device) / max(taken, 1)
     rec: dict[str, Any] = {

@@ -31,6 +31,7 @@ PartialSums = Callable[[Sequence["MatrixJob"], Sequence[Sequence["RowRange | Non
 # Spectral-step strategies of the sharded engine (docs/algorithms.md, "Sharded execution").
 Refresh = Literal["gather", "owner"]
 REFRESH_STRATEGIES: tuple[str, ...] = get_args(Refresh)
+DEFAULT_REFRESH: Refresh = "owner"  # 2/W of gather's bytes and no repeated Newton-Schulz at every W >= 2
 
 # How the replicas of a sharded matrix (mesh dimensions that replicate it, e.g. HSDP's) share its refresh:
 # every replica repeats it, or each matrix goes to one replica and the refreshed pieces are broadcast.
@@ -108,8 +109,9 @@ class DirectionEngine(Protocol):
         once; the same result on every process, with one collective at most (every process must call it)."""
         ...
 
-    def all_true(self, flag: Tensor) -> bool:
-        """Whether ``flag`` (a 0-d bool tensor) is true on every process (every process must call it)."""
+    def all_true(self, flag: Tensor) -> Tensor:
+        """``flag`` (a 0-d bool tensor) AND-ed over every process, as a 0-d bool tensor on ``flag``'s device:
+        no host read (every process must call it)."""
         ...
 
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
@@ -120,7 +122,8 @@ class DirectionEngine(Protocol):
 
 
 def read_flag(flag: Tensor) -> bool:
-    """The host reads a 0-d flag (one device-to-host copy): the only data-dependent read of a step."""
+    """The host reads a 0-d flag (one device-to-host copy, which waits for the device's queue): with
+    ``nonfinite="raise"`` the vote's, the step's only read of it."""
     return bool(flag)
 
 
@@ -257,8 +260,8 @@ def map_regions(job: MatrixJob, kind: StepKind) -> list[Region]:
 class LocalEngine:
     """Single-process engine: every job holds its whole matrix; no communication."""
 
-    def all_true(self, flag: Tensor) -> bool:
-        return read_flag(flag)
+    def all_true(self, flag: Tensor) -> Tensor:
+        return flag
 
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
         return {}

@@ -36,7 +36,7 @@ flattened) issues the same sequence, empty pieces included.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,7 @@ from torch import Tensor
 from dimuon.optim.distributed.collectives import Collectives, CommCounter
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
+    DEFAULT_REFRESH,
     REFRESH_STRATEGIES,
     REPLICA_REFRESH_STRATEGIES,
     LocalEngine,
@@ -55,7 +56,6 @@ from dimuon.optim.distributed.engine import (
     RowRange,
     apply_map_batched,
     map_regions,
-    read_flag,
     stacked_ranges,
 )
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
@@ -80,6 +80,17 @@ class _Placement:
 Placed = tuple[MatrixJob, _Placement]
 
 
+@dataclass(frozen=True)
+class _OwnerBucket:
+    """One exchange each way of the owner refresh: matrices of one class, owner by owner."""
+
+    comm: Collectives  # the shard group
+    jobs: tuple[int, ...]  # the matrices (indices of the placed jobs), grouped by owner in group-rank order
+    owners: tuple[int, ...]  # each matrix's owner (group rank)
+    pad: int  # the slot of every piece: the class's largest piece
+    dtype: torch.dtype  # the payload dtype
+
+
 def mesh_dim_label(mesh, dims: Sequence[int]) -> str:
     """A mesh dimension's name (``mesh_dim<i>`` when unnamed); names joined by ``+`` for several."""
     names = mesh.mesh_dim_names
@@ -88,17 +99,30 @@ def mesh_dim_label(mesh, dims: Sequence[int]) -> str:
 
 def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | None
                 ) -> list[tuple[dist.ProcessGroup, str]]:
-    """Every process group the ranks sharing these parameters span, with its label: each mesh dimension of
-    each DTensor's mesh, and ``process_group``; the non-finite vote runs over all of them (in this order
-    on every rank), which covers every rank of every mesh."""
+    """The process groups the non-finite vote runs over, with their labels, in the same order on every rank.
+
+    Where the ranks of the parameters' meshes (and of ``process_group``) are together the whole default group,
+    one all-reduce over that group: every rank of the world steps this optimizer, so its one vote is the
+    AND of them all. Otherwise (the parameters live on some of the world's ranks, e.g. one pipeline stage's),
+    the world's other ranks never call the vote: then every mesh dimension of each DTensor's mesh and
+    ``process_group``, one after the other, whose chain covers every rank of every mesh.
+    """
     groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
+    ranks: set[int] = set()
     for p in params:
         if is_dtensor(p):
-            for dim in range(p.device_mesh.ndim):
-                group = p.device_mesh.get_group(dim)
-                groups.setdefault(id(group), (group, mesh_dim_label(p.device_mesh, (dim,))))
+            mesh = p.device_mesh
+            ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+            for dim in range(mesh.ndim):
+                group = mesh.get_group(dim)
+                groups.setdefault(id(group), (group, mesh_dim_label(mesh, (dim,))))
     if process_group is not None:
+        ranks.update(dist.get_process_group_ranks(process_group))
         groups.setdefault(id(process_group), (process_group, "process_group"))
+    world = dist.group.WORLD
+    if groups and world is not None and ranks == set(range(dist.get_world_size())):
+        # The world's own label where it is one of the groups (a 1-D mesh over every rank), else "world".
+        return [groups.get(id(world), (world, "world"))]
     return list(groups.values())
 
 
@@ -108,16 +132,40 @@ def _ns_cost(rows: int, cols: int) -> float:
     return 5.0 * (2.0 * r * r * c + r**3)
 
 
-def assign_owners(shapes: Sequence[tuple[int, int]], world: int) -> list[int]:
-    """Owner rank per matrix, greedy longest-processing-time by FLOPs (deterministic on all ranks)."""
+def assign_owners(shapes: Sequence[tuple[int, int]], world: int, classes: Sequence[Hashable] | None = None
+                  ) -> list[int]:
+    """Owner rank per matrix, balanced by Newton-Schulz FLOPs and the same on every rank: the matrices of each class
+    (default: one shape; of one cost) taken ``world`` at a time, the costliest class first, each chunk's matrices
+    to as many of the least-loaded ranks, one each. A class of ``n`` matrices then has at most ``ceil(n / world)``
+    on any rank, the fewest owner-refresh buckets it can take, and the load stays within one matrix of even."""
+    keys = list(classes) if classes is not None else [tuple(s) for s in shapes]
+    members: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
     load = [0.0] * world
     owners = [0] * len(shapes)
-    order = sorted(range(len(shapes)), key=lambda i: (-_ns_cost(*shapes[i]), i))
-    for i in order:
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += _ns_cost(*shapes[i])
+    for idx in sorted(members.values(), key=lambda idx: (-max(_ns_cost(*shapes[i]) for i in idx), idx[0])):
+        for start in range(0, len(idx), world):
+            chunk = idx[start : start + world]
+            for i, rank in zip(chunk, sorted(range(world), key=lambda r: (load[r], r))):
+                owners[i] = rank
+                load[rank] += _ns_cost(*shapes[i])
     return owners
+
+
+def owner_buckets(jobs: Sequence[int], owners: Sequence[int], per_owner: int) -> list[list[int]]:
+    """The owner refresh's buckets of one class of matrices (one shape and layout): the ``t``-th matrix of every
+    owner goes to bucket ``t // per_owner``, so a bucket holds at most ``per_owner`` matrices of each owner and
+    every owner that has matrices left; within a bucket, owner by owner (the order its exchanges carry them)."""
+    seen: dict[int, int] = {}
+    buckets: list[list[tuple[int, int]]] = []
+    for job, owner in zip(jobs, owners):
+        b = seen.get(owner, 0) // per_owner
+        seen[owner] = seen.get(owner, 0) + 1
+        if b == len(buckets):
+            buckets.append([])
+        buckets[b].append((owner, job))
+    return [[job for _, job in sorted(bucket, key=lambda oj: oj[0])] for bucket in buckets]
 
 
 def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -155,7 +203,7 @@ class ShardedEngine:
 
     def __init__(
         self,
-        refresh: str = "gather",
+        refresh: str = DEFAULT_REFRESH,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -178,8 +226,11 @@ class ShardedEngine:
         self._flat_meshes: dict[int, object] = {}
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
         self._assembly: dict[tuple, Tensor] = {}  # (rows, cols, pad, members, device) -> gather index
+        self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
         self._local = LocalEngine()
-        self._voters = [self._collectives(g, label) for g, label in vote_groups(params, process_group)]
+        # The vote's own counted collectives: where it runs over the world, the world group may also be a flattened
+        # mesh's (FSDP x TP over every rank), whose collectives keep their mesh label.
+        self._voters = [Collectives(g, self.counter, label) for g, label in vote_groups(params, process_group)]
 
     # ----------------------------------------------------------------- bookkeeping
     def comm_stats(self, by_mesh_dim: bool = False) -> dict:
@@ -205,10 +256,10 @@ class ShardedEngine:
             flat = self._flat_meshes[id(mesh)] = mesh._flatten()
         return self._collectives(flat.get_group(0), mesh_dim_label(mesh, dims))
 
-    def all_true(self, flag: Tensor) -> bool:
-        for comm in self._voters:
+    def all_true(self, flag: Tensor) -> Tensor:
+        for comm in self._voters:  # one 4-byte all-reduce where the world is covered (vote_groups)
             flag = comm.all_true(flag)
-        return read_flag(flag)
+        return flag
 
     # ----------------------------------------------------------------- placements
     def _placement(self, job: MatrixJob) -> _Placement:
@@ -381,14 +432,17 @@ class ShardedEngine:
             out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
         return out
 
-    def _full(self, job: MatrixJob, plc: _Placement, table: Tensor) -> Tensor:
+    def _full(self, job: MatrixJob, plc: _Placement, table: Tensor, keep_dtype: bool = False) -> Tensor:
         """The whole matrix from the gathered pieces: ``table`` row ``g`` holds group rank ``g``'s piece. Layouts
         that are not consecutive row blocks (strided, column-split) are assembled by one gather through an index
-        precomputed per layout, not one slice copy per piece."""
+        precomputed per layout, not one slice copy per piece. In the momentum's dtype, or with ``keep_dtype`` in
+        the payload's (Newton-Schulz casts to its own first: the same values without the round trip)."""
         if plc.row_major:  # consecutive row blocks: the gathered buffer already is the padded matrix
-            return table.reshape(-1, job.cols)[: job.rows].to(job.update.dtype)
-        index = self._assembly_index(job, plc, table.device)
-        return table.reshape(-1).index_select(0, index).view(job.rows, job.cols).to(job.update.dtype)
+            full = table.reshape(-1, job.cols)[: job.rows]
+        else:
+            index = self._assembly_index(job, plc, table.device)
+            full = table.reshape(-1).index_select(0, index).view(job.rows, job.cols)
+        return full if keep_dtype else full.to(job.update.dtype)
 
     def _assembly_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
         """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
@@ -446,68 +500,107 @@ class ShardedEngine:
                 placed[i][1].mine.write(outs[i], d, a, bnd, c, e)
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
-    def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
-        """Pieces go to each matrix's owner (all-to-all), the owner orthogonalizes, pieces come back."""
-        owner: dict[int, int] = {}
+    def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
+        """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
+        on every rank: shapes, placements and the group ranks decide)."""
+        key = tuple((id(job.meta.get("param")), job.rows, job.cols, job.splits, job.col_splits,
+                     self._payload_dtype(job, config)) for job, _ in placed)
+        plan = self._owner_plans.get(key)
+        if plan is None:
+            plan = self._owner_plans[key] = self._make_owner_plan(placed, config)
+        return plan
+
+    def _make_owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
+        """Per shard group: owners by Newton-Schulz FLOPs over all its matrices, then the matrices of each class
+        (one shape, layout and payload dtype) cut into buckets holding at most ``per_owner`` matrices of each
+        owner, ``per_owner`` as many full matrices as fit the bucket size on the owner (at least one)."""
+        plan = []
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            owner.update(zip(idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)))
-        buckets = self._buckets(placed, config)
+            keys = {}
+            for i in idx:
+                job, plc = placed[i]
+                keys[i] = (job.rows, job.cols, plc.members, plc.pad, job.update.dtype, self._payload_dtype(job, config),
+                           job.update.device)
+            shapes = [(placed[i][0].rows, placed[i][0].cols) for i in idx]
+            owners = dict(zip(idx, assign_owners(shapes, comm.world, [keys[i] for i in idx])))
+            classes: dict[tuple, list[int]] = {}
+            for i in idx:
+                classes.setdefault(keys[i], []).append(i)
+            for key, members in classes.items():
+                pad, itemsize = key[3], key[5].itemsize
+                per_owner = max(1, self.bucket_bytes // max(1, comm.world * pad * itemsize))
+                for bucket in owner_buckets(members, [owners[i] for i in members], per_owner):
+                    plan.append(_OwnerBucket(comm, tuple(bucket), tuple(owners[i] for i in bucket), pad, key[5]))
+        return plan
+
+    def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Each matrix to its owner and back: per bucket one all-to-all there (every rank's pieces of the
+        bucket's matrices, each in a slot of the class's largest piece) and one back, the forward exchange of
+        bucket ``b+1`` in flight while Newton-Schulz runs on bucket ``b``'s matrices, every owner orthogonalizing
+        its matrices of the bucket in one batch."""
+        plan = self._owner_plan(placed, config)
         outs: list[Tensor | None] = [None] * len(placed)
 
-        def launch(bucket: tuple[Collectives, list[int]]):
-            comm, idx = bucket
-            job0 = placed[idx[0]][0]
-            parts = [[placed[i][0].update.reshape(-1) for i in idx if owner[i] == dst] for dst in range(comm.world)]
-            out_splits = [sum(placed[i][1].members[src].numel for i in idx if owner[i] == comm.rank)
-                          for src in range(comm.world)]
-            return _exchange(comm, parts, out_splits, self._payload_dtype(job0, config), job0.update.device)
+        def launch(bucket: _OwnerBucket):
+            comm, pad = bucket.comm, bucket.pad
+            pieces = [placed[i][0].update.reshape(-1) for i in bucket.jobs]
+            full_slots = all(p.numel() == pad for p in pieces)
+            send = (torch.empty if full_slots else torch.zeros)(len(pieces) * pad, dtype=bucket.dtype,
+                                                               device=pieces[0].device)
+            filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
+            if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
+                torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
+            counts = [bucket.owners.count(r) for r in range(comm.world)]
+            recv = send.new_empty(comm.world * counts[comm.rank] * pad)
+            work = comm.all_to_all(recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts],
+                                   async_op=True)
+            return recv, counts, work
 
         returns = []
-        pending = launch(buckets[0]) if buckets else None
-        for b, (comm, idx) in enumerate(buckets):
-            recv, out_splits, work = pending
-            if b + 1 < len(buckets):
-                pending = launch(buckets[b + 1])
+        pending = launch(plan[0]) if plan else None
+        for b, bucket in enumerate(plan):
+            recv, counts, work = pending
+            if b + 1 < len(plan):
+                pending = launch(plan[b + 1])
             work.wait()
-            owned = [i for i in idx if owner[i] == comm.rank]
-            fulls = {i: recv.new_empty((placed[i][0].rows, placed[i][0].cols), dtype=placed[i][0].update.dtype)
-                     for i in owned}
-            for src, segment in enumerate(recv.split(out_splits)):  # source rank order, then job order
-                cursor = 0
-                for i in owned:
-                    member = placed[i][1].members[src]
-                    member.place(fulls[i], segment[cursor : cursor + member.numel].view(member.shape))
-                    cursor += member.numel
-            pieces, where = [], []
-            for i in owned:
-                for a, bnd, c, e in placed[i][0].regions():
-                    pieces.append(fulls[i][a:bnd, c:e])
-                    where.append((i, a, bnd, c, e))
-            # Directions go back as Newton-Schulz left them (its dtype, unscaled) where every matrix of the
-            # bucket has one lr scale, which the receiver applies as the owner would have: same values.
-            job0 = placed[idx[0]][0]
-            back_dtype, scales = self._return_dtype(placed, idx, config)
+            comm, pad = bucket.comm, bucket.pad
+            owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == comm.rank]
+            back_dtype, scales = self._return_dtype(placed, bucket.jobs, config)
             unscaled = scales is not None
-            dirs = {i: torch.empty_like(fulls[i], dtype=back_dtype if unscaled else _wide(placed[i][0].update))
-                    for i in owned}
-            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config,
-                                                                     scaled=not unscaled)):
+            # The directions are written straight into the (matrices, W * pad) buffer they travel back in.
+            back = torch.empty((len(owned), comm.world * pad), device=recv.device, dtype=back_dtype)
+            table = recv.view(comm.world, len(owned), pad)  # [source rank, owned matrix, slot]
+            pieces, where, dirs = [], [], {}
+            for t, i in enumerate(owned):
+                job, plc = placed[i]
+                full = self._full(job, plc, table[:, t], keep_dtype=True)
+                dirs[i] = (back[t, : job.rows * job.cols].view(job.rows, job.cols) if plc.row_major
+                           else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device))
+                for a, bnd, c, e in job.regions():
+                    pieces.append(full[a:bnd, c:e])
+                    where.append((i, a, bnd, c, e))
+            maps = apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=not unscaled)
+            for (i, a, bnd, c, e), d in zip(where, maps):
                 dirs[i][a:bnd, c:e] = d
-            parts = [[placed[i][1].members[dst].take(dirs[i]).reshape(-1) for i in owned] for dst in range(comm.world)]
-            back_splits = [sum(placed[i][1].mine.numel for i in idx if owner[i] == src) for src in range(comm.world)]
-            recv_back, _, work_back = _exchange(comm, parts, back_splits, back_dtype, job0.update.device)
-            returns.append((idx, recv_back, back_splits, work_back, scales))
-        for idx, recv_back, back_splits, work, scales in returns:
+            for t, i in enumerate(owned):  # other layouts: every member's piece to its slot, one scatter
+                if not placed[i][1].row_major:
+                    index = self._assembly_index(placed[i][0], placed[i][1], back.device)
+                    back[t].index_put_((index,), dirs[i].reshape(-1))
+            # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
+            send_back = back.view(len(owned), comm.world, pad).transpose(0, 1).reshape(-1)
+            recv_back = send_back.new_empty(len(bucket.jobs) * pad)
+            work_back = comm.all_to_all(recv_back, send_back, [c * pad for c in counts],
+                                        [len(owned) * pad] * comm.world, async_op=True)
+            returns.append((bucket, recv_back, work_back, scales))
+        for bucket, recv_back, work, scales in returns:
             work.wait()
-            for src, segment in enumerate(recv_back.split(back_splits)):
-                cursor = 0
-                for i in (i for i in idx if owner[i] == src):
-                    job = placed[i][0]
-                    n = job.update.numel()
-                    outs[i] = segment[cursor : cursor + n].view(job.update.shape).to(_wide(job.update))
-                    if scales is not None:
-                        outs[i].mul_(scales[i])
-                    cursor += n
+            # Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each.
+            for t, i in enumerate(bucket.jobs):
+                job = placed[i][0]
+                n = job.update.numel()
+                outs[i] = recv_back[t * bucket.pad : t * bucket.pad + n].view(job.update.shape).to(_wide(job.update))
+                if scales is not None:
+                    outs[i].mul_(scales[i])
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
     def _return_dtype(self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
