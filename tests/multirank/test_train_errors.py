@@ -61,5 +61,5 @@ def test_bad_data_non_finite_steps_and_resumed_options_on_two_ranks(tmp_path: Pa
     fork["optim"] = OptimOptions(**fork["optim"])
     for options in run_gloo(sc.resumed_options, 2, fork):
         assert options["k"] == {7} and options["gamma"] == {0.5} and options["weight_decay"] == {0.1}
-        assert options["steps"] == {3}  # the saved counters continue: the skipped step was not taken
-        assert options["ema"] == (0.5, False, 3)
+        assert options["steps"] == {4}  # the saved counters continue: the skipped step took its schedule slot
+        assert options["ema"] == (0.5, False, 4)  # its counter too (its values were masked)
