@@ -65,6 +65,7 @@ from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_p
 from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, StepKind, build, param_groups
 from dimuon.optim import core as core_module
+from dimuon.optim.core import local_tensor
 from dimuon.optim.distributed import engine as engine_module
 from dimuon.optim.distributed import sharded as sharded_module
 from dimuon.optim.distributed.engine import col_split_sizes_to_ranges, split_sizes_to_ranges
@@ -534,12 +535,8 @@ def build_job_model(cfg: Config, job: Job, materialize: bool = True) -> tuple[nn
         model.to_empty(device="cpu")
         with torch.no_grad():
             for p in model.parameters():
-                _local(p).zero_()
+                local_tensor(p).zero_()
     return model, mesh, group
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def set_gradients(model: nn.Module, job: Job, seed: int) -> None:
@@ -553,7 +550,7 @@ def set_gradients(model: nn.Module, job: Job, seed: int) -> None:
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
-        local = torch.full(_local(p).shape, 1e-2, dtype=p.dtype, device=_local(p).device)
+        local = torch.full(local_tensor(p).shape, 1e-2, dtype=p.dtype, device=local_tensor(p).device)
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                     run_check=False) if hasattr(p, "device_mesh") else local
 
@@ -702,7 +699,8 @@ def trace_job(cfg: Config, job: Job, counter: CallCounter, mode: NsMode,
     muon = [p for g in param_groups(model) if g["algorithm"] == "muon" for _, p in g["params"]]
     shapes = {(p.shape[0], math.prod(p.shape[1:])) for p in muon}
     info = {"muon_params": len(muon), "muon_shapes": len(shapes), "params": sum(p.numel() for p in model.parameters()),
-            "model_ns_flops": model_ns_flops(model), "local_numel": sum(_local(p).numel() for p in model.parameters()),
+            "model_ns_flops": model_ns_flops(model),
+            "local_numel": sum(local_tensor(p).numel() for p in model.parameters()),
             "first_step_setup_s": setup_s}
     del model, snapshot, engines
     gc.collect()
@@ -720,7 +718,7 @@ def _meta_state(opt: Any) -> None:
             continue
         for p in group["params"]:
             state = opt.state[p]
-            if not _local(p).is_meta or "momentum_buffer" in state:
+            if not local_tensor(p).is_meta or "momentum_buffer" in state:
                 continue
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
             if opt.schedule.per_matrix:

@@ -895,9 +895,7 @@ class MuonFamily(torch.optim.Optimizer):
         if wd != 0 and weights:
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
             if mask is not None:
-                keep = torch.ones((), dtype=torch.float64, device=mask.device)
-                decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64).to(mask.device)
-                                    if isinstance(decay, Tensor) else torch.full_like(keep, decay), keep)
+                decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
             torch._foreach_mul_(weights, decay)
         for kind, chosen in chosen_by_kind.items():
             ws = [weights[i] for i in chosen]

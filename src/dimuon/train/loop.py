@@ -34,6 +34,7 @@ from dimuon.dit import EMA, TimestepDist, flow_loss, sample
 from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.dit.parallel import clip_grad_norm as clip_grad_norm_over_meshes
 from dimuon.io import read_jsonl, save_grid
+from dimuon.optim.core import local_tensor
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import ConfigError, TrainConfig, check_patch_size
 from dimuon.train.distributed import (
@@ -534,7 +535,7 @@ def fold_into_gradients(model: torch.nn.Module, ok: torch.Tensor) -> None:
     for p in model.parameters():
         if p.grad is None:
             continue
-        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        local = local_tensor(p.grad)
         if local.numel() > 0:
             local[(0,) * local.ndim].add_(torch.where(ok, 0.0, math.nan))
             return

@@ -109,9 +109,11 @@ def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | Non
     """
     groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
     ranks: set[int] = set()
+    meshes: set[int] = set()
     for p in params:
-        if is_dtensor(p):
+        if is_dtensor(p) and id(p.device_mesh) not in meshes:  # each mesh once: a model has one or two
             mesh = p.device_mesh
+            meshes.add(id(mesh))
             ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
@@ -157,7 +159,7 @@ def owner_buckets(jobs: Sequence[int], owners: Sequence[int], per_owner: int) ->
     """The owner refresh's buckets of one class of matrices (one shape and layout): the ``t``-th matrix of every
     owner goes to bucket ``t // per_owner``, so a bucket holds at most ``per_owner`` matrices of each owner and
     every owner that has matrices left; within a bucket, owner by owner (the order its exchanges carry them)."""
-    seen: dict[int, int] = {}
+    seen: dict[int, int] = {}  # matrices of each owner so far
     buckets: list[list[tuple[int, int]]] = []
     for job, owner in zip(jobs, owners):
         b = seen.get(owner, 0) // per_owner
@@ -756,18 +758,6 @@ def _row_major(members: Sequence[Piece], cols: int, pad: int) -> bool:
         if len(m.rows) > 1 or (m.rows and m.rows[0].start != g * chunk):
             return False
     return True
-
-
-def _exchange(
-    comm: Collectives, parts_by_dst: Sequence[Sequence[Tensor]], out_splits: list[int], dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[Tensor, list[int], object]:
-    """Async flat all-to-all of per-destination tensor lists; ``out_splits`` counts what each source sends."""
-    in_splits = [sum(t.numel() for t in parts) for parts in parts_by_dst]
-    flat = [t for parts in parts_by_dst for t in parts]
-    send = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype, device=device)
-    recv = send.new_empty(sum(out_splits))
-    return recv, out_splits, comm.all_to_all(recv, send, out_splits, in_splits, async_op=True)
 
 
 def _wide(t: Tensor) -> torch.dtype:
