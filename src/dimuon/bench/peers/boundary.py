@@ -123,20 +123,28 @@ def _c10d_peer(group: Any, global_rank: int | None, group_rank: int | None) -> i
     return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
-def _funcol_geometry(group: Any) -> tuple[int, int]:
-    """(W, this rank's index) of a functional-collective group: a process group, its name, a 1-D mesh,
-    ``(mesh, dim)`` or a list of global ranks."""
+def _resolve_group(group: Any) -> Any:
+    """A collective's group as a process group (None: the default one), from any form the two APIs take: a
+    process group, its name, a 1-D mesh or ``(mesh, dim)``; a list of global ranks (or rows of them) is returned
+    as it is."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        group = group[0].get_group(group[1])
-    elif isinstance(group, DeviceMesh):
-        group = group.get_group()
-    elif isinstance(group, str):
+        return group[0].get_group(group[1])
+    if isinstance(group, DeviceMesh):
+        return group.get_group()
+    if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        group = _resolve_process_group(group)
-    elif isinstance(group, list):  # global ranks, or rows of them (this rank's row is its group)
+        return _resolve_process_group(group)
+    return group
+
+
+def _funcol_geometry(group: Any) -> tuple[int, int]:
+    """(W, this rank's index) of a functional-collective group: a process group, its name, a 1-D mesh,
+    ``(mesh, dim)`` or a list of global ranks."""
+    group = _resolve_group(group)
+    if isinstance(group, list):  # global ranks, or rows of them (this rank's row is its group)
         mine = dist.get_rank()
         row = next(r for r in group if mine in r) if isinstance(group[0], list) else group
         return len(row), row.index(mine)
@@ -157,17 +165,8 @@ def _others(tensors: Sequence[Tensor] | None, rank: int) -> int:
 
 def _group_name(group: Any) -> tuple[str, int]:
     """(``group_name``, size) of a collective's group in any form the two APIs take (None: the default group)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        group = group[0].get_group(group[1])
-    elif isinstance(group, DeviceMesh):
-        group = group.get_group()
-    elif isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group)
-    elif isinstance(group, list):
+    group = _resolve_group(group)
+    if isinstance(group, list):
         world, _ = _funcol_geometry(group)
         return f"ranks{group}", world
     group = dist.group.WORLD if group is None else group
