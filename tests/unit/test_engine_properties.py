@@ -4,7 +4,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dimuon.optim.distributed.engine import LocalEngine, MapConfig, MatrixJob, chunk_ranges
+from dimuon.optim.distributed.engine import (
+    LocalEngine,
+    MapConfig,
+    MatrixJob,
+    RowScaled,
+    chunk_ranges,
+    col_split_sizes_to_ranges,
+    materialize,
+    split_sizes_to_ranges,
+)
 from dimuon.optim.reference import reference_direction
 from dimuon.optim.schedules import StepKind
 
@@ -37,3 +46,32 @@ def test_chunk_ranges_are_torch_chunk(start, length, chunks):
     rows = torch.arange(start, start + length)
     expect = [(int(c[0]), int(c[-1]) + 1) for c in torch.chunk(rows, chunks)] if length else []
     assert chunk_ranges(start, start + length, chunks) == expect
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(min_value=2, max_value=24),
+    cols=st.integers(min_value=2, max_value=24),
+    row_chunks=st.integers(min_value=1, max_value=3),
+    col_chunks=st.integers(min_value=1, max_value=3),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_row_directions_fold_the_factor_where_one_covers_the_matrix(rows, cols, row_chunks, col_chunks, seed):
+    """Every chunk is RowNormed as its own matrix (with its own shape scale); the direction stays ``U * f`` with one
+    factor exactly where the chunks tile by whole oriented rows, and is written out (the same values) otherwise."""
+    rows, cols = rows * row_chunks, cols * col_chunks  # chunks that divide the sides
+    u = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    splits = split_sizes_to_ranges(rows, row_chunks, "w")
+    col_splits = col_split_sizes_to_ranges(cols, col_chunks, "w")
+    job = MatrixJob(name="w", update=u, rows=rows, cols=cols, splits=splits, col_splits=col_splits)
+    config = MapConfig(lr_scale="match_rms_adamw")
+    (got,) = LocalEngine().row_directions([job], config)
+    expect = torch.empty_like(u)
+    for r0, r1, c0, c1 in job.regions():
+        expect[r0:r1, c0:c1] = reference_direction(u[r0:r1, c0:c1], StepKind.ROWNORM, "match_rms_adamw")
+    orientations = {r1 - r0 <= c1 - c0 for r0, r1, c0, c1 in job.regions()}
+    folds = (orientations == {True} and col_chunks == 1) or (orientations == {False} and row_chunks == 1)
+    assert isinstance(got, RowScaled) == folds
+    if folds:
+        assert got.update is u and got.factor.shape in ((rows, 1), (1, cols))
+    torch.testing.assert_close(materialize(got), expect, rtol=1e-5, atol=1e-6)

@@ -123,3 +123,26 @@ def test_bad_arguments(kwargs, match):
 def test_default_dtype_is_fp32_on_cpu():
     assert linalg.default_ns_dtype(torch.device("cpu")) == torch.float32
     assert linalg.newton_schulz(torch.randn(4, 8, dtype=torch.float64)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(70, 9), (3, 70, 9), (9, 70), (3, 9, 70)])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_square_sums_in_row_chunks_match_one_reduction(shape, dim, monkeypatch):
+    """The CPU's chunked squares (chunks of 64 elements here, uneven at the end) sum what one reduction sums."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    whole = x.square().sum(dim=dim, keepdim=True)
+    monkeypatch.setattr(linalg, "_CPU_SQUARE_CHUNK", 64)
+    chunked = linalg.square_sums(x, dim)
+    assert chunked.shape == whole.shape
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(6, 9), (9, 6), (2, 6, 9), (2, 9, 6), (5, 5)])
+def test_row_factors_times_the_matrix_is_row_normalize(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    f = linalg.row_factors(x, scale=0.3)
+    assert f.dtype == torch.float32
+    assert f.shape[-1] == 1 if shape[-2] <= shape[-1] else f.shape[-2] == 1  # row factors, or column factors
+    torch.testing.assert_close(x * f, linalg.row_normalize(x, scale=0.3))
+    oriented = (x.float() * f).norm(dim=-1 if shape[-2] <= shape[-1] else -2)
+    torch.testing.assert_close(oriented, torch.full_like(oriented, 0.3))

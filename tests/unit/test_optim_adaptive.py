@@ -190,6 +190,10 @@ class RecordingEngine(LocalEngine):
         self.calls.append((kind.value, [j.name for j in jobs]))
         return super().directions(jobs, kind, config)
 
+    def row_directions(self, jobs, config):
+        self.calls.append(("rownorm", [j.name for j in jobs]))
+        return super().row_directions(jobs, config)
+
     def matrix_sums(self, jobs, partial_sums):
         self.calls.append(("sums", [j.name for j in jobs]))
         return super().matrix_sums(jobs, partial_sums)

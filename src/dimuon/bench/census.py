@@ -10,7 +10,9 @@ for one step of every optimizer configuration on every layout the census records
   ``float(t)``) seen by a ``TorchDispatchMode``, and calls of ``Tensor.tolist``, ``Tensor.cpu`` and
   ``Tensor.numpy`` (patched on the class for the step: a CPU ``tolist`` does not dispatch), each with where
   it was called from;
-- dispatched ops (a proxy for kernel launches) outside Newton-Schulz; ``c10d`` ops apart;
+- dispatched ops that compute (a proxy for kernel launches; views, which only make metadata, apart) outside
+  Newton-Schulz, in the accelerator's form of the step (:mod:`dimuon.optim.devices`: list ops where the CPU's
+  form takes one op per tensor); ``c10d`` ops apart;
 - Newton-Schulz FLOPs per rank (exact, from :func:`dimuon.optim.linalg.newton_schulz_products` for every batch
   the engine orthogonalizes), as max over ranks / mean over ranks (the load balance of the refresh) and the sum
   over ranks against one refresh of every matrix (the duplicated work);
@@ -65,6 +67,7 @@ from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_p
 from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, StepKind, build, param_groups
 from dimuon.optim import core as core_module
+from dimuon.optim import devices as devices_module
 from dimuon.optim.core import local_tensor
 from dimuon.optim.distributed import engine as engine_module
 from dimuon.optim.distributed import sharded as sharded_module
@@ -325,6 +328,7 @@ class Tally:
     """What one rank did in one step (filled by :func:`tracing`)."""
 
     ops: int = 0
+    views: int = 0
     ns_ops: int = 0
     c10d_ops: int = 0
     inside_ns: int = 0
@@ -343,7 +347,7 @@ class Tally:
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts every dispatched op (inside and outside Newton-Schulz apart) and ``_local_scalar_dense``."""
+    """Counts every dispatched op (inside and outside Newton-Schulz apart, views apart) and ``_local_scalar_dense``."""
 
     def __init__(self, tally: Tally) -> None:
         super().__init__()
@@ -355,6 +359,8 @@ class _OpCounter(TorchDispatchMode):
             tally.c10d_ops += 1
         elif tally.inside_ns:
             tally.ns_ops += 1
+        elif func.is_view:
+            tally.views += 1
         else:
             tally.ops += 1
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -501,7 +507,8 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             stack.enter_context(_patched(layout, "piece_at", _memo_piece_at(layout.piece_at)))
         else:
             stack.enter_context(_patched(engine_module, "newton_schulz", _newton_schulz_probe(tally, ns == "stub")))
-        if ops:
+        if ops:  # what an accelerator dispatches: the step's list-op form (the CPU's takes one op per tensor)
+            stack.enter_context(_patched(devices_module, "cpu_path", lambda device: False))
             for name in ("tolist", "cpu", "numpy"):
                 stack.enter_context(_patched(torch.Tensor, name, _host_method(tally, name)))
             stack.enter_context(_OpCounter(tally))
@@ -634,6 +641,7 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
         "host_reads": dict(tally.host_reads),
         "read_sites": dict(tally.read_sites),
         "ops": tally.ops,
+        "views": tally.views,
         "ns_ops": tally.ns_ops,
         "c10d_ops": tally.c10d_ops,
         "ns_batches": [list(b) for b in tally.ns_batches],
@@ -1006,7 +1014,8 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         "",
         "Per rank 0 and step: collectives counted at the torch.distributed call boundary (ag all-gather, ar "
         "all-reduce, a2a all-to-all, bc broadcast), MiB their logical bytes, payload the dtypes they carry (the "
-        "4-byte votes left out), host reads (item/bool/tolist/cpu/numpy), ops dispatched outside Newton-Schulz; "
+        "4-byte votes left out), host reads (item/bool/tolist/cpu/numpy), ops the computing ops dispatched outside "
+        "Newton-Schulz (views left out) in the accelerator's form of the step; "
         "NS GFLOP max the largest rank's Newton-Schulz work, max/mean its balance over the ranks, sum/model the "
         "work of all ranks against one refresh of every matrix; same seq: every traced rank issued rank 0's "
         "sequence of (group, kind, dtype).",

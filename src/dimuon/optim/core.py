@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+from dimuon.optim import devices
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
@@ -38,6 +39,7 @@ from dimuon.optim.distributed.engine import (
     Refresh,
     ReplicaRefresh,
     RowRange,
+    RowScaled,
     block_grid,
     col_split_sizes_to_ranges,
     split_sizes_to_ranges,
@@ -174,6 +176,16 @@ def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
                               stride=(cols, 1))
 
 
+def _matrix_view(weight: Tensor, update: Tensor) -> Tensor | None:
+    """The (local) weight as a view of its matrix's shape (that of its update), or None where no view is."""
+    if weight.shape == update.shape:
+        return weight
+    try:
+        return weight.view(update.shape)
+    except RuntimeError:
+        return None
+
+
 def _as_weight(direction: Tensor, weight: Tensor) -> Tensor:
     """``direction`` shaped as ``weight`` (a view where it can be) and in its dtype (a copy only where they differ)."""
     d = direction.view(weight.shape) if direction.is_contiguous() else direction.reshape(weight.shape)
@@ -270,6 +282,8 @@ class MuonFamily(torch.optim.Optimizer):
         self._refresh_counts: dict[str, list[int]] = {}  # parameter name -> [spectral steps, steps]
         self._pending_skips: Tensor | None = None  # steps skipped since the last read, counted on the device
         self._last_vote: Tensor | None = None
+        # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
+        self._workspace: dict[tuple[Any, ...], Tensor] = {}
         super().__init__(params, defaults)
         self._constructing = False
         self._warn_flattened(stacklevel=4)
@@ -567,7 +581,8 @@ class MuonFamily(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
         runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
                    "_engine_given": False, "_constructing": False, "_flattened": [], "_foreign_keys": set(),
-                   "_engine_params": (), "_refresh_counts": {}, "_pending_skips": None, "_last_vote": None}
+                   "_engine_params": (), "_refresh_counts": {}, "_pending_skips": None, "_last_vote": None,
+                   "_workspace": {}}
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -699,7 +714,7 @@ class MuonFamily(torch.optim.Optimizer):
         verdicts: list[Tensor] = []
         for where, entries in grads.items():
             parts = [g for _, _, g in entries]
-            if where.type == "cpu":  # no launches to save, and aminmax is ~20x faster there than the inf-norm
+            if devices.cpu_path(where):  # no launches to save, and aminmax is ~20x faster there than the inf-norm
                 extremes = torch.cat([torch.stack(torch.aminmax(g)) for g in parts]).view(len(parts), 2)
             else:  # one list reduction for every gradient, not two launches per gradient
                 wide = functools.reduce(torch.promote_types, {g.dtype for g in parts}, torch.float32)
@@ -805,7 +820,7 @@ class MuonFamily(torch.optim.Optimizer):
             bufs.append(buf)
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
-        updates = self._nesterov_updates(params, grads, bufs, beta, group["nesterov"])
+        updates = self._nesterov_updates(gi, grads, bufs, beta, group["nesterov"])
         stacked = group["stacked"]
         for p, u in zip(params, updates):
             count, rows, cols = matrix_shape(p, stacked)
@@ -889,8 +904,16 @@ class MuonFamily(torch.optim.Optimizer):
         # shares the step size lr * mult, as the engine's directions carry their shape scale).
         chosen_by_kind = {kind: [i for i, k in enumerate(kinds) if k is kind] for kind in StepKind}
         chosen_by_kind = {kind: chosen for kind, chosen in chosen_by_kind.items() if chosen}
+        row_scaled: dict[int, RowScaled] = {}  # RowNorm directions left as U * factor: folded into the update
         for kind, chosen in chosen_by_kind.items():
-            for i, d in zip(chosen, engine.directions([work.jobs[i] for i in chosen], kind, work.config)):
+            jobs = [work.jobs[i] for i in chosen]
+            made = (engine.row_directions(jobs, work.config) if kind is StepKind.ROWNORM and hasattr(
+                engine, "row_directions") else engine.directions(jobs, kind, work.config))
+            for i, d in zip(chosen, made):
+                if isinstance(d, RowScaled) and _matrix_view(weights[i], d.update) is None:
+                    d = d.materialize()  # a weight that is no view of its matrix (non-contiguous): written out
+                if isinstance(d, RowScaled):
+                    row_scaled[i] = d
                 directions[i] = d
         if wd != 0 and weights:
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
@@ -898,12 +921,26 @@ class MuonFamily(torch.optim.Optimizer):
                 decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
             torch._foreach_mul_(weights, decay)
         for kind, chosen in chosen_by_kind.items():
-            ws = [weights[i] for i in chosen]
+            step_size = lr * self.schedule.multiplier(kind, group)
+            scaled = [i for i in chosen if i in row_scaled]
+            if scaled:  # W <- W - step U factor: one read of U and W, one write of W, no direction written
+                fs = [row_scaled[i].factor for i in scaled]
+                if mask is not None:
+                    fs = torch._foreach_mul(fs, mask.to(torch.float32))
+                ws = [_matrix_view(weights[i], row_scaled[i].update) for i in scaled]
+                us = [row_scaled[i].update for i in scaled]
+                if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (value takes numbers only)
+                    torch._foreach_addcmul_(ws, us, torch._foreach_mul(fs, -step_size))
+                else:
+                    torch._foreach_addcmul_(ws, us, fs, value=-step_size)
+            plain = [i for i in chosen if i not in row_scaled]
+            if not plain:
+                continue
+            ws = [weights[i] for i in plain]
             # The direction as a view of the weight's shape, cast only where the weight is narrower (bf16).
-            ds = [_as_weight(directions[i], weights[i]) for i in chosen]  # type: ignore[arg-type]
+            ds = [_as_weight(directions[i], weights[i]) for i in plain]  # type: ignore[arg-type]
             if mask is not None:
                 ds = torch._foreach_mul(ds, mask.to(torch.float32))
-            step_size = lr * self.schedule.multiplier(kind, group)
             if isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (alpha takes numbers only)
                 torch._foreach_sub_(ws, torch._foreach_mul(ds, step_size))
             else:
@@ -939,14 +976,15 @@ class MuonFamily(torch.optim.Optimizer):
             else:
                 state["refresh_age"] += 1
 
-    @staticmethod
     def _nesterov_updates(
-        params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], beta: float, nesterov: bool
+        self, gi: int, grads: list[Tensor], bufs: list[Tensor], beta: float, nesterov: bool
     ) -> list[Tensor]:
-        """``U`` per parameter as a 2-D ``(local_rows, cols)`` matrix (read-only downstream).
+        """``U`` per parameter of group ``gi`` as a 2-D ``(local_rows, cols)`` matrix (read-only downstream).
 
         With Nesterov, ``U = (1-beta) G + beta M`` is written straight into one ``(B, r, c)``
-        buffer per shape, the batch the engine would otherwise have to stack (a copy saved).
+        buffer per shape, the batch the engine would otherwise have to stack (a copy saved). On the CPU the
+        buffers are kept from step to step (a fresh large allocation there is paged in at every step, which costs
+        more than the writes); elsewhere the allocator's cache does that without holding them between steps.
         """
         flat = [b.reshape(b.shape[0], math.prod(b.shape[1:])) for b in bufs]  # the local piece
         if not nesterov:
@@ -956,12 +994,22 @@ class MuonFamily(torch.optim.Optimizer):
             by_shape.setdefault(tuple(b.shape), []).append(i)
         out: list[Tensor] = [flat[0]] * len(flat)
         for shape, idx in by_shape.items():
-            batch = torch.empty((len(idx), *shape), dtype=flat[idx[0]].dtype, device=flat[idx[0]].device)
+            dtype, device = flat[idx[0]].dtype, flat[idx[0]].device
+            key = (gi, len(idx), shape, dtype, device)
+            batch = self._workspace.get(key)
+            if batch is None:
+                batch = torch.empty((len(idx), *shape), dtype=dtype, device=device)
+                if devices.cpu_path(device):
+                    self._workspace[key] = batch
             for i, row in zip(idx, batch.unbind(0)):
                 out[i] = row
-        # Two list ops over every parameter: U <- G, then U <- lerp(U, M, beta), the same lerp as lerp(G, M, beta).
-        torch._foreach_copy_(out, [g.reshape(u.shape) for g, u in zip(grads, out)])
-        torch._foreach_lerp_(out, flat, beta)
+        gs = [g.reshape(u.shape) for g, u in zip(grads, out)]
+        if devices.cpu_path(flat[0].device):  # one pass per parameter: U <- lerp(G, M, beta), read twice, written once
+            for g, m, u in zip(gs, flat, out):
+                torch.lerp(g, m, beta, out=u)
+        else:  # two list ops (few launches): U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
+            torch._foreach_copy_(out, gs)
+            torch._foreach_lerp_(out, flat, beta)
         return out
 
     @staticmethod

@@ -13,12 +13,19 @@ import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
 
-from dimuon.optim.linalg import compiled_newton_schulz, lr_scale_factor, newton_schulz, row_normalize
+from dimuon.optim.linalg import (
+    compiled_newton_schulz,
+    lr_scale_factor,
+    newton_schulz,
+    row_factors,
+    row_normalize,
+)
 from dimuon.optim.schedules import StepKind
 
 RowRange = tuple[int, int]
@@ -98,10 +105,33 @@ class MatrixJob:
         return ((0, self.rows),) if not m else tuple((e, e + m) for e in range(0, self.rows, m))
 
 
+@dataclass(frozen=True)
+class RowScaled:
+    """A RowNorm direction left as ``update * factor``: ``factor`` (fp32 or wider, the shape scale folded in)
+    broadcasts against ``update`` as ``(rows, 1)`` (row norms) or ``(1, cols)`` (column norms). The core folds it
+    into the weight update (one ``addcmul`` reading the momentum once), so the direction is never written."""
+
+    update: Tensor
+    factor: Tensor
+
+    def materialize(self) -> Tensor:
+        return self.update * self.factor
+
+
+RowDirection = Tensor | RowScaled
+# A region of a job's local update and the RowNorm factor of its oriented rows there.
+RegionFactor = tuple[Region, Tensor]
+
+
 class DirectionEngine(Protocol):
     """Computes directions for a group's jobs at one step kind."""
 
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]: ...
+
+    def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
+        """RowNorm directions of ``jobs`` as :class:`RowScaled` where one factor covers the job's update (else the
+        direction itself): ``directions(jobs, ROWNORM, config)`` without writing them."""
+        ...
 
     def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
         """Per job, ``partial_sums(job)`` (this process's share, e.g. a ``(matrices, k)`` tensor of sums over the
@@ -180,12 +210,9 @@ def stacked_ranges(count: int, matrix_rows: int, ranges: Sequence[RowRange]) -> 
     return tuple((e * matrix_rows + a, e * matrix_rows + b) for e in range(count) for a, b in ranges)
 
 
-def as_batch(matrices: Sequence[Tensor]) -> Tensor:
-    """``torch.stack(matrices)``, without the copy when they already lie back to back in one buffer.
-
-    The optimizer core writes same-shape updates into one preallocated ``(B, r, c)`` buffer, so
-    the usual case costs nothing here.
-    """
+def batch_view(matrices: Sequence[Tensor]) -> Tensor | None:
+    """``matrices`` as one ``(B, r, c)`` view where they lie back to back in one buffer (the core writes
+    same-shape updates into one such buffer), else None."""
     first = matrices[0]
     step = first.numel()
     contiguous_run = first.is_contiguous() and all(
@@ -196,7 +223,14 @@ def as_batch(matrices: Sequence[Tensor]) -> Tensor:
     )
     if contiguous_run:
         return first.as_strided((len(matrices), *first.shape), (step, *first.stride()), first.storage_offset())
-    return torch.stack(list(matrices))
+    return None
+
+
+def as_batch(matrices: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(matrices)``, without the copy when they already lie back to back in one buffer
+    (:func:`batch_view`): the usual case costs nothing here."""
+    view = batch_view(matrices)
+    return view if view is not None else torch.stack(list(matrices))
 
 
 def apply_map_batched(
@@ -232,6 +266,51 @@ def apply_map_batched(
         for i, res in zip(idx, result.unbind(0)):
             out[i] = res
     return out  # type: ignore[return-value]
+
+
+def row_factors_batched(pieces: Sequence[Tensor], lr_scale: str) -> list[Tensor]:
+    """:func:`~dimuon.optim.linalg.row_factors` of each piece with its shape scale, one call per shape where the
+    pieces of that shape lie back to back in one buffer (the core's Nesterov batch), else one call per piece (a
+    stack would copy them)."""
+    out: list[Tensor | None] = [None] * len(pieces)
+    by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, piece in enumerate(pieces):
+        by_shape[tuple(piece.shape)].append(i)
+    for (rows, cols), idx in by_shape.items():
+        scale = lr_scale_factor(lr_scale, rows, cols)
+        batch = batch_view([pieces[i] for i in idx])
+        results = row_factors(batch, scale=scale).unbind(0) if batch is not None else [
+            row_factors(pieces[i], scale=scale) for i in idx]
+        for i, res in zip(idx, results):
+            out[i] = res
+    return out  # type: ignore[return-value]
+
+
+def compose_row_direction(update: Tensor, parts: Sequence[RegionFactor]) -> RowDirection:
+    """A job's RowNorm direction from its regions' factors: one :class:`RowScaled` where the regions tile the
+    update by whole rows with row factors (or by whole columns with column factors), else the direction written
+    region by region (zeros where no region is)."""
+    rows, cols = update.shape
+    if parts:
+        row_tiled = all(f.shape[-1] == 1 and (c0, c1) == (0, cols) for (_, _, c0, c1), f in parts)
+        col_tiled = all(f.shape[-2] == 1 and (r0, r1) == (0, rows) for (r0, r1, _, _), f in parts)
+        edges = [(r0, r1) if row_tiled else (c0, c1) for (r0, r1, c0, c1), _ in parts]
+        tiles = all(a == b for (_, a), (b, _) in pairwise(edges)) and edges[0][0] == 0 and (
+            edges[-1][1] == (rows if row_tiled else cols))
+        if (row_tiled or col_tiled) and tiles:
+            factors = [f for _, f in parts]
+            factor = factors[0] if len(factors) == 1 else torch.cat(factors, dim=0 if row_tiled else 1)
+            return RowScaled(update, factor)
+    wide = parts[0][1].dtype if parts else torch.promote_types(update.dtype, torch.float32)
+    out = torch.zeros(update.shape, dtype=wide, device=update.device)
+    for (r0, r1, c0, c1), f in parts:
+        torch.mul(update[r0:r1, c0:c1], f, out=out[r0:r1, c0:c1])
+    return out
+
+
+def materialize(direction: RowDirection) -> Tensor:
+    """The direction a :class:`RowScaled` stands for (a Tensor as it is)."""
+    return direction.materialize() if isinstance(direction, RowScaled) else direction
 
 
 def block_grid(blocks: int | Sequence[int]) -> BlockGrid:
@@ -272,7 +351,18 @@ class LocalEngine:
     def matrix_sums(self, jobs: Sequence[MatrixJob], partial_sums: PartialSums) -> list[Tensor]:
         return partial_sums(jobs, [job.logical_ranges() for job in jobs])  # every job holds its whole matrix
 
+    def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
+        regions = [(j, region) for j, job in enumerate(jobs) for region in job.regions()]
+        factors = row_factors_batched([jobs[j].update[r0:r1, c0:c1] for j, (r0, r1, c0, c1) in regions],
+                                      config.lr_scale)
+        parts: list[list[RegionFactor]] = [[] for _ in jobs]
+        for (j, region), f in zip(regions, factors):
+            parts[j].append((region, f))
+        return [compose_row_direction(job.update, p) for job, p in zip(jobs, parts)]
+
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
+        if kind is StepKind.ROWNORM:
+            return [materialize(d) for d in self.row_directions(jobs, config)]
         pieces: list[Tensor] = []
         owners: list[tuple[int, Region]] = []
         for j, job in enumerate(jobs):

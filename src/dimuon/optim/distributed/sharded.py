@@ -53,13 +53,17 @@ from dimuon.optim.distributed.engine import (
     MapConfig,
     MatrixJob,
     PartialSums,
+    RegionFactor,
+    RowDirection,
     RowRange,
     apply_map_batched,
+    compose_row_direction,
     map_regions,
+    materialize,
     stacked_ranges,
 )
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
-from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, row_normalize
+from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, row_factors, square_sums
 from dimuon.optim.schedules import StepKind
 
 
@@ -316,10 +320,20 @@ class ShardedEngine:
                 out.update(zip(rest, self.directions([jobs[i] for i in rest], kind, config)))
             return [out[i] for i in range(len(placed))]
         if kind is StepKind.ROWNORM:
-            return self._rownorm(placed, config)
+            return [materialize(d) for d in self._rownorm(placed, config)]
         if kind is StepKind.BLOCK:
             return self._block(placed, config)
         return self._spectral(placed, config)
+
+    def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
+        placed = [(job, self._placement(job)) for job in jobs]
+        local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
+        out: dict[int, RowDirection] = dict(zip(local, self._local.row_directions(
+            [_local_stacked_job(*placed[i]) for i in local], config))) if local else {}
+        rest = [i for i in range(len(placed)) if i not in out]
+        if rest:
+            out.update(zip(rest, self._rownorm([placed[i] for i in rest], config)))
+        return [out[i] for i in range(len(placed))]
 
     def _spectral(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         out: dict[int, Tensor] = {}
@@ -372,13 +386,14 @@ class ShardedEngine:
             outs[i][r0:r1, c0:c1] = d
         return outs
 
-    def _rownorm(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
-        """RowNorm: local where oriented rows are whole; where ranks split them, one flat all-reduce of the
-        partial sums of squares per process group (issued in first-appearance order, all before any wait)."""
-        outs = [_empty_direction(job) for job, _ in placed]
+    def _rownorm(self, placed: Sequence[Placed], config: MapConfig) -> list[RowDirection]:
+        """RowNorm factors: local where oriented rows are whole; where ranks split them, one flat all-reduce of
+        the partial sums of squares per process group (issued in first-appearance order, all before any wait)."""
+        parts: list[list[RegionFactor]] = [[] for _ in placed]
         pending: dict[int, tuple[Collectives, list]] = {}
         for i, (job, plc) in enumerate(placed):
             u = job.update
+            wide_dtype = _wide(u)
             # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
             col_ranges = job.col_ranges() if job.col_splits else ((0, u.shape[1]),)
             for a, b in job.logical_ranges():
@@ -388,31 +403,32 @@ class ShardedEngine:
                     wide = b - a <= cols
                     local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
                     comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
-                    block = u[local[0] : local[1], c:d].to(outs[i].dtype) if local is not None else None
-                    where = (i, local, (c, d))
+                    block = u[local[0] : local[1], c:d] if local is not None else None
                     if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
                         if block is not None:
-                            outs[i][local[0] : local[1], c:d] = row_normalize(block, scale=scale)
+                            # The block is oriented as its matrix: a wide one's rows or a tall one's columns are whole.
+                            parts[i].append(((local[0], local[1], c, d), row_factors(block, scale=scale)))
                         continue
                     if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
-                        sums = u.new_zeros(d - c, dtype=outs[i].dtype)
+                        sums = u.new_zeros(d - c, dtype=wide_dtype)
                     else:
-                        sums = block.square().sum(dim=1 if wide else 0)
-                    pending.setdefault(id(comm), (comm, []))[1].append((where, block, scale, wide, sums))
+                        sums = square_sums(block.to(wide_dtype), dim=-1 if wide else -2).view(-1)
+                    pending.setdefault(id(comm), (comm, []))[1].append((i, local, (c, d), scale, wide, sums))
         reduced = []
         for comm, entries in pending.values():
             flat = torch.cat([e[-1] for e in entries])
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            for ((i, local, (c, d)), block, scale, wide, _), norms in zip(
-                    entries, flat.split([len(e[-1]) for e in entries])):
-                if block is None:
+            for (i, local, (c, d), scale, wide, _), norms in zip(entries, flat.split([len(e[-1]) for e in entries])):
+                if local is None:
                     continue
-                # The same division as linalg.row_normalize, with the norm of each whole oriented row.
+                # The same factor as linalg.row_factors, with the norm of each whole oriented row.
                 factor = scale / norms.sqrt().clamp(min=1e-7)
-                outs[i][local[0] : local[1], c:d] = block * (factor[:, None] if wide else factor[None, :])
-        return outs
+                parts[i].append(((local[0], local[1], c, d), factor[:, None] if wide else factor[None, :]))
+        for p in parts:
+            p.sort(key=lambda part: part[0])
+        return [compose_row_direction(job.update, p) for (job, _), p in zip(placed, parts)]
 
     # ----------------------------------------------------------------- spectral refreshes
     def _payload_dtype(self, job: MatrixJob, config: MapConfig) -> torch.dtype:
