@@ -143,20 +143,73 @@ def everything(rank: int, world: int, cases: list[tuple[str, str, str, dict]], r
     """One spawn for the cheap programs (a gloo spawn costs seconds): :func:`parity`, :func:`unsupported`,
     :func:`repointed`."""
     return {"parity": parity(rank, world, cases), "unsupported": unsupported(rank, world),
-            "repointed": repointed(rank, world, repoint_opts)}
+            "repointed": repointed(rank, world, repoint_opts), "construction": construction(rank, world)}
+
+
+def construction(rank: int, world: int) -> dict:
+    """FSDP 2 x TP 2 (its refresh talks over the flattened dp+tp group): what the optimizer's construction
+    prepared, and the process groups and layouts its first step still made."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dimuon.optim.distributed import sharded
+
+    key = "fsdp2xtp2"
+    mesh = meshes()[key]
+    model, opt = make(key, mesh, "muon", {"refresh": "owner"})
+    engine = opt._engine
+    prepared = {"engine": type(engine).__name__, "placements": len(engine._placements),
+                "flattened": len(engine._flat_meshes)}
+    made = {"new_group": 0, "flatten": 0, "derive_layout": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            made[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with mock.patch.object(dist, "new_group", counted("new_group", dist.new_group)), \
+            mock.patch.object(DeviceMesh, "_flatten", counted("flatten", DeviceMesh._flatten)), \
+            mock.patch.object(sharded, "derive_layout", counted("derive_layout", sharded.derive_layout)):
+        set_grads(model, 0)
+        opt.step()
+    dist.barrier()
+    return {"prepared": prepared, "first_step": made, "same_engine": opt._engine is engine}
 
 
 def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> dict:
     """Each case trained on its mesh: full parameters, placements and per-step communication."""
+    import contextlib
+    from unittest import mock
+
+    from dimuon.optim import core
+
     built = meshes()
     out = {}
     for name, key, optimizer, opts in cases:
+        opts = dict(opts)
+        skew = opts.pop(SKEW, False)
         model, opt = make(key, built[key], optimizer, opts)
         placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters() if n.endswith("weight")}
-        log = train(model, opt, 0, STEPS)
+        with contextlib.ExitStack() as stack:
+            if skew and built[key].get_coordinate()[0] == 1:  # replica 1 alone finds every matrix stale
+                stack.enter_context(mock.patch.object(core, "staleness_from_sums", _stale))
+            log = train(model, opt, 0, STEPS)
         out[name] = {"params": full_params(model), "log": log, "placements": placements}
     dist.barrier()
     return out
+
+
+# An option of a parity case (popped before the optimizer sees it): replica 1's staleness signal is skewed.
+SKEW = "skew_replica_signal"
+
+
+def _stale(sums: torch.Tensor) -> torch.Tensor:
+    """A staleness signal far above any threshold, one per row of ``sums``: every matrix reads as stale."""
+    from dimuon.optim.staleness import staleness_from_sums
+
+    return staleness_from_sums(sums) + 10.0
 
 
 def reference(key: str, optimizer: str, opts: dict, steps: int = STEPS) -> dict[str, torch.Tensor]:

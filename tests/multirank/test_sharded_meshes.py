@@ -3,6 +3,7 @@ collectives each map issues per mesh dimension, their order on every rank, check
 topologies, and the clear error for the layouts the optimizer refuses."""
 
 import pytest
+import torch
 
 from dimuon.optim.distributed.launch import run_gloo
 
@@ -23,6 +24,8 @@ CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, 
     ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
 ] + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
 CHECK = "all_reduce[check]"
+# Replica 1 finds every matrix stale, replica 0 measures: one decision for the world makes both refresh everything.
+SKEWED = [("hsdp2x2_adaptive_skewed", "hsdp2x2", "adaptive_row_muon", {"threshold": 0.5, ms.SKEW: True})]
 
 
 REPOINT_OPTS = {"k": 3}
@@ -30,7 +33,7 @@ REPOINT_OPTS = {"k": 3}
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_gloo(ms.everything, WORLD, CASES, REPOINT_OPTS, timeout_s=300)
+    return run_gloo(ms.everything, WORLD, CASES + SKEWED, REPOINT_OPTS, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +115,35 @@ def test_adaptive_decisions_agree_and_its_signal_stays_in_the_shard_group(meshes
             for step in r[f"{key}_adaptive"]["log"][1:]:
                 signal = {dim for dim, kinds in step["by_dim"].items() if "all_reduce[signal]" in kinds}
                 assert signal == {shard_dim[key]}, (key, signal)
+
+
+def test_layouts_and_process_groups_are_made_at_construction_not_in_the_first_step(spawned):
+    for r in spawned:
+        c = r["construction"]
+        muon_weights = len(ms.LAYERS)  # every weight is in a Muon group here
+        # every weight's mesh flattened for the dp+tp refresh (FSDP2 hands each parameter its own mesh object;
+        # torch returns the one flattened mesh for all of them)
+        assert c["prepared"] == {"engine": "ShardedEngine", "placements": muon_weights, "flattened": muon_weights}
+        assert c["first_step"] == {"new_group": 0, "flatten": 0, "derive_layout": 0}
+        assert c["same_engine"]
+
+
+def test_replicas_whose_signals_differ_take_one_decision(meshes):
+    """Replica 1's signal says every matrix is stale, replica 0's does not: the world agrees on the larger value,
+    so every rank refreshes every matrix at every step (Muon's steps), issues the same collectives, and the
+    parameters are Muon's."""
+    (name, key, _, _), = SKEWED
+    matrices = 4  # the col-style weights and the fused matrix (the row-style group is AdamW's here)
+    for r in meshes:
+        assert [step["spectral"] for step in r[name]["log"]] == [matrices] * ms.STEPS
+        assert [step["calls"] for step in r[name]["log"]] == [step["calls"] for step in meshes[0][name]["log"]]
+        agree = {dim for step in r[name]["log"][1:] for dim, kinds in step["by_dim"].items()
+                 if "all_reduce[agree]" in kinds}
+        assert agree == {"world"}
+    expect = ms.reference(key, "muon", {})
+    for pname, value in meshes[0][name]["params"].items():
+        if pname.endswith("weight") and not pname.endswith("_r.weight"):
+            torch.testing.assert_close(value, expect[pname], rtol=1e-4, atol=1e-5, msg=pname)
 
 
 def test_split_replicas_trade_shard_bytes_for_replicate_bytes(meshes):

@@ -228,7 +228,8 @@ def test_adaptive_signals_of_every_group_take_one_small_all_reduce(sharded):
 
 
 def test_adaptive_moves_the_signal_sums_and_only_the_chosen_refreshes(sharded):
-    # Exact logical bytes per step: the 4 signal sums of the matrices whose bounds leave the choice open, the
+    # Exact logical bytes per step: the 4 signal sums of the matrices whose bounds leave the choice open (and their
+    # signals, agreed on by the world), the
     # all-gather of the chosen matrices only (bucketed among themselves), the column norms of tall RowNorm ones.
     world, results = sharded
     k_min, k_max, bucket = 1, 3, int(0.05 * 2**20)
@@ -241,6 +242,8 @@ def test_adaptive_moves_the_signal_sums_and_only_the_chosen_refreshes(sharded):
             open_ = [i for i in range(len(DIT_SHAPES)) if last[i] is not None and k_min <= t - last[i] < k_max]
             if open_:
                 expect["all_reduce[signal]"] = 2 * (len(open_) * 4 * 4) * (world - 1) // world
+                # one decision for the world: each open matrix's signal (fp32), its maximum over the ranks
+                expect["all_reduce[agree]"] = 2 * (len(open_) * 4) * (world - 1) // world
             if spectral:
                 buckets = make_buckets([world * shard_bytes[i] for i in spectral], bucket)
                 expect["all_gather"] = sum(world * sum(shard_bytes[spectral[j]] for j in b) * (world - 1) // world

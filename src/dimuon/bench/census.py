@@ -32,8 +32,8 @@ collective sequence and Newton-Schulz batches only, with the direction maps them
 (what each rank orthogonalizes is decided before that), the fake group re-initialized per rank.
 
 Every recorded step follows one untimed warm-up step, after which the optimizer's initial state is loaded
-back: the engine derives each parameter's layout once, at its first step (host reads of the device mesh),
-and that setup is not a cost of the step. Step 1 is then the optimizer's first step, state for state.
+back: the optimizer derives each sharded parameter's layout and process groups at its construction (host reads of
+the device mesh; timed apart), and the first step's remaining setup is not a cost of the step either. Step 1 is then the optimizer's first step, state for state.
 Gradients are the same on both recorded steps.
 
 Run ``dimuon bench census --help`` (or ``python -m dimuon.bench.census --help``).
@@ -662,12 +662,16 @@ def trace_job(cfg: Config, job: Job, counter: CallCounter, mode: NsMode,
     records: dict[str, Any] = {}
     engines: dict[str, Any] = {}
     setup_s: float | None = None
+    construction_s: float | None = None
     for key in job.keys:
         v = VARIANTS[key]
         if plan and key not in PLAN_VARIANTS:
             continue
         try:
+            start = time.perf_counter()
             opt = make_optimizer(cfg, key, model, group, engines if plan else None)
+            if construction_s is None and v.name != "adamw" and not plan:
+                construction_s = time.perf_counter() - start  # layouts and process groups, made at construction
         except ValueError as err:  # a layout the optimizer refuses, with its reason
             records[key] = {"refused": str(err).splitlines()[0]}
             advance()
@@ -709,7 +713,7 @@ def trace_job(cfg: Config, job: Job, counter: CallCounter, mode: NsMode,
     info = {"muon_params": len(muon), "muon_shapes": len(shapes), "params": sum(p.numel() for p in model.parameters()),
             "model_ns_flops": model_ns_flops(model),
             "local_numel": sum(local_tensor(p).numel() for p in model.parameters()),
-            "first_step_setup_s": setup_s}
+            "first_step_setup_s": setup_s, "construction_s": construction_s}
     del model, snapshot, engines
     gc.collect()
     return {"records": records, "info": info}
@@ -1125,12 +1129,13 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-BUFFER_HEADERS = ["layout (mesh)", "W", "first step setup s", "gather: largest collective MiB",
+BUFFER_HEADERS = ["layout (mesh)", "W", "construction s", "first step setup s", "gather: largest collective MiB",
                   "gather: largest NS batch MiB", "owner: largest collective MiB", "owner: largest NS batch MiB"]
 
 
 def buffer_rows(record: dict[str, Any]) -> list[list[Any]]:
-    """Per layout and world: the engine's first-step setup on rank 0 (this CPU's seconds) and each spectral
+    """Per layout and world: the optimizer's construction (layouts, process groups) and the engine's first-step setup
+    on rank 0 (this CPU's seconds), and each spectral
     refresh's largest collective buffer and Newton-Schulz batch (the refresh buffers it assembles)."""
     rows = []
     for job in record["jobs"]:
@@ -1139,8 +1144,9 @@ def buffer_rows(record: dict[str, Any]) -> list[list[Any]]:
         found = {c["optimizer"]: c for c in job["cases"] if c["optimizer"] in ("muon_gather", "muon_owner")}
         cells = [f"{_mib(found[k][field])}" if k in found else "-" for k in ("muon_gather", "muon_owner")
                  for field in ("peak_comm_buffer_bytes", "peak_ns_batch_bytes")]
-        setup = job["first_step_setup_s"]
-        rows.append([f"{job['layout']} {job['mesh']}", job["world"], "-" if setup is None else f"{setup:.1f}", *cells])
+        timed = [job.get("construction_s"), job["first_step_setup_s"]]
+        rows.append([f"{job['layout']} {job['mesh']}", job["world"], *("-" if t is None else f"{t:.1f}" for t in timed),
+                     *cells])
     return rows
 
 

@@ -288,6 +288,7 @@ class MuonFamily(torch.optim.Optimizer):
         self._constructing = False
         self._warn_flattened(stacklevel=4)
         self._warn_foreign_keys(stacklevel=4)
+        self._prepare_engine()
 
     # ----------------------------------------------------------------- configuration
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -413,6 +414,7 @@ class MuonFamily(torch.optim.Optimizer):
         if not self._constructing:
             if not self._engine_given:
                 self._engine = None  # the engine learns the new parameters' process groups
+                self._prepare_engine()
             self._warn_flattened(stacklevel=3)
             self._warn_foreign_keys(stacklevel=3)
 
@@ -673,7 +675,8 @@ class MuonFamily(torch.optim.Optimizer):
     def _get_engine(self) -> DirectionEngine:
         """Local engine for plain tensors; sharded engine for DTensors or when a process group is given.
 
-        Built at the first step, and again when the parameters were replaced since (a wrapper that shards
+        Built at construction where the parameters are sharded then (:meth:`_prepare_engine`), else at the first
+        step, and again when the parameters were replaced since (a wrapper that shards
         the model after the optimizer was made and points the groups at the sharded parameters): the
         engine derives each parameter's layout from the parameters it is handed, per parameter object.
         """
@@ -690,6 +693,27 @@ class MuonFamily(torch.optim.Optimizer):
             self._engine_params = current
         assert self._engine is not None
         return self._engine
+
+    def _prepare_engine(self) -> None:
+        """The sharded engine built now, with every Muon parameter's layout and the process groups it talks over
+        (host reads of the meshes, communicators made by every rank together): start-up work, not a step's. Plain
+        parameters (a wrapper may shard them later) leave the engine to the first step."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self._engine_given or not (self.engine_options["process_group"] is not None
+                                      or any(is_dtensor(p) for p in params)):
+            return
+        prepare = getattr(self._get_engine(), "prepare", None)
+        if prepare is None:
+            return
+        matrices = []
+        for group in self.param_groups:
+            if group["algorithm"] != "muon":
+                continue
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                count, rows, cols = matrix_shape(p, group["stacked"])
+                matrices.append((p, names[i] if names else f"params[{i}]", count * rows, cols))
+        prepare(matrices)
 
     def _drop_stale_state(self, params: list[Tensor]) -> None:
         """Forget the state of tensors that are no longer parameters of any group (replaced ones): torch's
@@ -878,6 +902,11 @@ class MuonFamily(torch.optim.Optimizer):
             # A fused parameter refreshes as one: its stalest logical matrix decides.
             per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
             stalest = torch.stack([s.max() for s in per_matrix])
+            # One decision for the world: replicas (HSDP, replicated parameters) hold the same sums up to the last
+            # bits (a non-deterministic reduction), and a choice they made apart would issue different collectives.
+            agree = getattr(self._get_engine(), "agree_max", None)
+            if agree is not None:
+                stalest = agree(stalest)
             if vote is not None:  # the vote travels with the signals: one read for both
                 stalest = torch.cat([stalest, self._vote_values(*vote).to(stalest)])
             values = stalest.tolist()  # the host reads the decisions' inputs once

@@ -158,6 +158,13 @@ class Collectives:
         return _timed(self.counter, self._key(kind), async_op, (tensor,),
                       lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
+    def all_max(self, values: Tensor, kind: str = "all_reduce[agree]") -> Tensor:
+        """``values`` replaced in place by their elementwise maximum over the ranks (identical on every rank)."""
+        self.counter.record(self._key(kind), 2 * _nbytes(values) * (self.world - 1) // self.world)
+        _timed(self.counter, self._key(kind), False, (values,),
+               lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group))
+        return values
+
     def all_true(self, flag: Tensor) -> Tensor:
         """``flag`` (0-d bool) AND-ed over the ranks by one 4-byte all-reduce, on ``flag``'s device (no host read)."""
         value = flag.to(torch.int32).reshape(1)

@@ -139,6 +139,12 @@ class DirectionEngine(Protocol):
         once; the same result on every process, with one collective at most (every process must call it)."""
         ...
 
+    def agree_max(self, values: Tensor) -> Tensor:
+        """``values`` (a 1-D tensor) replaced by their elementwise maximum over every process that votes, so every
+        process holds the same numbers (replicas whose sums differ in the last bits decide alike; every process
+        must call it)."""
+        ...
+
     def all_true(self, flag: Tensor) -> Tensor:
         """``flag`` (a 0-d bool tensor) AND-ed over every process, as a 0-d bool tensor on ``flag``'s device:
         no host read (every process must call it)."""
@@ -211,17 +217,23 @@ def stacked_ranges(count: int, matrix_rows: int, ranges: Sequence[RowRange]) -> 
 
 
 def batch_view(matrices: Sequence[Tensor]) -> Tensor | None:
-    """``matrices`` as one ``(B, r, c)`` view where they lie back to back in one buffer (the core writes
-    same-shape updates into one such buffer), else None."""
+    """``matrices`` as one ``(B, r, c)`` view where each is contiguous and they lie evenly spaced in one buffer
+    without overlapping (the core writes same-shape updates back to back into one such buffer, so the same row
+    chunk of each lies evenly spaced there), else None."""
     first = matrices[0]
-    step = first.numel()
-    contiguous_run = first.is_contiguous() and all(
+    if not first.is_contiguous():
+        return None
+    if len(matrices) == 1:
+        return first.unsqueeze(0)
+    step = matrices[1].storage_offset() - first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    evenly = step >= first.numel() and all(
         m.is_contiguous()
-        and m.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and m.untyped_storage().data_ptr() == storage
         and m.storage_offset() == first.storage_offset() + k * step
         for k, m in enumerate(matrices)
     )
-    if contiguous_run:
+    if evenly:
         return first.as_strided((len(matrices), *first.shape), (step, *first.stride()), first.storage_offset())
     return None
 
@@ -268,16 +280,15 @@ def apply_map_batched(
     return out  # type: ignore[return-value]
 
 
-def row_factors_batched(pieces: Sequence[Tensor], lr_scale: str) -> list[Tensor]:
-    """:func:`~dimuon.optim.linalg.row_factors` of each piece with its shape scale, one call per shape where the
-    pieces of that shape lie back to back in one buffer (the core's Nesterov batch), else one call per piece (a
-    stack would copy them)."""
+def row_factors_batched(pieces: Sequence[Tensor], scales: Sequence[float]) -> list[Tensor]:
+    """:func:`~dimuon.optim.linalg.row_factors` of each piece with its scale, one call per shape and scale where the
+    pieces lie back to back in one buffer (the core's Nesterov batch), else one call per piece (a stack would copy
+    them)."""
     out: list[Tensor | None] = [None] * len(pieces)
-    by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
-        by_shape[tuple(piece.shape)].append(i)
-    for (rows, cols), idx in by_shape.items():
-        scale = lr_scale_factor(lr_scale, rows, cols)
+        groups[(tuple(piece.shape), scales[i])].append(i)
+    for (_, scale), idx in groups.items():
         batch = batch_view([pieces[i] for i in idx])
         results = row_factors(batch, scale=scale).unbind(0) if batch is not None else [
             row_factors(pieces[i], scale=scale) for i in idx]
@@ -342,6 +353,9 @@ class LocalEngine:
     def all_true(self, flag: Tensor) -> Tensor:
         return flag
 
+    def agree_max(self, values: Tensor) -> Tensor:
+        return values
+
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
         return {}
 
@@ -354,7 +368,8 @@ class LocalEngine:
     def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
         regions = [(j, region) for j, job in enumerate(jobs) for region in job.regions()]
         factors = row_factors_batched([jobs[j].update[r0:r1, c0:c1] for j, (r0, r1, c0, c1) in regions],
-                                      config.lr_scale)
+                                      [lr_scale_factor(config.lr_scale, r1 - r0, c1 - c0) for _, (r0, r1, c0, c1)
+                                       in regions])
         parts: list[list[RegionFactor]] = [[] for _ in jobs]
         for (j, region), f in zip(regions, factors):
             parts[j].append((region, f))

@@ -36,8 +36,10 @@ flattened) issues the same sequence, empty pieces included.
 from __future__ import annotations
 
 import itertools
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,17 +55,20 @@ from dimuon.optim.distributed.engine import (
     MapConfig,
     MatrixJob,
     PartialSums,
+    Region,
     RegionFactor,
     RowDirection,
     RowRange,
     apply_map_batched,
+    batch_view,
     compose_row_direction,
     map_regions,
     materialize,
+    row_factors_batched,
     stacked_ranges,
 )
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
-from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, row_factors, square_sums
+from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, square_sums
 from dimuon.optim.schedules import StepKind
 
 
@@ -233,6 +238,7 @@ class ShardedEngine:
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
         self._assembly: dict[tuple, Tensor] = {}  # (rows, cols, pad, members, device) -> gather index
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
+        self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
         self._local = LocalEngine()
         # The vote's own counted collectives: where it runs over the world, the world group may also be a flattened
         # mesh's (FSDP x TP over every rank), whose collectives keep their mesh label.
@@ -262,27 +268,41 @@ class ShardedEngine:
             flat = self._flat_meshes[id(mesh)] = mesh._flatten()
         return self._collectives(flat.get_group(0), mesh_dim_label(mesh, dims))
 
+    def agree_max(self, values: Tensor) -> Tensor:
+        for comm in self._voters:  # the vote's groups: one all-reduce where the world is covered
+            values = comm.all_max(values)
+        return values
+
     def all_true(self, flag: Tensor) -> Tensor:
         for comm in self._voters:  # one 4-byte all-reduce where the world is covered (vote_groups)
             flag = comm.all_true(flag)
         return flag
 
     # ----------------------------------------------------------------- placements
+    def prepare(self, matrices: Sequence[tuple[Tensor, str, int, int]]) -> None:
+        """Derive every Muon parameter's placement and make the process groups it talks over, given ``(parameter,
+        name, rows, cols)`` of its matrix: at the optimizer's construction, where the meshes' host reads and the
+        communicators every rank makes together belong (at W = 256 they are not a step's cost)."""
+        for param, name, rows, cols in matrices:
+            self._placement_of(param, name, rows, cols)
+
     def _placement(self, job: MatrixJob) -> _Placement:
         """The placement of the job's parameter, derived once per parameter object."""
-        param = job.meta.get("param")
+        return self._placement_of(job.meta.get("param"), job.name, job.rows, job.cols)
+
+    def _placement_of(self, param: Tensor | None, name: str, rows: int, cols: int) -> _Placement:
         cached = self._placements.get(id(param))
         if cached is not None and cached[0] is param:
             return cached[1]
         if param is not None and is_dtensor(param):
-            placement = self._dtensor_placement(derive_layout(param, job.name))
+            placement = self._dtensor_placement(derive_layout(param, name))
         elif self.process_group is not None:
-            whole = Piece((Span(0, job.rows, 0),), (Span(0, job.cols, 0),))
+            whole = Piece((Span(0, rows, 0),), (Span(0, cols, 0),))
             comm = self._collectives(self.process_group, "process_group")
             placement = _Placement(whole, None, (), None, None, comm, whole.numel, False)
         else:
             raise TypeError(
-                f"parameter {job.name!r} is a plain tensor in a group with sharded (DTensor) parameters; "
+                f"parameter {name!r} is a plain tensor in a group with sharded (DTensor) parameters; "
                 "shard every Muon parameter the same way (e.g. fully_shard the whole model), or pass "
                 "process_group= for replicated (DDP) parameters"
             )
@@ -381,19 +401,29 @@ class ShardedEngine:
             for r0, r1, c0, c1 in regions:
                 pieces.append(job.update[r0:r1, c0:c1])
                 where.append((i, r0, r1, c0, c1))
-        outs = [_empty_direction(job) for job, _ in placed]
-        for (i, r0, r1, c0, c1), d in zip(where, apply_map_batched(pieces, StepKind.BLOCK, config)):
-            outs[i][r0:r1, c0:c1] = d
-        return outs
+        results = apply_map_batched(pieces, StepKind.BLOCK, config)
+        count = Counter(i for i, *_ in where)
+        outs: list[Tensor | None] = [None] * len(placed)
+        for (i, r0, r1, c0, c1), d in zip(where, results):  # a block that is the whole piece is its direction
+            if count[i] == 1 and (r0, r1, c0, c1) == (0, *placed[i][0].update.shape[:1], 0,
+                                                       placed[i][0].update.shape[1]):
+                outs[i] = d
+        for (i, r0, r1, c0, c1), d in zip(where, results):
+            if outs[i] is None:
+                outs[i] = _empty_direction(placed[i][0])
+            if outs[i] is not d:
+                outs[i][r0:r1, c0:c1] = d  # type: ignore[index]
+        return [out if out is not None else _empty_direction(job) for out, (job, _) in zip(outs, placed)]
 
     def _rownorm(self, placed: Sequence[Placed], config: MapConfig) -> list[RowDirection]:
         """RowNorm factors: local where oriented rows are whole; where ranks split them, one flat all-reduce of
-        the partial sums of squares per process group (issued in first-appearance order, all before any wait)."""
+        the partial sums of squares per process group (issued in first-appearance order, all before any wait).
+        Both batched by shape over the Nesterov batch: a few ops per shape, not per matrix."""
         parts: list[list[RegionFactor]] = [[] for _ in placed]
-        pending: dict[int, tuple[Collectives, list]] = {}
+        whole: list[tuple[int, Region, Tensor, float]] = []  # (job, local region, block, scale)
+        pending: dict[int, tuple[Collectives, list[_SplitRows]]] = {}
         for i, (job, plc) in enumerate(placed):
             u = job.update
-            wide_dtype = _wide(u)
             # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
             col_ranges = job.col_ranges() if job.col_splits else ((0, u.shape[1]),)
             for a, b in job.logical_ranges():
@@ -405,30 +435,38 @@ class ShardedEngine:
                     comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
                     block = u[local[0] : local[1], c:d] if local is not None else None
                     if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
-                        if block is not None:
-                            # The block is oriented as its matrix: a wide one's rows or a tall one's columns are whole.
-                            parts[i].append(((local[0], local[1], c, d), row_factors(block, scale=scale)))
+                        if block is not None:  # oriented as its matrix: a wide one's rows, a tall one's columns
+                            whole.append((i, (local[0], local[1], c, d), block, scale))
                         continue
-                    if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
-                        sums = u.new_zeros(d - c, dtype=wide_dtype)
-                    else:
-                        sums = square_sums(block.to(wide_dtype), dim=-1 if wide else -2).view(-1)
-                    pending.setdefault(id(comm), (comm, []))[1].append((i, local, (c, d), scale, wide, sums))
+                    entry = _SplitRows(i, None if local is None else (local[0], local[1], c, d), scale, wide,
+                                       block, (local[1] - local[0]) if wide else d - c, u.device)
+                    pending.setdefault(id(comm), (comm, []))[1].append(entry)
+        for (i, region, _, _), f in zip(whole, row_factors_batched([w[2] for w in whole], [w[3] for w in whole])):
+            parts[i].append((region, f))
         reduced = []
         for comm, entries in pending.values():
-            flat = torch.cat([e[-1] for e in entries])
+            flat = torch.cat(_partial_square_sums(entries))
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            for (i, local, (c, d), scale, wide, _), norms in zip(entries, flat.split([len(e[-1]) for e in entries])):
-                if local is None:
-                    continue
-                # The same factor as linalg.row_factors, with the norm of each whole oriented row.
-                factor = scale / norms.sqrt().clamp(min=1e-7)
-                parts[i].append(((local[0], local[1], c, d), factor[:, None] if wide else factor[None, :]))
+            # The same factor as linalg.row_factors, with the norm of each whole oriented row: one division for all.
+            factors = self._scale_vector(entries, flat) / flat.sqrt().clamp(min=1e-7)
+            for e, f in zip(entries, factors.split([e.length for e in entries])):
+                if e.region is not None:
+                    parts[e.job].append((e.region, f[:, None] if e.wide else f[None, :]))
         for p in parts:
             p.sort(key=lambda part: part[0])
         return [compose_row_direction(job.update, p) for (job, _), p in zip(placed, parts)]
+
+    def _scale_vector(self, entries: Sequence[_SplitRows], like: Tensor) -> Tensor:
+        """Each entry's shape scale repeated over its oriented rows, as ``like``'s dtype and device: made once per
+        set of entries (a host-to-device copy at the first step only)."""
+        key = (tuple((e.scale, e.length) for e in entries), like.dtype, like.device)
+        vector = self._scale_vectors.get(key)
+        if vector is None:
+            values = [e.scale for e in entries for _ in range(e.length)]
+            vector = self._scale_vectors[key] = torch.tensor(values, dtype=like.dtype, device=like.device)
+        return vector
 
     # ----------------------------------------------------------------- spectral refreshes
     def _payload_dtype(self, job: MatrixJob, config: MapConfig) -> torch.dtype:
@@ -774,6 +812,41 @@ def _row_major(members: Sequence[Piece], cols: int, pad: int) -> bool:
         if len(m.rows) > 1 or (m.rows and m.rows[0].start != g * chunk):
             return False
     return True
+
+
+@dataclass(frozen=True)
+class _SplitRows:
+    """A RowNorm region whose oriented rows the ranks split: its partial sums of squares travel in an all-reduce."""
+
+    job: int
+    region: Region | None  # the local rows x columns, None where none of the matrix's rows are here
+    scale: float
+    wide: bool
+    block: Tensor | None
+    length: int  # oriented rows: the block's rows (wide) or the columns (tall)
+    device: torch.device
+
+
+def _partial_square_sums(entries: Sequence[_SplitRows]) -> list[Tensor]:
+    """Each entry's sums of squares over its local block along its oriented rows (zeros without a block), batched
+    by shape and orientation where the blocks lie back to back in one buffer."""
+    out: list[Tensor | None] = [None] * len(entries)
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for k, e in enumerate(entries):
+        if e.block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
+            out[k] = torch.zeros(e.length, dtype=torch.float32, device=e.device)
+        else:
+            groups[(tuple(e.block.shape), e.block.dtype, e.wide)].append(k)
+    for (_, dtype, wide), idx in groups.items():
+        blocks = [entries[k].block for k in idx]
+        batch = batch_view(blocks)  # type: ignore[arg-type]
+        dim = -1 if wide else -2
+        wide_dtype = torch.promote_types(dtype, torch.float32)
+        sums = (square_sums(batch.to(wide_dtype), dim).unbind(0) if batch is not None else
+                [square_sums(b.to(wide_dtype), dim) for b in blocks])  # type: ignore[union-attr]
+        for k, total in zip(idx, sums):
+            out[k] = total.reshape(-1)
+    return out  # type: ignore[return-value]
 
 
 def _wide(t: Tensor) -> torch.dtype:
