@@ -12,8 +12,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   where a neighbour's seed range overlaps the best's. The runs ``sweep`` and ``seeds`` already trained there are
   linked (or kept from their published records), not trained again. Once it exists, every later part takes its
   best lrs from here rather than from the sweep's final FD of one seed.
-- ``seeds``: every optimizer at its best lr (``select``, else ``sweep``) with seeds 0, 1, 2 (seed 0's runs are the sweep's,
-  linked, not retrained).
+- ``seeds``: every optimizer at its best lr (``select``, else ``sweep``) with seeds 0, 1, 2 (seed 0's runs are the
+  sweep's, linked, not retrained).
 - ``step``: each optimizer's training-step time on the race's model and batch, measured side by side in one
   ``dimuon bench step`` (one process, ``--threads`` threads, three runs each taken in rounds, nothing else
   training): the time basis of the
@@ -57,8 +57,11 @@ from pathlib import Path
 MAIN = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp")
 MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks of 4 FSDP ranks
 # Widened where a sweep's best lr sat on an edge (PeriodicRowMuon at 3e-3; MuonBP at 1e-3, then at 1e-2)
-SWEEP_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "periodic_row_muon": (1e-3, 3e-3, 1e-2, 2e-2),
-             "muon_bp": (3e-4, 1e-3, 3e-3, 1e-2, 2e-2)}
+SWEEP_LRS = {
+    "adamw": (1e-3, 3e-3, 1e-2),
+    "periodic_row_muon": (1e-3, 3e-3, 1e-2, 2e-2),
+    "muon_bp": (3e-4, 1e-3, 3e-3, 1e-2, 2e-2),
+}
 SWEEP_DEFAULT_LRS = (3e-3, 1e-2, 2e-2)
 # The selection's grid: factors of at most 2 around every optimizer's best of the sweep (by loss or by FD)
 SELECT_LRS = (3e-3, 5e-3, 1e-2, 2e-2)
@@ -78,29 +81,83 @@ class Ablation:
 
 
 ABLATIONS = {
-    "k": Ablation("periodic_row_muon", "K: a Newton-Schulz step every K steps, RowNorm between",
-                  {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)}, main="k3"),
-    "gamma": Ablation("periodic_row_muon", "gamma: the RowNorm steps' scale (K=3)",
-                      {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
-                      log_x=True, main="g0.15"),
-    "bp": Ablation("muon_bp", "P: a full-matrix step every P steps, block steps between (4 blocks)",
-                   {f"p{p}_r{r:g}": (p, f"block lr ratio {r:g}",
-                                     f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}")
-                    for p in (2, 5, 10) for r in (0.5, 1.0)}, main="p5_r1"),
-    "ns": Ablation("muon", "Newton-Schulz variant of Muon",
-                   {"quintic5": ("quintic 5", "", "--optim.ns-steps 5"),
-                    "quintic4": ("quintic 4", "", "--optim.ns-steps 4"),
-                    "quintic3": ("quintic 3", "", "--optim.ns-steps 3"),
-                    "polar5": ("Polar Express 5", "", "--optim.ns-coefficients polar_express"),
-                    "gram5": ("Gram 5", "", "--optim.ns-algorithm gram")}, main="quintic5"),
+    "k": Ablation(
+        "periodic_row_muon",
+        "K: a Newton-Schulz step every K steps, RowNorm between",
+        {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)},
+        main="k3",
+    ),
+    "gamma": Ablation(
+        "periodic_row_muon",
+        "gamma: the RowNorm steps' scale (K=3)",
+        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
+        log_x=True,
+        main="g0.15",
+    ),
+    "bp": Ablation(
+        "muon_bp",
+        "P: a full-matrix step every P steps, block steps between (4 blocks)",
+        {
+            f"p{p}_r{r:g}": (
+                p,
+                f"block lr ratio {r:g}",
+                f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}",
+            )
+            for p in (2, 5, 10)
+            for r in (0.5, 1.0)
+        },
+        main="p5_r1",
+    ),
+    "ns": Ablation(
+        "muon",
+        "Newton-Schulz variant of Muon",
+        {
+            "quintic5": ("quintic 5", "", "--optim.ns-steps 5"),
+            "quintic4": ("quintic 4", "", "--optim.ns-steps 4"),
+            "quintic3": ("quintic 3", "", "--optim.ns-steps 3"),
+            "polar5": ("Polar Express 5", "", "--optim.ns-coefficients polar_express"),
+            "gram5": ("Gram 5", "", "--optim.ns-algorithm gram"),
+        },
+        main="quintic5",
+    ),
 }
 ABLATION_SEEDS = (0, 1)
 LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
 PARTS = ("sweep", "select", "seeds", "step", "inception", "long", *ABLATIONS, "report")
-FULL = ["--model", "DiT-XS/4", "--dataset", "mnist", "--steps", "2000", "--batch-size", "32",
-        "--eval.interval", "500", "--eval.num-samples", "500", "--eval.sample-steps", "20"]
-QUICK = ["--model", "DiT-T/2", "--dataset", "digits", "--steps", "6", "--batch-size", "16", "--eval.interval", "3",
-         "--eval.num-samples", "40", "--eval.sample-steps", "2", "--eval.batch-size", "40"]
+FULL = [
+    "--model",
+    "DiT-XS/4",
+    "--dataset",
+    "mnist",
+    "--steps",
+    "2000",
+    "--batch-size",
+    "32",
+    "--eval.interval",
+    "500",
+    "--eval.num-samples",
+    "500",
+    "--eval.sample-steps",
+    "20",
+]
+QUICK = [
+    "--model",
+    "DiT-T/2",
+    "--dataset",
+    "digits",
+    "--steps",
+    "6",
+    "--batch-size",
+    "16",
+    "--eval.interval",
+    "3",
+    "--eval.num-samples",
+    "40",
+    "--eval.sample-steps",
+    "2",
+    "--eval.batch-size",
+    "40",
+]
 
 
 def published(args: argparse.Namespace, name: str) -> Path | None:
@@ -109,8 +166,9 @@ def published(args: argparse.Namespace, name: str) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1,
-          keep_rows_of: list[str] | None = None) -> int:
+def bench(
+    args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1, keep_rows_of: list[str] | None = None
+) -> int:
     """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``), its output
     streamed; the finished runs of the part's published record (``<report-dir>/<part>.json``) whose directories
     are not here are kept from it, not trained again."""
@@ -118,10 +176,26 @@ def bench(args: argparse.Namespace, part: str, flags: list[str], steps_factor: i
     settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
     earlier = published(args, f"{part}.json")
     keep = keep_rows_of if keep_rows_of is not None else ["--keep-rows-of", str(earlier)] if earlier else []
-    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "quality", *settings, *flags,
-           "--out", str(args.out / part), "--eval.cache-dir", str(args.out / "feature_cache"),
-           "--jobs", str(args.jobs), "--threads", str(args.threads), "--no-progress",
-           *keep, *(["--report-only"] if args.report_only else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimuon.cli",
+        "bench",
+        "quality",
+        *settings,
+        *flags,
+        "--out",
+        str(args.out / part),
+        "--eval.cache-dir",
+        str(args.out / "feature_cache"),
+        "--jobs",
+        str(args.jobs),
+        "--threads",
+        str(args.threads),
+        "--no-progress",
+        *keep,
+        *(["--report-only"] if args.report_only else []),
+    ]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
@@ -137,18 +211,24 @@ def best_lrs(args: argparse.Namespace) -> dict[str, float]:
         record = json.loads(chosen.read_text(encoding="utf-8"))
         unfinished = [r["name"] for r in record["runs"] if r["status"] != "ok"]
         if unfinished or len(record["runs"]) < len(MAIN) * len(SELECT_LRS) * len(SELECT_SEEDS):
-            raise SystemExit(f"race: the selection ({chosen}) is not finished ({len(unfinished)} runs unfinished "
-                             "or missing): run --part select again")
+            raise SystemExit(
+                f"race: the selection ({chosen}) is not finished ({len(unfinished)} runs unfinished "
+                "or missing): run --part select again"
+            )
         path = chosen
     else:
         path = args.out / "sweep" / "results.json"
         if not path.is_file():
             path = published(args, "sweep.json") or path
         if not path.is_file():
-            raise SystemExit(f"race: {path} is missing: run --part sweep first (or pass --report-dir with its "
-                             "published sweep.json)")
-        print("race: note: best lrs from the sweep (seed 0); --part select chooses by the mean EMA validation loss "
-              "of 2 seeds", flush=True)
+            raise SystemExit(
+                f"race: {path} is missing: run --part sweep first (or pass --report-dir with its published sweep.json)"
+            )
+        print(
+            "race: note: best lrs from the sweep (seed 0); --part select chooses by the mean EMA validation loss "
+            "of 2 seeds",
+            flush=True,
+        )
     summary = json.loads(path.read_text(encoding="utf-8"))["optimizers"]
     missing = [name for name in MAIN if summary.get(name, {}).get("lr") is None]
     if missing:
@@ -180,20 +260,47 @@ def select(args: argparse.Namespace) -> int:
     if earlier:
         from dimuon.io import write_json_atomic
 
-        keep = ["--keep-rows-of", str(write_json_atomic(args.out / "select" / "earlier.json",
-                                                         {"runs": list(earlier.values())}))]
+        keep = [
+            "--keep-rows-of",
+            str(write_json_atomic(args.out / "select" / "earlier.json", {"runs": list(earlier.values())})),
+        ]
     trained = args.only or MAIN
-    return bench(args, "select", ["--optimizers", *trained, "--lrs", *(f"{lr:g}" for lr in SELECT_LRS),
-                                  "--seeds", *map(str, SELECT_SEEDS), "--select-by", "val_loss_ema",
-                                  *(["--train-args-of", MUON_BP_BLOCKS] if "muon_bp" in trained else [])],
-                 keep_rows_of=keep)
+    return bench(
+        args,
+        "select",
+        [
+            "--optimizers",
+            *trained,
+            "--lrs",
+            *(f"{lr:g}" for lr in SELECT_LRS),
+            "--seeds",
+            *map(str, SELECT_SEEDS),
+            "--select-by",
+            "val_loss_ema",
+            *(["--train-args-of", MUON_BP_BLOCKS] if "muon_bp" in trained else []),
+        ],
+        keep_rows_of=keep,
+    )
 
 
 def sweep(args: argparse.Namespace) -> int:
     grid = [f"{name}={','.join(f'{lr:g}' for lr in lrs)}" for name, lrs in SWEEP_LRS.items()]
-    return bench(args, "sweep", ["--optimizers", *MAIN, "--lr-grid", *grid,
-                                 "--lrs", *(f"{lr:g}" for lr in SWEEP_DEFAULT_LRS), "--seeds", "0",
-                                 "--train-args-of", MUON_BP_BLOCKS])
+    return bench(
+        args,
+        "sweep",
+        [
+            "--optimizers",
+            *MAIN,
+            "--lr-grid",
+            *grid,
+            "--lrs",
+            *(f"{lr:g}" for lr in SWEEP_DEFAULT_LRS),
+            "--seeds",
+            "0",
+            "--train-args-of",
+            MUON_BP_BLOCKS,
+        ],
+    )
 
 
 def seeds(args: argparse.Namespace) -> int:
@@ -203,15 +310,42 @@ def seeds(args: argparse.Namespace) -> int:
     for name, lr in lrs.items():  # seed 0 is the sweep's run: linked, not trained again
         run = f"{name}-lr{lr:g}-s0"
         link(runs / run, args.out / "sweep" / "runs" / run)
-    return bench(args, "seeds", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
-                                 "--seeds", "0", "1", "2", "--train-args-of", MUON_BP_BLOCKS])
+    return bench(
+        args,
+        "seeds",
+        [
+            "--optimizers",
+            *MAIN,
+            "--lr-grid",
+            *(f"{n}={lr:g}" for n, lr in lrs.items()),
+            "--seeds",
+            "0",
+            "1",
+            "2",
+            "--train-args-of",
+            MUON_BP_BLOCKS,
+        ],
+    )
 
 
 def long(args: argparse.Namespace) -> int:
     """Every optimizer at its best lr for twice the race's steps, seed 0: does the ranking hold?"""
     lrs = best_lrs(args)
-    return bench(args, "long", ["--optimizers", *MAIN, "--lr-grid", *(f"{n}={lr:g}" for n, lr in lrs.items()),
-                                "--seeds", "0", "--train-args-of", MUON_BP_BLOCKS], steps_factor=LONG_FACTOR)
+    return bench(
+        args,
+        "long",
+        [
+            "--optimizers",
+            *MAIN,
+            "--lr-grid",
+            *(f"{n}={lr:g}" for n, lr in lrs.items()),
+            "--seeds",
+            "0",
+            "--train-args-of",
+            MUON_BP_BLOCKS,
+        ],
+        steps_factor=LONG_FACTOR,
+    )
 
 
 def link(link_path: Path, target: Path) -> None:
@@ -229,12 +363,24 @@ def ablation(args: argparse.Namespace, part: str) -> int:
     names = [f"{spec.base}/{label}" for label in spec.variants]
     if spec.main is not None:  # the variant the main race already trained: its seeds' runs, linked
         for seed in ABLATION_SEEDS:
-            link(args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
-                 args.out / "seeds" / "runs" / f"{spec.base}-lr{lr:g}-s{seed}")
-    return bench(args, part, ["--optimizers", *names, "--lrs", *(f"{x:g}" for x in lrs),
-                              "--seeds", *map(str, ABLATION_SEEDS),
-                              "--train-args-of", *(f"{spec.base}/{label}={flags}"
-                                                   for label, (_, _, flags) in spec.variants.items())])
+            link(
+                args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
+                args.out / "seeds" / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
+            )
+    return bench(
+        args,
+        part,
+        [
+            "--optimizers",
+            *names,
+            "--lrs",
+            *(f"{x:g}" for x in lrs),
+            "--seeds",
+            *map(str, ABLATION_SEEDS),
+            "--train-args-of",
+            *(f"{spec.base}/{label}={flags}" for label, (_, _, flags) in spec.variants.items()),
+        ],
+    )
 
 
 def setting(name: str, args: argparse.Namespace) -> str:
@@ -252,12 +398,33 @@ def step_time(args: argparse.Namespace) -> int:
     if args.report_only:
         print(f"race: {args.out / 'step'} is not measured yet (--report-only launches nothing)", flush=True)
         return 0
-    cmd = [sys.executable, "-m", "dimuon.cli", "bench", "step", "--model", setting("--model", args),
-           "--dataset", setting("--dataset", args), "--batch-size", setting("--batch-size", args), "--worlds", "1",
-           "--threads", str(args.threads), "--optimizers", *MAIN, "--train-args-of", MUON_BP_BLOCKS,
-           *(["--window", "2", "--windows", "2"] if args.quick else ["--window", "30", "--windows", "3"]),
-           "--repeats", "3",
-           "--out", str(args.out / "step"), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimuon.cli",
+        "bench",
+        "step",
+        "--model",
+        setting("--model", args),
+        "--dataset",
+        setting("--dataset", args),
+        "--batch-size",
+        setting("--batch-size", args),
+        "--worlds",
+        "1",
+        "--threads",
+        str(args.threads),
+        "--optimizers",
+        *MAIN,
+        "--train-args-of",
+        MUON_BP_BLOCKS,
+        *(["--window", "2", "--windows", "2"] if args.quick else ["--window", "30", "--windows", "3"]),
+        "--repeats",
+        "3",
+        "--out",
+        str(args.out / "step"),
+        "--no-progress",
+    ]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False).returncode
 
@@ -273,20 +440,54 @@ def inception(args: argparse.Namespace) -> int:
     summary: dict[str, list[dict]] = {}
     for r in runs:
         run_dir = args.out / "seeds" / "runs" / r["name"]
-        cmd = [sys.executable, "-m", "dimuon.cli", "eval", "--run", str(run_dir), "--features", "inception",
-               "--num-samples", samples, "--sample-steps", steps, "--latest", "--threads",
-               str(args.jobs * args.threads), "--no-progress"]  # one at a time, with every job's threads
+        cmd = [
+            sys.executable,
+            "-m",
+            "dimuon.cli",
+            "eval",
+            "--run",
+            str(run_dir),
+            "--features",
+            "inception",
+            "--num-samples",
+            samples,
+            "--sample-steps",
+            steps,
+            "--latest",
+            "--threads",
+            str(args.jobs * args.threads),
+            "--no-progress",
+        ]  # one at a time, with every job's threads
         print("$ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, check=False).returncode != 0:
             return 1
         results = json.loads((run_dir / "eval" / "results.json").read_text(encoding="utf-8"))["evaluations"]
-        series = [ev for ev in results.values() if ev["settings"]["feature_space"].startswith("inception")
-                  and str(ev["settings"]["num_samples"]) == samples and str(ev["settings"]["sample_steps"]) == steps]
+        series = [
+            ev
+            for ev in results.values()
+            if ev["settings"]["feature_space"].startswith("inception")
+            and str(ev["settings"]["num_samples"]) == samples
+            and str(ev["settings"]["sample_steps"]) == steps
+        ]
         last = max((e for ev in series for e in ev["entries"] if e["status"] == "ok"), key=lambda e: e["step"])
-        summary.setdefault(r["optimizer"], []).append({"run": r["name"], "step": last["step"], "fd": last["fd"],
-                                                       "precision": last["precision"], "recall": last["recall"]})
-    table = {name: {"fd_mean": sum(e["fd"] for e in rows) / len(rows), "fd_min": min(e["fd"] for e in rows),
-                    "fd_max": max(e["fd"] for e in rows), "runs": rows} for name, rows in summary.items()}
+        summary.setdefault(r["optimizer"], []).append(
+            {
+                "run": r["name"],
+                "step": last["step"],
+                "fd": last["fd"],
+                "precision": last["precision"],
+                "recall": last["recall"],
+            }
+        )
+    table = {
+        name: {
+            "fd_mean": sum(e["fd"] for e in rows) / len(rows),
+            "fd_min": min(e["fd"] for e in rows),
+            "fd_max": max(e["fd"] for e in rows),
+            "runs": rows,
+        }
+        for name, rows in summary.items()
+    }
     (args.out / "inception.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     for name, t in table.items():
         print(f"{name:20s} Inception FD {t['fd_mean']:.2f} (seeds {t['fd_min']:.2f} .. {t['fd_max']:.2f})")
@@ -307,8 +508,12 @@ def sweep_summary(record: dict) -> dict[str, dict]:
             if r["optimizer"] == name and r["status"] == "ok":
                 fds.setdefault(f"{r['lr']:g}", []).append(r["fd"])
         tried = s["lrs_tried"]
-        out[name] = {"lr": s["lr"], "lrs_tried": tried, "fd_by_lr": {lr: sum(v) / len(v) for lr, v in fds.items()},
-                     "on_edge": s["lr"] is not None and len(tried) > 1 and s["lr"] in (min(tried), max(tried))}
+        out[name] = {
+            "lr": s["lr"],
+            "lrs_tried": tried,
+            "fd_by_lr": {lr: sum(v) / len(v) for lr, v in fds.items()},
+            "on_edge": s["lr"] is not None and len(tried) > 1 and s["lr"] in (min(tried), max(tried)),
+        }
     return out
 
 
@@ -340,8 +545,9 @@ def report(args: argparse.Namespace) -> int:
         carried.append("step.json")
     times = rr.step_times(step_record)
     same_main = previous.get("main_part") == main_part
-    curves, filled = rr.fill_curves(rr.load_curves(main_record, args.out / main_part), main_record,
-                                    previous.get("curves", {}) if same_main else {})
+    curves, filled = rr.fill_curves(
+        rr.load_curves(main_record, args.out / main_part), main_record, previous.get("curves", {}) if same_main else {}
+    )
     curves, basis = rr.timed_by(curves, times)
     main = rr.optimizer_summary(main_record, curves, side_by_side=times if basis == "side by side" else None)
     inception = _record(args.out / "inception.json")
@@ -359,76 +565,141 @@ def report(args: argparse.Namespace) -> int:
             return path
         return plot
 
-    outputs = [rr.plot_fd_vs_time(curves, dest / "fd_vs_time.png", main["target_fd"],
-                                  f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest",
-                                  basis),
-               rr.plot_time_to_quality(main, dest / "time_to_quality.png",
-                                       f"{task}: time to AdamW's quality (its worst seed's best FD)")]
+    outputs = [
+        rr.plot_fd_vs_time(
+            curves,
+            dest / "fd_vs_time.png",
+            main["target_fd"],
+            f"{task}: FD in {space}, mean over seeds and band from the lowest to the highest",
+            basis,
+        ),
+        rr.plot_time_to_quality(
+            main, dest / "time_to_quality.png", f"{task}: time to AdamW's quality (its worst seed's best FD)"
+        ),
+    ]
     grids_gone = any(not (cs[0].grid and Path(cs[0].grid).is_file()) for cs in curves.values())
-    outputs.append(kept(None if grids_gone else rr.plot_sample_grids(
-        curves, dest / "samples.png", f"{task}: the last evaluation's samples"), dest / "samples.png", grids_gone))
+    outputs.append(
+        kept(
+            None
+            if grids_gone
+            else rr.plot_sample_grids(curves, dest / "samples.png", f"{task}: the last evaluation's samples"),
+            dest / "samples.png",
+            grids_gone,
+        )
+    )
     levels = rr.time_to_levels(curves)
-    outputs.append(rr.plot_time_to_levels(rr.time_to_levels(curves, levels=rr.dense_levels(levels["levels"])),
-                                          dest / "time_to_levels.png",
-                                          f"{task}: time to each quality AdamW has reached on every seed", basis))
+    outputs.append(
+        rr.plot_time_to_levels(
+            rr.time_to_levels(curves, levels=rr.dense_levels(levels["levels"])),
+            dest / "time_to_levels.png",
+            f"{task}: time to each quality AdamW has reached on every seed",
+            basis,
+        )
+    )
     longer, long_curves = None, {}
     if "long" in records:
-        long_curves, long_filled = rr.fill_curves(rr.load_curves(records["long"], args.out / "long"),
-                                                  records["long"], previous.get("long_curves") or {})
+        long_curves, long_filled = rr.fill_curves(
+            rr.load_curves(records["long"], args.out / "long"), records["long"], previous.get("long_curves") or {}
+        )
         long_curves, _ = rr.timed_by(long_curves, times)
         filled += long_filled
         lc = records["long"]["config"]
         if long_curves or not previous.get("long"):
-            longer = rr.optimizer_summary(records["long"], long_curves,
-                                          side_by_side=times if basis == "side by side" else None)
+            longer = rr.optimizer_summary(
+                records["long"], long_curves, side_by_side=times if basis == "side by side" else None
+            )
             longer["steps"] = lc["steps"]
         else:  # published before its curves were: its summary and plot as they are
             longer = previous["long"]
             carried.append("race.json's long summary")
-        outputs.append(kept(rr.plot_fd_vs_time(long_curves, dest / "fd_vs_time_long.png", longer["target_fd"],
-                                               f"{lc['model']} on {lc['dataset']}, batch {lc['batch_size']}, "
-                                               f"{lc['steps']} steps (seed 0): FD in {space}", basis)
-                            if long_curves else None, dest / "fd_vs_time_long.png", not long_curves))
+        outputs.append(
+            kept(
+                rr.plot_fd_vs_time(
+                    long_curves,
+                    dest / "fd_vs_time_long.png",
+                    longer["target_fd"],
+                    f"{lc['model']} on {lc['dataset']}, batch {lc['batch_size']}, "
+                    f"{lc['steps']} steps (seed 0): FD in {space}",
+                    basis,
+                )
+                if long_curves
+                else None,
+                dest / "fd_vs_time_long.png",
+                not long_curves,
+            )
+        )
     if filled:
         carried.append(f"race.json's FD curves of {', '.join(filled)}")
     k_costs = {}
     for part, summary in ablations.items():
         spec = ABLATIONS[part]
         points = {f"{spec.base}/{label}": (x, line) for label, (x, line, _) in spec.variants.items()}
-        outputs.append(rr.plot_ablation(summary, points, dest / f"fd_vs_{part}.png", spec.xlabel,
-                                        f"{task}: {spec.base}'s final FD and EMA validation loss, mean over seeds "
-                                        "and whiskers from the lowest to the highest", spec.log_x))
+        outputs.append(
+            rr.plot_ablation(
+                summary,
+                points,
+                dest / f"fd_vs_{part}.png",
+                spec.xlabel,
+                f"{task}: {spec.base}'s final FD and EMA validation loss, mean over seeds "
+                "and whiskers from the lowest to the highest",
+                spec.log_x,
+            )
+        )
         if part == "k":
             for lr in {lr for by_lr in summary.values() for lr in by_lr}:
                 for a, b in ((2, 3), (3, 4)):
                     k_costs.setdefault(lr, {})[f"K={a}->{b}"] = {
                         key: rr.relative_change(summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr, key)
-                        for key in rr.ABLATION_METRICS}
+                        for key in rr.ABLATION_METRICS
+                    }
     for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
-    result = {"benchmark": "race", "task": task, "feature_space": space, "main_part": main_part,
-              "settings": QUICK if args.quick else FULL, "eval_settings": main_record["eval_settings"],
-              "machine": main_record["machine"],
-              "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
-              "selection": ({name: {**s["selection"], "machines": rr.run_machines(
-                  {"runs": [r for r in records["select"]["runs"] if r["optimizer"] == name],
-                   "machine": records["select"]["machine"]})}
-                             for name, s in records["select"]["optimizers"].items()}
-                            if "select" in records else None),
-              "main": main, "levels": levels, "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
-              "inception": inception, "long": longer,
-              "long_curves": {n: [c.to_dict() for c in cs] for n, cs in long_curves.items()},
-              "ablations": ablations, "ablation_machines": {part: rr.run_machines(records[part]) for part in ablations},
-              "k_costs": k_costs,
-              "step_command": step_record["command"] if step_record and basis == "side by side" else None}
+    result = {
+        "benchmark": "race",
+        "task": task,
+        "feature_space": space,
+        "main_part": main_part,
+        "settings": QUICK if args.quick else FULL,
+        "eval_settings": main_record["eval_settings"],
+        "machine": main_record["machine"],
+        "sweep": sweep_summary(records["sweep"]) if "sweep" in records else None,
+        "selection": (
+            {
+                name: {
+                    **s["selection"],
+                    "machines": rr.run_machines(
+                        {
+                            "runs": [r for r in records["select"]["runs"] if r["optimizer"] == name],
+                            "machine": records["select"]["machine"],
+                        }
+                    ),
+                }
+                for name, s in records["select"]["optimizers"].items()
+            }
+            if "select" in records
+            else None
+        ),
+        "main": main,
+        "levels": levels,
+        "curves": {n: [c.to_dict() for c in cs] for n, cs in curves.items()},
+        "inception": inception,
+        "long": longer,
+        "long_curves": {n: [c.to_dict() for c in cs] for n, cs in long_curves.items()},
+        "ablations": ablations,
+        "ablation_machines": {part: rr.run_machines(records[part]) for part in ablations},
+        "k_costs": k_costs,
+        "step_command": step_record["command"] if step_record and basis == "side by side" else None,
+    }
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
     write_json_atomic(dest / "race.json", result)
     write_text_atomic(dest / "race.md", render(result) + "\n")
     print(render(result), flush=True)
     if carried:
-        print(f"race: taken as published in {dest} (their runs are not under {args.out}): {'; '.join(carried)}",
-              flush=True)
+        print(
+            f"race: taken as published in {dest} (their runs are not under {args.out}): {'; '.join(carried)}",
+            flush=True,
+        )
     print("wrote " + ", ".join(result["outputs"]), flush=True)
     return 0
 
@@ -439,31 +710,54 @@ def render(result: dict) -> str:
 
     m = result["machine"]
     main = result["main"]
-    lines = ["# The optimizer race", "",
-             f"{result['task']}; FD in `{result['feature_space']}`; {m.get('cpu_model') or m.get('cuda')}, torch "
-             f"{m.get('torch')}. Time: {rr.TIME_BASES[main['time_basis']]}"
-             + (" (two runs sharing two cores)." if main["time_basis"] == "run medians" else
-                ", one process alone on the machine, as the race's runs train.")
-             + (f" Step times: [step.json](step.json), `{result['step_command']}`." if result.get("step_command")
-                else ""), "",
-             f"## Main race ({result['main_part']}: each optimizer at its best lr, mean (lowest..highest) over seeds)",
-             "", (f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed; time to it: the step FD "
-                  "first gets there (interpolated between evaluations) x the step time. "
-                  if main["target_fd"] else "") + "Last FD change: between the last two evaluations (has FD flattened?).",
-             "", rr.render_main(main, result["inception"])]
+    lines = [
+        "# The optimizer race",
+        "",
+        f"{result['task']}; FD in `{result['feature_space']}`; {m.get('cpu_model') or m.get('cuda')}, torch "
+        f"{m.get('torch')}. Time: {rr.TIME_BASES[main['time_basis']]}"
+        + (
+            " (two runs sharing two cores)."
+            if main["time_basis"] == "run medians"
+            else ", one process alone on the machine, as the race's runs train."
+        )
+        + (f" Step times: [step.json](step.json), `{result['step_command']}`." if result.get("step_command") else ""),
+        "",
+        f"## Main race ({result['main_part']}: each optimizer at its best lr, mean (lowest..highest) over seeds)",
+        "",
+        (
+            f"Target: FD {main['target_fd']:.3f}, the best FD of AdamW's worst seed; time to it: the step FD "
+            "first gets there (interpolated between evaluations) x the step time. "
+            if main["target_fd"]
+            else ""
+        )
+        + "Last FD change: between the last two evaluations (has FD flattened?).",
+        "",
+        rr.render_main(main, result["inception"]),
+    ]
     if result.get("levels", {}).get("levels"):
-        lines += ["", "### Time to each of AdamW's quality levels", "",
-                  "The FD AdamW has reached on every seed by each of its evaluations (the last is the target above); "
-                  "per optimizer the mean time to it and the ratio to AdamW's own, where every seed got there.", "",
-                  rr.render_levels(result["levels"])]
+        lines += [
+            "",
+            "### Time to each of AdamW's quality levels",
+            "",
+            "The FD AdamW has reached on every seed by each of its evaluations (the last is the target above); "
+            "per optimizer the mean time to it and the ratio to AdamW's own, where every seed got there.",
+            "",
+            rr.render_levels(result["levels"]),
+        ]
     if result.get("long"):
         longer = result["long"]
-        lines += ["", f"## Twice the steps (long: {longer['steps']} steps, seed 0, the same best lrs)", "",
-                  "Has FD flattened at the race's length, and does its ranking hold with a longer budget (the cosine "
-                  "schedule stretched to it)? Target here: AdamW's best FD in this longer run.", "",
-                  rr.render_main(longer), "",
-                  f"Ranking by final FD: at {result['task'].split(', ')[-1]} (main table) "
-                  f"{' < '.join(rr.ranking(main))}; at {longer['steps']} steps {' < '.join(rr.ranking(longer))}."]
+        lines += [
+            "",
+            f"## Twice the steps (long: {longer['steps']} steps, seed 0, the same best lrs)",
+            "",
+            "Has FD flattened at the race's length, and does its ranking hold with a longer budget (the cosine "
+            "schedule stretched to it)? Target here: AdamW's best FD in this longer run.",
+            "",
+            rr.render_main(longer),
+            "",
+            f"Ranking by final FD: at {result['task'].split(', ')[-1]} (main table) "
+            f"{' < '.join(rr.ranking(main))}; at {longer['steps']} steps {' < '.join(rr.ranking(longer))}.",
+        ]
     if result["sweep"]:
         lines += ["", "## Learning-rate sweep (seed 0, final FD)", ""]
         for name, s in result["sweep"].items():
@@ -473,29 +767,44 @@ def render(result: dict) -> str:
     if result.get("selection"):
         from dimuon.bench.quality_report import selection_lines
 
-        lines += ["", "## Learning-rate selection (select: lowest mean EMA validation loss over seeds 0 and 1)", "",
-                  "Per lr the mean (lowest..highest) over seeds; bold: the chosen lr. Flat: a neighbour's seed range "
-                  "overlaps the chosen one's, so the loss cannot tell them apart.", "",
-                  *selection_lines({n: {"selection": sel} for n, sel in result["selection"].items()})]
+        lines += [
+            "",
+            "## Learning-rate selection (select: lowest mean EMA validation loss over seeds 0 and 1)",
+            "",
+            "Per lr the mean (lowest..highest) over seeds; bold: the chosen lr. Flat: a neighbour's seed range "
+            "overlaps the chosen one's, so the loss cannot tell them apart.",
+            "",
+            *selection_lines({n: {"selection": sel} for n, sel in result["selection"].items()}),
+        ]
         machines: dict[str, int] = {}
         for sel in result["selection"].values():
             for label, n in (sel.get("machines") or {}).items():
                 machines[label] = machines.get(label, 0) + n
         lines += ["", "Trained on " + "; ".join(f"{label} ({n} runs)" for label, n in machines.items()) + "."]
     for part, summary in result["ablations"].items():
-        best = "; ".join(f"lr {lr}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {name.split('/')[-1]}"
-                                                  for key, name in by_key.items())
-                         for lr, by_key in rr.best_entries(summary).items())
+        best = "; ".join(
+            f"lr {lr}: "
+            + ", ".join(f"{rr.ABLATION_METRICS[key]} {name.split('/')[-1]}" for key, name in by_key.items())
+            for lr, by_key in rr.best_entries(summary).items()
+        )
         lines += ["", f"## Ablation: {ABLATIONS[part].xlabel}", ""]
         machines = (result.get("ablation_machines") or {}).get(part) or {}
         if set(machines) - {rr.machine_label(m)}:
-            where = (next(iter(machines)) if len(machines) == 1 else
-                     "; ".join(f"{label} ({n} run{'s' * (n > 1)})" for label, n in machines.items()))
+            where = (
+                next(iter(machines))
+                if len(machines) == 1
+                else "; ".join(f"{label} ({n} run{'s' * (n > 1)})" for label, n in machines.items())
+            )
             lines += [f"Measured on {where}, not the main race's machine.", ""]
         lines += [rr.render_ablation(summary), "", f"Lowest mean over seeds: {best}."]
     for lr, costs in result["k_costs"].items():
-        cells = "; ".join(f"{k}: " + ", ".join(f"{rr.ABLATION_METRICS[key]} {'-' if v is None else f'{100 * v:+.1f}%'}"
-                                                for key, v in change.items()) for k, change in costs.items())
+        cells = "; ".join(
+            f"{k}: "
+            + ", ".join(
+                f"{rr.ABLATION_METRICS[key]} {'-' if v is None else f'{100 * v:+.1f}%'}" for key, v in change.items()
+            )
+            for k, change in costs.items()
+        )
         lines += ["", f"Cost of a longer period at lr {lr} (change of the means over seeds): {cells}."]
     return "\n".join(lines)
 
@@ -507,18 +816,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="training processes at a time (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (default: 1)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
-    parser.add_argument("--report-only", action="store_true",
-                        help="the parts' records rebuilt from their run directories, launching nothing (a part "
-                             "still training elsewhere)")
-    parser.add_argument("--only", nargs="+", choices=MAIN, default=None,
-                        help="--part select: train these optimizers' runs first (their record alone; a later run "
-                             "without --only completes the part and its record)")
-    parser.add_argument("--report-dir", type=Path, default=None,
-                        help="where --part report writes (default: <out>/report)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="the parts' records rebuilt from their run directories, launching nothing (a part "
+        "still training elsewhere)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=MAIN,
+        default=None,
+        help="--part select: train these optimizers' runs first (their record alone; a later run "
+        "without --only completes the part and its record)",
+    )
+    parser.add_argument(
+        "--report-dir", type=Path, default=None, help="where --part report writes (default: <out>/report)"
+    )
     args = parser.parse_args(argv)
     for part in PARTS if args.part == "all" else (args.part,):
-        steps = {"sweep": sweep, "select": select, "seeds": seeds, "step": step_time, "inception": inception, "long": long,
-                 "report": report}
+        steps = {
+            "sweep": sweep,
+            "select": select,
+            "seeds": seeds,
+            "step": step_time,
+            "inception": inception,
+            "long": long,
+            "report": report,
+        }
         code = steps[part](args) if part in steps else ablation(args, part)
         if code != 0:
             print(f"race: part {part} ended with status {code}; run it again to resume", flush=True)

@@ -107,12 +107,25 @@ class Probe:
                 values["rownorm_misalign"].append(1.0 - _cos(r, o_ref))
                 values["align_drop"].append(1.0 - _ratio(_cos(u, o_ref), self.ref["cos_uo"][i]))
                 values["rownorm_gap"].append(1.0 - _cos(r, o))
-            self.sink.write(json.dumps({"step": step, "age": step - self.ref["step"], "lr": float(self.group["lr"]),
-                                        **{k: [round(v, 6) for v in vs] for k, vs in values.items()}}) + "\n")
+            self.sink.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "age": step - self.ref["step"],
+                        "lr": float(self.group["lr"]),
+                        **{k: [round(v, 6) for v in vs] for k, vs in values.items()},
+                    }
+                )
+                + "\n"
+            )
         if step % self.anchor == 0 and step > 0:  # at step 0 adaLN-Zero leaves most momenta at zero
-            self.ref = {"step": step, "u": [u.clone() for u in us], "o": os_,
-                        "u_bf16": [u.to(torch.bfloat16) for u in us],
-                        "cos_uo": [_cos(u, o) for u, o in zip(us, os_)]}
+            self.ref = {
+                "step": step,
+                "u": [u.clone() for u in us],
+                "o": os_,
+                "u_bf16": [u.to(torch.bfloat16) for u in us],
+                "cos_uo": [_cos(u, o) for u, o in zip(us, os_)],
+            }
 
 
 def run(args: argparse.Namespace) -> list[str]:
@@ -123,8 +136,16 @@ def run(args: argparse.Namespace) -> list[str]:
     from dimuon.train.optim_options import OptimOptions
     from dimuon.train.plan import resolve
 
-    cfg = TrainConfig(out=str(args.out), steps=args.steps, optimizer="periodic_row_muon", optim=OptimOptions(k=1),
-                      threads=args.threads, overwrite=True, progress=not args.no_progress, ckpt_interval=0)
+    cfg = TrainConfig(
+        out=str(args.out),
+        steps=args.steps,
+        optimizer="periodic_row_muon",
+        optim=OptimOptions(k=1),
+        threads=args.threads,
+        overwrite=True,
+        progress=not args.no_progress,
+        ckpt_interval=0,
+    )
     plan = resolve(cfg)
     trainer = Trainer(plan, setup(cfg.device, cfg.threads))
     with open(Path(args.out) / "staleness.jsonl", "w") as sink:
@@ -157,8 +178,12 @@ def analyze(raw: Path, anchor_default: int) -> dict[str, Any]:
     data = {k: torch.tensor([r[k] for r in rows], dtype=torch.float64) for k in SIGNALS}  # (steps, matrices)
     steps = torch.tensor([r["step"] for r in rows])
     ages = torch.tensor([r["age"] for r in rows])
-    summary: dict[str, Any] = {"anchor": header.get("anchor", anchor_default), "matrices": names,
-                               "layers": [list(x) for x in layers], "steps": int(steps.max()) + 1}
+    summary: dict[str, Any] = {
+        "anchor": header.get("anchor", anchor_default),
+        "matrices": names,
+        "layers": [list(x) for x in layers],
+        "steps": int(steps.max()) + 1,
+    }
     # Does a candidate rank the matrices by staleness as the truth does? Spearman across the matrices at
     # each step (equal age for all of them), averaged over steps; and Pearson over every (step, matrix).
     truth = data["truth"]
@@ -196,9 +221,11 @@ def analyze(raw: Path, anchor_default: int) -> dict[str, Any]:
     summary["mean_by_type_phase_age"] = curves
     # The value at PROBE_AGE in every anchor window, per matrix (the evolution plot).
     sel = ages == PROBE_AGE
-    summary["at_age"] = {"age": PROBE_AGE, "steps": steps[sel].tolist(),
-                         **{k: {n: [round(v, 5) for v in data[k][sel][:, j].tolist()] for j, n in enumerate(names)}
-                            for k in SIGNALS}}
+    summary["at_age"] = {
+        "age": PROBE_AGE,
+        "steps": steps[sel].tolist(),
+        **{k: {n: [round(v, 5) for v in data[k][sel][:, j].tolist()] for j, n in enumerate(names)} for k in SIGNALS},
+    }
     # Ages at which each signal first passes a level, per matrix (what a threshold rule would pick).
     return summary
 
@@ -213,8 +240,14 @@ def plot(summary: dict[str, Any], prefix: str) -> list[Path]:
     written = []
     # 1. Evolution over training, at a fixed age, by layer type (columns) and depth (colour).
     shown = ("truth", "drift", "rownorm_misalign", "align_drop", "rownorm_gap")
-    fig, axes = plt.subplots(len(shown), len(LAYER_TYPES), figsize=(3.0 * len(LAYER_TYPES), 2.3 * len(shown)),
-                             dpi=70, sharex=True, sharey="row")
+    fig, axes = plt.subplots(
+        len(shown),
+        len(LAYER_TYPES),
+        figsize=(3.0 * len(LAYER_TYPES), 2.3 * len(shown)),
+        dpi=70,
+        sharex=True,
+        sharey="row",
+    )
     at = summary["at_age"]
     depths = sorted({d for _, d in layers if d >= 0})
     cmap = plt.get_cmap("viridis")
@@ -236,8 +269,11 @@ def plot(summary: dict[str, Any], prefix: str) -> list[Path]:
             ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
     axes[0][LAYER_TYPES.index("adaLN")].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"Signals at age {at['age']} (steps since the reference) over training; DiT-XS/4 on MNIST, "
-                 "Muon steps (PeriodicRowMuon k=1)", fontsize=10)
+    fig.suptitle(
+        f"Signals at age {at['age']} (steps since the reference) over training; DiT-XS/4 on MNIST, "
+        "Muon steps (PeriodicRowMuon k=1)",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = Path(f"{prefix}-evolution.png")
     save_figure_atomic(fig, path)
@@ -250,8 +286,13 @@ def plot(summary: dict[str, Any], prefix: str) -> list[Path]:
     for ax, key in zip(axes, shown):
         for t_i, kind in enumerate(LAYER_TYPES):
             for phase, pts in curves[key][kind].items():
-                ax.plot([int(a) for a in pts], list(pts.values()), styles[phase], color=f"C{t_i}",
-                        label=f"{kind}" if phase == f"{PHASES[-1][0]}-{PHASES[-1][1]}" else None)
+                ax.plot(
+                    [int(a) for a in pts],
+                    list(pts.values()),
+                    styles[phase],
+                    color=f"C{t_i}",
+                    label=f"{kind}" if phase == f"{PHASES[-1][0]}-{PHASES[-1][1]}" else None,
+                )
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("age (steps since the reference)")
         ax.set_yscale("log")
@@ -289,9 +330,12 @@ def main() -> None:
     if not args.analyze_only:
         run(args)
     summary = analyze(args.out / "staleness.jsonl", args.anchor)
-    summary["machine"] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-                          "command": "python scripts/staleness_study.py " + " ".join(
-                              a for a in __import__("sys").argv[1:])}
+    summary["machine"] = {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "command": "python scripts/staleness_study.py " + " ".join(a for a in __import__("sys").argv[1:]),
+    }
     out_json = args.json or args.out / "staleness-summary.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(summary, indent=1) + "\n")
@@ -299,8 +343,10 @@ def main() -> None:
         print(p)
     corr = summary["correlation_with_truth"]
     for key in (*CANDIDATES, "rownorm_gap"):
-        print(f"{key:18s} spearman across matrices {corr[key]['spearman_across_matrices_mean']:+.3f}  "
-              f"pearson all {corr[key]['pearson_all']:+.3f}")
+        print(
+            f"{key:18s} spearman across matrices {corr[key]['spearman_across_matrices_mean']:+.3f}  "
+            f"pearson all {corr[key]['pearson_all']:+.3f}"
+        )
     print("max |drift_bf16 - drift|:", corr["drift_bf16_vs_drift_max_abs_diff"])
 
 

@@ -73,18 +73,34 @@ def check_trap_catches() -> None:
 def tiny_config(out: Path, cache: Path, device: str, **overrides: Any) -> TrainConfig:
     """DiT-T/2 on 8x8 digits under bf16 autocast; validation, samples, evaluation and a checkpoint at the end."""
     base: dict[str, Any] = dict(
-        model="DiT-T/2", dataset="digits", batch_size=16, steps=STEPS, warmup_steps=1, log_interval=1,
-        val_interval=0, val_samples=16, sample_interval=0, sample_count=10, sample_steps=2, ckpt_interval=0,
-        precision="bf16", device=device, progress=False, out=str(out),
-        eval=EvalOptions(interval=STEPS, num_samples=12, sample_steps=2, cfg=2.0, batch_size=6, cache_dir=cache,
-                         reference=False),
+        model="DiT-T/2",
+        dataset="digits",
+        batch_size=16,
+        steps=STEPS,
+        warmup_steps=1,
+        log_interval=1,
+        val_interval=0,
+        val_samples=16,
+        sample_interval=0,
+        sample_count=10,
+        sample_steps=2,
+        ckpt_interval=0,
+        precision="bf16",
+        device=device,
+        progress=False,
+        out=str(out),
+        eval=EvalOptions(
+            interval=STEPS, num_samples=12, sample_steps=2, cfg=2.0, batch_size=6, cache_dir=cache, reference=False
+        ),
     )
     return TrainConfig(**{**base, **overrides})
 
 
 def host_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters on the CPU (gathered from shards: every rank calls this)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()
+    }
 
 
 def run_harness(rank: int, world: int, device: str, root: str, cache: str, trapped: bool) -> dict[str, Any]:
@@ -101,7 +117,7 @@ def run_harness(rank: int, world: int, device: str, root: str, cache: str, trapp
     trainer = Trainer(resolve(tiny_config(root_dir / "run", Path(cache), device)), env)
     with trap(trapped):
         summary = trainer.fit()
-    (step, ckpt), = list_checkpoints(root_dir / "run")
+    ((step, ckpt),) = list_checkpoints(root_dir / "run")
     assert step == STEPS, step
 
     # A fresh trainer (no evaluation) takes the checkpoint's state; one more step matches the writer's.
@@ -124,4 +140,3 @@ def run_harness(rank: int, world: int, device: str, root: str, cache: str, trapp
         scores = {k: entry[k] for k in ("fd", "precision", "recall", "density", "coverage")}
     keys = ("train_loss", "val_loss", "val_loss_ema", "fd")
     return {"summary": {k: summary[k] for k in keys}, "resumed": resumed, "straight": straight, "eval": scores}
-

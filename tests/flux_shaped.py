@@ -85,8 +85,10 @@ class DoubleStreamBlock(nn.Module):
             self.add_module(f"{stream}_norm1", nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6))
             self.add_module(f"{stream}_attn", SelfAttention(hidden, heads))
             self.add_module(f"{stream}_norm2", nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6))
-            self.add_module(f"{stream}_mlp", nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU("tanh"),
-                                                           nn.Linear(mlp_hidden, hidden)))
+            self.add_module(
+                f"{stream}_mlp",
+                nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU("tanh"), nn.Linear(mlp_hidden, hidden)),
+            )
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor) -> tuple[Tensor, Tensor]:
         mods, qkv = {}, []
@@ -123,7 +125,8 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
         shift, scale, gate = self.modulation(vec)  # 3 x (N, 1, h)
         qkv, mlp = self.linear1((1 + scale) * self.pre_norm(x) + shift).split(
-            [3 * self.hidden, self.mlp_hidden], dim=-1)  # (N, L, 3h), (N, L, m)
+            [3 * self.hidden, self.mlp_hidden], dim=-1
+        )  # (N, L, 3h), (N, L, m)
         attn = attend(*heads_of(qkv, self.heads, self.norm))  # (N, L, h)
         return x + gate * self.linear2(torch.cat([attn, nn.functional.gelu(mlp, approximate="tanh")], -1))
 
@@ -144,9 +147,18 @@ class FluxShaped(nn.Module):
     """Flux's layout at a tiny width: ``in_channels`` latent channels per token, ``context_dim`` text
     features per token, a ``vec_dim`` pooled vector, ``depth`` double and ``depth_single`` single blocks."""
 
-    def __init__(self, hidden: int = 32, heads: int = 2, mlp_ratio: float = 2.0, in_channels: int = 8,
-                 context_dim: int = 12, vec_dim: int = 6, time_dim: int = 16, depth: int = 2,
-                 depth_single: int = 2) -> None:
+    def __init__(
+        self,
+        hidden: int = 32,
+        heads: int = 2,
+        mlp_ratio: float = 2.0,
+        in_channels: int = 8,
+        context_dim: int = 12,
+        vec_dim: int = 6,
+        time_dim: int = 16,
+        depth: int = 2,
+        depth_single: int = 2,
+    ) -> None:
         super().__init__()
         mlp_hidden = int(hidden * mlp_ratio)
         self.time_dim = time_dim
@@ -155,8 +167,7 @@ class FluxShaped(nn.Module):
         self.vector_in = MLPEmbedder(vec_dim, hidden)
         self.txt_in = nn.Linear(context_dim, hidden)
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(hidden, heads, mlp_hidden) for _ in range(depth))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(hidden, heads, mlp_hidden)
-                                           for _ in range(depth_single))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(hidden, heads, mlp_hidden) for _ in range(depth_single))
         self.final_layer = LastLayer(hidden, in_channels)
         # Flux zero-initializes its modulations; small random ones let every weight get a gradient at step 0.
         with torch.no_grad():
@@ -173,15 +184,24 @@ class FluxShaped(nn.Module):
         x = torch.cat([txt, img], dim=1)  # (N, L_t + L_i, h)
         for block in self.single_blocks:
             x = block(x, vec)
-        return self.final_layer(x[:, txt.shape[1]:], vec)  # (N, L_i, C)
+        return self.final_layer(x[:, txt.shape[1] :], vec)  # (N, L_i, C)
 
 
-def flux_batch(step: int, batch: int = 4, img_tokens: int = 6, txt_tokens: int = 3, in_channels: int = 8,
-               context_dim: int = 12, vec_dim: int = 6) -> tuple[Tensor, ...]:
+def flux_batch(
+    step: int,
+    batch: int = 4,
+    img_tokens: int = 6,
+    txt_tokens: int = 3,
+    in_channels: int = 8,
+    context_dim: int = 12,
+    vec_dim: int = 6,
+) -> tuple[Tensor, ...]:
     """The seeded global batch of ``step``: latents, text features, timesteps, pooled vectors, targets."""
     g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(batch, img_tokens, in_channels, generator=g),
-            torch.randn(batch, txt_tokens, context_dim, generator=g),
-            torch.rand(batch, generator=g),
-            torch.randn(batch, vec_dim, generator=g),
-            torch.randn(batch, img_tokens, in_channels, generator=g))
+    return (
+        torch.randn(batch, img_tokens, in_channels, generator=g),
+        torch.randn(batch, txt_tokens, context_dim, generator=g),
+        torch.rand(batch, generator=g),
+        torch.randn(batch, vec_dim, generator=g),
+        torch.randn(batch, img_tokens, in_channels, generator=g),
+    )

@@ -21,9 +21,23 @@ def record(rows: list[dict], optimizers: dict) -> dict[str, Any]:
 
 def row(name: str, optimizer: str, lr: float, seed: int, fd: float | None, run_dir: str = "", **extra: Any) -> dict:
     """One finished run of a record."""
-    return {"name": name, "optimizer": optimizer, "lr": lr, "seed": seed, "status": "ok", "fd": fd,
-            "precision": 0.5, "recall": 0.4, "val_loss_ema": 0.2, "opt_ms": 10.0, "step_ms": 100.0,
-            "active_time_s": 200.0, "spectral_fraction": None, "run_dir": run_dir, **extra}
+    return {
+        "name": name,
+        "optimizer": optimizer,
+        "lr": lr,
+        "seed": seed,
+        "status": "ok",
+        "fd": fd,
+        "precision": 0.5,
+        "recall": 0.4,
+        "val_loss_ema": 0.2,
+        "opt_ms": 10.0,
+        "step_ms": 100.0,
+        "active_time_s": 200.0,
+        "spectral_fraction": None,
+        "run_dir": run_dir,
+        **extra,
+    }
 
 
 def write_run(root: Path, name: str, fds: list[float], grid: bool) -> Path:
@@ -32,13 +46,24 @@ def write_run(root: Path, name: str, fds: list[float], grid: bool) -> Path:
     layout = RunLayout(root / "runs" / name)
     layout.eval.mkdir(parents=True)
     key = settings_key(SETTINGS)
-    entries = [{"step": 500 * (i + 1), "status": "ok", "fd": fd, "active_time_s": 60.0 * (i + 1)}
-               for i, fd in enumerate(fds)]
+    entries = [
+        {"step": 500 * (i + 1), "status": "ok", "fd": fd, "active_time_s": 60.0 * (i + 1)} for i, fd in enumerate(fds)
+    ]
     entries.insert(1, {"step": 750, "status": "failed", "error": "x"})
-    layout.results.write_text(json.dumps({"format": 1, "evaluations": {
-        key: {"settings": SETTINGS, "entries": entries},
-        "other": {"settings": {**SETTINGS, "num_samples": 99}, "entries": [{"step": 500, "status": "ok", "fd": 1}]},
-    }}))
+    layout.results.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "evaluations": {
+                    key: {"settings": SETTINGS, "entries": entries},
+                    "other": {
+                        "settings": {**SETTINGS, "num_samples": 99},
+                        "entries": [{"step": 500, "status": "ok", "fd": 1}],
+                    },
+                },
+            }
+        )
+    )
     if grid:
         save_grid(torch.zeros(2, 1, 8, 8), layout.eval_grid(key, 500 * len(fds)))
     return layout.root

@@ -59,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif command in COMMANDS:
         module = COMMANDS[command]
     else:
-        print(f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr)
+        print(
+            f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr
+        )
         return 2
     result = int(importlib.import_module(module).main(rest) or 0)
     leave_if_distributed(result)

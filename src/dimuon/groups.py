@@ -155,22 +155,32 @@ def grouping_options(cfg: GroupsConfig) -> tuple[dict[str, str], dict[str, Any]]
     return rules, splits
 
 
-def group_table(model: nn.Module, rules: dict[str, str] | None = None, split_sizes: dict[str, Any] | None = None,
-                per_head: bool = False) -> list[dict[str, Any]]:
+def group_table(
+    model: nn.Module,
+    rules: dict[str, str] | None = None,
+    split_sizes: dict[str, Any] | None = None,
+    per_head: bool = False,
+) -> list[dict[str, Any]]:
     """One row per parameter: name, shape, algorithm, the matrices Muon updates (rows x cols of every row chunk x
     column chunk, per expert when stacked), why."""
     reasons: dict[str, str] = {}
     rows = []
     for group in param_groups(model, rules=rules, split_sizes=split_sizes, reasons=reasons, per_head=per_head):
         for name, p in group["params"]:
-            row: dict[str, Any] = {"name": name, "shape": list(p.shape), "numel": p.numel(),
-                                   "algorithm": group["algorithm"], "reason": reasons[name]}
+            row: dict[str, Any] = {
+                "name": name,
+                "shape": list(p.shape),
+                "numel": p.numel(),
+                "algorithm": group["algorithm"],
+                "reason": reasons[name],
+            }
             if group["algorithm"] == "muon":
                 shape = p.shape[1:] if group.get("stacked") else p.shape
                 rows_, cols = shape[0], math.prod(shape[1:])  # no split: one range over the whole side
                 row_ranges = split_sizes_to_ranges(rows_, group.get("split_sizes"), name) or ((0, rows_),)
-                col_ranges = split_sizes_to_ranges(cols, group.get("col_split_sizes"), name, "col_split_sizes",
-                                                   "columns") or ((0, cols),)
+                col_ranges = split_sizes_to_ranges(
+                    cols, group.get("col_split_sizes"), name, "col_split_sizes", "columns"
+                ) or ((0, cols),)
                 chunks = [[r1 - r0, c1 - c0] for r0, r1 in row_ranges for c0, c1 in col_ranges]
                 row["matrices"] = chunks * (p.shape[0] if group.get("stacked") else 1)
             rows.append(row)
@@ -187,15 +197,25 @@ def render(rows: list[dict[str, Any]], what: str, everything: bool) -> str:
         shape = "x".join(map(str, r["shape"])) or "scalar"
         matrices = r.get("matrices")
         distinct = sorted({(m, n) for m, n in matrices or []}, reverse=True)
-        as_matrix = "" if not matrices else " as " + (
-            f"{matrices[0][0]}x{matrices[0][1]}" if len(matrices) == 1 else
-            f"{len(matrices)} x ({', '.join(f'{m}x{n}' for m, n in matrices)})" if len(matrices) <= 6 else
-            f"{len(matrices)} matrices of {', '.join(f'{m}x{n}' for m, n in distinct)}")
+        as_matrix = (
+            ""
+            if not matrices
+            else " as "
+            + (
+                f"{matrices[0][0]}x{matrices[0][1]}"
+                if len(matrices) == 1
+                else f"{len(matrices)} x ({', '.join(f'{m}x{n}' for m, n in matrices)})"
+                if len(matrices) <= 6
+                else f"{len(matrices)} matrices of {', '.join(f'{m}x{n}' for m, n in distinct)}"
+            )
+        )
         lines.append(f"{r['algorithm']:6s} {r['name']:{width}s} {shape:>16s}{as_matrix}  - {r['reason']}")
     hidden = len(rows) - len(shown)
     if hidden:
-        lines.append(f"(and {hidden} tensors of fewer than 2 dimensions, all adamw unless a rule says otherwise: "
-                     "--all lists them)")
+        lines.append(
+            f"(and {hidden} tensors of fewer than 2 dimensions, all adamw unless a rule says otherwise: "
+            "--all lists them)"
+        )
     lines.append("")
     for algorithm in ("muon", "adamw"):
         mine = [r for r in rows if r["algorithm"] == algorithm]

@@ -166,8 +166,7 @@ def write_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], met
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"meta": to_json(meta)})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"meta": to_json(meta)})
     return Path(path)
 
 
@@ -371,7 +370,8 @@ def _walk_files(root: Path) -> Iterator[Path]:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """Where every file of a run directory lives: ``dimuon train`` writes them, ``dimuon eval`` and the benchmarks read them.
+    """Where every file of a run directory lives: ``dimuon train`` writes them, ``dimuon eval`` and the benchmarks
+    read them.
 
     ```
     .dimuon-run.json         the marker: this directory is a dimuon run (written when the run is created)
@@ -497,8 +497,9 @@ class RunLayout:
         doomed = self.owned_files()
         for path in doomed:
             path.unlink()
-        for directory in sorted({d for p in doomed for d in p.parents if self.root in d.parents},
-                                key=lambda d: len(d.parts), reverse=True):
+        for directory in sorted(
+            {d for p in doomed for d in p.parents if self.root in d.parents}, key=lambda d: len(d.parts), reverse=True
+        ):
             with contextlib.suppress(OSError):
                 directory.rmdir()  # only when empty
         return doomed

@@ -27,10 +27,14 @@ def known_counts(rank: int, world: int) -> dict:
             total.item()  # 1 op, 1 host read (item)
             x.tolist()  # 1 host read (tolist), no dispatch on CPU
             x.cpu()  # 1 host read (cpu), no op on a CPU tensor
-        out["plain"] = {"ops": tally.ops, "c10d_ops": tally.c10d_ops, "host_reads": dict(tally.host_reads),
-                        "collectives": [(c.kind, c.world, c.dtype, c.bytes, c.buffer_bytes) for c in tally.collectives],
-                        "world_group": dist.group.WORLD.group_name,
-                        "groups": [c.group for c in tally.collectives]}
+        out["plain"] = {
+            "ops": tally.ops,
+            "c10d_ops": tally.c10d_ops,
+            "host_reads": dict(tally.host_reads),
+            "collectives": [(c.kind, c.world, c.dtype, c.bytes, c.buffer_bytes) for c in tally.collectives],
+            "world_group": dist.group.WORLD.group_name,
+            "groups": [c.group for c in tally.collectives],
+        }
         batch = torch.randn(*MATRICES)
         config = MapConfig(ns_dtype=torch.float32)
         for mode in ("real", "stub"):

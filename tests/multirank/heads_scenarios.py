@@ -60,12 +60,12 @@ def groups(model: HeadsAndExperts, optimizer: str, only_stacked: bool = False) -
 def set_grads(model: nn.Module, step: int) -> None:
     """Seeded full gradients, each rank keeping its piece as the parameter's placements cut it: a fixed direction
     per parameter plus noise, so the momenta settle and the adaptive schedule takes both kinds."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     base, gen = torch.Generator().manual_seed(7), torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
         full = torch.randn(p.shape, generator=base) + 0.5 * torch.randn(p.shape, generator=gen)
-        if type(p).__name__ == "DTensor":
+        if isinstance(p, DTensor):
             p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         else:
             p.grad = full
@@ -78,8 +78,9 @@ def make(optimizer: str, opts: dict, mesh=None, only_stacked: bool = False):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=mesh)
-    return model, build(optimizer, groups(model, optimizer, only_stacked), lr=LR, weight_decay=0.05,
-                        ns_dtype=torch.float32, **opts)
+    return model, build(
+        optimizer, groups(model, optimizer, only_stacked), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts
+    )
 
 
 def train(model, opt) -> tuple[list[dict], list[dict]]:
@@ -95,8 +96,10 @@ def train(model, opt) -> tuple[list[dict], list[dict]]:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def reference(optimizer: str, opts: dict, only_stacked: bool = False) -> tuple[dict, list[dict]]:
@@ -113,8 +116,10 @@ def _column_sharded(rank: int, world: int, mesh, optimizer: str, opts: dict):
 
     model = _model()
     model.proj.weight = nn.Parameter(distribute_tensor(model.proj.weight.detach(), mesh, [Shard(1)]))
-    stacked = {"params": [("experts", nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(1)])))],
-               "stacked": True}
+    stacked = {
+        "params": [("experts", nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(1)])))],
+        "stacked": True,
+    }
     return model, [{"params": [("proj.weight", model.proj.weight)], "col_split_sizes": 3}], stacked
 
 
@@ -128,8 +133,7 @@ def column_sharded_muon(rank: int, world: int, mesh, opts: dict) -> dict:
     for t in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + t)
         w = model.proj.weight
-        w.grad = distribute_tensor(torch.randn(w.shape, generator=gen), w.device_mesh, w.placements,
-                                   src_data_rank=None)
+        w.grad = distribute_tensor(torch.randn(w.shape, generator=gen), w.device_mesh, w.placements, src_data_rank=None)
         opt.reset_comm_stats()
         opt.step()
         stats.append(opt.comm_stats())
@@ -139,8 +143,14 @@ def column_sharded_muon(rank: int, world: int, mesh, opts: dict) -> dict:
 def column_sharded_reference(opts: dict) -> torch.Tensor:
     model = _model()
     w = model.proj.weight
-    opt = build("muon", [{"params": [w], "col_split_sizes": 3}], lr=LR, weight_decay=0.05, ns_dtype=torch.float32,
-                **{k: v for k, v in opts.items() if k != "refresh"})
+    opt = build(
+        "muon",
+        [{"params": [w], "col_split_sizes": 3}],
+        lr=LR,
+        weight_decay=0.05,
+        ns_dtype=torch.float32,
+        **{k: v for k, v in opts.items() if k != "refresh"},
+    )
     for t in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + t)
         w.grad = torch.randn(w.shape, generator=gen)
@@ -152,11 +162,16 @@ def refusals(rank: int, world: int, mesh) -> dict[str, str]:
     """The construction errors for the layouts these options cannot run on yet."""
     out = {}
     _, group, stacked = _column_sharded(rank, world, mesh, "periodic_row_muon", {})
-    for key, optimizer, groups_ in (("prm_col_split", "periodic_row_muon", group), ("bp_col_split", "muon_bp", group),
-                                    ("stacked_shard1", "muon", [stacked])):
+    for key, optimizer, groups_ in (
+        ("prm_col_split", "periodic_row_muon", group),
+        ("bp_col_split", "muon_bp", group),
+        ("stacked_shard1", "muon", [stacked]),
+    ):
         # Each optimizer its own copies of the groups: building one fills the dicts with its own options.
-        own = [{k: v for k, v in g.items() if k in ("params", "algorithm", "split_sizes", "col_split_sizes",
-                                                     "stacked")} for g in groups_]
+        own = [
+            {k: v for k, v in g.items() if k in ("params", "algorithm", "split_sizes", "col_split_sizes", "stacked")}
+            for g in groups_
+        ]
         try:
             build(optimizer, own, lr=LR)
             out[key] = "built"
@@ -173,8 +188,11 @@ CASES = [
     ("bp", "muon_bp", {"period": 2, "block_lr_ratio": 0.8}),
     ("arm", "adaptive_row_muon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),
 ]
-STACKED_ONLY = [("stacked_muon", "muon", {}), ("stacked_prm", "periodic_row_muon", {"k": 2}),
-                ("stacked_bp", "muon_bp", {"period": 2})]
+STACKED_ONLY = [
+    ("stacked_muon", "muon", {}),
+    ("stacked_prm", "periodic_row_muon", {"k": 2}),
+    ("stacked_bp", "muon_bp", {"period": 2}),
+]
 COLUMN_SHARDED = [("tp_gather", {"refresh": "gather"}), ("tp_owner", {"refresh": "owner"})]
 
 

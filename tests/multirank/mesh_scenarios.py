@@ -31,12 +31,10 @@ LAYERS = {
     "thin_r": (5, 3, "row"),
 }
 
-MESHES = {"hsdp2x2": (("replicate", "shard"), (2, 2)), "tp4": (("tp",), (4,)),
-          "fsdp2xtp2": (("dp", "tp"), (2, 2))}
+MESHES = {"hsdp2x2": (("replicate", "shard"), (2, 2)), "tp4": (("tp",), (4,)), "fsdp2xtp2": (("dp", "tp"), (2, 2))}
 
 # MuonBP's single-process block grid that reproduces each mesh's pieces, per layer style.
-BLOCKS = {"hsdp2x2": {"col": 2, "row": 2}, "tp4": {"col": 4, "row": (1, 4)},
-          "fsdp2xtp2": {"col": 4, "row": (2, 2)}}
+BLOCKS = {"hsdp2x2": {"col": 2, "row": 2}, "tp4": {"col": 4, "row": (1, 4)}, "fsdp2xtp2": {"col": 4, "row": (2, 2)}}
 
 
 class Layers(nn.Module):
@@ -80,9 +78,13 @@ def shard(model: Layers, key: str, mesh) -> Layers:
 
 def groups(model: Layers, key: str | None, optimizer: str) -> list[dict]:
     """Muon groups by style (each with its MuonBP blocks), the fused matrix split in three, biases to AdamW."""
+
     def params(style: str, fused: bool) -> list:
-        return [(f"{n}.weight", getattr(model, n).weight) for n, (_, _, s) in LAYERS.items()
-                if s == style and (n == "fused_c") == fused]
+        return [
+            (f"{n}.weight", getattr(model, n).weight)
+            for n, (_, _, s) in LAYERS.items()
+            if s == style and (n == "fused_c") == fused
+        ]
 
     out = []
     for style, fused in (("col", False), ("row", False), ("col", True)):
@@ -100,12 +102,12 @@ def groups(model: Layers, key: str | None, optimizer: str) -> list[dict]:
 
 def set_grads(model: Layers, step: int) -> None:
     """Seeded full gradients, each rank keeping its piece as the parameter's placements cut it."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     gen = torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
         full = torch.randn(p.shape, generator=gen)
-        if type(p).__name__ == "DTensor":
+        if isinstance(p, DTensor):
             p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         else:
             p.grad = full
@@ -113,8 +115,9 @@ def set_grads(model: Layers, step: int) -> None:
 
 def make(key: str | None, mesh, optimizer: str, opts: dict):
     model = _model() if key is None else shard(_model(), key, mesh)
-    return model, build(optimizer, groups(model, key, optimizer), lr=LR, weight_decay=0.05, ns_dtype=torch.float32,
-                        **opts)
+    return model, build(
+        optimizer, groups(model, key, optimizer), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts
+    )
 
 
 def train(model, opt, start: int, stop: int) -> list[dict]:
@@ -127,23 +130,35 @@ def train(model, opt, start: int, stop: int) -> list[dict]:
         opt.step()
         engine = opt._engine
         sharded = hasattr(engine, "counter")
-        log.append({"by_dim": opt.comm_stats(by_mesh_dim=True), "kinds": opt.comm_stats(),
-                    "spectral": opt.refresh_stats()["spectral"],
-                    "calls": list(engine.counter.calls) if sharded else [],
-                    "groups": {c.label: tuple(dist.get_process_group_ranks(c.group)) for c in engine._comms.values()}
-                    if sharded else {}})
+        log.append(
+            {
+                "by_dim": opt.comm_stats(by_mesh_dim=True),
+                "kinds": opt.comm_stats(),
+                "spectral": opt.refresh_stats()["spectral"],
+                "calls": list(engine.counter.calls) if sharded else [],
+                "groups": {c.label: tuple(dist.get_process_group_ranks(c.group)) for c in engine._comms.values()}
+                if sharded
+                else {},
+            }
+        )
     return log
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def everything(rank: int, world: int, cases: list[tuple[str, str, str, dict]], repoint_opts: dict) -> dict:
     """One spawn for the cheap programs (a gloo spawn costs seconds): :func:`parity`, :func:`unsupported`,
     :func:`repointed`."""
-    return {"parity": parity(rank, world, cases), "unsupported": unsupported(rank, world),
-            "repointed": repointed(rank, world, repoint_opts), "construction": construction(rank, world)}
+    return {
+        "parity": parity(rank, world, cases),
+        "unsupported": unsupported(rank, world),
+        "repointed": repointed(rank, world, repoint_opts),
+        "construction": construction(rank, world),
+    }
 
 
 def construction(rank: int, world: int) -> dict:
@@ -159,19 +174,25 @@ def construction(rank: int, world: int) -> dict:
     mesh = meshes()[key]
     model, opt = make(key, mesh, "muon", {"refresh": "owner"})
     engine = opt._engine
-    prepared = {"engine": type(engine).__name__, "placements": len(engine._placements),
-                "flattened": len(engine._flat_meshes)}
+    prepared = {
+        "engine": type(engine).__name__,
+        "placements": len(engine._placements),
+        "flattened": len(engine._flat_meshes),
+    }
     made = {"new_group": 0, "flatten": 0, "derive_layout": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
             made[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
-    with mock.patch.object(dist, "new_group", counted("new_group", dist.new_group)), \
-            mock.patch.object(DeviceMesh, "_flatten", counted("flatten", DeviceMesh._flatten)), \
-            mock.patch.object(sharded, "derive_layout", counted("derive_layout", sharded.derive_layout)):
+    with (
+        mock.patch.object(dist, "new_group", counted("new_group", dist.new_group)),
+        mock.patch.object(DeviceMesh, "_flatten", counted("flatten", DeviceMesh._flatten)),
+        mock.patch.object(sharded, "derive_layout", counted("derive_layout", sharded.derive_layout)),
+    ):
         set_grads(model, 0)
         opt.step()
     dist.barrier()
@@ -263,8 +284,9 @@ def unsupported(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def topology_save(rank: int, world: int, root: str, key: str, load_from: str | None, start: int, stop: int,
-                  opts: dict) -> dict:
+def topology_save(
+    rank: int, world: int, root: str, key: str, load_from: str | None, start: int, stop: int, opts: dict
+) -> dict:
     """Build on ``key``'s mesh (``fsdp4``: FSDP over all ranks), load ``load_from`` if given, train
     ``[start, stop)`` and save to ``root/<key>``."""
     import torch.distributed.checkpoint as dcp
@@ -278,8 +300,14 @@ def topology_save(rank: int, world: int, root: str, key: str, load_from: str | N
         for name in LAYERS:
             fully_shard(getattr(model, name), mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = build("periodic_row_muon", groups(model, None, "periodic_row_muon"), lr=LR, weight_decay=0.05,
-                    ns_dtype=torch.float32, **opts)
+        opt = build(
+            "periodic_row_muon",
+            groups(model, None, "periodic_row_muon"),
+            lr=LR,
+            weight_decay=0.05,
+            ns_dtype=torch.float32,
+            **opts,
+        )
     else:
         model, opt = make(key, meshes()[key], "periodic_row_muon", opts)
     phase = load(model, opt, load_from) if load_from is not None else None
@@ -316,8 +344,14 @@ def repointed(rank: int, world: int, opts: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    opt = build("periodic_row_muon", groups(model, None, "periodic_row_muon"), lr=LR, weight_decay=0.05,
-                ns_dtype=torch.float32, **opts)
+    opt = build(
+        "periodic_row_muon",
+        groups(model, None, "periodic_row_muon"),
+        lr=LR,
+        weight_decay=0.05,
+        ns_dtype=torch.float32,
+        **opts,
+    )
     before = {id(p): name for name, p in model.named_parameters()}
     mesh = init_device_mesh("cpu", (world,))
     for name in LAYERS:
@@ -373,10 +407,19 @@ def dit_parallel(rank: int, world: int, layouts: list[tuple[int, int, int]]) -> 
         mesh = build_mesh(par, "cpu")
         model = apply_parallelism(dit_model(), par, mesh)
         saved = full_params(model)
-        placements = {n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
-                      for n, p in model.named_parameters() if n.startswith("blocks.0.")}
-        opt = build("periodic_row_muon", param_groups(model), lr=LR, k=2, ns_dtype=torch.float32,
-                    process_group=tp_process_group(par, mesh))
+        placements = {
+            n: str(tuple(p.placements)) if hasattr(p, "placements") else "plain"
+            for n, p in model.named_parameters()
+            if n.startswith("blocks.0.")
+        }
+        opt = build(
+            "periodic_row_muon",
+            param_groups(model),
+            lr=LR,
+            k=2,
+            ns_dtype=torch.float32,
+            process_group=tp_process_group(par, mesh),
+        )
         first = dit_train(model, opt)
         out[degrees] = {"saved": saved, "placements": placements, "out": first, "params": full_params(model)}
     dist.barrier()

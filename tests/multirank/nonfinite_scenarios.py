@@ -14,8 +14,12 @@ from dimuon.optim import build, param_groups
 
 from .scenarios import MODELS, batch
 
-SCHEDULES = {"muon": {}, "periodic_row_muon": {"k": 3}, "muon_bp": {"period": 2},
-             "adaptive_row_muon": {"k_min": 1, "k_max": 3, "threshold": 0.0}}
+SCHEDULES = {
+    "muon": {},
+    "periodic_row_muon": {"k": 3},
+    "muon_bp": {"period": 2},
+    "adaptive_row_muon": {"k_min": 1, "k_max": 3, "threshold": 0.0},
+}
 SIGNAL_SITE = "core.py:_decide_kinds"
 
 
@@ -54,8 +58,15 @@ def step_reads(rank: int, world: int) -> dict:
             for policy in ("skip", "raise"):
                 for bad in (False, True):
                     model, splits = _model(mesh_shape, world)
-                    opt = build(name, param_groups(model, split_sizes=splits), lr=0.02, weight_decay=0.05,
-                                ns_dtype=torch.float32, nonfinite=policy, **schedule)
+                    opt = build(
+                        name,
+                        param_groups(model, split_sizes=splits),
+                        lr=0.02,
+                        weight_decay=0.05,
+                        ns_dtype=torch.float32,
+                        nonfinite=policy,
+                        **schedule,
+                    )
                     for t in range(3):
                         x, y = batch("odd", t)
                         opt.zero_grad()
@@ -75,9 +86,14 @@ def step_reads(rank: int, world: int) -> dict:
                         after = _local_snapshot(model, opt)
                         unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
                     out[(len(mesh_shape), name, policy, bad)] = {
-                        "sites": dict(tally.read_sites), "raised": raised, "unchanged": unchanged,
-                        "votes": [(c.kind, c.group, c.world, c.dtype) for c in tally.collectives
-                                  if (c.kind, c.dtype) == ("all_reduce", "int32")],
+                        "sites": dict(tally.read_sites),
+                        "raised": raised,
+                        "unchanged": unchanged,
+                        "votes": [
+                            (c.kind, c.group, c.world, c.dtype)
+                            for c in tally.collectives
+                            if (c.kind, c.dtype) == ("all_reduce", "int32")
+                        ],
                         "world_group": dist.group.WORLD.group_name,
                         "skipped": opt.skipped_steps,
                     }

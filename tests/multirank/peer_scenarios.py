@@ -41,14 +41,21 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     out["all_gather_single"] = _count(lambda: dist.all_gather_single(torch.empty(world * 5), torch.ones(5)))
     out["all_reduce"] = _count(lambda: dist.all_reduce(torch.ones(7)))
     # Source s sends s + 1 elements to every rank.
-    out["all_to_all_single"] = _count(lambda: dist.all_to_all_single(
-        torch.empty(sum(s + 1 for s in range(world))), torch.ones(world * (rank + 1)),
-        [s + 1 for s in range(world)], [rank + 1] * world))
+    out["all_to_all_single"] = _count(
+        lambda: dist.all_to_all_single(
+            torch.empty(sum(s + 1 for s in range(world))),
+            torch.ones(world * (rank + 1)),
+            [s + 1 for s in range(world)],
+            [rank + 1] * world,
+        )
+    )
     out["broadcast"] = _count(lambda: dist.broadcast(torch.ones(6), src=2))
-    out["gather"] = _count(lambda: dist.gather(
-        torch.ones(3), [torch.empty(3) for _ in range(world)] if rank == 1 else None, dst=1))
-    out["scatter"] = _count(lambda: dist.scatter(
-        torch.empty(3), [torch.ones(3) for _ in range(world)] if rank == 3 else None, src=3))
+    out["gather"] = _count(
+        lambda: dist.gather(torch.ones(3), [torch.empty(3) for _ in range(world)] if rank == 1 else None, dst=1)
+    )
+    out["scatter"] = _count(
+        lambda: dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(world)] if rank == 3 else None, src=3)
+    )
 
     def ring() -> None:
         works = [dist.isend(torch.ones(4), nxt), dist.irecv(torch.empty(4), prev)]
@@ -57,19 +64,23 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
 
     out["isend_irecv"] = _count(ring)
     sub = dist.new_group([0, 2])  # global rank 2 is rank 1 of the subgroup
-    out["broadcast_subgroup"] = _count(lambda: dist.broadcast(torch.ones(5), src=2, group=sub) if rank in (0, 2)
-                                       else None)
+    out["broadcast_subgroup"] = _count(
+        lambda: dist.broadcast(torch.ones(5), src=2, group=sub) if rank in (0, 2) else None
+    )
     obj = {"rank": "same on every rank"}
     out["all_gather_object"] = _count(lambda: dist.all_gather_object([None] * world, obj))
     out["object_bytes"] = len(pickle.dumps(obj))
     shard = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
     out["full_tensor"] = _count(lambda: shard.full_tensor())
-    out["replicate_to_shard"] = _count(lambda: DTensor.from_local(torch.ones(8, 3), mesh, [Replicate()])
-                                       .redistribute(mesh, [Shard(0)]).to_local())
-    out["shard0_to_shard1"] = _count(lambda: DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)])
-                                     .redistribute(mesh, [Shard(1)]).to_local())
-    out["partial_to_replicate"] = _count(lambda: DTensor.from_local(torch.ones(4), mesh, [Partial()])
-                                         .redistribute(mesh, [Replicate()]).to_local())
+    out["replicate_to_shard"] = _count(
+        lambda: DTensor.from_local(torch.ones(8, 3), mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+    )
+    out["shard0_to_shard1"] = _count(
+        lambda: DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)]).redistribute(mesh, [Shard(1)]).to_local()
+    )
+    out["partial_to_replicate"] = _count(
+        lambda: DTensor.from_local(torch.ones(4), mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+    )
     dist.barrier()
     return out
 
@@ -105,8 +116,13 @@ def dimuon_counts(rank: int, world: int, steps: int = 3) -> dict[str, list[tuple
         model, opt = sc.make("odd", optimizer, opts, world)
         out[key] = _steps("odd", opt, model, steps)
     model, _ = sc.make("odd", "adamw", {}, None)
-    opt = build("muon", param_groups(model, split_sizes=sc.MODELS["odd"][2]), lr=sc.LR, ns_dtype=torch.float32,
-                process_group=dist.group.WORLD)
+    opt = build(
+        "muon",
+        param_groups(model, split_sizes=sc.MODELS["odd"][2]),
+        lr=sc.LR,
+        ns_dtype=torch.float32,
+        process_group=dist.group.WORLD,
+    )
     out["muon_replicated_broadcast"] = _steps("odd", opt, model, steps)
     dist.barrier()
     return out
@@ -128,8 +144,11 @@ def small(world: int | None, replicas: int = 1) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,)) if replicas == 1 else \
-        init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    mesh = (
+        init_device_mesh("cpu", (world,))
+        if replicas == 1
+        else init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    )
     fully_shard(model, mesh=mesh)
     for p, g in zip(model.parameters(), grads):
         p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)

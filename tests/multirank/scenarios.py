@@ -72,8 +72,9 @@ def make(model_name: str, optimizer: str, opts: dict, world: int | None, device:
         return model, build("adamw", model, lr=LR, weight_decay=0.05, **opts)
     if optimizer == "muon_adamw_only":  # the Muon family's AdamW group alone
         return model, build("muon", param_groups(model, rules={"*": "adamw"}), lr=LR, weight_decay=0.05, **opts)
-    opt = build(optimizer, param_groups(model, split_sizes=splits), lr=LR, weight_decay=0.05,
-                ns_dtype=torch.float32, **opts)
+    opt = build(
+        optimizer, param_groups(model, split_sizes=splits), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts
+    )
     return model, opt
 
 
@@ -125,8 +126,9 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> di
 REFRESH_STATS = ("muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")  # optimizers with refresh_stats()
 
 
-def reference(model_name: str, optimizer: str, opts: dict, steps: int = STEPS,
-              refreshes: list | None = None) -> dict[str, torch.Tensor]:
+def reference(
+    model_name: str, optimizer: str, opts: dict, steps: int = STEPS, refreshes: list | None = None
+) -> dict[str, torch.Tensor]:
     model, opt = make(model_name, optimizer, opts, None)
     train(model, opt, model_name, 0, steps, refreshes)
     return full_params(model)
@@ -168,8 +170,15 @@ def dcp_load_and_continue(rank: int, world: int, path: str, optimizer: str, opts
 def replicated(rank: int, world: int, optimizer: str, opts: dict) -> dict:
     """Plain (DDP-style replicated) parameters with the Newton-Schulz work split over the world group."""
     model, _ = make("odd", "adamw", {}, None)
-    opt = build(optimizer, param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR, weight_decay=0.05,
-                ns_dtype=torch.float32, process_group=dist.group.WORLD, **opts)
+    opt = build(
+        optimizer,
+        param_groups(model, split_sizes=MODELS["odd"][2]),
+        lr=LR,
+        weight_decay=0.05,
+        ns_dtype=torch.float32,
+        process_group=dist.group.WORLD,
+        **opts,
+    )
     refreshes: list = []
     stats = train(model, opt, "odd", 0, STEPS, refreshes)
     return {"params": full_params(model), "stats": stats, "refreshes": refreshes}
@@ -215,8 +224,14 @@ def nonfinite_on_one_rank(rank: int, world: int, cases: list[tuple[str, str, str
             model, opt = make("odd", "periodic_row_muon", opts, world)
         else:
             model, _ = make("odd", "adamw", {}, None)
-            opt = build("periodic_row_muon", param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR,
-                        ns_dtype=torch.float32, process_group=dist.group.WORLD, **opts)
+            opt = build(
+                "periodic_row_muon",
+                param_groups(model, split_sizes=MODELS["odd"][2]),
+                lr=LR,
+                ns_dtype=torch.float32,
+                process_group=dist.group.WORLD,
+                **opts,
+            )
         outcomes = []
         for t in range(3):
             x, y = batch("odd", t)
@@ -229,15 +244,22 @@ def nonfinite_on_one_rank(rank: int, world: int, cases: list[tuple[str, str, str
                 outcomes.append("stepped")
             except FloatingPointError as e:
                 outcomes.append(f"raised: {e}")
-        results[key] = {"outcomes": outcomes, "skipped": opt.skipped_steps,
-                        "phase": [g["step"] for g in opt.param_groups], "params": full_params(model)}
+        results[key] = {
+            "outcomes": outcomes,
+            "skipped": opt.skipped_steps,
+            "phase": [g["step"] for g in opt.param_groups],
+            "params": full_params(model),
+        }
     return results
 
 
 # Every engine path, and the options that change what it allocates.
 DEVICE_CASES = [
-    ("local", "periodic_row_muon", {"k": 2, "ns_coefficients": "polar_express", "ns_algorithm": "gram",
-                                    "adamw_fused": False}),
+    (
+        "local",
+        "periodic_row_muon",
+        {"k": 2, "ns_coefficients": "polar_express", "ns_algorithm": "gram", "adamw_fused": False},
+    ),
     ("fsdp_gather", "periodic_row_muon", {"k": 2, "comm_dtype": torch.bfloat16}),  # RowNorm with m > n
     ("fsdp_owner", "muon", {"refresh": "owner", "ns_algorithm": "gram", "ns_coefficients": "polar_express"}),
     ("fsdp_blocks", "muon_bp", {"period": 2}),
@@ -265,8 +287,7 @@ def _device_case(key: str, optimizer: str, opts: dict, world: int, trap: bool) -
         opts = {**opts, "process_group": dist.group.WORLD}
     trapped = torch.device("meta") if trap else contextlib.nullcontext()
     with trapped:
-        opt = build(optimizer, param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR, weight_decay=0.05,
-                    **opts)
+        opt = build(optimizer, param_groups(model, split_sizes=MODELS["odd"][2]), lr=LR, weight_decay=0.05, **opts)
     for t in range(4):
         x, y = batch("odd", t)
         if key == "replicate_dtensor":
@@ -285,10 +306,14 @@ def _device_case(key: str, optimizer: str, opts: dict, world: int, trap: bool) -
 def misplaced_state(opt) -> list[str]:
     """State tensors not on their parameter's device, except where torch itself keeps them elsewhere: AdamW's
     step counter on the CPU when the foreach kernel runs (``adamw_fused=False``)."""
-    return [f"{name!r} on {v.device} for a parameter on {p.device}"
-            for p, state in opt.state.items() for name, v in state.items()
-            if isinstance(v, torch.Tensor) and v.device != p.device
-            and not (name == "step" and v.device.type == "cpu" and opt.adamw_fused is False)]
+    return [
+        f"{name!r} on {v.device} for a parameter on {p.device}"
+        for p, state in opt.state.items()
+        for name, v in state.items()
+        if isinstance(v, torch.Tensor)
+        and v.device != p.device
+        and not (name == "step" and v.device.type == "cpu" and opt.adamw_fused is False)
+    ]
 
 
 def device_audit(rank: int, world: int) -> dict:

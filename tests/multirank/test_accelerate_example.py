@@ -10,8 +10,10 @@ import pytest
 from dimuon.optim.distributed.launch import run_gloo
 from tests.example_modules import import_example
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs dimuon[accelerate]")]
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs dimuon[accelerate]"),
+]
 
 
 def _example():

@@ -50,16 +50,36 @@ def test_newton_schulz_is_recorded_with_exact_flops_real_or_stubbed(known):
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("census")
-    args = ["--gloo-worlds", str(WORLD), "--fake-worlds", "--gloo-model", "DiT-T/2", "--gloo-depth", "1",
-            "--gloo-heads", "4", "--ops-depths", "--input-size", "8", "--num-classes", "10", "--no-progress",
-            "--out", str(out)]
+    args = [
+        "--gloo-worlds",
+        str(WORLD),
+        "--fake-worlds",
+        "--gloo-model",
+        "DiT-T/2",
+        "--gloo-depth",
+        "1",
+        "--gloo-heads",
+        "4",
+        "--ops-depths",
+        "--input-size",
+        "8",
+        "--num-classes",
+        "10",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert census.main(args) == 0
     return json.loads((out / "census.json").read_text())
 
 
 def _cases(record, key=None, step=None):
-    return [(j, c) for j in record["jobs"] for c in j["cases"]
-            if (key is None or c["optimizer"] == key) and (step is None or c["step"] == step)]
+    return [
+        (j, c)
+        for j in record["jobs"]
+        for c in j["cases"]
+        if (key is None or c["optimizer"] == key) and (step is None or c["step"] == step)
+    ]
 
 
 def test_every_layout_and_configuration_is_traced_on_every_rank(record):
@@ -69,8 +89,9 @@ def test_every_layout_and_configuration_is_traced_on_every_rank(record):
         traced = {c["optimizer"] for c in job["cases"]} | set(job["refused_optimizers"])
         assert traced == set(census.VARIANTS), job["layout"]
         # AdaptiveRowMuon refuses matrices split by columns, with a reason.
-        assert set(job["refused_optimizers"]) <= ({"adaptive", "adaptive_skip"} if job["layout"] in ("tp", "fsdp_tp")
-                                                  else set())
+        assert set(job["refused_optimizers"]) <= (
+            {"adaptive", "adaptive_skip"} if job["layout"] in ("tp", "fsdp_tp") else set()
+        )
     for job, case in _cases(record):
         assert case["ranks_traced"] == WORLD, (job["layout"], case["label"])
 
@@ -143,8 +164,11 @@ def test_host_reads_per_step_stay_at_todays_bounds(record):
         # "raise": the vote is read once per step (with the adaptive schedule's signals, where it reads them);
         # "skip": never, the adaptive schedule's own read of its signals apart.
         if case["optimizer"].endswith("_skip"):
-            assert case["host_reads"] == census.signal_reads(case) <= 1, (job["layout"], case["label"],
-                                                                           case["read_sites"])
+            assert case["host_reads"] == census.signal_reads(case) <= 1, (
+                job["layout"],
+                case["label"],
+                case["read_sites"],
+            )
         else:
             assert case["host_reads"] == 1, (job["layout"], case["label"], case["step"], case["read_sites"])
 

@@ -9,10 +9,27 @@ from dimuon.bench import comm
 from dimuon.optim import param_groups
 
 WORLD = 2
-TINY = ["--world", str(WORLD), "--model", "DiT-T/2", "--depth", "1", "--input-size", "8", "--num-classes", "10",
-        "--repeats", "1", "--warmup", "1", "--no-progress",
-        # torch.optim.Muon runs everywhere; dtensor-muon never on a CPU (not installed, no Triton, or no CUDA).
-        "--peers", "torch_muon", "dtensor_muon"]
+TINY = [
+    "--world",
+    str(WORLD),
+    "--model",
+    "DiT-T/2",
+    "--depth",
+    "1",
+    "--input-size",
+    "8",
+    "--num-classes",
+    "10",
+    "--repeats",
+    "1",
+    "--warmup",
+    "1",
+    "--no-progress",
+    # torch.optim.Muon runs everywhere; dtensor-muon never on a CPU (not installed, no Triton, or no CUDA).
+    "--peers",
+    "torch_muon",
+    "dtensor_muon",
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +94,20 @@ def test_peers_are_rows_with_version_ns_dtype_and_counted_bytes(record):
     assert tm["own_matches_boundary"] is None and tm["exposed_ms_per_step"] is None and tm["step_ms"] > 0
     assert tm["boundary_bytes_ratio_to_gather"] > 0 and tm["ideal_bytes_formula"] == "-"
     dm = record["peers"]["dtensor_muon"]
-    assert not dm["runnable"] and dm["reason"].startswith("cannot run here: ") and "dtensor_muon" not in record[
-        "optimizers"]
+    assert (
+        not dm["runnable"]
+        and dm["reason"].startswith("cannot run here: ")
+        and "dtensor_muon" not in record["optimizers"]
+    )
     assert record["config"]["peers"] == ["torch_muon", "dtensor_muon"]
 
 
 def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
     def step(t, nbytes):
-        stats = {"all_gather": {"calls": 1, "bytes": nbytes, "exposed_s": t / 4},
-                 "all_reduce[check]": {"calls": 1, "bytes": 4, "exposed_s": 0.0}}
+        stats = {
+            "all_gather": {"calls": 1, "bytes": nbytes, "exposed_s": t / 4},
+            "all_reduce[check]": {"calls": 1, "bytes": 4, "exposed_s": 0.0},
+        }
         boundary = {"all_gather": {"calls": 1, "bytes": nbytes}, "all_reduce": {"calls": 1, "bytes": 4}}
         return {"time_s": t, "stats": stats, "boundary": boundary}
 
@@ -110,8 +132,22 @@ def test_summary_takes_slowest_rank_per_step_and_median_over_periods():
 def test_hsdp_mesh_reports_bytes_per_mesh_dimension_and_both_replica_refreshes(tmp_path):
     out = tmp_path / "hsdp.json"
     args = ["--world", "4", *TINY[2:]]
-    assert comm.main([*args, "--mesh", "hsdp2x2", "--optimizers", "muon_gather", "muon_gather_split", "prm_k3",
-                      "--out", str(out)]) == 0
+    assert (
+        comm.main(
+            [
+                *args,
+                "--mesh",
+                "hsdp2x2",
+                "--optimizers",
+                "muon_gather",
+                "muon_gather_split",
+                "prm_k3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads(out.read_text())
     assert record["mesh"] == {"spec": "hsdp2x2", "dims": {"dp_replicate": 2, "dp_shard": 2}}
     opts = record["optimizers"]

@@ -11,8 +11,27 @@ pytestmark = pytest.mark.multirank
 
 def test_fsdp2_rows_carry_the_optimizers_bytes(tmp_path):
     out = tmp_path / "out"
-    code = step.main(["--model", "DiT-T/4", "--batch-size", "8", "--window", "2", "--windows", "1", "--worlds", "2",
-                      "--optimizers", "adamw", "muon", "torch_muon", "--no-progress", "--out", str(out)])
+    code = step.main(
+        [
+            "--model",
+            "DiT-T/4",
+            "--batch-size",
+            "8",
+            "--window",
+            "2",
+            "--windows",
+            "1",
+            "--worlds",
+            "2",
+            "--optimizers",
+            "adamw",
+            "muon",
+            "torch_muon",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     rows = {r["optimizer"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert code == 0, {k: r.get("tail") for k, r in rows.items()}
     assert rows["adamw"]["world_size"] == rows["muon"]["world_size"] == 2

@@ -26,8 +26,12 @@ def one_process():
     saved = ms.full_params(model)
     opt = build("periodic_row_muon", param_groups(model), lr=ms.LR, k=2, ns_dtype=torch.float32)
     first = ms.dit_train(model, opt)
-    return {"saved": saved, "out": first, "params": ms.full_params(model),
-            "muon": {n for g in param_groups(model) if g["algorithm"] == "muon" for n, _ in g["params"]}}
+    return {
+        "saved": saved,
+        "out": first,
+        "params": ms.full_params(model),
+        "muon": {n for g in param_groups(model) if g["algorithm"] == "muon" for n, _ in g["params"]},
+    }
 
 
 def test_tensor_parallel_plan_placements(runs):

@@ -36,4 +36,5 @@ def test_the_vote_is_one_all_reduce_over_the_world(results):
     for per_rank in results:
         for key, r in per_rank.items():
             assert [(kind, group, size) for kind, group, size, _ in r["votes"]] == [
-                ("all_reduce", r["world_group"], 2)], key
+                ("all_reduce", r["world_group"], 2)
+            ], key

@@ -12,9 +12,11 @@ from . import payload_scenarios as ps
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize(("refresh", "col_split"), [("gather", (6, 10)), ("owner", None), ("owner", 2),
-                                                    ("owner", (6, 10))],
-                         ids=["gather", "owner_one_scale", "owner_even_columns", "owner_uneven_columns"])
+@pytest.mark.parametrize(
+    ("refresh", "col_split"),
+    [("gather", (6, 10)), ("owner", None), ("owner", 2), ("owner", (6, 10))],
+    ids=["gather", "owner_one_scale", "owner_even_columns", "owner_uneven_columns"],
+)
 def test_bf16_payloads_give_the_fp32_payloads_directions_for_half_the_bytes(refresh, col_split):
     narrow = run_gloo(ps.run, 2, refresh, None, col_split, timeout_s=240)
     wide = run_gloo(ps.run, 2, refresh, torch.float32, col_split, timeout_s=240)
@@ -22,8 +24,9 @@ def test_bf16_payloads_give_the_fp32_payloads_directions_for_half_the_bytes(refr
         for name in ps.SHAPES:
             assert torch.equal(a["params"][name], b["params"][name]), (refresh, name)
     kind = "all_gather" if refresh == "gather" else "all_to_all"
-    sent, sent_wide = (sum(v for rank in r for k, v in rank["bytes"].items() if k.startswith(kind))
-                       for r in (narrow, wide))  # what arrives at either rank
+    sent, sent_wide = (
+        sum(v for rank in r for k, v in rank["bytes"].items() if k.startswith(kind)) for r in (narrow, wide)
+    )  # what arrives at either rank
     if refresh == "gather" or col_split is None or col_split == 2:  # one lr scale per bucket: bf16 both ways
         assert sent * 2 == sent_wide
     else:  # the fused matrix's uneven column chunks have two lr scales: its bucket's way back stays fp32

@@ -13,8 +13,9 @@ from . import scenarios as sc
 
 pytestmark = pytest.mark.multirank
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

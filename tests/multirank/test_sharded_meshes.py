@@ -18,11 +18,15 @@ OPTIMIZERS = [
     ("prm", "periodic_row_muon", {"k": 3}),
     ("bp", "muon_bp", {"period": 3}),
 ]
-CASES = [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, optimizer, opts in OPTIMIZERS] + [
-    ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "gather"}),
-    ("hsdp2x2_split_owner", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "owner"}),
-    ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
-] + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
+CASES = (
+    [(f"{key}_{name}", key, optimizer, opts) for key in ms.MESHES for name, optimizer, opts in OPTIMIZERS]
+    + [
+        ("hsdp2x2_split", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "gather"}),
+        ("hsdp2x2_split_owner", "hsdp2x2", "muon", {"replica_refresh": "split", "refresh": "owner"}),
+        ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
+    ]
+    + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
+)
 CHECK = "all_reduce[check]"
 # Replica 1 finds every matrix stale, replica 0 measures: one decision for the world makes both refresh everything.
 SKEWED = [("hsdp2x2_adaptive_skewed", "hsdp2x2", "adaptive_row_muon", {"threshold": 0.5, ms.SKEW: True})]
@@ -132,13 +136,14 @@ def test_replicas_whose_signals_differ_take_one_decision(meshes):
     """Replica 1's signal says every matrix is stale, replica 0's does not: the world agrees on the larger value,
     so every rank refreshes every matrix at every step (Muon's steps), issues the same collectives, and the
     parameters are Muon's."""
-    (name, key, _, _), = SKEWED
+    ((name, key, _, _),) = SKEWED
     matrices = 4  # the col-style weights and the fused matrix (the row-style group is AdamW's here)
     for r in meshes:
         assert [step["spectral"] for step in r[name]["log"]] == [matrices] * ms.STEPS
         assert [step["calls"] for step in r[name]["log"]] == [step["calls"] for step in meshes[0][name]["log"]]
-        agree = {dim for step in r[name]["log"][1:] for dim, kinds in step["by_dim"].items()
-                 if "all_reduce[agree]" in kinds}
+        agree = {
+            dim for step in r[name]["log"][1:] for dim, kinds in step["by_dim"].items() if "all_reduce[agree]" in kinds
+        }
         assert agree == {"world"}
     expect = ms.reference(key, "muon", {})
     for pname, value in meshes[0][name]["params"].items():

@@ -28,8 +28,12 @@ CASES = [
     # Thresholds that leave kinds to the staleness on these batches (no signal within 1e-3 of them).
     ("arm", "odd", "adaptive_row_muon", {"threshold": 0.5, "k_min": 1, "k_max": 4}),
     ("arm_owner", "odd", "adaptive_row_muon", {"threshold": 0.3, "k_min": 2, "k_max": 4, "refresh": "owner"}),
-    ("bytes_arm", "dit", "adaptive_row_muon", {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05,
-                                               "refresh": "gather"}),
+    (
+        "bytes_arm",
+        "dit",
+        "adaptive_row_muon",
+        {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05, "refresh": "gather"},
+    ),
 ]
 ADAPTIVE = ["arm", "arm_owner", "bytes_arm"]
 
@@ -54,8 +58,19 @@ def _reference(key, world, refreshes=None):
 
 
 @pytest.mark.parametrize(
-    "key", ["muon_gather", "muon_owner", "prm_k3", "prm_k3_owner", "muon_bp_p5", "adamw", "muon_adamw_only", "arm",
-            "arm_owner", "bytes_arm"]
+    "key",
+    [
+        "muon_gather",
+        "muon_owner",
+        "prm_k3",
+        "prm_k3_owner",
+        "muon_bp_p5",
+        "adamw",
+        "muon_adamw_only",
+        "arm",
+        "arm_owner",
+        "bytes_arm",
+    ],
 )
 def test_parameters_match_single_process(sharded, key):
     world, results = sharded
@@ -94,13 +109,22 @@ def test_adamw_groups_communicate_only_the_vote(sharded):
         assert len(stats) == sc.STEPS
         for s in stats:
             assert set(s) == {"all_reduce[check]"}
-            assert (s["all_reduce[check]"]["calls"], s["all_reduce[check]"]["bytes"]) == (1, 2 * 4 * (world - 1) // world)
+            assert (s["all_reduce[check]"]["calls"], s["all_reduce[check]"]["bytes"]) == (
+                1,
+                2 * 4 * (world - 1) // world,
+            )
 
 
 def test_logical_bytes_ratios(sharded):
     world, results = sharded
-    per_rank = [(_bytes(r["bytes_muon_gather"]["stats"][:6]), _bytes(r["bytes_muon_owner"]["stats"][:6]),
-                 _bytes(r["bytes_prm_k3"]["stats"][:6])) for r in results]
+    per_rank = [
+        (
+            _bytes(r["bytes_muon_gather"]["stats"][:6]),
+            _bytes(r["bytes_muon_owner"]["stats"][:6]),
+            _bytes(r["bytes_prm_k3"]["stats"][:6]),
+        )
+        for r in results
+    ]
     gather, owner, prm = (sum(col) / world for col in zip(*per_rank))
     # Exact gather volume: per bucket, (W-1)/W of the all-gathered (padded) shards, every step.
     shard_bytes = [-(-m // world) * n * 4 for m, n in DIT_SHAPES]
@@ -165,8 +189,10 @@ def test_replicated_parameters_split_the_work(optimizer):
     # A spectral step: per parameter group one all-gather of every owner's directions (padded to the largest
     # share), whatever the number of owners; nothing else.
     groups = [[(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)], [(48, 16)]]  # plain and split matrices
-    shares = [max(sum(m * n for (m, n), o in zip(shapes, assign_owners(shapes, world)) if o == r)
-                  for r in range(world)) for shapes in groups]
+    shares = [
+        max(sum(m * n for (m, n), o in zip(shapes, assign_owners(shapes, world)) if o == r) for r in range(world))
+        for shapes in groups
+    ]
     assert set(first) - {"all_reduce[check]"} == {"all_gather"} and first["all_gather"]["calls"] == len(groups)
     assert first["all_gather"]["bytes"] == sum(4 * pad * (world - 1) for pad in shares)  # fp32 on the CPU
     if optimizer == "periodic_row_muon":
@@ -246,9 +272,12 @@ def test_adaptive_moves_the_signal_sums_and_only_the_chosen_refreshes(sharded):
                 expect["all_reduce[agree]"] = 2 * (len(open_) * 4) * (world - 1) // world
             if spectral:
                 buckets = make_buckets([world * shard_bytes[i] for i in spectral], bucket)
-                expect["all_gather"] = sum(world * sum(shard_bytes[spectral[j]] for j in b) * (world - 1) // world
-                                           for b in buckets)
-            tall_rownorm = [i for i in range(len(DIT_SHAPES)) if i not in spectral and DIT_SHAPES[i][0] > DIT_SHAPES[i][1]]
+                expect["all_gather"] = sum(
+                    world * sum(shard_bytes[spectral[j]] for j in b) * (world - 1) // world for b in buckets
+                )
+            tall_rownorm = [
+                i for i in range(len(DIT_SHAPES)) if i not in spectral and DIT_SHAPES[i][0] > DIT_SHAPES[i][1]
+            ]
             if tall_rownorm:
                 expect["all_reduce"] = 2 * sum(DIT_SHAPES[i][1] * 4 for i in tall_rownorm) * (world - 1) // world
             assert {k: v["bytes"] for k, v in stats.items()} == expect, (t, stats)

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.multirank
 
 NONFINITE_CASES = [
     (f"{layout}_{mode}_at{bad}", layout, mode, bad)
-    for layout in ("fsdp", "ddp") for mode in ("raise", "skip") for bad in (0, 2)
+    for layout in ("fsdp", "ddp")
+    for mode in ("raise", "skip")
+    for bad in (0, 2)
 ]
 
 

@@ -43,7 +43,7 @@ def test_resume_from_torchtitans_checkpoint_is_bitwise_equal(runs, mode) -> None
         got, expect = resumed[rank][mode], straight[rank][mode]
         assert got["step"] == sc.SAVE_AT
         assert set(got["phases"]) == {sc.SAVE_AT}  # every dimuon group continues at the saved phase
-        assert got["losses"] == expect["losses"][sc.SAVE_AT:]
+        assert got["losses"] == expect["losses"][sc.SAVE_AT :]
         for name, value in expect["params"].items():
             assert torch.equal(got["params"][name], value), name
 
@@ -51,6 +51,6 @@ def test_resume_from_torchtitans_checkpoint_is_bitwise_equal(runs, mode) -> None
 def test_resume_through_torchs_optimizer_state_dict_is_bitwise_equal(runs) -> None:
     straight, resumed = runs
     got, expect = resumed[0]["torch-state-dict"], straight[0]["dimuon"]
-    assert got["losses"] == expect["losses"][sc.SAVE_AT:]
+    assert got["losses"] == expect["losses"][sc.SAVE_AT :]
     for name, value in expect["params"].items():
         assert torch.equal(got["params"][name], value), name

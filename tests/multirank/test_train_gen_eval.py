@@ -1,4 +1,5 @@
-"""Generation quality during FSDP2 training on 2 gloo ranks: the ranks split the samples, the scores match one process."""
+"""Generation quality during FSDP2 training on 2 gloo ranks: the ranks split the samples, the scores match one
+process."""
 
 from __future__ import annotations
 
@@ -28,8 +29,18 @@ def _series(run: Path) -> dict:
 def test_two_rank_scores_equal_a_single_process_eval_of_the_checkpoints(tmp_path: Path, capsys) -> None:
     cache = tmp_path / "cache"
     base = dict(
-        model="DiT-T/2", dataset="digits", batch_size=16, steps=6, warmup_steps=2, log_interval=3,
-        val_interval=3, val_samples=16, sample_count=10, sample_steps=2, ckpt_interval=3, progress=False,
+        model="DiT-T/2",
+        dataset="digits",
+        batch_size=16,
+        steps=6,
+        warmup_steps=2,
+        log_interval=3,
+        val_interval=3,
+        val_samples=16,
+        sample_count=10,
+        sample_steps=2,
+        ckpt_interval=3,
+        progress=False,
         eval=EvalOptions(interval=3, num_samples=31, sample_steps=2, cfg=2.0, batch_size=16, cache_dir=cache),
     )
     run = tmp_path / "run"

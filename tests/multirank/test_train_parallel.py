@@ -15,12 +15,27 @@ from . import train_scenarios as sc
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # about a minute of 4-rank training on 2 cores
 
 BASE: dict[str, Any] = dict(
-    model="DiT-T/2", dataset="digits", steps=6, batch_size=16, warmup_steps=2, log_interval=2, val_interval=6,
-    val_samples=16, sample_count=4, sample_steps=2, ckpt_interval=4, progress=False, optimizer="periodic_row_muon",
+    model="DiT-T/2",
+    dataset="digits",
+    steps=6,
+    batch_size=16,
+    warmup_steps=2,
+    log_interval=2,
+    val_interval=6,
+    val_samples=16,
+    sample_count=4,
+    sample_steps=2,
+    ckpt_interval=4,
+    progress=False,
+    optimizer="periodic_row_muon",
     threads=1,
 )
-FOUR = {"fsdp4": {}, "hsdp2x2": {"dp_replicate": 2}, "fsdp2xtp2": {"dp_shard": 2, "tp": 2},
-        "resumed_as_hsdp": {"dp_replicate": 2, "resume": "fsdp2xtp2/checkpoints/step_0000004"}}
+FOUR = {
+    "fsdp4": {},
+    "hsdp2x2": {"dp_replicate": 2},
+    "fsdp2xtp2": {"dp_shard": 2, "tp": 2},
+    "resumed_as_hsdp": {"dp_replicate": 2, "resume": "fsdp2xtp2/checkpoints/step_0000004"},
+}
 
 
 @pytest.fixture(scope="module")

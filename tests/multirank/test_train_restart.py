@@ -20,11 +20,49 @@ from dimuon.dit.checkpoint import load_model_for_eval
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # three torchrun attempts: 50-80 s on 2 shared cores
 
 KILLED = Path(__file__).with_name("killed_rank.py")
-ARGS = ["--model", "DiT-T/2", "--dataset", "digits", "--batch-size", "16", "--steps", "8", "--warmup-steps", "3",
-        "--ckpt-interval", "4", "--log-interval", "2", "--val-interval", "4", "--val-samples", "16", "--sample-count",
-        "4", "--sample-steps", "2", "--threads", "1", "--no-progress", "--resume", "auto"]
-TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
-               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+ARGS = [
+    "--model",
+    "DiT-T/2",
+    "--dataset",
+    "digits",
+    "--batch-size",
+    "16",
+    "--steps",
+    "8",
+    "--warmup-steps",
+    "3",
+    "--ckpt-interval",
+    "4",
+    "--log-interval",
+    "2",
+    "--val-interval",
+    "4",
+    "--val-samples",
+    "16",
+    "--sample-count",
+    "4",
+    "--sample-steps",
+    "2",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--resume",
+    "auto",
+]
+TIMING_KEYS = {
+    "active_time_s",
+    "wall_s",
+    "step_ms",
+    "data_ms",
+    "fwd_bwd_ms",
+    "opt_ms",
+    "samples_per_s",
+    "eval_s",
+    "sample_s",
+    "ckpt_s",
+    "path",
+    "resumed_from",
+}
 
 
 def _torchrun(out: Path, *program: str) -> subprocess.CompletedProcess:
@@ -36,9 +74,29 @@ def _torchrun(out: Path, *program: str) -> subprocess.CompletedProcess:
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--monitor-interval", "0.5", *program, "train", *ARGS, "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.5",
+            *program,
+            "train",
+            *ARGS,
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _records(run: Path) -> list[dict[str, Any]]:
@@ -60,8 +118,10 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_
     # The first attempt started the run; rank 1 died in step 6, so torchrun restarted both ranks with the same
     # command, which continued from step 4, the newest complete checkpoint.
     assert f"--resume auto: {restarted} holds no run yet, so a new run starts there at step 0" in log
-    assert (f"--resume auto: resumed from {restarted}/checkpoints/step_0000004 at step 4, the newest complete "
-            "checkpoint in --out") in log, log[-6000:]
+    assert (
+        f"--resume auto: resumed from {restarted}/checkpoints/step_0000004 at step 4, the newest complete "
+        "checkpoint in --out"
+    ) in log, log[-6000:]
     starts = [r for r in _records(restarted) if r["kind"] == "start"]
     assert [(r["step"], Path(r["resumed_from"]).name) for r in starts] == [(0, ""), (4, "step_0000004")]
     assert sorted(p.name for p in (restarted / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]

@@ -17,11 +17,33 @@ from . import train_scenarios as sc
 
 pytestmark = pytest.mark.multirank
 
-TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
-               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+TIMING_KEYS = {
+    "active_time_s",
+    "wall_s",
+    "step_ms",
+    "data_ms",
+    "fwd_bwd_ms",
+    "opt_ms",
+    "samples_per_s",
+    "eval_s",
+    "sample_s",
+    "ckpt_s",
+    "path",
+    "resumed_from",
+}
 BASE: dict[str, Any] = dict(
-    model="DiT-T/4", steps=10, batch_size=16, warmup_steps=3, log_interval=2, val_interval=4, val_samples=16,
-    sample_count=10, sample_steps=2, ckpt_interval=4, progress=False, optimizer="periodic_row_muon",
+    model="DiT-T/4",
+    steps=10,
+    batch_size=16,
+    warmup_steps=3,
+    log_interval=2,
+    val_interval=4,
+    val_samples=16,
+    sample_count=10,
+    sample_steps=2,
+    ckpt_interval=4,
+    progress=False,
+    optimizer="periodic_row_muon",
 )
 
 
@@ -78,8 +100,9 @@ def test_damaged_dcp_shard_is_reported(runs: tuple[Path, Path, list[dict]], tmp_
         load_model_for_eval(ckpt_dir)
 
 
-def test_dcp_checkpoint_resumes_in_one_process_into_a_new_run(runs: tuple[Path, Path, list[dict]],
-                                                               tmp_path: Path) -> None:
+def test_dcp_checkpoint_resumes_in_one_process_into_a_new_run(
+    runs: tuple[Path, Path, list[dict]], tmp_path: Path
+) -> None:
     straight, _, _ = runs
     torch.set_num_threads(1)
     fork = tmp_path / "fork"

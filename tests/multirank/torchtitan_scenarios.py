@@ -31,13 +31,19 @@ def optimizer_config(mode: str) -> Any:
         grouping="patterns",
         implementation="foreach",
         param_groups=[
-            ParamGroupConfig(pattern=r"^(img_in|txt_in|time_in\.in_layer|vector_in\.in_layer|final_layer\.linear)\.",
-                             optimizer_name="AdamW",
-                             optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}),
-            ParamGroupConfig(pattern=r"(\.bias|norm\.weight)$", optimizer_name="PeriodicRowMuon",
-                             optimizer_kwargs={"lr": 3e-3, "algorithm": "adamw"}),
-            ParamGroupConfig(pattern=r"qkv\.weight$", optimizer_name="PeriodicRowMuon",
-                             optimizer_kwargs={**muon, "split_sizes": 3}),
+            ParamGroupConfig(
+                pattern=r"^(img_in|txt_in|time_in\.in_layer|vector_in\.in_layer|final_layer\.linear)\.",
+                optimizer_name="AdamW",
+                optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
+            ),
+            ParamGroupConfig(
+                pattern=r"(\.bias|norm\.weight)$",
+                optimizer_name="PeriodicRowMuon",
+                optimizer_kwargs={"lr": 3e-3, "algorithm": "adamw"},
+            ),
+            ParamGroupConfig(
+                pattern=r"qkv\.weight$", optimizer_name="PeriodicRowMuon", optimizer_kwargs={**muon, "split_sizes": 3}
+            ),
             ParamGroupConfig(pattern=r"\.weight$", optimizer_name="PeriodicRowMuon", optimizer_kwargs=muon),
         ],
     )
@@ -47,8 +53,14 @@ def shard_like_torchtitan(model: FluxShaped, mesh: Any) -> None:
     """FSDP2 as torchtitan's ``apply_fsdp`` for Flux: the input layers, every block, the final layer, the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in (model.img_in, model.time_in, model.vector_in, model.txt_in, *model.double_blocks,
-                  *model.single_blocks):
+    for layer in (
+        model.img_in,
+        model.time_in,
+        model.vector_in,
+        model.txt_in,
+        *model.double_blocks,
+        *model.single_blocks,
+    ):
         fully_shard(layer, mesh=mesh)
     fully_shard(model.final_layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
@@ -80,12 +92,21 @@ def build(mode: str, world: int | None, rank: int = 0) -> tuple[nn.Module, Any, 
         shard_like_torchtitan(model, init_device_mesh("cpu", (world,)))
     optimizers = optimizer_config(mode).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, min_lr_factor=0.1).build(
-        optimizers=optimizers, training_steps=STEPS)
+        optimizers=optimizers, training_steps=STEPS
+    )
     return model, optimizers, schedulers
 
 
-def train(model: nn.Module, optimizers: Any, schedulers: Any, start: int, stop: int, rank: int, world: int,
-          on_step: Any = None) -> list[float]:
+def train(
+    model: nn.Module,
+    optimizers: Any,
+    schedulers: Any,
+    start: int,
+    stop: int,
+    rank: int,
+    world: int,
+    on_step: Any = None,
+) -> list[float]:
     """Steps ``start .. stop - 1`` on each rank's slice of the global batch (FSDP2 averages the gradients)."""
     losses = []
     for step in range(start, stop):
@@ -102,19 +123,27 @@ def train(model: nn.Module, optimizers: Any, schedulers: Any, start: int, stop: 
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
-def checkpointer(root: str, mode: str, model: nn.Module, optimizers: Any, schedulers: Any, state: TrainState
-                 ) -> Any:
+def checkpointer(root: str, mode: str, model: nn.Module, optimizers: Any, schedulers: Any, state: TrainState) -> Any:
     """torchtitan's checkpoint manager (DCP, synchronous), saving every SAVE_AT steps."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=SAVE_AT, keep_latest_k=0,
-                                      last_save_model_only=False)
-    return config.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-                        states={"train_state": state}, sd_adapter=None, base_folder=str(Path(root) / mode))
+    config = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=SAVE_AT, keep_latest_k=0, last_save_model_only=False
+    )
+    return config.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+        base_folder=str(Path(root) / mode),
+    )
 
 
 def one_process(mode: str) -> dict[str, Any]:
@@ -140,14 +169,21 @@ def straight(rank: int, world: int, root: str) -> dict[str, Any]:
             state.step = step
             manager.save(step)
             if mode == "dimuon" and step == SAVE_AT:
-                dcp.save({"model": get_model_state_dict(model),
-                          "optim": get_optimizer_state_dict(model, optimizers.optimizers)},
-                         checkpoint_id=str(Path(root) / "torch-state-dict"))
+                dcp.save(
+                    {
+                        "model": get_model_state_dict(model),
+                        "optim": get_optimizer_state_dict(model, optimizers.optimizers),
+                    },
+                    checkpoint_id=str(Path(root) / "torch-state-dict"),
+                )
 
         losses = train(model, optimizers, schedulers, 0, STEPS, rank, world, on_step=save)
         manager.close()
-        result[mode] = {"params": full_params(model), "losses": losses,
-                        "placements": sorted({str(p.placements) for p in model.parameters()})}
+        result[mode] = {
+            "params": full_params(model),
+            "losses": losses,
+            "placements": sorted({str(p.placements) for p in model.parameters()}),
+        }
     return result
 
 
@@ -170,8 +206,13 @@ def resume(rank: int, world: int, root: str) -> dict[str, Any]:
         phases = [g["step"] for opt in optimizers for g in opt.param_groups if "algorithm" in g]
         losses = train(model, optimizers, schedulers, state.step, STEPS, rank, world)
         manager.close()
-        result[mode] = {"params": full_params(model), "losses": losses, "step": state.step, "phases": phases,
-                        "lr": [g["lr"] for opt in optimizers for g in opt.param_groups]}
+        result[mode] = {
+            "params": full_params(model),
+            "losses": losses,
+            "step": state.step,
+            "phases": phases,
+            "lr": [g["lr"] for opt in optimizers for g in opt.param_groups],
+        }
     # torch's state-dict API (what torchtitan's container used before its flat state dicts) on the same optimizers.
     model, optimizers, schedulers = build("dimuon", world, rank)
     states = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizers.optimizers)}

@@ -53,9 +53,13 @@ def resumed_options(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
 
     trainer = Trainer(resolve(TrainConfig(**cfg)), setup("cpu"))
     muon = [g for g in trainer.opt.param_groups if g["algorithm"] == "muon"]
-    return {"k": {g["k"] for g in muon}, "gamma": {g["gamma"] for g in muon},
-            "weight_decay": {g["weight_decay"] for g in trainer.opt.param_groups},
-            "steps": {g["step"] for g in muon}, "ema": (trainer.ema.decay, trainer.ema.warmup, trainer.ema.num_updates)}
+    return {
+        "k": {g["k"] for g in muon},
+        "gamma": {g["gamma"] for g in muon},
+        "weight_decay": {g["weight_decay"] for g in trainer.opt.param_groups},
+        "steps": {g["step"] for g in muon},
+        "ema": (trainer.ema.decay, trainer.ema.warmup, trainer.ema.num_updates),
+    }
 
 
 def parallel_runs(rank: int, world: int, base: dict[str, Any], root: str, layouts: dict[str, dict]) -> dict:
@@ -67,7 +71,11 @@ def parallel_runs(rank: int, world: int, base: dict[str, Any], root: str, layout
     for name, layout in layouts.items():
         layout = dict(layout)
         resume = layout.pop("resume", None)
-        cfg = TrainConfig(out=f"{root}/{name}", parallel=ParallelOptions(**layout),
-                          resume=f"{root}/{resume}" if resume else None, **base)
+        cfg = TrainConfig(
+            out=f"{root}/{name}",
+            parallel=ParallelOptions(**layout),
+            resume=f"{root}/{resume}" if resume else None,
+            **base,
+        )
         out[name] = train(cfg)
     return out

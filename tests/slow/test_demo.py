@@ -23,7 +23,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "dimuon.cli", "train", "--out", str(run), "--no-progress"],
-        capture_output=True, text=True, timeout=HANG_S,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,8 +62,15 @@ def test_default_demo_samples_are_recognisable_digits(demo_run: tuple[Path, floa
     classifier = load_or_train_classifier(x, y, tmp_path / "cache", "mnist", xv, yv)
     assert classifier.test_accuracy > 0.97
     labels = torch.arange(cfg["sample_count"]) % info["num_classes"]
-    images = sample(model, labels, info["image_shape"], steps=cfg["sample_steps"], method=cfg["sample_method"],
-                    cfg_scale=cfg["cfg_scale"], generator=torch.Generator().manual_seed(cfg["seed"]))
+    images = sample(
+        model,
+        labels,
+        info["image_shape"],
+        steps=cfg["sample_steps"],
+        method=cfg["sample_method"],
+        cfg_scale=cfg["cfg_scale"],
+        generator=torch.Generator().manual_seed(cfg["seed"]),
+    )
     with torch.no_grad():
         predicted = classifier.net(images.clamp(-1, 1)).argmax(dim=1)
     accuracy = (predicted == labels).float().mean().item()

@@ -15,20 +15,68 @@ from dimuon.optim.distributed.launch import free_port
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--model", "DiT-T/2", "--dataset", "digits", "--batch-size", "16", "--val-interval", "4", "--val-samples", "16",
-        "--sample-count", "4", "--sample-steps", "2", "--ckpt-interval", "4", "--log-interval", "2", "--no-progress",
-        "--threads", "1"]
+ARGS = [
+    "--model",
+    "DiT-T/2",
+    "--dataset",
+    "digits",
+    "--batch-size",
+    "16",
+    "--val-interval",
+    "4",
+    "--val-samples",
+    "16",
+    "--sample-count",
+    "4",
+    "--sample-steps",
+    "2",
+    "--ckpt-interval",
+    "4",
+    "--log-interval",
+    "2",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def _two_nodes(out: Path, *flags: str) -> list[subprocess.CompletedProcess]:
     """Start both agents (each a "node" of 2 processes) and wait for them."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
-         "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dimuon-test",
-         "-m", "dimuon.cli", "train", *ARGS, "--out", str(out), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "dimuon-test",
+                "-m",
+                "dimuon.cli",
+                "train",
+                *ARGS,
+                "--out",
+                str(out),
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for node in (0, 1)
+    ]
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
 
 
@@ -49,9 +97,19 @@ def test_two_nodes_train_hsdp_then_resume_under_fsdp_x_tp(tmp_path: Path) -> Non
     assert "dp_replicate" not in by_dim and by_dim["world"] == 6
     assert by_dim["dp_shard"] > 0
     # Resume the 4-rank HSDP checkpoint under FSDP 2 x TP 2 on the same two nodes.
-    for result in _two_nodes(run, "--steps", "6", "--parallel.dp-replicate", "1", "--parallel.dp-shard", "2",
-                             "--parallel.tp", "2",
-                             "--resume", str(run)):
+    for result in _two_nodes(
+        run,
+        "--steps",
+        "6",
+        "--parallel.dp-replicate",
+        "1",
+        "--parallel.dp-shard",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--resume",
+        str(run),
+    ):
         assert result.returncode == 0, result.stderr[-3000:]
     starts = [r for r in _records(run) if r["kind"] == "start"]
     assert starts[-1]["step"] == 4 and starts[-1]["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}

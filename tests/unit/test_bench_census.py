@@ -12,9 +12,30 @@ from dimuon import cli
 from dimuon.bench import census
 
 WORLD = 16
-TINY = ["--gloo-worlds", "--fake-worlds", str(WORLD), "--fake-model", "DiT-T/2", "--fake-depth", "1",
-        "--fake-heads", "8", "--input-size", "8", "--num-classes", "10", "--no-progress",
-        "--optimizers", "adamw", "muon_gather", "muon_owner", "prm_k3", "muon_bp_p5", "adaptive", "adaptive_skip"]
+TINY = [
+    "--gloo-worlds",
+    "--fake-worlds",
+    str(WORLD),
+    "--fake-model",
+    "DiT-T/2",
+    "--fake-depth",
+    "1",
+    "--fake-heads",
+    "8",
+    "--input-size",
+    "8",
+    "--num-classes",
+    "10",
+    "--no-progress",
+    "--optimizers",
+    "adamw",
+    "muon_gather",
+    "muon_owner",
+    "prm_k3",
+    "muon_bp_p5",
+    "adaptive",
+    "adaptive_skip",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +49,12 @@ def record(tmp_path_factory):
 
 
 def _cases(record, key=None, layout=None):
-    return [(j, c) for j in record["jobs"] for c in j["cases"]
-            if (key is None or c["optimizer"] == key) and (layout is None or j["layout"] == layout)]
+    return [
+        (j, c)
+        for j in record["jobs"]
+        for c in j["cases"]
+        if (key is None or c["optimizer"] == key) and (layout is None or j["layout"] == layout)
+    ]
 
 
 def test_fake_ranks_are_traced_alike_and_the_plan_pass_matches_rank_0(record):
@@ -64,8 +89,10 @@ def test_host_reads_are_counted_with_their_sites(record):
     for job, case in _cases(record, "adaptive_skip"):  # the vote stays on the device
         assert case["host_reads"] == (1 if case["step"] == 2 else 0) == census.signal_reads(case), job["layout"]
     rows = {t["target"].split(":")[0]: t["measured"] for t in record["targets"]}
-    assert "AdaptiveRowMuon, skip step 2: 0 (+1 signal read)" in rows[
-        "host reads per optimizer step with nonfinite='skip'"]
+    assert (
+        "AdaptiveRowMuon, skip step 2: 0 (+1 signal read)"
+        in rows["host reads per optimizer step with nonfinite='skip'"]
+    )
 
 
 def test_a_world_size_gets_the_meshes_of_a_cluster():
@@ -80,15 +107,18 @@ def test_a_world_size_gets_the_meshes_of_a_cluster():
     assert census.ranks_to_trace(256, 5) == [0, 64, 128, 191, 255]
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--optimizers", "sgd"], "--optimizers must name some of"),
-    (["--layouts", "pp"], "--layouts must name some of"),
-    (["--fake-worlds", "1"], "--fake-worlds must be world sizes >= 2"),
-    (["--gloo-worlds", "--fake-worlds"], "--gloo-worlds and --fake-worlds are both empty: nothing to count"),
-    (["--flop-ranks", "0"], "--flop-ranks must be >= 1"),
-    (["--fake-model", "DiT-Q/2"], "--fake-model: unknown DiT model"),
-    (["--gloo-heads", "5"], "--gloo-model DiT-S/2: 5 heads must divide the hidden size 384"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--optimizers", "sgd"], "--optimizers must name some of"),
+        (["--layouts", "pp"], "--layouts must name some of"),
+        (["--fake-worlds", "1"], "--fake-worlds must be world sizes >= 2"),
+        (["--gloo-worlds", "--fake-worlds"], "--gloo-worlds and --fake-worlds are both empty: nothing to count"),
+        (["--flop-ranks", "0"], "--flop-ranks must be >= 1"),
+        (["--fake-model", "DiT-Q/2"], "--fake-model: unknown DiT model"),
+        (["--gloo-heads", "5"], "--gloo-model DiT-S/2: 5 heads must divide the hidden size 384"),
+    ],
+)
 def test_bad_flags_are_refused_by_name(flags, message, capsys):
     assert census.main(flags) == 2
     assert capsys.readouterr().err.startswith(f"dimuon bench census: error: {message}")

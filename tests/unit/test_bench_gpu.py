@@ -17,8 +17,22 @@ TESTS = str(Path(__file__).resolve().parents[1])
 
 def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict]:
     out = tmp_path / "gpu-check.json"
-    code = cli_main(["bench", "gpu", "--device", "cpu", "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
-                     "--tests", TESTS, *flags])
+    code = cli_main(
+        [
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--tests",
+            TESTS,
+            *flags,
+        ]
+    )
     return code, json.loads(out.read_text())
 
 
@@ -47,7 +61,11 @@ def test_a_part_over_its_budget_is_recorded_and_the_others_still_run(tmp_path: P
     code, record = dry_run(tmp_path, "--parts", "tests", "train", "--tests-budget-s", "0.5")
     parts = record["parts"]
     assert code == 1
-    assert (parts["tests"]["status"], parts["bench"]["status"], parts["train"]["status"]) == ("timeout", "not run", "ok")
+    assert (parts["tests"]["status"], parts["bench"]["status"], parts["train"]["status"]) == (
+        "timeout",
+        "not run",
+        "ok",
+    )
     assert parts["tests"]["seconds"] < 30  # stopped at its budget, not when it finished
     assert parts["tests"]["results"]["partial"] is True
     assert "Did not complete: tests (timeout)" in record["readme"]
@@ -66,10 +84,30 @@ def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Pa
         "def test_after(): pass\n"
         "def test_forever():\n"  # out of the limit's reach: the part's budget stops it
         "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-        "    time.sleep(600)\n")
+        "    time.sleep(600)\n"
+    )
     out = tmp_path / "gpu-check.json"
-    code = cli_main(["bench", "gpu", "--device", "cpu", "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
-                     "--tests", str(suite), "--parts", "tests", "--test-timeout-s", "2", "--tests-budget-s", "45"])
+    code = cli_main(
+        [
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--tests",
+            str(suite),
+            "--parts",
+            "tests",
+            "--test-timeout-s",
+            "2",
+            "--tests-budget-s",
+            "45",
+        ]
+    )
     tests = json.loads(out.read_text())["parts"]["tests"]
     assert code == 1 and tests["status"] == "timeout"
     r = tests["results"]
@@ -96,8 +134,13 @@ def test_junit_counts_reads_every_outcome(tmp_path: Path) -> None:
         '<testcase classname="t" name="gpu"><skipped message="needs a CUDA GPU"/></testcase>'
         "</testsuite></testsuites>"
     )
-    assert gpu.junit_counts(report) == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1,
-                                        "failures": ["t::bad", "t::broken"]}
+    assert gpu.junit_counts(report) == {
+        "passed": 1,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 1,
+        "failures": ["t::bad", "t::broken"],
+    }
 
 
 def test_the_script_is_the_command(tmp_path: Path) -> None:
@@ -108,7 +151,13 @@ def test_the_script_is_the_command(tmp_path: Path) -> None:
     root = Path(TESTS).parent
     # the script runs the python on PATH: this interpreter's, as in an activated environment
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([str(root / "scripts" / "gpu-check"), "--help"], capture_output=True, text=True, timeout=120,
-                          check=False, env=env)
+    done = subprocess.run(
+        [str(root / "scripts" / "gpu-check"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "dimuon bench gpu" in done.stdout and "--quick" in done.stdout

@@ -14,8 +14,25 @@ from dimuon.io import write_json_atomic
 from dimuon.optim import linalg
 
 TINY = [
-    "--depth", "1", "--hidden-size", "64", "--num-heads", "2", "--input-size", "8", "--num-classes", "10",
-    "--repeats", "1", "--warmup", "0", "--ns-repeats", "1", "--no-progress", "--threads", "1",
+    "--depth",
+    "1",
+    "--hidden-size",
+    "64",
+    "--num-heads",
+    "2",
+    "--input-size",
+    "8",
+    "--num-classes",
+    "10",
+    "--repeats",
+    "1",
+    "--warmup",
+    "0",
+    "--ns-repeats",
+    "1",
+    "--no-progress",
+    "--threads",
+    "1",
 ]
 # torch.optim.Muon runs everywhere; dtensor-muon never on a CPU (not installed, no Triton, or no CUDA).
 PEERS_HERE = ["--peers", "torch_muon", "dtensor_muon"]
@@ -61,8 +78,19 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
 
 def test_skip_and_per_optimizer_repeats(tmp_path):
     out = tmp_path / "o.json"
-    argv = [*TINY, "--skip", "torch_muon", "adamw_fused", "muon_compiled", "--repeats-of", "muon=2", "--no-ns-rate",
-            "--out", str(out), *PEERS_HERE]
+    argv = [
+        *TINY,
+        "--skip",
+        "torch_muon",
+        "adamw_fused",
+        "muon_compiled",
+        "--repeats-of",
+        "muon=2",
+        "--no-ns-rate",
+        "--out",
+        str(out),
+        *PEERS_HERE,
+    ]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert "torch_muon" not in record["optimizers"] and "adamw_fused" not in record["optimizers"]
@@ -82,21 +110,43 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
     monkeypatch.setitem(PEERS, "ghost", _peer("ghost", "dimuon-no-such-package", None))
     monkeypatch.setitem(PEERS, "failing", _peer("failing", "torch", lambda mod, muon, rest, lr: Failing()))
     out = tmp_path / "o.json"
-    argv = [*TINY, "--skip", "adamw_fused", "muon_gram", "muon_compiled", "muon_bf16", "muon_bp", "periodic_row_muon",
-            "reference_muon", "muon_per_head", "rownorm_step", "block_step", "--peers", "ghost", "failing", "torch_muon", "--no-ns-rate", "--out",
-            str(out)]
+    argv = [
+        *TINY,
+        "--skip",
+        "adamw_fused",
+        "muon_gram",
+        "muon_compiled",
+        "muon_bf16",
+        "muon_bp",
+        "periodic_row_muon",
+        "reference_muon",
+        "muon_per_head",
+        "rownorm_step",
+        "block_step",
+        "--peers",
+        "ghost",
+        "failing",
+        "torch_muon",
+        "--no-ns-rate",
+        "--out",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     record = json.loads(out.read_text())
     assert set(record["optimizers"]) == {"adamw_foreach", "muon", "torch_muon"}
     assert record["peers"]["ghost"]["reason"] == (
-        "cannot run here: dimuon-no-such-package is not installed (pip install 'dimuon[peers]')")
+        "cannot run here: dimuon-no-such-package is not installed (pip install 'dimuon[peers]')"
+    )
     assert record["peers"]["failing"]["reason"] == "cannot run here: its step fails: RuntimeError: only 1-D meshes"
     assert record["config"]["peers"] == ["ghost", "failing", "torch_muon"]
 
 
 def test_no_peers_and_bad_peer_names(tmp_path, capsys):
     out = tmp_path / "o.json"
-    assert bench.main([*TINY, "--no-peers", "--skip", "muon_gram", "muon_compiled", "--no-ns-rate", "--out", str(out)]) == 0
+    assert (
+        bench.main([*TINY, "--no-peers", "--skip", "muon_gram", "muon_compiled", "--no-ns-rate", "--out", str(out)])
+        == 0
+    )
     record = json.loads(out.read_text())
     assert record["peers"] == {} and not any(r["peer"] for r in record["optimizers"].values())
     assert bench.main(["--peers", "sgd"]) == 2
@@ -159,7 +209,9 @@ def test_report_helpers(tmp_path):
     table = format_table(["name", "ms"], [["muon", "1.5"], ["adamw", "10.25"]])
     assert table.splitlines()[2] == "muon     1.5"
     assert format_markdown_table(["name", "ms"], [["muon", 1.5]]).splitlines() == [
-        "| name | ms |", "| --- | ---: |", "| muon | 1.5 |"
+        "| name | ms |",
+        "| --- | ---: |",
+        "| muon | 1.5 |",
     ]
 
 

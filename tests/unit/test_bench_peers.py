@@ -58,36 +58,85 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 # (name, call, kind, logical bytes on rank 1 of 4) -- the formulas of the module docstring.
 CASES = [
     ("all_gather_single", lambda: dist.all_gather_single(torch.empty(20), _ones(5)), "all_gather", 3 * 5 * F32),
-    ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(20), _ones(5)), "all_gather",
-     3 * 5 * F32),
-    ("all_gather list", lambda: dist.all_gather([torch.empty(3) for _ in range(WORLD)], _ones(3)), "all_gather",
-     3 * 3 * F32),
+    (
+        "all_gather_into_tensor",
+        lambda: dist.all_gather_into_tensor(torch.empty(20), _ones(5)),
+        "all_gather",
+        3 * 5 * F32,
+    ),
+    (
+        "all_gather list",
+        lambda: dist.all_gather([torch.empty(3) for _ in range(WORLD)], _ones(3)),
+        "all_gather",
+        3 * 3 * F32,
+    ),
     ("all_reduce", lambda: dist.all_reduce(_ones(8)), "all_reduce", 2 * 8 * F32 * 3 // 4),
-    ("reduce_scatter_single", lambda: dist.reduce_scatter_single(torch.empty(2), _ones(8)), "reduce_scatter",
-     8 * F32 * 3 // 4),
-    ("all_to_all_single, uneven", lambda: dist.all_to_all_single(torch.empty(8), _ones(8), [1, 2, 3, 2], [2] * 4),
-     "all_to_all", (1 + 3 + 2) * F32),
+    (
+        "reduce_scatter_single",
+        lambda: dist.reduce_scatter_single(torch.empty(2), _ones(8)),
+        "reduce_scatter",
+        8 * F32 * 3 // 4,
+    ),
+    (
+        "all_to_all_single, uneven",
+        lambda: dist.all_to_all_single(torch.empty(8), _ones(8), [1, 2, 3, 2], [2] * 4),
+        "all_to_all",
+        (1 + 3 + 2) * F32,
+    ),
     ("all_to_all_single, even", lambda: dist.all_to_all_single(torch.empty(8), _ones(8)), "all_to_all", 6 * F32),
-    ("all_to_all list", lambda: dist.all_to_all([torch.empty(2) for _ in range(WORLD)], [_ones(2)] * WORLD),
-     "all_to_all", 3 * 2 * F32),
+    (
+        "all_to_all list",
+        lambda: dist.all_to_all([torch.empty(2) for _ in range(WORLD)], [_ones(2)] * WORLD),
+        "all_to_all",
+        3 * 2 * F32,
+    ),
     ("broadcast, receiver", lambda: dist.broadcast(_ones(3), src=0), "broadcast", 3 * F32),
     ("broadcast, source", lambda: dist.broadcast(_ones(3), src=RANK), "broadcast", 0),
     ("gather, not destination", lambda: dist.gather(_ones(2), None, dst=0), "gather", 0),
-    ("gather, destination", lambda: dist.gather(_ones(2), [torch.empty(2) for _ in range(WORLD)], dst=RANK),
-     "gather", 3 * 2 * F32),
+    (
+        "gather, destination",
+        lambda: dist.gather(_ones(2), [torch.empty(2) for _ in range(WORLD)], dst=RANK),
+        "gather",
+        3 * 2 * F32,
+    ),
     ("scatter, receiver", lambda: dist.scatter(_ones(2), None, src=0), "scatter", 2 * F32),
     ("reduce, destination", lambda: dist.reduce(_ones(4), dst=RANK), "reduce", 2 * (4 * F32 * 3 // 4)),
-    ("funcol all_gather_single", lambda: _waited(funcol.all_gather_single(_ones(4), 0, dist.group.WORLD)), "all_gather",
-     3 * 4 * F32),
-    ("funcol all_reduce", lambda: _waited(funcol.all_reduce(_ones(4), "sum", dist.group.WORLD)), "all_reduce",
-     2 * 4 * F32 * 3 // 4),
-    ("funcol reduce_scatter", lambda: _waited(funcol.reduce_scatter_single(_ones(8), "sum", 0, dist.group.WORLD)),
-     "reduce_scatter", 8 * F32 * 3 // 4),
-    ("funcol all_to_all_single", lambda: _waited(funcol.all_to_all_single(_ones(8), None, None, dist.group.WORLD)),
-     "all_to_all", 6 * F32),
-    ("funcol broadcast, receiver", lambda: _waited(funcol.broadcast(_ones(5), 0, dist.group.WORLD)), "broadcast", 5 * F32),
-    ("funcol, ranks as a list", lambda: _waited(funcol.all_reduce(_ones(4), "sum", [0, 1, 2, 3])), "all_reduce",
-     2 * 4 * F32 * 3 // 4),
+    (
+        "funcol all_gather_single",
+        lambda: _waited(funcol.all_gather_single(_ones(4), 0, dist.group.WORLD)),
+        "all_gather",
+        3 * 4 * F32,
+    ),
+    (
+        "funcol all_reduce",
+        lambda: _waited(funcol.all_reduce(_ones(4), "sum", dist.group.WORLD)),
+        "all_reduce",
+        2 * 4 * F32 * 3 // 4,
+    ),
+    (
+        "funcol reduce_scatter",
+        lambda: _waited(funcol.reduce_scatter_single(_ones(8), "sum", 0, dist.group.WORLD)),
+        "reduce_scatter",
+        8 * F32 * 3 // 4,
+    ),
+    (
+        "funcol all_to_all_single",
+        lambda: _waited(funcol.all_to_all_single(_ones(8), None, None, dist.group.WORLD)),
+        "all_to_all",
+        6 * F32,
+    ),
+    (
+        "funcol broadcast, receiver",
+        lambda: _waited(funcol.broadcast(_ones(5), 0, dist.group.WORLD)),
+        "broadcast",
+        5 * F32,
+    ),
+    (
+        "funcol, ranks as a list",
+        lambda: _waited(funcol.all_reduce(_ones(4), "sum", [0, 1, 2, 3])),
+        "all_reduce",
+        2 * 4 * F32 * 3 // 4,
+    ),
 ]
 
 
@@ -144,9 +193,11 @@ def test_one_counting_block_at_a_time_and_restored_after_an_error(fake_group):
 
 
 def test_fold_kinds_merges_the_check_into_its_kind_and_drops_times():
-    own = {"all_gather": {"calls": 2, "bytes": 30, "exposed_s": 0.1},
-           "all_reduce": {"calls": 1, "bytes": 8, "exposed_s": 0.0},
-           "all_reduce[check]": {"calls": 1, "bytes": 6, "exposed_s": 0.2}}
+    own = {
+        "all_gather": {"calls": 2, "bytes": 30, "exposed_s": 0.1},
+        "all_reduce": {"calls": 1, "bytes": 8, "exposed_s": 0.0},
+        "all_reduce[check]": {"calls": 1, "bytes": 6, "exposed_s": 0.2},
+    }
     assert fold_kinds(own) == {"all_gather": {"calls": 2, "bytes": 30}, "all_reduce": {"calls": 2, "bytes": 14}}
     counter = CallCounter()
     counter.record("all_reduce", 1, 6)
@@ -161,8 +212,18 @@ def _fake_peer(key: str, distribution: str, module: str, **kw) -> Peer:
     def builder(mod, muon, rest, lr):
         raise AssertionError("not built")
 
-    return Peer(key, f"{key} label", distribution, module, "bfloat16", "test", "test", builder,
-                kw.pop("read_version", "0"), **kw)
+    return Peer(
+        key,
+        f"{key} label",
+        distribution,
+        module,
+        "bfloat16",
+        "test",
+        "test",
+        builder,
+        kw.pop("read_version", "0"),
+        **kw,
+    )
 
 
 def test_a_missing_package_is_a_row_that_says_how_to_install_it(monkeypatch):
@@ -174,18 +235,27 @@ def test_a_missing_package_is_a_row_that_says_how_to_install_it(monkeypatch):
 
 def test_an_import_failure_a_cuda_only_peer_and_an_unsupported_setting_say_why(monkeypatch):
     monkeypatch.setitem(PEERS, "noimport", _fake_peer("noimport", "torch", "dimuon_no_such_module"))
-    assert probe("noimport").reason.startswith("cannot run here: import dimuon_no_such_module fails: "
-                                               "ModuleNotFoundError")
+    assert probe("noimport").reason.startswith(
+        "cannot run here: import dimuon_no_such_module fails: ModuleNotFoundError"
+    )
     monkeypatch.setitem(PEERS, "gpu", _fake_peer("gpu", "torch", "torch", needs_cuda="a CUDA kernel"))
     assert probe("gpu", "cpu").reason == "cannot run here: needs a CUDA device: a CUDA kernel"
     torch_version = torch.__version__.split("+")[0]
-    monkeypatch.setitem(PEERS, "shardonly", _fake_peer("shardonly", "torch", "torch", read_version=torch_version,
-                                                       unsupported={"local": "no single-process path"}))
+    monkeypatch.setitem(
+        PEERS,
+        "shardonly",
+        _fake_peer(
+            "shardonly", "torch", "torch", read_version=torch_version, unsupported={"local": "no single-process path"}
+        ),
+    )
     assert probe("shardonly", "cpu", "local").reason == "cannot run here: in one process: no single-process path"
     assert probe("shardonly", "cpu", "fsdp2").runnable
     # The limit was read from one version's source: another version is tried instead.
-    monkeypatch.setitem(PEERS, "newer", _fake_peer("newer", "torch", "torch", read_version="0.0.1",
-                                                   unsupported={"local": "no single-process path"}))
+    monkeypatch.setitem(
+        PEERS,
+        "newer",
+        _fake_peer("newer", "torch", "torch", read_version="0.0.1", unsupported={"local": "no single-process path"}),
+    )
     assert probe("newer", "cpu", "local").runnable
 
 
@@ -240,7 +310,9 @@ def test_start_peer_turns_a_refusing_constructor_into_the_reason(monkeypatch):
     def refuse(mod, muon, rest, lr):
         raise ValueError("Unsupported mesh dimension: 2")
 
-    monkeypatch.setitem(PEERS, "refusing", dataclasses.replace(_fake_peer("refusing", "torch", "torch"), builder=refuse))
+    monkeypatch.setitem(
+        PEERS, "refusing", dataclasses.replace(_fake_peer("refusing", "torch", "torch"), builder=refuse)
+    )
     model = _small_model()
     opt, status, error = start_peer("refusing", *muon_and_rest(model), 1e-3, GradientSnapshot(model.parameters()))
     assert opt is None and status.runnable

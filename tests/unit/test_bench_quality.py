@@ -16,9 +16,25 @@ from dimuon.train.run import parse_config
 
 SPACE = "classifier-digits8-0123abcd"
 TINY = [
-    "--dataset", "digits", "--model", "DiT-T/2", "--steps", "4", "--batch-size", "16",
-    "--eval.interval", "2", "--eval.num-samples", "20", "--eval.sample-steps", "2", "--eval.batch-size", "20",
-    "--threads", "1", "--no-progress",
+    "--dataset",
+    "digits",
+    "--model",
+    "DiT-T/2",
+    "--steps",
+    "4",
+    "--batch-size",
+    "16",
+    "--eval.interval",
+    "2",
+    "--eval.num-samples",
+    "20",
+    "--eval.sample-steps",
+    "2",
+    "--eval.batch-size",
+    "20",
+    "--threads",
+    "1",
+    "--no-progress",
 ]
 
 
@@ -28,8 +44,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_config(out: Path, **changes) -> Config:
     """The end-to-end task of this module as a Config (no run is started by building it)."""
     evals = QualityEval(num_samples=20, sample_steps=2, batch_size=20, interval=2)
-    cfg = Config(optimizers=("adamw", "muon"), lrs=(1e-3, 1e-2), model="DiT-T/2", dataset="digits", steps=4,
-                 batch_size=16, eval=evals, threads=1, out=out, progress=False)
+    cfg = Config(
+        optimizers=("adamw", "muon"),
+        lrs=(1e-3, 1e-2),
+        model="DiT-T/2",
+        dataset="digits",
+        steps=4,
+        batch_size=16,
+        eval=evals,
+        threads=1,
+        out=out,
+        progress=False,
+    )
     return dataclasses.replace(cfg, **changes)
 
 
@@ -45,8 +71,15 @@ OPT_MS = {"adamw": 2.0, "muon": 6.0}
 
 def series_settings(cfg: Config) -> dict:
     """A results series' settings as dimuon eval records them, for cfg's evaluation flags."""
-    return {"feature_space": SPACE, "feature_key": SPACE, "dataset": {"name": cfg.dataset, "kwargs": {}},
-            "num_real": 180, **sampling_settings(cfg.eval), "k_pr": 3, "k_dc": 5}
+    return {
+        "feature_space": SPACE,
+        "feature_key": SPACE,
+        "dataset": {"name": cfg.dataset, "kwargs": {}},
+        "num_real": 180,
+        **sampling_settings(cfg.eval),
+        "k_pr": 3,
+        "k_dc": 5,
+    }
 
 
 def fabricate_run(cfg: Config, spec: RunSpec, last_step: int | None = None) -> Path:
@@ -54,19 +87,49 @@ def fabricate_run(cfg: Config, spec: RunSpec, last_step: int | None = None) -> P
     last = cfg.steps if last_step is None else last_step
     run_dir = cfg.out / "runs" / spec.name
     (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-    config = {"model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "steps": cfg.steps,
-              "optimizer": spec.optimizer, "lr": spec.lr, "seed": spec.seed}
+    config = {
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "batch_size": cfg.batch_size,
+        "steps": cfg.steps,
+        "optimizer": spec.optimizer,
+        "lr": spec.lr,
+        "seed": spec.seed,
+    }
     (run_dir / "config.json").write_text(json.dumps(config))
     step_ms, final = STEP_MS[spec.optimizer], FINAL_FD[spec.optimizer, spec.lr] + 2 * spec.seed
-    records = [{"kind": "train", "step": s, "loss": 1.0, "opt_ms": OPT_MS[spec.optimizer] + s % 2,
-                "step_ms": step_ms, "active_time_s": s * step_ms / 1e3} for s in range(1, last + 1)]
+    records = [
+        {
+            "kind": "train",
+            "step": s,
+            "loss": 1.0,
+            "opt_ms": OPT_MS[spec.optimizer] + s % 2,
+            "step_ms": step_ms,
+            "active_time_s": s * step_ms / 1e3,
+        }
+        for s in range(1, last + 1)
+    ]
     records.append({"kind": "val", "step": last, "val_loss": 0.6, "val_loss_ema": final / 100})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    entries = [{"step": s, "status": "ok", "active_time_s": s * step_ms / 1e3, "fd": final + 10 * (cfg.steps - s),
-                "precision": 0.5, "recall": 0.4, "density": 0.9, "coverage": 0.6}
-               for s in range(2, last + 1, 2)]
-    series = {"settings": series_settings(cfg), "entries": entries, "updated": "2026-01-01T00:00:00+00:00",
-              "reference": {"fd": 5.0, "n_fake": 20}}
+    entries = [
+        {
+            "step": s,
+            "status": "ok",
+            "active_time_s": s * step_ms / 1e3,
+            "fd": final + 10 * (cfg.steps - s),
+            "precision": 0.5,
+            "recall": 0.4,
+            "density": 0.9,
+            "coverage": 0.6,
+        }
+        for s in range(2, last + 1, 2)
+    ]
+    series = {
+        "settings": series_settings(cfg),
+        "entries": entries,
+        "updated": "2026-01-01T00:00:00+00:00",
+        "reference": {"fd": 5.0, "n_fake": 20},
+    }
     (run_dir / "eval" / "results.json").write_text(json.dumps({"format": 1, "evaluations": {"k1": series}}))
     checkpoint = run_dir / "checkpoints" / f"step_{last:07d}"
     checkpoint.mkdir(parents=True, exist_ok=True)
@@ -111,8 +174,13 @@ def fake_training(monkeypatch):
 def test_grid_runs_optimizers_side_by_side_with_per_optimizer_lrs(tmp_path):
     cfg = tiny_config(tmp_path, seeds=(0, 1), lr_grid=("adamw=3e-4,1e-3,3e-3",))
     names = [s.name for s in quality.expand_grid(cfg)]
-    assert names[:5] == ["adamw-lr0.0003-s0", "muon-lr0.001-s0", "adamw-lr0.001-s0", "muon-lr0.01-s0",
-                         "adamw-lr0.003-s0"]
+    assert names[:5] == [
+        "adamw-lr0.0003-s0",
+        "muon-lr0.001-s0",
+        "adamw-lr0.001-s0",
+        "muon-lr0.01-s0",
+        "adamw-lr0.003-s0",
+    ]
     assert len(names) == 10 and names[5] == "adamw-lr0.0003-s1"
     assert quality.lr_grid(cfg) == {"adamw": (3e-4, 1e-3, 3e-3), "muon": (1e-3, 1e-2)}
 
@@ -163,8 +231,10 @@ def test_bad_options_are_rejected_before_any_run(tmp_path, changes, message):
 
 def test_eval_flags_are_checked_with_their_eval_prefix(tmp_path):
     cfg = tiny_config(tmp_path)
-    for field, value, message in (("num_samples", 1, "--eval.num-samples must be >= 2"),
-                                  ("interval", 0, "--eval.interval must be an integer >= 1")):
+    for field, value, message in (
+        ("num_samples", 1, "--eval.num-samples must be >= 2"),
+        ("interval", 0, "--eval.interval must be an integer >= 1"),
+    ):
         bad = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **{field: value}))
         with pytest.raises(ValueError, match=message):
             quality.check_config(bad)
@@ -186,8 +256,10 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_run(tmp_path, ca
         extra = [flag, str(target)] if flag != "--out" else []
         out = target if flag == "--out" else tmp_path / "bench"
         assert quality.main(["--optimizers", "adamw", "--out", str(out), *extra]) == 2
-        assert capsys.readouterr().err == (f"dimuon bench quality: error: {flag} {target} cannot be written: "
-                                           f"{tmp_path / 'file'} is a file, not a directory\n")
+        assert capsys.readouterr().err == (
+            f"dimuon bench quality: error: {flag} {target} cannot be written: "
+            f"{tmp_path / 'file'} is a file, not a directory\n"
+        )
     assert not (tmp_path / "bench").exists()
 
 
@@ -285,8 +357,15 @@ def test_best_lr_averages_seeds_and_ratios_use_adamw():
         {"optimizer": "adamw", "lr": 1e-2, "seed": 0, "status": "ok", "fd": 15.0, "opt_ms": 2.0, "active_time_s": 8.0},
         {"optimizer": "adamw", "lr": 1e-2, "seed": 1, "status": "ok", "fd": 17.0, "opt_ms": 2.0, "active_time_s": 8.0},
         {"optimizer": "muon", "lr": 1e-2, "seed": 0, "status": "ok", "fd": 8.0, "opt_ms": 5.0, "active_time_s": 10.0},
-        {"optimizer": "muon", "lr": 1e-3, "seed": 0, "status": "failed", "fd": 1.0, "opt_ms": 5.0,
-         "active_time_s": 10.0},
+        {
+            "optimizer": "muon",
+            "lr": 1e-3,
+            "seed": 0,
+            "status": "failed",
+            "fd": 1.0,
+            "opt_ms": 5.0,
+            "active_time_s": 10.0,
+        },
     ]
     for i, (r, loss) in enumerate(zip(rows, (0.30, 0.34, 0.31, 0.31, 0.3, 0.1))):
         r.update(name=f"r{i}", best_fd=r["fd"], val_loss_ema=loss, step_ms=1.0)
@@ -334,8 +413,14 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     assert record["eval_settings"]["feature_space"] == SPACE and record["machine"]["argv"] == ["--fake"]
 
     out = cfg.out
-    for name in ("results.json", "results.md", "fd_vs_lr.png", "fd_vs_opt_ms.png", "best_lr/compare_fd.png",
-                 "best_lr/compare.json"):
+    for name in (
+        "results.json",
+        "results.md",
+        "fd_vs_lr.png",
+        "fd_vs_opt_ms.png",
+        "best_lr/compare_fd.png",
+        "best_lr/compare.json",
+    ):
         assert (out / name).is_file(), name
     assert json.loads((out / "results.json").read_text())["runs"][0]["name"] == "adamw-lr0.001-s0"
     md = (out / "results.md").read_text()
@@ -343,7 +428,11 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     assert "| muon-lr0.01-s1 | failed |" in md and "- muon-lr0.01-s1: dimuon train exited with status 2" in md
     compared = json.loads((out / "best_lr" / "compare.json").read_text())
     assert sorted(Path(r["run"]).name for r in compared["runs"]) == [
-        "adamw-lr0.01-s0", "adamw-lr0.01-s1", "muon-lr0.001-s0", "muon-lr0.001-s1"]
+        "adamw-lr0.01-s0",
+        "adamw-lr0.01-s1",
+        "muon-lr0.001-s0",
+        "muon-lr0.001-s1",
+    ]
 
     fake_training.clear()
     again = quality.run(cfg)
@@ -405,11 +494,18 @@ def test_keep_rows_of_must_be_a_record(tmp_path, content, message):
 
 
 def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypatch):
-    cfg = tiny_config(tmp_path, optimizers=("muon", "periodic_row_muon/k2", "periodic_row_muon/k4"), lrs=(1e-2,),
-                      train_args_of=("periodic_row_muon/k2=--optim.k 2", "periodic_row_muon/k4=--optim.k 4"))
+    cfg = tiny_config(
+        tmp_path,
+        optimizers=("muon", "periodic_row_muon/k2", "periodic_row_muon/k4"),
+        lrs=(1e-2,),
+        train_args_of=("periodic_row_muon/k2=--optim.k 2", "periodic_row_muon/k4=--optim.k 4"),
+    )
     specs = quality.expand_grid(cfg)
-    assert [s.name for s in specs] == ["muon-lr0.01-s0", "periodic_row_muon-k2-lr0.01-s0",
-                                       "periodic_row_muon-k4-lr0.01-s0"]
+    assert [s.name for s in specs] == [
+        "muon-lr0.01-s0",
+        "periodic_row_muon-k2-lr0.01-s0",
+        "periodic_row_muon-k4-lr0.01-s0",
+    ]
     cmd = quality_runs.train_command(cfg, specs[1], quality.train_args_of(cfg)[specs[1].optimizer])
     assert cmd[cmd.index("--optimizer") + 1] == "periodic_row_muon" and cmd[-2:] == ["--optim.k", "2"]
     fraction = {"muon": 1.0, "periodic_row_muon/k2": 0.5, "periodic_row_muon/k4": 0.25}
@@ -423,8 +519,12 @@ def test_variants_of_one_optimizer_run_under_their_own_labels(tmp_path, monkeypa
         spec = by_dir[Path(cmd[cmd.index("--out") + 1])]
         run_dir = fabricate_run(cfg, spec)
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        with_refresh = [{**r, "refresh": {"spectral_fraction": fraction[spec.optimizer], "matrices": {}}}
-                        if r["kind"] == "train" else r for r in map(json.loads, lines)]
+        with_refresh = [
+            {**r, "refresh": {"spectral_fraction": fraction[spec.optimizer], "matrices": {}}}
+            if r["kind"] == "train"
+            else r
+            for r in map(json.loads, lines)
+        ]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in with_refresh))
         return 0
 
@@ -457,8 +557,17 @@ def test_interrupted_runs_resume_and_unstarted_ones_restart(tmp_path, fake_train
 def test_end_to_end_tiny_grid(tmp_path, capsys):
     out = tmp_path / "bench"
     # --optim.k belongs to periodic_row_muon: AdamW's run fails at start-up, the other one goes on.
-    args = [*TINY, "--out", str(out), "--optimizers", "adamw", "periodic_row_muon",
-            "--train-args-of", "adamw=--optim.k 2", "periodic_row_muon=--optim.k 2"]
+    args = [
+        *TINY,
+        "--out",
+        str(out),
+        "--optimizers",
+        "adamw",
+        "periodic_row_muon",
+        "--train-args-of",
+        "adamw=--optim.k 2",
+        "periodic_row_muon=--optim.k 2",
+    ]
     assert quality.main(args) == 1
     captured = capsys.readouterr()
     assert "run adamw-lr0.01-s0 failed: dimuon train exited with status 2" in captured.err

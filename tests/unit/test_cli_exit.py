@@ -43,11 +43,13 @@ print("not reached", flush=True)
 
 def test_a_torchrun_rank_whose_group_is_gone_still_leaves_without_teardown():
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}
-    done = subprocess.run([sys.executable, "-c", DESTROYED], capture_output=True, text=True, timeout=120,
-                          check=False, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", DESTROYED], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
     assert done.returncode == 4, done.stderr[-2000:]
     assert done.stdout == "done"
     without = {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}
-    plain = subprocess.run([sys.executable, "-c", DESTROYED], capture_output=True, text=True, timeout=120,
-                           check=False, env=without)
+    plain = subprocess.run(
+        [sys.executable, "-c", DESTROYED], capture_output=True, text=True, timeout=120, check=False, env=without
+    )
     assert "not reached" in plain.stdout  # not a torchrun rank, no group: the command returns as usual

@@ -71,9 +71,7 @@ def test_digits_native_and_upsampled():
 
 
 def test_unknown_dataset_and_split_are_clear_errors():
-    with pytest.raises(
-        ValueError, match=r"unknown dataset 'cifar'; choose one of: arrays, digits, folder, mnist"
-    ):
+    with pytest.raises(ValueError, match=r"unknown dataset 'cifar'; choose one of: arrays, digits, folder, mnist"):
         build_dataset("cifar")
     with pytest.raises(ValueError, match=r"unknown split 'test'; choose one of: train, val, all"):
         build_dataset("digits", "test")
@@ -160,8 +158,10 @@ def test_image_folder_check_decodes_every_file_and_names_the_broken_ones(tmp_pat
     (root / "a" / "2.png").write_bytes(b"not a png at all")
     ds = build_dataset("folder", "all", root=root, image_size=4)
     found = find_problems(ds)
-    assert [line.split(" cannot be decoded ")[0] for line in found] == [str(root / "a" / "2.png"),
-                                                                       str(root / "b" / "1.png")]
+    assert [line.split(" cannot be decoded ")[0] for line in found] == [
+        str(root / "a" / "2.png"),
+        str(root / "b" / "1.png"),
+    ]
     assert "UnidentifiedImageError" in found[0] and "truncated" in found[1]
     # Each process checks its contiguous share; together they cover every item once.
     assert find_problems(ds, 0, 2) + find_problems(ds, 1, 2) == found
@@ -322,8 +322,10 @@ def test_array_check_names_the_rows_with_nan_or_inf_in_their_shard_file(tmp_path
     for k, lat in enumerate(parts):
         save_file({"latents": lat, "labels": np.arange(len(lat)) % 2}, str(shards / f"{k}.safetensors"))
     ds = build_dataset("arrays", "all", path=shards)
-    assert find_problems(ds) == [f"row 2 of {shards / '0.safetensors'} holds NaN or inf values",
-                                 f"row 3 of {shards / '1.safetensors'} holds NaN or inf values"]
+    assert find_problems(ds) == [
+        f"row 2 of {shards / '0.safetensors'} holds NaN or inf values",
+        f"row 3 of {shards / '1.safetensors'} holds NaN or inf values",
+    ]
     ints = build_dataset("arrays", "all", path=_npz(tmp_path / "u8.npz", np.zeros((6, 1, 4, 4), np.uint8), [0, 1] * 3))
     assert find_problems(ints) == []
 
@@ -337,8 +339,11 @@ def test_classes_are_inferred_as_the_distinct_labels_and_a_stray_label_is_an_err
     assert infer_num_classes(np.array([1, 0, 2, 1]), "x") == 3
     labels = [0, 1] * 5 + [12]
     path = _npz(tmp_path / "two.npz", np.zeros((11, 1, 4, 4), np.uint8), labels)
-    with pytest.raises(ValueError, match=r"labels of .*two.npz are not the class indices 0..2 of their 3 distinct "
-                                         r"values \(0, 1, 12\): label 12 is out of range; .*--num-classes"):
+    with pytest.raises(
+        ValueError,
+        match=r"labels of .*two.npz are not the class indices 0..2 of their 3 distinct "
+        r"values \(0, 1, 12\): label 12 is out of range; .*--num-classes",
+    ):
         build_dataset("arrays", "train", path=path)
     assert build_dataset("arrays", "all", path=path, num_classes=13).num_classes == 13  # stated: 13 classes
     with pytest.raises(ValueError, match=r"1 label\(s\) outside \[0, 2\) for 2 classes, the first 12 at row 10 of"):

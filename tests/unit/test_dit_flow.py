@@ -186,9 +186,7 @@ def test_sampler_is_deterministic_given_a_generator():
     labels = torch.tensor([1, 2, 3])
 
     def draw(seed):
-        return sample(
-            model, labels, (1, 8, 8), steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(seed)
-        )
+        return sample(model, labels, (1, 8, 8), steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(seed))
 
     a = draw(0)
     torch.manual_seed(123)

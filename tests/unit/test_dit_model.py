@@ -170,9 +170,7 @@ def test_sincos_position_embedding_rows_and_columns():
     assert torch.equal(emb[0, 0, :8], emb[0, 2, :8])
     assert torch.equal(emb[0, 1, 8:], emb[2, 1, 8:])
     assert not torch.equal(emb[0, 0, :8], emb[1, 0, :8])
-    assert torch.allclose(
-        emb[0, 0], torch.cat([torch.zeros(4), torch.ones(4), torch.zeros(4), torch.ones(4)])
-    )
+    assert torch.allclose(emb[0, 0], torch.cat([torch.zeros(4), torch.ones(4), torch.zeros(4), torch.ones(4)]))
     assert len({tuple(r.tolist()) for r in emb.reshape(9, 16)}) == 9
 
 
@@ -183,9 +181,7 @@ def test_wrong_input_size_is_a_clear_error():
 
 
 def test_label_dropout_uses_the_null_row():
-    model = _perturb(
-        build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=1.0)
-    )
+    model = _perturb(build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=1.0))
     x, t, y = _inputs(3, 1, 8)
     null = torch.full_like(y, model.null_label)
     model.train()
@@ -199,9 +195,7 @@ def test_label_dropout_uses_the_null_row():
 
 
 def test_forward_with_cfg():
-    model = _perturb(
-        build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10, learn_sigma=True)
-    ).eval()
+    model = _perturb(build_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10, learn_sigma=True)).eval()
     x, t, y = _inputs(3, 1, 8)
     cond = model(x, t, y)[:, :1]
     uncond = model(x, t, torch.full_like(y, 10))[:, :1]
@@ -227,7 +221,9 @@ def test_config_rebuilds_the_same_architecture():
 
 @pytest.fixture(scope="module")
 def diffusers_dit():
-    pytest.importorskip("diffusers", reason="the diffusers adapter needs the optional extra: pip install 'dimuon[diffusers]'")
+    pytest.importorskip(
+        "diffusers", reason="the diffusers adapter needs the optional extra: pip install 'dimuon[diffusers]'"
+    )
     from dimuon.dit.diffusers_adapter import build_diffusers_dit
 
     torch.manual_seed(0)

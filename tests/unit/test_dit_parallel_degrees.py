@@ -13,14 +13,20 @@ def test_dp_shard_takes_the_rest_of_the_world():
     assert Parallelism().resolve(1).dims == ()
 
 
-@pytest.mark.parametrize("degrees, world, message", [
-    ((1, 3, 1), 4, "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 3 x 1 = 3 must equal the "
-                   "world size 4"),
-    ((3, -1, 1), 4, "--parallel.dp-replicate (3) x --parallel.tp (1) must divide the world size 4"),
-    ((2, 1, 2), 4, "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported"),
-    ((1, 0, 1), 4, "--parallel.dp-shard must be >= 1 or -1"),
-    ((1, -1, 0), 4, "--parallel.tp must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "degrees, world, message",
+    [
+        (
+            (1, 3, 1),
+            4,
+            "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 3 x 1 = 3 must equal the world size 4",
+        ),
+        ((3, -1, 1), 4, "--parallel.dp-replicate (3) x --parallel.tp (1) must divide the world size 4"),
+        ((2, 1, 2), 4, "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported"),
+        ((1, 0, 1), 4, "--parallel.dp-shard must be >= 1 or -1"),
+        ((1, -1, 0), 4, "--parallel.tp must be >= 1"),
+    ],
+)
 def test_bad_degrees_name_the_flags(degrees, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Parallelism(*degrees).resolve(world)

@@ -31,8 +31,10 @@ dims = st.integers(min_value=1, max_value=24)
 def test_local_engine_matches_reference(shapes, kind, blocks, lr_scale, seed):
     g = torch.Generator().manual_seed(seed)
     updates = [torch.randn(*s, generator=g) for s in shapes]
-    jobs = [MatrixJob(name=f"w{i}", update=u, rows=u.shape[0], cols=u.shape[1], blocks=blocks)
-            for i, u in enumerate(updates)]
+    jobs = [
+        MatrixJob(name=f"w{i}", update=u, rows=u.shape[0], cols=u.shape[1], blocks=blocks)
+        for i, u in enumerate(updates)
+    ]
     config = MapConfig(ns_dtype=torch.float32, lr_scale=lr_scale)
     got = LocalEngine().directions(jobs, kind, config)
     for u, d in zip(updates, got):

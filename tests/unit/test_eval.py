@@ -61,9 +61,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluator(cache_dir) -> GenerationEvaluator:
-    return GenerationEvaluator.for_dataset(
-        "digits", {}, FAST, cache_dir=cache_dir, batch_size=16, progress=False
-    )
+    return GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, batch_size=16, progress=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,9 +73,7 @@ def test_labels_cycle_through_classes_and_noise_is_per_sample() -> None:
     assert balanced_labels(23, 10).tolist() == [i % 10 for i in range(23)]
     assert torch.bincount(balanced_labels(1000, 10)).tolist() == [100] * 10
     full = sample_noise(5, 0, 12, (1, 8, 8))
-    assert torch.equal(
-        sample_noise(5, 7, 12, (1, 8, 8)), full[7:]
-    )  # a slice does not depend on where it starts
+    assert torch.equal(sample_noise(5, 7, 12, (1, 8, 8)), full[7:])  # a slice does not depend on where it starts
     assert torch.equal(sample_noise(5, 0, 12, (1, 8, 8)), full)
     other = sample_noise(6, 0, 12, (1, 8, 8))
     assert not torch.allclose(other, full)  # the seed matters (all of it, not only its low bits)
@@ -101,9 +97,7 @@ def test_samples_are_deterministic_and_independent_of_batch_size() -> None:
 def test_real_set_against_itself_scores_zero_fd_and_perfect_prdc(evaluator) -> None:
     val, _ = load_images(build_dataset("digits", split="val"))
     row = evaluator.score(val)  # the same extractor and cached real features a checkpoint is scored with
-    assert row["feature_space"] == evaluator.feature_space and row["feature_space"].startswith(
-        "classifier-digits8-"
-    )
+    assert row["feature_space"] == evaluator.feature_space and row["feature_space"].startswith("classifier-digits8-")
     assert abs(row["fd"]) < 1e-6
     assert row["precision"] == row["recall"] == row["coverage"] == 1.0
     assert row["density"] == pytest.approx(1.0)
@@ -157,9 +151,7 @@ def test_real_features_are_cached_by_dataset_and_extractor(cache_dir, evaluator,
     again = GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, progress=False)
     assert torch.equal(again.real_feats, evaluator.real_feats)
     monkeypatch.undo()
-    fewer = GenerationEvaluator.for_dataset(
-        "digits", {}, FAST, cache_dir=cache_dir, num_real=50, progress=False
-    )
+    fewer = GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, num_real=50, progress=False)
     torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[:50])
 
 
@@ -233,13 +225,17 @@ def test_outputs_that_cannot_be_written_and_runs_without_checkpoints_are_error_l
     run.mkdir()
     (run / "eval").write_text("a file where the results directory goes")
     assert main(["--run", str(run)]) == 2
-    assert capsys.readouterr().err == (f"dimuon eval: error: --run: the results directory {run / 'eval'} cannot be "
-                                       f"written: {run / 'eval'} is a file, not a directory\n")
+    assert capsys.readouterr().err == (
+        f"dimuon eval: error: --run: the results directory {run / 'eval'} cannot be "
+        f"written: {run / 'eval'} is a file, not a directory\n"
+    )
     assert main(["--compare", str(run), "--out", str(run / "eval" / "cmp")]) == 2
     assert "--out: the output directory" in capsys.readouterr().err
     (run / "eval").unlink()
     assert main(["--run", str(run), "--no-progress"]) == 1
-    assert capsys.readouterr().err.startswith(f"dimuon eval: error: no complete checkpoints under {run / 'checkpoints'}")
+    assert capsys.readouterr().err.startswith(
+        f"dimuon eval: error: no complete checkpoints under {run / 'checkpoints'}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,9 +307,7 @@ def test_eval_writes_results_table_and_plots(run_dir, cache_dir, capsys) -> None
         assert e["active_time_s"] is not None and e["wall_s"] > 0 and e["eval_s"] > 0
     assert series["reference"]["fd"] < min(e["fd"] for e in entries)
     md = (run_dir / "eval" / "results.md").read_text()
-    assert (
-        s["feature_space"] in md and md.count("\n| 10 |") + md.count("\n| 20 |") + md.count("\n| 30 |") == 3
-    )
+    assert s["feature_space"] in md and md.count("\n| 10 |") + md.count("\n| 20 |") + md.count("\n| 30 |") == 3
     for name in ("fd_vs_step.png", "fd_vs_time.png", f"grids/{key}/step_0000030.png"):
         assert (run_dir / "eval" / name).read_bytes()[:4] == b"\x89PNG"
     assert not list((run_dir / "eval").glob(".*.tmp"))

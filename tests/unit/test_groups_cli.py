@@ -28,9 +28,24 @@ def test_a_diffusers_class_full_size_on_the_meta_device_and_tiny(capsys, tmp_pat
     text = capsys.readouterr().out
     assert "adamw  scale_shift_table" in text and "not the weight of a linear map" in text
     config = tmp_path / "config.json"  # a diffusers config.json as it is on disk
-    config.write_text(json.dumps({"_class_name": "WanTransformer3DModel", "_diffusers_version": "0.30", "num_layers": 2}))
-    assert main(["groups", "--diffusers", "WanTransformer3DModel", "--tiny", "--config-file", str(config),
-                 "--rule", "blocks.1.*=adamw"]) == 0
+    config.write_text(
+        json.dumps({"_class_name": "WanTransformer3DModel", "_diffusers_version": "0.30", "num_layers": 2})
+    )
+    assert (
+        main(
+            [
+                "groups",
+                "--diffusers",
+                "WanTransformer3DModel",
+                "--tiny",
+                "--config-file",
+                str(config),
+                "--rule",
+                "blocks.1.*=adamw",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "adamw  patch_embedding.weight" in text and "muon   blocks.0.ffn.net.2.weight" in text
     assert "adamw  blocks.1.ffn.net.2.weight" in text and "user rule 'blocks.1.*'" in text
@@ -42,17 +57,20 @@ def test_a_builder_callable_with_arguments(capsys):
     assert "muon   weight" in text and "adamw  bias" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "DiT-S/2", "--builder", "torch.nn:Linear"], "exactly one of --model, --diffusers, --builder"),
-    (["--model", "DiT-S/2", "--tiny"], "--tiny shrinks a diffusers class"),
-    (["--model", "DiT-S/2", "--rule", "x=sgd"], "the algorithm must be 'adamw' or 'muon'"),
-    (["--model", "DiT-S/2", "--split", "*qkv*=a"], "sizes must be integers"),
-    (["--model", "DiT-S/2", "--config", "depth"], "--config expects key=value"),
-    (["--model", "DiT-S/2", "--config", "nope=1"], "does not build with these arguments"),
-    (["--builder", "torch.nn"], "--builder expects module:callable"),
-    (["--builder", "torch.nn:NoSuchThing"], "has no attribute 'NoSuchThing'"),
-    (["--model", "DiT-S/2", "--split", "*attn.qkv.weight=5"], "must divide its 1152 rows evenly"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "DiT-S/2", "--builder", "torch.nn:Linear"], "exactly one of --model, --diffusers, --builder"),
+        (["--model", "DiT-S/2", "--tiny"], "--tiny shrinks a diffusers class"),
+        (["--model", "DiT-S/2", "--rule", "x=sgd"], "the algorithm must be 'adamw' or 'muon'"),
+        (["--model", "DiT-S/2", "--split", "*qkv*=a"], "sizes must be integers"),
+        (["--model", "DiT-S/2", "--config", "depth"], "--config expects key=value"),
+        (["--model", "DiT-S/2", "--config", "nope=1"], "does not build with these arguments"),
+        (["--builder", "torch.nn"], "--builder expects module:callable"),
+        (["--builder", "torch.nn:NoSuchThing"], "has no attribute 'NoSuchThing'"),
+        (["--model", "DiT-S/2", "--split", "*attn.qkv.weight=5"], "must divide its 1152 rows evenly"),
+    ],
+)
 def test_bad_flags_say_which_and_exit_2(capsys, argv, message):
     assert main(["groups", *argv]) == 2
     assert message in capsys.readouterr().err

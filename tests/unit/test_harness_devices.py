@@ -14,8 +14,9 @@ from dimuon.dit import flow as flow_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 
 
 def assert_same(a: dict, b: dict, device: str) -> None:

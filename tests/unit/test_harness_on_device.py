@@ -23,8 +23,9 @@ from dimuon.train.plan import resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 DEVICES = ["cpu", CUDA]
 
 
@@ -58,8 +59,17 @@ def test_guided_heun_sampling_on_the_device_matches_the_cpu(device: str, exact_f
     assert got.device.type == device and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-4)  # other attention kernels on a GPU
     # Seeded noise drawn by a generator on the device: the same seed, the same images.
-    draws = [sample(model, labels.to(device), (1, 8, 8), steps=2, cfg_scale=2.5,
-                    generator=torch.Generator(device=device).manual_seed(7)) for _ in range(2)]
+    draws = [
+        sample(
+            model,
+            labels.to(device),
+            (1, 8, 8),
+            steps=2,
+            cfg_scale=2.5,
+            generator=torch.Generator(device=device).manual_seed(7),
+        )
+        for _ in range(2)
+    ]
     assert draws[0].device.type == device and torch.equal(draws[0], draws[1])
 
 
@@ -97,8 +107,9 @@ def test_a_checkpoint_restores_the_global_rng_of_every_device_it_used(device: st
     assert len(state["rng"]) == 1 and len(state["rng"][0]) == (2 if device == "cuda" else 1)  # one rank
     after_save = rng_draws(device)  # nothing drew from the generators since the save
     torch.manual_seed(1234)  # scrambles the CPU generator and every GPU's
-    load_training_state(trainer.summary["checkpoint"], model=trainer.model, optimizer=trainer.opt,
-                        ema=trainer.ema, env=trainer.env)
+    load_training_state(
+        trainer.summary["checkpoint"], model=trainer.model, optimizer=trainer.opt, ema=trainer.ema, env=trainer.env
+    )
     for a, b in zip(rng_draws(device), after_save, strict=True):
         assert torch.equal(a, b)
 
@@ -110,12 +121,16 @@ def test_a_checkpoint_moves_between_the_cpu_and_the_device(device: str, tmp_path
     for written, read in sorted({(device, "cpu"), ("cpu", device)}):
         root = tmp_path / f"{written}-to-{read}"
         writer = trained(root, written)
-        reader = Trainer(resolve(dt.tiny_config(root / "reader", tmp_path / "cache", read, eval=EvalOptions())),
-                         setup(read))
-        load_training_state(writer.summary["checkpoint"], model=reader.model, optimizer=reader.opt,
-                            ema=reader.ema, env=reader.env)
-        pairs = [*zip(writer.model.parameters(), reader.model.parameters(), strict=True),
-                 *zip(writer.ema.weights().values(), reader.ema.weights().values(), strict=True)]
+        reader = Trainer(
+            resolve(dt.tiny_config(root / "reader", tmp_path / "cache", read, eval=EvalOptions())), setup(read)
+        )
+        load_training_state(
+            writer.summary["checkpoint"], model=reader.model, optimizer=reader.opt, ema=reader.ema, env=reader.env
+        )
+        pairs = [
+            *zip(writer.model.parameters(), reader.model.parameters(), strict=True),
+            *zip(writer.ema.weights().values(), reader.ema.weights().values(), strict=True),
+        ]
         for p, q in zip(writer.opt.state.values(), reader.opt.state.values(), strict=True):
             pairs += [(p[k], q[k]) for k in p]
         for a, b in pairs:

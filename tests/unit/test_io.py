@@ -149,16 +149,37 @@ def _touch(path: Path) -> Path:
 
 def test_only_dimuon_s_own_files_are_its_and_clear_leaves_the_user_s(tmp_path: Path) -> None:
     run = RunLayout(tmp_path / "run")
-    ours = [run.marker, run.config, run.metrics, run.checkpoint(250) / "meta.json", run.checkpoint(250) / "state.pt",
-            run.checkpoint(500) / "__0_0.distcp", run.checkpoint(500) / ".metadata",
-            run.checkpoints / ".tmp-step_0000750" / ".state.pt.k2j_x1.tmp", run.superseded(1000) / "meta.json",
-            run.sample_grid(250), run.plots / "loss_vs_step.png", run.plots / ".loss_vs_time.png.abc123.tmp",
-            run.tensorboard / "events.out.tfevents.1.host", run.results, run.results_md, run.eval / "fd_vs_step.png",
-            run.eval_grid("3f2a", 250), run.feature_cache / "classifier-mnist28-12345678.safetensors",
-            run.feature_cache / "real-mnist-0a1b2c3d-val-n500-classifier.safetensors"]
-    theirs = [run.eval / "run_eval.py", run.plots / "fig1.png", run.root / "notes.txt", run.root / "config.yaml",
-              run.checkpoint(250) / "notes.md", run.samples / "best.png", run.checkpoints / "step_12" / "meta.json",
-              run.root / "data" / "config.json"]
+    ours = [
+        run.marker,
+        run.config,
+        run.metrics,
+        run.checkpoint(250) / "meta.json",
+        run.checkpoint(250) / "state.pt",
+        run.checkpoint(500) / "__0_0.distcp",
+        run.checkpoint(500) / ".metadata",
+        run.checkpoints / ".tmp-step_0000750" / ".state.pt.k2j_x1.tmp",
+        run.superseded(1000) / "meta.json",
+        run.sample_grid(250),
+        run.plots / "loss_vs_step.png",
+        run.plots / ".loss_vs_time.png.abc123.tmp",
+        run.tensorboard / "events.out.tfevents.1.host",
+        run.results,
+        run.results_md,
+        run.eval / "fd_vs_step.png",
+        run.eval_grid("3f2a", 250),
+        run.feature_cache / "classifier-mnist28-12345678.safetensors",
+        run.feature_cache / "real-mnist-0a1b2c3d-val-n500-classifier.safetensors",
+    ]
+    theirs = [
+        run.eval / "run_eval.py",
+        run.plots / "fig1.png",
+        run.root / "notes.txt",
+        run.root / "config.yaml",
+        run.checkpoint(250) / "notes.md",
+        run.samples / "best.png",
+        run.checkpoints / "step_12" / "meta.json",
+        run.root / "data" / "config.json",
+    ]
     for path in ours + theirs:
         _touch(path)
     assert run.owned_files() == sorted(ours)
@@ -172,8 +193,14 @@ def test_only_dimuon_s_own_files_are_its_and_clear_leaves_the_user_s(tmp_path: P
 
 
 def test_json_files_and_records_are_strict_json(tmp_path: Path) -> None:
-    record = {"loss": float("nan"), "grad_norm": torch.tensor(float("inf")), "lr": np.float32(0.5),
-              "per_t": {"0.05": -float("inf")}, "items": (1, np.int64(2)), "path": tmp_path}
+    record = {
+        "loss": float("nan"),
+        "grad_norm": torch.tensor(float("inf")),
+        "lr": np.float32(0.5),
+        "per_t": {"0.05": -float("inf")},
+        "items": (1, np.int64(2)),
+        "path": tmp_path,
+    }
     log = JsonlLog(tmp_path / "m.jsonl")
     log.write(record)
     log.close()
@@ -182,8 +209,14 @@ def test_json_files_and_records_are_strict_json(tmp_path: Path) -> None:
     def refuse(token: str) -> None:
         raise ValueError(f"non-standard JSON token {token}")
 
-    expected = {"loss": None, "grad_norm": None, "lr": 0.5, "per_t": {"0.05": None}, "items": [1, 2],
-                "path": str(tmp_path)}
+    expected = {
+        "loss": None,
+        "grad_norm": None,
+        "lr": 0.5,
+        "per_t": {"0.05": None},
+        "items": [1, 2],
+        "path": str(tmp_path),
+    }
     assert json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=refuse) == expected
     assert json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse) == expected
 

@@ -51,8 +51,12 @@ PLACEMENTS = {
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 40), sizes=st.tuples(st.integers(1, 4), st.integers(1, 4)),
-       key=st.sampled_from(sorted(PLACEMENTS)))
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    sizes=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    key=st.sampled_from(sorted(PLACEMENTS)),
+)
 def test_pieces_match_dtensor_splitting(rows, cols, sizes, key):
     placements = PLACEMENTS[key]
     mesh = _Mesh(sizes[: len(placements)])
@@ -79,10 +83,14 @@ def test_conv_weight_columns_scale_by_the_kernel():
 def test_blocks_pair_cuts_rows_and_columns_as_torch_chunk():
     u = torch.randn(7, 10, dtype=torch.float64)
     job = MatrixJob("w", u, 7, 10, blocks=(2, 3))
-    assert map_regions(job, StepKind.BLOCK) == [(r0, r1, c0, c1) for r0, r1 in ((0, 4), (4, 7))
-                                                for c0, c1 in ((0, 4), (4, 8), (8, 10))]
+    assert map_regions(job, StepKind.BLOCK) == [
+        (r0, r1, c0, c1) for r0, r1 in ((0, 4), (4, 7)) for c0, c1 in ((0, 4), (4, 8), (8, 10))
+    ]
     assert map_regions(MatrixJob("w", u, 7, 10, blocks=3), StepKind.BLOCK) == [
-        (0, 3, 0, 10), (3, 6, 0, 10), (6, 7, 0, 10)]
+        (0, 3, 0, 10),
+        (3, 6, 0, 10),
+        (6, 7, 0, 10),
+    ]
     assert map_regions(job, StepKind.SPECTRAL) == [(0, 7, 0, 10)]
     expect = reference_direction(u.float(), StepKind.BLOCK, "none", blocks=(2, 3))
     top_left = reference_direction(u[:4, :4].float(), StepKind.SPECTRAL, "none")

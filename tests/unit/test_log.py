@@ -53,15 +53,20 @@ def test_run_command_turns_what_a_user_can_act_on_into_one_error_line(capsys) ->
     def raising(exc: BaseException):
         def body() -> int:
             raise exc
+
         return body
 
     assert run_command("cmd", lambda: 0) == 0
-    cases = [(ValueError("--x must be > 0"), 2, "cmd: error: --x must be > 0\n"),
-             (Stopped("step 3 diverged"), 1, "cmd: error: step 3 diverged\ncmd: resume it with --resume\n"),
-             (OSError(28, "No space left on device"), 1, "cmd: error: [Errno 28] No space left on device\n"),
-             (KeyboardInterrupt(), 130, "cmd: interrupted; rerun it\n")]
+    cases = [
+        (ValueError("--x must be > 0"), 2, "cmd: error: --x must be > 0\n"),
+        (Stopped("step 3 diverged"), 1, "cmd: error: step 3 diverged\ncmd: resume it with --resume\n"),
+        (OSError(28, "No space left on device"), 1, "cmd: error: [Errno 28] No space left on device\n"),
+        (KeyboardInterrupt(), 130, "cmd: interrupted; rerun it\n"),
+    ]
     for exc, status, err in cases:
-        assert run_command("cmd", raising(exc), usage=(ValueError,), failures=(Stopped,), interrupted="rerun it") == status
+        assert (
+            run_command("cmd", raising(exc), usage=(ValueError,), failures=(Stopped,), interrupted="rerun it") == status
+        )
         assert capsys.readouterr().err == err
     with pytest.raises(TypeError):  # anything else is a bug: its traceback is kept
         run_command("cmd", raising(TypeError("bug")), usage=(ValueError,))

@@ -69,10 +69,7 @@ def test_rank_deficient_covariances_stay_finite_and_match_the_symmetric_form() -
     root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
     inner = np.linalg.eigvalsh(root1 @ s2 @ root1)
     ref = (
-        ((x.mean(0) - y.mean(0)) ** 2).sum()
-        + np.trace(s1)
-        + np.trace(s2)
-        - 2 * np.sqrt(np.clip(inner, 0, None)).sum()
+        ((x.mean(0) - y.mean(0)) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * np.sqrt(np.clip(inner, 0, None)).sum()
     )
     fd = frechet_distance(x, y)
     assert np.isfinite(fd)

@@ -56,7 +56,8 @@ def test_staleness_of_partial_sums_adds_up_over_row_pieces():
     rows = reference_row_sums(u_s, o)
     whole = staleness_partial_sums(u, o, rows, ranges)
     pieces = staleness_partial_sums(u[:7], o[:7], rows[:7], ((0, 4), (4, 7))) + staleness_partial_sums(
-        u[7:], o[7:], rows[7:], (None, (0, 3)))
+        u[7:], o[7:], rows[7:], (None, (0, 3))
+    )
     torch.testing.assert_close(pieces, whole)
     expect = torch.stack([1 - _cos(u[a:b], o[a:b]) / _cos(u_s[a:b], o[a:b]) for a, b in ranges])
     torch.testing.assert_close(staleness_from_sums(whole), expect)
@@ -72,8 +73,10 @@ def test_a_bf16_reference_gives_the_fp32_signal(shape):
     o_s = newton_schulz(u_s, dtype=torch.float32)
     for noise in (0.3, 1.0, 3.0):
         u = u_s + noise * u_s.std() * torch.randn(*shape, generator=g)
-        fp32, bf16 = (staleness_from_sums(staleness_partial_sums(u, o, reference_row_sums(u_s, o), ((0, shape[0]),)))
-                      for o in (o_s, o_s.to(torch.bfloat16)))
+        fp32, bf16 = (
+            staleness_from_sums(staleness_partial_sums(u, o, reference_row_sums(u_s, o), ((0, shape[0]),)))
+            for o in (o_s, o_s.to(torch.bfloat16))
+        )
         assert (fp32 - bf16).abs().item() <= 2e-5
 
 
@@ -101,8 +104,15 @@ def test_decisions_follow_the_rule_on_constructed_momenta():
 
 def test_a_group_may_set_its_own_threshold():
     a, b = nn.Parameter(torch.zeros(4, 6)), nn.Parameter(torch.zeros(4, 6))
-    opt = AdaptiveRowMuon([{"params": [a]}, {"params": [b], "threshold": 0.3}], lr=0.1, momentum=0.0,
-                          nesterov=False, threshold=5.0, k_min=1, k_max=9)
+    opt = AdaptiveRowMuon(
+        [{"params": [a]}, {"params": [b], "threshold": 0.3}],
+        lr=0.1,
+        momentum=0.0,
+        nesterov=False,
+        threshold=5.0,
+        k_min=1,
+        k_max=9,
+    )
     grad = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
     for g in (grad, -grad):  # staleness 2 at the second step
         a.grad, b.grad = g.clone(), g.clone()
@@ -114,8 +124,9 @@ def test_a_group_may_set_its_own_threshold():
 
 def test_a_fused_matrix_refreshes_when_any_of_its_parts_went_stale():
     w = nn.Parameter(torch.zeros(8, 4))
-    opt = AdaptiveRowMuon([{"params": [w], "split_sizes": 2}], lr=0.1, momentum=0.0, nesterov=False,
-                          threshold=0.3, k_min=1, k_max=9)
+    opt = AdaptiveRowMuon(
+        [{"params": [w], "split_sizes": 2}], lr=0.1, momentum=0.0, nesterov=False, threshold=0.3, k_min=1, k_max=9
+    )
     grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     half_flipped = grad.clone()
     half_flipped[4:] *= -1  # the second chunk's staleness is 2, the first's 0
@@ -158,7 +169,9 @@ def test_equal_bounds_are_periodic_row_muon_and_zero_threshold_is_muon():
     assert all(torch.equal(x, y) for x, y in zip(out_a, out_b))
 
 
-@pytest.mark.parametrize("kw", [dict(threshold=0.02, k_min=1, k_max=5), dict(threshold=0.1, k_min=1, k_max=4, gamma=0.5)])
+@pytest.mark.parametrize(
+    "kw", [dict(threshold=0.02, k_min=1, k_max=5), dict(threshold=0.1, k_min=1, k_max=4, gamma=0.5)]
+)
 def test_matches_the_reference_update_and_decisions(kw):
     ours, ref = _params(), _params()
     opt = AdaptiveRowMuon(ours, lr=0.01, weight_decay=0.1, lr_scale="original", ns_dtype=torch.float32, **kw)
@@ -202,8 +215,16 @@ class RecordingEngine(LocalEngine):
 def test_one_engine_call_per_kind_with_only_the_chosen_matrices():
     a, b, c = (nn.Parameter(torch.zeros(4, 6)) for _ in range(3))
     engine = RecordingEngine()
-    opt = AdaptiveRowMuon([("a", a), ("b", b), ("c", c)], lr=0.1, momentum=0.0, nesterov=False, threshold=0.3,
-                          k_min=1, k_max=3, engine=engine)
+    opt = AdaptiveRowMuon(
+        [("a", a), ("b", b), ("c", c)],
+        lr=0.1,
+        momentum=0.0,
+        nesterov=False,
+        threshold=0.3,
+        k_min=1,
+        k_max=3,
+        engine=engine,
+    )
     one = torch.ones(4, 6)
     for grads in [(one, one, one), (-one, one, one), (one, one, one)]:
         for p, g in zip((a, b, c), grads):
@@ -211,16 +232,21 @@ def test_one_engine_call_per_kind_with_only_the_chosen_matrices():
         opt.step()
     assert engine.calls == [
         ("spectral", ["a", "b", "c"]),  # t0: every matrix refreshes first; nothing to measure
-        ("sums", ["a", "b", "c"]), ("spectral", ["a"]), ("rownorm", ["b", "c"]),  # t1: only a turned
-        ("sums", ["a", "b", "c"]), ("spectral", ["a"]), ("rownorm", ["b", "c"]),  # t2: a turned back
+        ("sums", ["a", "b", "c"]),
+        ("spectral", ["a"]),
+        ("rownorm", ["b", "c"]),  # t1: only a turned
+        ("sums", ["a", "b", "c"]),
+        ("spectral", ["a"]),
+        ("rownorm", ["b", "c"]),  # t2: a turned back
     ]
 
 
 def test_signals_of_every_group_take_one_reduction():
     a, b = nn.Parameter(torch.zeros(4, 6)), nn.Parameter(torch.zeros(6, 4))
     engine = RecordingEngine()
-    opt = AdaptiveRowMuon([{"params": [("a", a)]}, {"params": [("b", b)], "gamma": 0.3}], lr=0.1, k_min=1,
-                          engine=engine)
+    opt = AdaptiveRowMuon(
+        [{"params": [("a", a)]}, {"params": [("b", b)], "gamma": 0.3}], lr=0.1, k_min=1, engine=engine
+    )
     for _ in range(3):
         a.grad, b.grad = torch.randn(4, 6), torch.randn(6, 4)
         opt.step()

@@ -56,8 +56,12 @@ def _train(model, opt, start, stop):
 
 @pytest.mark.parametrize(
     ("cls", "kw"),
-    [(PeriodicRowMuon, dict(k=3, gamma=0.15)), (MuonBP, dict(period=5, blocks=2)), (Muon, {}),
-     (AdaptiveRowMuon, dict(threshold=0.3, k_min=2, k_max=5))],
+    [
+        (PeriodicRowMuon, dict(k=3, gamma=0.15)),
+        (MuonBP, dict(period=5, blocks=2)),
+        (Muon, {}),
+        (AdaptiveRowMuon, dict(threshold=0.3, k_min=2, k_max=5)),
+    ],
 )
 def test_resume_mid_period_is_bitwise_identical(cls, kw):
     torch.manual_seed(0)
@@ -155,21 +159,29 @@ def test_unknown_options_and_group_keys():
         PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "K": 4}])
     with pytest.raises(ValueError, match=r"'betas' \(did you mean 'adamw_betas'\?\)"):  # torch AdamW's name
         Muon([{"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", "betas": (0.9, 0.99)}])
-    with pytest.raises(ValueError, match=r"'gamma' \(AdaptiveRowMuon's, PeriodicRowMuon's\), 'k' \(PeriodicRowMuon's\), not Muon's"):
+    with pytest.raises(
+        ValueError, match=r"'gamma' \(AdaptiveRowMuon's, PeriodicRowMuon's\), 'k' \(PeriodicRowMuon's\), not Muon's"
+    ):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "k": 4, "gamma": 0.5}])
     reused = [{"params": [nn.Parameter(torch.randn(3, 4))]}]
     PeriodicRowMuon(reused)  # torch fills the dict in place with k=3, gamma=0.15: reused, they are ignored
     with pytest.warns(ForeignGroupKeyWarning, match=r"\['gamma', 'k'\]"):
         Muon(reused)
-    with pytest.raises(ValueError, match=r"\['split_sizes'\] shape a 'muon' group's matrices; this group's algorithm is"):
+    with pytest.raises(
+        ValueError, match=r"\['split_sizes'\] shape a 'muon' group's matrices; this group's algorithm is"
+    ):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "adamw", "split_sizes": 3}])
     with pytest.raises(ValueError, match=r"'period' \(MuonBP's\), not PeriodicRowMuon's"):
         PeriodicRowMuon([{"params": [nn.Parameter(torch.randn(3, 4))], "period": 3, "threshold": 0.35}])
     with pytest.raises(ValueError, match=r"algorithm \(parameter group 0\) must be one of \('muon', 'adamw'\)"):
         Muon([{"params": [nn.Parameter(torch.randn(3, 4))], "algorithm": "sgd"}])
     with pytest.raises(ValueError, match="lr \\(parameter group 1\\) must be in"):
-        Muon([{"params": [nn.Parameter(torch.randn(3, 4))]}, {"params": [nn.Parameter(torch.randn(3))],
-              "algorithm": "adamw", "lr": -1.0}])
+        Muon(
+            [
+                {"params": [nn.Parameter(torch.randn(3, 4))]},
+                {"params": [nn.Parameter(torch.randn(3))], "algorithm": "adamw", "lr": -1.0},
+            ]
+        )
 
 
 def test_non_matrix_in_muon_group_names_parameter_and_shape():
@@ -181,7 +193,9 @@ def test_non_matrix_in_muon_group_names_parameter_and_shape():
 
 
 def test_bad_split_sizes():
-    with pytest.raises(ValueError, match="split_sizes=5 for parameter 'params\\[0\\] of group 0' must divide its 12 rows"):
+    with pytest.raises(
+        ValueError, match="split_sizes=5 for parameter 'params\\[0\\] of group 0' must divide its 12 rows"
+    ):
         Muon([{"params": [nn.Parameter(torch.randn(12, 4))], "split_sizes": 5}])
     with pytest.raises(ValueError, match="must be positive and sum to its 12 rows"):
         Muon([{"params": [nn.Parameter(torch.randn(12, 4))], "split_sizes": (4, 4)}])
@@ -267,7 +281,7 @@ def test_closure_scheduler_zero_grad():
     torch.manual_seed(0)
     model = Net()
     opt = PeriodicRowMuon(_groups(model), lr=0.05)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     x, y = _batch(0)
 
     def closure():
@@ -288,14 +302,21 @@ def test_closure_scheduler_zero_grad():
 
 def test_build_names_and_options():
     model = Net()
-    for name, cls in [("muon", Muon), ("periodic_row_muon", PeriodicRowMuon), ("muon_bp", MuonBP),
-                      ("adaptive_row_muon", AdaptiveRowMuon)]:
+    for name, cls in [
+        ("muon", Muon),
+        ("periodic_row_muon", PeriodicRowMuon),
+        ("muon_bp", MuonBP),
+        ("adaptive_row_muon", AdaptiveRowMuon),
+    ]:
         assert type(build(name, model, lr=1e-3)) is cls
     adamw = build("adamw", model, lr=1e-3)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.95)
     assert build("periodic_row_muon", model, k=4).param_groups[0]["k"] == 4
-    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp', "
-                       r"'adaptive_row_muon', 'torch_muon'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer must be one of \('adamw', 'muon', 'periodic_row_muon', 'muon_bp', "
+        r"'adaptive_row_muon', 'torch_muon'\)",
+    ):
         build("sgd", model)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['period'\]"):
         build("periodic_row_muon", model, period=3)
@@ -341,11 +362,19 @@ def test_parameters_of_three_or_more_dims_are_flattened_with_one_warning():
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by", "match"),
     [
-        (PeriodicRowMuon, MuonBP, r"not saved by MuonBP: its parameter groups carry \['gamma', 'k'\] \(options of "
-                                  r"PeriodicRowMuon\) and lack \['block_lr_ratio', 'blocks', 'period'\]"),
+        (
+            PeriodicRowMuon,
+            MuonBP,
+            r"not saved by MuonBP: its parameter groups carry \['gamma', 'k'\] \(options of "
+            r"PeriodicRowMuon\) and lack \['block_lr_ratio', 'blocks', 'period'\]",
+        ),
         (Muon, MuonBP, r"not saved by MuonBP: its parameter groups lack \['block_lr_ratio', 'blocks', 'period'\]"),
-        (MuonBP, Muon, r"not saved by Muon: its parameter groups carry \['block_lr_ratio', 'blocks', 'period'\] "
-                       r"\(options of MuonBP\) \(Muon's schedule options: none\)"),
+        (
+            MuonBP,
+            Muon,
+            r"not saved by Muon: its parameter groups carry \['block_lr_ratio', 'blocks', 'period'\] "
+            r"\(options of MuonBP\) \(Muon's schedule options: none\)",
+        ),
     ],
 )
 def test_state_of_another_optimizer_is_refused_at_load(saved_by, loaded_by, match):
@@ -358,13 +387,16 @@ def test_state_of_another_optimizer_is_refused_at_load(saved_by, loaded_by, matc
         target.load_state_dict(source.state_dict())
     assert after_equal(target.state_dict(), before)
     with pytest.raises(ValueError, match="parameter group 0 has no 'algorithm': it was not saved by a Muon-family"):
-        target.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict() | {"param_groups": [
-            {"params": [0, 1, 2], "lr": 0.1}, {"params": [3, 4, 5, 6, 7], "lr": 0.1}]})
+        target.load_state_dict(
+            torch.optim.AdamW(model.parameters()).state_dict()
+            | {"param_groups": [{"params": [0, 1, 2], "lr": 0.1}, {"params": [3, 4, 5, 6, 7], "lr": 0.1}]}
+        )
 
 
 def after_equal(a, b) -> bool:
     return a["param_groups"] == b["param_groups"] and all(
-        torch.equal(a["state"][k][n], v) for k, st in b["state"].items() for n, v in st.items())
+        torch.equal(a["state"][k][n], v) for k, st in b["state"].items() for n, v in st.items()
+    )
 
 
 def test_state_of_other_shapes_or_groups_is_refused_at_load():
@@ -374,11 +406,18 @@ def test_state_of_other_shapes_or_groups_is_refused_at_load():
     saved = opt.state_dict()
     other = Net()
     other.fc2 = nn.Linear(20, 41)
-    named = [{"params": [(n, p) for n, p in other.named_parameters() if n.endswith("weight") and "norm" not in n]},
-             {"params": [(n, p) for n, p in other.named_parameters() if n.endswith("bias") or "norm" in n],
-              "algorithm": "adamw"}]
-    with pytest.raises(ValueError, match=r"does not fit parameter 'fc2.weight': its 'momentum_buffer' has shape "
-                                         r"\(40, 20\), the parameter \(41, 20\)"):
+    named = [
+        {"params": [(n, p) for n, p in other.named_parameters() if n.endswith("weight") and "norm" not in n]},
+        {
+            "params": [(n, p) for n, p in other.named_parameters() if n.endswith("bias") or "norm" in n],
+            "algorithm": "adamw",
+        },
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit parameter 'fc2.weight': its 'momentum_buffer' has shape "
+        r"\(40, 20\), the parameter \(41, 20\)",
+    ):
         Muon(named, lr=0.01).load_state_dict(saved)
     with pytest.raises(ValueError, match="state_dict has 2 parameter groups, this optimizer 1"):
         Muon([model.fc1.weight], lr=0.01).load_state_dict(saved)
@@ -445,9 +484,13 @@ def test_constructor_is_the_single_source_of_every_option(cls):
     assert options["bucket_mb"].default == DEFAULT_BUCKET_MB == opt.engine_options["bucket_mb"]
     assert typing.get_args(hints["lr_scale"]) == ("match_rms_adamw", "original", "none")
     assert set(signature.parameters) - {"params"} <= set(inspect.signature(cls).parameters)
-    names = {Muon: "muon", PeriodicRowMuon: "periodic_row_muon", MuonBP: "muon_bp", AdaptiveRowMuon: "adaptive_row_muon"}
-    built = build(names[cls], Net(),
-                  ns_compile=False, adamw_fused=True, **cls._schedule_defaults())
+    names = {
+        Muon: "muon",
+        PeriodicRowMuon: "periodic_row_muon",
+        MuonBP: "muon_bp",
+        AdaptiveRowMuon: "adaptive_row_muon",
+    }
+    built = build(names[cls], Net(), ns_compile=False, adamw_fused=True, **cls._schedule_defaults())
     assert built.adamw_fused is True
 
 
@@ -467,8 +510,9 @@ def test_bad_runtime_options_name_themselves(kwargs, exc, match):
 
 def test_non_contiguous_adamw_parameters_take_the_foreach_kernel():
     # torch's fused AdamW gives wrong updates for a non-contiguous parameter; the default kernel choice avoids it.
-    ours, theirs = (nn.Parameter(torch.randn(10, 2, generator=torch.Generator().manual_seed(0))[:, 0])
-                    for _ in range(2))
+    ours, theirs = (
+        nn.Parameter(torch.randn(10, 2, generator=torch.Generator().manual_seed(0))[:, 0]) for _ in range(2)
+    )
     assert not ours.is_contiguous()
     opt = Muon([{"params": [ours], "algorithm": "adamw"}], lr=0.02)
     ref = torch.optim.AdamW([theirs], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
@@ -496,8 +540,7 @@ def test_keys_other_libraries_add_to_groups_are_kept_and_ignored_with_one_warnin
     a2, b2 = (nn.Parameter(p.detach().clone()) for p in (a, b))
     foreign = {"fused": False, "foreach": True, "capturable": False}
     with pytest.warns(ForeignGroupKeyWarning, match=r"\['capturable', 'foreach', 'fused'\]") as caught:
-        opt = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}],
-                              lr=0.02)
+        opt = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}], lr=0.02)
     assert len([w for w in caught if w.category is ForeignGroupKeyWarning]) == 1
     plain = PeriodicRowMuon([{"params": [a2]}, {"params": [b2], "algorithm": "adamw"}], lr=0.02)
     for _ in range(3):
@@ -507,8 +550,7 @@ def test_keys_other_libraries_add_to_groups_are_kept_and_ignored_with_one_warnin
         plain.step()
     assert torch.equal(a, a2) and torch.equal(b, b2)
     assert opt.param_groups[0]["foreach"] is True  # kept, as torch keeps them
-    restored = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}],
-                               lr=0.02)
+    restored = PeriodicRowMuon([{"params": [a], **foreign}, {"params": [b], "algorithm": "adamw", **foreign}], lr=0.02)
     restored.load_state_dict(opt.state_dict())
     assert restored.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
     with pytest.warns(ForeignGroupKeyWarning, match=r"\['maximize'\]"):

@@ -212,8 +212,11 @@ def test_lr_set_on_a_group_takes_effect(name):
     opt = make(name, split(model), weight_decay=0.1)
     frozen = opt.param_groups[1]["params"] if name != "adamw" else [model.fc2.weight, model.fc2.bias]
     if name == "adamw":  # one group: give fc2 a group of its own
-        opt = torch.optim.AdamW([{"params": [model.fc1.weight, model.fc1.bias]},
-                                 {"params": [model.fc2.weight, model.fc2.bias]}], lr=0.02, weight_decay=0.1)
+        opt = torch.optim.AdamW(
+            [{"params": [model.fc1.weight, model.fc1.bias]}, {"params": [model.fc2.weight, model.fc2.bias]}],
+            lr=0.02,
+            weight_decay=0.1,
+        )
     opt.param_groups[1]["lr"] = 0.0
     before = [p.detach().clone() for p in frozen]
     moving = [p.detach().clone() for p in opt.param_groups[0]["params"]]
@@ -399,14 +402,21 @@ SCHEDULERS = {
     "step": lambda o: [lr_scheduler.StepLR(o, step_size=5, gamma=0.5)],
     "lambda": lambda o: [lr_scheduler.LambdaLR(o, lambda s: 0.9**s)],
     "cosine": lambda o: [lr_scheduler.CosineAnnealingLR(o, T_max=12)],
-    "warmup_then_cosine": lambda o: [lr_scheduler.SequentialLR(
-        o, [lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(o, T_max=9)],
-        milestones=[3])],
+    "warmup_then_cosine": lambda o: [
+        lr_scheduler.SequentialLR(
+            o,
+            [lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(o, T_max=9)],
+            milestones=[3],
+        )
+    ],
     "one_cycle": lambda o: [lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=12)],
     "cyclic": lambda o: [lr_scheduler.CyclicLR(o, base_lr=0.005, max_lr=0.05, step_size_up=3)],
     "plateau": lambda o: [lr_scheduler.ReduceLROnPlateau(o, patience=1)],
-    "chained": lambda o: [lr_scheduler.ChainedScheduler([lr_scheduler.ExponentialLR(o, gamma=0.95),
-                                                          lr_scheduler.ConstantLR(o, factor=0.5, total_iters=4)])],
+    "chained": lambda o: [
+        lr_scheduler.ChainedScheduler(
+            [lr_scheduler.ExponentialLR(o, gamma=0.95), lr_scheduler.ConstantLR(o, factor=0.5, total_iters=4)]
+        )
+    ],
 }
 
 
@@ -481,8 +491,11 @@ def test_state_dict_hooks(name):
 
     def set_lr(o, sd):
         sd = copy.deepcopy(sd)
-        for group in sd["param_groups"] if "param_groups" in sd else [g for k in ("muon", "adamw") for g in
-                                                                        sd[k]["param_groups"]]:
+        for group in (
+            sd["param_groups"]
+            if "param_groups" in sd
+            else [g for k in ("muon", "adamw") for g in sd[k]["param_groups"]]
+        ):
             group["lr"] = 0.003
         return sd
 

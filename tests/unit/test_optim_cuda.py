@@ -36,8 +36,9 @@ def train(model: nn.Module, step, opt: torch.optim.Optimizer, steps: int) -> Non
 
 
 def max_relative_gap(a: nn.Module, b: nn.Module) -> float:
-    return max(((p.double() - q.double()).norm() / q.double().norm()).item()
-               for p, q in zip(a.parameters(), b.parameters()))
+    return max(
+        ((p.double() - q.double()).norm() / q.double().norm()).item() for p, q in zip(a.parameters(), b.parameters())
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
@@ -55,8 +56,10 @@ def test_newton_schulz_runs_in_bf16_on_cuda_and_tracks_fp64(shape, coefficients,
 @pytest.mark.parametrize("name", ["muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon"])
 def test_default_step_on_cuda_is_the_bf16_step_with_state_on_the_device(name):
     models = [model_on("cuda") for _ in range(3)]
-    opts = [build(name, m, lr=0.02, weight_decay=0.1, **kw)
-            for m, kw in zip(models, ({}, {"ns_dtype": torch.bfloat16}, {"ns_dtype": torch.float32}))]
+    opts = [
+        build(name, m, lr=0.02, weight_decay=0.1, **kw)
+        for m, kw in zip(models, ({}, {"ns_dtype": torch.bfloat16}, {"ns_dtype": torch.float32}))
+    ]
     for m, o in zip(models, opts):
         train(m, o.step, o, 4)
     default, bf16, fp32 = models
@@ -79,8 +82,9 @@ def test_fused_adamw_on_cuda_matches_foreach():
     train(foreach, opt_foreach.step, opt_foreach, 4)
     for p, q in zip(fused.parameters(), foreach.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    steps = {opt: {s["step"].device.type for s in opt.state.values() if "step" in s}
-             for opt in (opt_fused, opt_foreach)}
+    steps = {
+        opt: {s["step"].device.type for s in opt.state.values() if "step" in s} for opt in (opt_fused, opt_foreach)
+    }
     assert steps == {opt_fused: {"cuda"}, opt_foreach: {"cpu"}}  # torch's placement for each kernel
 
 

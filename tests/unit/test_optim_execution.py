@@ -45,7 +45,9 @@ def test_fused_adamw_group_matches_foreach_and_is_the_default_on_cpu(monkeypatch
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize(("shape", "algorithm"), [((3, 12, 28), "gram"), ((2, 20, 12), "standard")], ids=["wide", "tall"])
+@pytest.mark.parametrize(
+    ("shape", "algorithm"), [((3, 12, 28), "gram"), ((2, 20, 12), "standard")], ids=["wide", "tall"]
+)
 def test_compiled_newton_schulz_matches_eager(shape, algorithm):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # the second call runs the compiled code
@@ -66,8 +68,10 @@ def test_compiled_newton_schulz_compiles_once_per_shape_past_the_recompile_limit
     inputs = [torch.randn(*shape, generator=gen) for shape in shapes]
     for _ in range(2):
         for x in inputs:
-            torch.testing.assert_close(ns(x, 5, "quintic", "standard", torch.float32),
-                                       newton_schulz(x, 5, "quintic", "standard", torch.float32))
+            torch.testing.assert_close(
+                ns(x, 5, "quintic", "standard", torch.float32),
+                newton_schulz(x, 5, "quintic", "standard", torch.float32),
+            )
     assert ns.compiles == len(shapes) and counter.frame_count == len(shapes)
 
 
@@ -81,17 +85,26 @@ def test_ns_compile_steps_like_eager():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("name", "schedule", "adamw_fused"), [
-    ("periodic_row_muon", {"k": 2}, None),
-    ("periodic_row_muon", {"k": 2}, False),
-    ("adaptive_row_muon", {"threshold": 0.5, "k_min": 1, "k_max": 3}, None),  # the drifts' host read breaks the graph
-], ids=["fused", "foreach", "adaptive"])
+@pytest.mark.parametrize(
+    ("name", "schedule", "adamw_fused"),
+    [
+        ("periodic_row_muon", {"k": 2}, None),
+        ("periodic_row_muon", {"k": 2}, False),
+        (
+            "adaptive_row_muon",
+            {"threshold": 0.5, "k_min": 1, "k_max": 3},
+            None,
+        ),  # the drifts' host read breaks the graph
+    ],
+    ids=["fused", "foreach", "adaptive"],
+)
 def test_compiled_step_matches_eager_with_adamw_groups(adamw_fused, name, schedule):
     # torch.compile(opt.step) over Muon and AdamW groups, a Tensor lr driven by a scheduler (no recompiles
     # for a new lr): the same parameters as the eager step within fp32 rounding.
     models = [small_model(), small_model()]
-    opts = [build(name, m, lr=torch.tensor(0.02), weight_decay=0.1, adamw_fused=adamw_fused, **schedule)
-            for m in models]
+    opts = [
+        build(name, m, lr=torch.tensor(0.02), weight_decay=0.1, adamw_fused=adamw_fused, **schedule) for m in models
+    ]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.8**s) for o in opts]
     compiled = torch.compile(opts[0].step)
     for t in range(4):

@@ -33,13 +33,19 @@ S, R = StepKind.SPECTRAL, StepKind.ROWNORM
 # Per configuration: the shapes of its parameters and their group options. Tall and wide logical matrices,
 # uneven chunks, a square matrix cut into tall chunks, stacked matrices of one, several and 4-D slices.
 CONFIGS = {
-    "cols": ([(24, 40), (12, 30), (16, 16)], [{"col_split_sizes": 4}, {"col_split_sizes": (10, 20)},
-                                              {"col_split_sizes": 2}]),
-    "rows_and_cols": ([(24, 40), (18, 12)], [{"split_sizes": 3, "col_split_sizes": 4},
-                                             {"split_sizes": (6, 12), "col_split_sizes": 3}]),
+    "cols": (
+        [(24, 40), (12, 30), (16, 16)],
+        [{"col_split_sizes": 4}, {"col_split_sizes": (10, 20)}, {"col_split_sizes": 2}],
+    ),
+    "rows_and_cols": (
+        [(24, 40), (18, 12)],
+        [{"split_sizes": 3, "col_split_sizes": 4}, {"split_sizes": (6, 12), "col_split_sizes": 3}],
+    ),
     "stacked": ([(3, 8, 12), (2, 12, 8), (4, 5, 5), (1, 6, 10)], [{"stacked": True}] * 4),
-    "stacked_split": ([(3, 12, 8), (2, 8, 3, 4)], [{"stacked": True, "split_sizes": 2, "col_split_sizes": 2},
-                                                   {"stacked": True, "col_split_sizes": (4, 8)}]),
+    "stacked_split": (
+        [(3, 12, 8), (2, 8, 3, 4)],
+        [{"stacked": True, "split_sizes": 2, "col_split_sizes": 2}, {"stacked": True, "col_split_sizes": (4, 8)}],
+    ),
 }
 OPTIMIZERS = {
     "muon": (Muon, "muon", {}),
@@ -61,8 +67,10 @@ def _grads(shapes, t: int, base: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _references(params, options, schedule: str, kw: dict, lr_scale: str) -> list[ReferenceMuon]:
-    return [ReferenceMuon([p], lr=0.01, weight_decay=0.1, lr_scale=lr_scale, schedule=schedule, **kw, **o)
-            for p, o in zip(params, options)]
+    return [
+        ReferenceMuon([p], lr=0.01, weight_decay=0.1, lr_scale=lr_scale, schedule=schedule, **kw, **o)
+        for p, o in zip(params, options)
+    ]
 
 
 @pytest.mark.parametrize("lr_scale", ["original", "match_rms_adamw"])
@@ -72,8 +80,14 @@ def test_every_optimizer_matches_the_reference(optimizer, config, lr_scale):
     cls, schedule, kw = OPTIMIZERS[optimizer]
     shapes, options = CONFIGS[config]
     ours, theirs = _params(shapes), _params(shapes)
-    opt = cls([{"params": [p], **o} for p, o in zip(ours, options)], lr=0.01, weight_decay=0.1, lr_scale=lr_scale,
-              ns_dtype=torch.float32, **kw)
+    opt = cls(
+        [{"params": [p], **o} for p, o in zip(ours, options)],
+        lr=0.01,
+        weight_decay=0.1,
+        lr_scale=lr_scale,
+        ns_dtype=torch.float32,
+        **kw,
+    )
     oracles = _references(theirs, options, schedule, kw, lr_scale)
     base = [torch.randn(*s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
     decisions, expected = [], []
@@ -143,8 +157,9 @@ def test_the_shape_scale_is_that_of_each_chunk():
     # 0.2 sqrt(10) per chunk, against 0.2 sqrt(40) for the whole matrix.
     g = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
     w = nn.Parameter(torch.zeros(6, 40))
-    opt = PeriodicRowMuon([{"params": [w], "col_split_sizes": 4}], lr=1.0, k=10, gamma=1.0, momentum=0.0,
-                          nesterov=False)
+    opt = PeriodicRowMuon(
+        [{"params": [w], "col_split_sizes": 4}], lr=1.0, k=10, gamma=1.0, momentum=0.0, nesterov=False
+    )
     _step_once(opt, [w], [g])
     (d,) = _step_once(opt, [w], [g])  # RowNorm: each of the 6 rows of each (6, 10) chunk has norm = the scale
     torch.testing.assert_close(d.reshape(6, 4, 10).norm(dim=2), torch.full((6, 4), 0.2 * 10**0.5))
@@ -187,16 +202,27 @@ def test_stacked_is_each_matrix_apart_and_the_default_stays_flattened():
 @pytest.mark.parametrize(
     ("group", "exc", "match"),
     [
-        ({"col_split_sizes": 5}, ValueError,
-         r"col_split_sizes=5 for parameter 'params\[0\] of group 0' must divide its 12 columns evenly"),
-        ({"col_split_sizes": (4, 4)}, ValueError, r"col_split_sizes=\(4, 4\) .* must be positive and sum to its 12 "
-                                                  "columns"),
+        (
+            {"col_split_sizes": 5},
+            ValueError,
+            r"col_split_sizes=5 for parameter 'params\[0\] of group 0' must divide its 12 columns evenly",
+        ),
+        (
+            {"col_split_sizes": (4, 4)},
+            ValueError,
+            r"col_split_sizes=\(4, 4\) .* must be positive and sum to its 12 "
+            "columns",
+        ),
         ({"col_split_sizes": 0}, ValueError, r"col_split_sizes \(parameter group 0\) must be None, a chunk count"),
         ({"col_split_sizes": "4"}, ValueError, r"col_split_sizes \(parameter group 0\) must be None"),
         ({"split_sizes": [2, -1]}, ValueError, r"split_sizes \(parameter group 0\) must be None, a chunk count"),
         ({"stacked": 1}, TypeError, r"stacked \(parameter group 0\) must be a bool, got 1"),
-        ({"stacked": True}, ValueError, r"stacked=True for parameter 'params\[0\] of group 0' with shape \(4, 12\).*"
-                                        "at least 3 dimensions"),
+        (
+            {"stacked": True},
+            ValueError,
+            r"stacked=True for parameter 'params\[0\] of group 0' with shape \(4, 12\).*"
+            "at least 3 dimensions",
+        ),
         ({"col_split_size": 3}, ValueError, r"'col_split_size' \(did you mean 'col_split_sizes'\?\)"),
     ],
 )
@@ -219,8 +245,12 @@ def _model_params():
 
 def _groups(params) -> list[dict]:
     proj, qkv, experts, bias = params
-    return [{"params": [proj], "col_split_sizes": 3}, {"params": [qkv], "split_sizes": 3, "col_split_sizes": 2},
-            {"params": [experts], "stacked": True, "col_split_sizes": 2}, {"params": [bias], "algorithm": "adamw"}]
+    return [
+        {"params": [proj], "col_split_sizes": 3},
+        {"params": [qkv], "split_sizes": 3, "col_split_sizes": 2},
+        {"params": [experts], "stacked": True, "col_split_sizes": 2},
+        {"params": [bias], "algorithm": "adamw"},
+    ]
 
 
 def _train(opt, params, start: int, stop: int) -> None:
@@ -279,8 +309,9 @@ def test_per_head_splits_of_every_registry_dit():
         found = per_head_splits(model)
         depth = dit_arch(name)["depth"]
         assert found.split_sizes == {f"blocks.{i}.attn.qkv.weight": 3 * heads for i in range(depth)}, name
-        assert found.rules == {f"blocks.{i}.attn.proj.weight": {"algorithm": "muon", "col_split_sizes": heads}
-                               for i in range(depth)}, name
+        assert found.rules == {
+            f"blocks.{i}.attn.proj.weight": {"algorithm": "muon", "col_split_sizes": heads} for i in range(depth)
+        }, name
         patterns = dit_per_head_splits(heads)
         assert patterns.split_sizes == {"*attn.qkv.weight": 3 * heads}
         groups = param_groups(model, rules=patterns.rules, split_sizes=patterns.with_split_sizes(DIT_FUSED_SPLITS))
@@ -288,9 +319,11 @@ def test_per_head_splits_of_every_registry_dit():
         assert by_name["blocks.0.attn.qkv.weight"]["split_sizes"] == 3 * heads  # refines the 3-way split
         assert by_name["blocks.0.attn.proj.weight"]["col_split_sizes"] == heads
         assert by_name["blocks.0.adaLN_modulation.1.weight"]["split_sizes"] == 6
-        assert by_name == {n: g for g in param_groups(model, rules=found.rules,
-                                                       split_sizes=found.with_split_sizes(DIT_FUSED_SPLITS))
-                           for n, _ in g["params"]}
+        assert by_name == {
+            n: g
+            for g in param_groups(model, rules=found.rules, split_sizes=found.with_split_sizes(DIT_FUSED_SPLITS))
+            for n, _ in g["params"]
+        }
 
 
 def test_per_head_is_off_by_default_and_trains_a_dit_like_the_reference():
@@ -300,8 +333,12 @@ def test_per_head_is_off_by_default_and_trains_a_dit_like_the_reference():
     model = build_dit("DiT-T/2", input_size=8, num_classes=10)
     assert all("col_split_sizes" not in g and g.get("split_sizes") is None for g in param_groups(model))
     heads = per_head_splits(model)
-    opt = Muon(param_groups(model, rules=heads.rules, split_sizes=heads.split_sizes), lr=0.02, lr_scale="original",
-               ns_dtype=torch.float32)
+    opt = Muon(
+        param_groups(model, rules=heads.rules, split_sizes=heads.split_sizes),
+        lr=0.02,
+        lr_scale="original",
+        ns_dtype=torch.float32,
+    )
     proj, qkv = model.blocks[0].attn.proj.weight, model.blocks[0].attn.qkv.weight
     oracle_proj = ReferenceMuon([nn.Parameter(proj.detach().clone())], lr=0.02, col_split_sizes=2)
     oracle_qkv = ReferenceMuon([nn.Parameter(qkv.detach().clone())], lr=0.02, split_sizes=6)
@@ -319,14 +356,22 @@ def test_per_head_is_off_by_default_and_trains_a_dit_like_the_reference():
 
 def test_per_head_splits_of_diffusers_attention():
     diffusers = pytest.importorskip("diffusers")
-    model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
-                                            out_channels=4, num_layers=2, sample_size=8, patch_size=2,
-                                            num_embeds_ada_norm=10)
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    )
     found = per_head_splits(model)
     prefix = "transformer_blocks.{}.attn1."
     assert found.split_sizes == {prefix.format(i) + f"to_{x}.weight": 2 for i in range(2) for x in "qkv"}
-    assert found.rules == {prefix.format(i) + "to_out.0.weight": {"algorithm": "muon", "col_split_sizes": 2}
-                           for i in range(2)}
+    assert found.rules == {
+        prefix.format(i) + "to_out.0.weight": {"algorithm": "muon", "col_split_sizes": 2} for i in range(2)
+    }
     groups = param_groups(model, rules=found.rules, split_sizes=found.split_sizes)
     opt = PeriodicRowMuon(groups, lr=0.01, k=2)
     for _ in range(2):
@@ -346,12 +391,24 @@ def test_per_head_splits_of_other_attention_modules():
             self.to_out = nn.ModuleList([nn.Linear(32, 32), nn.Dropout(0.0)])
             self.to_add_out = nn.Linear(32, 24)
 
-    found = per_head_splits(nn.ModuleDict({"gqa": GroupedQueryAttention(), "mha": nn.MultiheadAttention(16, 4),
-                                           "one": nn.MultiheadAttention(8, 1)}))
-    assert found.split_sizes == {"gqa.to_q.weight": 4, "gqa.to_k.weight": 2, "gqa.to_v.weight": 2,
-                                 "gqa.add_q_proj.weight": 4, "mha.in_proj_weight": 12, "one.in_proj_weight": 3}
+    found = per_head_splits(
+        nn.ModuleDict(
+            {"gqa": GroupedQueryAttention(), "mha": nn.MultiheadAttention(16, 4), "one": nn.MultiheadAttention(8, 1)}
+        )
+    )
+    assert found.split_sizes == {
+        "gqa.to_q.weight": 4,
+        "gqa.to_k.weight": 2,
+        "gqa.to_v.weight": 2,
+        "gqa.add_q_proj.weight": 4,
+        "mha.in_proj_weight": 12,
+        "one.in_proj_weight": 3,
+    }
     assert {k: v["col_split_sizes"] for k, v in found.rules.items()} == {
-        "gqa.to_out.0.weight": 4, "gqa.to_add_out.weight": 4, "mha.out_proj.weight": 4}  # one head: no column split
+        "gqa.to_out.0.weight": 4,
+        "gqa.to_add_out.weight": 4,
+        "mha.out_proj.weight": 4,
+    }  # one head: no column split
     assert not per_head_splits(nn.Linear(4, 4))
     assert dit_per_head_splits(1) == HeadSplits({"*attn.qkv.weight": 3})
     with pytest.raises(ValueError, match="num_heads must be an int >= 1"):

@@ -39,8 +39,7 @@ def make(name: str, **options):
     torch.manual_seed(0)
     model = Net()
     cls, schedule = FAMILY[name]
-    return model, cls(param_groups(model), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32,
-                      **{**schedule, **options})
+    return model, cls(param_groups(model), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, **{**schedule, **options})
 
 
 def backward(model: nn.Module, step: int, bad: bool = False) -> None:
@@ -72,9 +71,10 @@ def snapshot(model: nn.Module, opt) -> list[torch.Tensor]:
 
 
 def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8),
-                                                                      y.view(-1).view(torch.uint8))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("bad", [False, True], ids=["finite", "nonfinite"])

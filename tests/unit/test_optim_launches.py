@@ -36,7 +36,9 @@ def _layers(count: int, widths: tuple[int, ...] = (WIDTH,)) -> list[nn.Parameter
     params = []
     for i in range(count):
         d = widths[i % len(widths)]
-        params += [nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+        params += [
+            nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))
+        ]
     return params
 
 

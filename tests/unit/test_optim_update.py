@@ -151,8 +151,15 @@ def test_rownorm_step_moves_each_oriented_row_by_gamma_lr_scale():
 def test_split_sizes_orthogonalize_chunks_apart():
     torch.manual_seed(0)
     w = nn.Parameter(torch.zeros(24, 8))  # a fused (3 x 8, 8) matrix
-    opt = Muon([{"params": [w], "split_sizes": 3}], lr=1.0, momentum=0.0, nesterov=False, lr_scale="none",
-               ns_coefficients="polar_express", ns_steps=10)
+    opt = Muon(
+        [{"params": [w], "split_sizes": 3}],
+        lr=1.0,
+        momentum=0.0,
+        nesterov=False,
+        lr_scale="none",
+        ns_coefficients="polar_express",
+        ns_steps=10,
+    )
     g = torch.randn(24, 8)
     w.grad = g
     opt.step()
@@ -162,8 +169,9 @@ def test_split_sizes_orthogonalize_chunks_apart():
     # Without the split the whole 24 x 8 matrix is orthogonalized: its chunks are far from it.
     whole = nn.Parameter(torch.zeros(24, 8))
     whole.grad = g
-    Muon([whole], lr=1.0, momentum=0.0, nesterov=False, lr_scale="none", ns_coefficients="polar_express",
-         ns_steps=10).step()
+    Muon(
+        [whole], lr=1.0, momentum=0.0, nesterov=False, lr_scale="none", ns_coefficients="polar_express", ns_steps=10
+    ).step()
     assert min(torch.linalg.svdvals(c).min() for c in torch.chunk(-whole.detach(), 3)) < 0.8
 
 

@@ -39,10 +39,16 @@ def test_spread():
 
 
 def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
-    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(90, 60, 50, 45), seed=1)],
-              "muon": [curve("muon-s0", fds=(60, 45, 35, 30)), curve("muon-s1", fds=(90, 80, 70, 60), seed=1)]}
-    rows = [row("adamw-s0", "adamw", 0.01, 0, 40), row("adamw-s1", "adamw", 0.01, 1, 45),
-            row("muon-s0", "muon", 0.01, 0, 30), row("muon-s1", "muon", 0.01, 1, 60)]
+    curves = {
+        "adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(90, 60, 50, 45), seed=1)],
+        "muon": [curve("muon-s0", fds=(60, 45, 35, 30)), curve("muon-s1", fds=(90, 80, 70, 60), seed=1)],
+    }
+    rows = [
+        row("adamw-s0", "adamw", 0.01, 0, 40),
+        row("adamw-s1", "adamw", 0.01, 1, 45),
+        row("muon-s0", "muon", 0.01, 0, 30),
+        row("muon-s1", "muon", 0.01, 1, 60),
+    ]
     opts = {n: {"lr": 0.01, "seeds": [0, 1], "runs": [f"{n}-s0", f"{n}-s1"]} for n in ("adamw", "muon")}
     got = rr.optimizer_summary(record(rows, opts), curves)
     assert got["target_fd"] == 45
@@ -51,21 +57,28 @@ def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
     assert muon["reached_target"] == 1 and muon["steps_to_target"]["mean"] == pytest.approx(1000)
     assert muon["time_to_target_s_ratio"] == pytest.approx(1000 / 1875)
     assert muon["fd_last_change"]["mean"] == pytest.approx((30 / 35 + 60 / 70) / 2 - 1)
-    assert muon["fd"] == {"mean": 45.0, "min": 30.0, "max": 60.0, "n": 2} and muon["fd_ratio"] == pytest.approx(45 / 42.5)
+    assert muon["fd"] == {"mean": 45.0, "min": 30.0, "max": 60.0, "n": 2} and muon["fd_ratio"] == pytest.approx(
+        45 / 42.5
+    )
     text = rr.render_main(got)
     assert "1 never" in text and "45.00 (30.00..60.00)" in text
 
 
 def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_optimizer():
-    step_record = {"rows": [
-        {"optimizer": "adamw", "world": 1, "status": "ok", "step_ms": 100.0, "opt_ms": 5.0},
-        {"optimizer": "muon", "world": 1, "status": "ok", "step_ms": 150.0, "opt_ms": 50.0},
-        {"optimizer": "muon", "world": 4, "status": "ok", "step_ms": 900.0, "opt_ms": 500.0},
-        {"optimizer": "torch_muon", "world": 1, "status": "failed"}]}
+    step_record = {
+        "rows": [
+            {"optimizer": "adamw", "world": 1, "status": "ok", "step_ms": 100.0, "opt_ms": 5.0},
+            {"optimizer": "muon", "world": 1, "status": "ok", "step_ms": 150.0, "opt_ms": 50.0},
+            {"optimizer": "muon", "world": 4, "status": "ok", "step_ms": 900.0, "opt_ms": 500.0},
+            {"optimizer": "torch_muon", "world": 1, "status": "failed"},
+        ]
+    }
     times = rr.step_times(step_record)
     assert times == {"adamw": {"step_ms": 100.0, "opt_ms": 5.0}, "muon": {"step_ms": 150.0, "opt_ms": 50.0}}
-    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40), step_ms=300.0)],
-              "muon": [curve("muon-s0", fds=(60, 45, 35, 30), step_ms=500.0)]}
+    curves = {
+        "adamw": [curve("adamw-s0", fds=(90, 60, 50, 40), step_ms=300.0)],
+        "muon": [curve("muon-s0", fds=(60, 45, 35, 30), step_ms=500.0)],
+    }
     timed, basis = rr.timed_by(curves, times)
     assert basis == "side by side" and [c[0].step_ms for c in timed.values()] == [100.0, 150.0]
     assert rr.timed_by({**curves, "torch_muon": curves["muon"]}, times)[1] == "run medians"  # never mixed
@@ -84,9 +97,14 @@ def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_opti
 
 
 def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
-    rows = [row("k2-s0", "prm/k2", 0.01, 0, 30), row("k2-s1", "prm/k2", 0.01, 1, 32, val_loss_ema=0.21),
-            row("k3-s0", "prm/k3", 0.01, 0, 33, val_loss_ema=0.21), row("k3-s1", "prm/k3", 0.01, 1, 33, val_loss_ema=0.21),
-            row("k3-half", "prm/k3", 0.005, 0, 40), {**row("k4-s0", "prm/k4", 0.01, 0, None), "status": "failed"}]
+    rows = [
+        row("k2-s0", "prm/k2", 0.01, 0, 30),
+        row("k2-s1", "prm/k2", 0.01, 1, 32, val_loss_ema=0.21),
+        row("k3-s0", "prm/k3", 0.01, 0, 33, val_loss_ema=0.21),
+        row("k3-s1", "prm/k3", 0.01, 1, 33, val_loss_ema=0.21),
+        row("k3-half", "prm/k3", 0.005, 0, 40),
+        {**row("k4-s0", "prm/k4", 0.01, 0, None), "status": "failed"},
+    ]
     summary = rr.ablation_summary(record(rows, {"prm/k2": {}, "prm/k3": {}, "prm/k4": {}}))
     assert summary["prm/k3"]["0.01"]["fd"]["mean"] == 33 and summary["prm/k3"]["0.005"]["seeds"] == [0]
     assert summary["prm/k4"]["0.01"]["fd"]["n"] == 0
@@ -94,16 +112,20 @@ def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
     assert rr.relative_change(summary, "prm/k3", "prm/k4", "0.01") is None
     assert rr.relative_change(summary, "prm/k2", "prm/k3", "0.01", "val_loss_ema") == pytest.approx(0.21 / 0.205 - 1)
     assert "prm/k3 | 0.005 | 1 | 40.00 | 0.2000 |" in rr.render_ablation(summary)
-    assert rr.best_entries(summary) == {"0.01": {"fd": "prm/k2", "val_loss_ema": "prm/k2"},
-                                        "0.005": {"fd": "prm/k3", "val_loss_ema": "prm/k3"}}
+    assert rr.best_entries(summary) == {
+        "0.01": {"fd": "prm/k2", "val_loss_ema": "prm/k2"},
+        "0.005": {"fd": "prm/k3", "val_loss_ema": "prm/k3"},
+    }
 
 
 def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):
     write_run(tmp_path, "adamw-lr0.01-s0", [80, 50], grid=True)
     write_run(tmp_path, "adamw-lr0.003-s0", [90, 70], grid=False)
-    rows = [row("adamw-lr0.01-s0", "adamw", 0.01, 0, 50, run_dir="gone/elsewhere"),
-            row("adamw-lr0.003-s0", "adamw", 0.003, 0, 70, run_dir="gone/elsewhere"),
-            row("muon-lr0.01-s0", "muon", 0.01, 0, 40, run_dir="gone/elsewhere")]  # no directory: left out
+    rows = [
+        row("adamw-lr0.01-s0", "adamw", 0.01, 0, 50, run_dir="gone/elsewhere"),
+        row("adamw-lr0.003-s0", "adamw", 0.003, 0, 70, run_dir="gone/elsewhere"),
+        row("muon-lr0.01-s0", "muon", 0.01, 0, 40, run_dir="gone/elsewhere"),
+    ]  # no directory: left out
     opts = {"adamw": {"lr": 0.01}, "muon": {"lr": 0.01}}
     curves = rr.load_curves(record(rows, opts), tmp_path)
     assert list(curves) == ["adamw"]
@@ -116,28 +138,41 @@ def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     grid = tmp_path / "g.png"
     save_grid(torch.zeros(4, 1, 8, 8), grid)
-    curves = {"adamw": [curve("adamw-s0"), curve("adamw-s1", fds=(110, 70, 45, 35), seed=1)],
-              "muon": [rr.Curve("muon-s0", "muon", 0.01, 0, [500, 1000], [50, 20], [None, None], 150.0, str(grid))]}
+    curves = {
+        "adamw": [curve("adamw-s0"), curve("adamw-s1", fds=(110, 70, 45, 35), seed=1)],
+        "muon": [rr.Curve("muon-s0", "muon", 0.01, 0, [500, 1000], [50, 20], [None, None], 150.0, str(grid))],
+    }
     assert rr.plot_fd_vs_time(curves, tmp_path / "t.png", 35.0, "title").is_file()
     assert rr.plot_sample_grids(curves, tmp_path / "s.png").is_file()
     assert rr.plot_sample_grids({"adamw": curves["adamw"]}, tmp_path / "none.png") is None
     rows = [row(c.name, n, 0.01, c.seed, c.fds[-1]) for n, cs in curves.items() for c in cs]
     opts = {n: {"lr": 0.01, "seeds": [c.seed for c in cs], "runs": [c.name for c in cs]} for n, cs in curves.items()}
     assert rr.plot_time_to_quality(rr.optimizer_summary(record(rows, opts), curves), tmp_path / "q.png").is_file()
-    summary = rr.ablation_summary(record([row("a", "prm/g0.1", 0.01, 0, 30), row("b", "prm/g1", 0.01, 0, 40),
-                                          row("c", "prm/g1", 0.005, 0, 35)], {"prm/g0.1": {}, "prm/g1": {}}))
-    assert rr.plot_ablation(summary, {"prm/g0.1": (0.1, ""), "prm/g1": (1.0, "")}, tmp_path / "a.png", "gamma",
-                            log_x=True).is_file()
+    summary = rr.ablation_summary(
+        record(
+            [row("a", "prm/g0.1", 0.01, 0, 30), row("b", "prm/g1", 0.01, 0, 40), row("c", "prm/g1", 0.005, 0, 35)],
+            {"prm/g0.1": {}, "prm/g1": {}},
+        )
+    )
+    assert rr.plot_ablation(
+        summary, {"prm/g0.1": (0.1, ""), "prm/g1": (1.0, "")}, tmp_path / "a.png", "gamma", log_x=True
+    ).is_file()
     assert rr.plot_ablation(summary, {"prm/g0.1": ("x", ""), "prm/g1": ("y", "")}, tmp_path / "c.png", "v").is_file()
     assert rr.plot_ablation(summary, {}, tmp_path / "empty.png", "v") is None
 
 
 def test_time_to_each_of_adamws_quality_levels():
-    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(80, 70, 45, 42), seed=1)],
-              "muon": [curve("muon-s0", fds=(60, 45, 44, 43)), curve("muon-s1", fds=(65, 50, 48, 41), seed=1)]}
+    curves = {
+        "adamw": [curve("adamw-s0", fds=(90, 60, 50, 40)), curve("adamw-s1", fds=(80, 70, 45, 42), seed=1)],
+        "muon": [curve("muon-s0", fds=(60, 45, 44, 43)), curve("muon-s1", fds=(65, 50, 48, 41), seed=1)],
+    }
     levels = rr.quality_levels(curves["adamw"])
-    assert levels == [{"step": 500, "fd": 90}, {"step": 1000, "fd": 70}, {"step": 1500, "fd": 50},
-                      {"step": 2000, "fd": 42}]  # what every seed has reached by then; the last is the target
+    assert levels == [
+        {"step": 500, "fd": 90},
+        {"step": 1000, "fd": 70},
+        {"step": 1500, "fd": 50},
+        {"step": 2000, "fd": 42},
+    ]  # what every seed has reached by then; the last is the target
     assert levels[-1]["fd"] == rr.target_fd(curves["adamw"])
     got = rr.time_to_levels(curves)
     assert [lv["step"] for lv in got["levels"]] == [1000, 1500, 2000]  # the first evaluation measures nothing
@@ -162,8 +197,15 @@ def test_the_frontier_plot_takes_seeds_whose_mean_lands_an_ulp_outside_them(tmp_
 
     share = 0.1  # three equal shares whose float mean exceeds each of them
     assert sum([share] * 3) / 3 > share
-    summary = {"muon": {"fd": 30.0, "fd_min": 30.0, "fd_max": 30.0, "spectral_fraction": sum([share] * 3) / 3,
-                        "runs": ["a", "b", "c"]}}
+    summary = {
+        "muon": {
+            "fd": 30.0,
+            "fd_min": 30.0,
+            "fd_max": 30.0,
+            "spectral_fraction": sum([share] * 3) / 3,
+            "runs": ["a", "b", "c"],
+        }
+    }
     rows = [{"name": n, "optimizer": "muon", "status": "ok", "fd": 30.0, "spectral_fraction": share} for n in "abc"]
     assert plot_fd_frontier(summary, rows, tmp_path / "f.png", cost="spectral_fraction").is_file()
 
@@ -180,7 +222,16 @@ def test_error_bars_clamp_a_mean_an_ulp_outside_its_values():
 def test_time_to_quality_bars_take_seeds_timed_alike(tmp_path):
     pytest.importorskip("matplotlib")
     t = sum([0.1] * 3) / 3  # three seeds bounded at the same evaluation: equal times, a mean an ulp above
-    summary = {"target_fd": 40.0, "optimizers": {"muon": {
-        "time_to_target_s": {"mean": t, "min": 0.1, "max": 0.1, "n": 3}, "seeds": [0, 1, 2], "reached_target": 3,
-        "steps_to_target": {"mean": 500.0}, "time_to_target_s_ratio": 0.5}}}
+    summary = {
+        "target_fd": 40.0,
+        "optimizers": {
+            "muon": {
+                "time_to_target_s": {"mean": t, "min": 0.1, "max": 0.1, "n": 3},
+                "seeds": [0, 1, 2],
+                "reached_target": 3,
+                "steps_to_target": {"mean": 500.0},
+                "time_to_target_s_ratio": 0.5,
+            }
+        },
+    }
     assert rr.plot_time_to_quality(summary, tmp_path / "t.png").is_file()

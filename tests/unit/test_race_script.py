@@ -57,8 +57,11 @@ def test_sweep_brackets_each_optimizer_and_gives_muon_bp_its_blocks(race, tmp_pa
     (cmd,) = race.calls
     assert cmd[cmd.index("--steps") + 1] == "2000" and flags(cmd, "--seeds") == ["0"]
     assert flags(cmd, "--optimizers") == list(race.MAIN)
-    assert flags(cmd, "--lr-grid") == ["adamw=0.001,0.003,0.01", "periodic_row_muon=0.001,0.003,0.01,0.02",
-                                       "muon_bp=0.0003,0.001,0.003,0.01,0.02"]
+    assert flags(cmd, "--lr-grid") == [
+        "adamw=0.001,0.003,0.01",
+        "periodic_row_muon=0.001,0.003,0.01,0.02",
+        "muon_bp=0.0003,0.001,0.003,0.01,0.02",
+    ]
     assert flags(cmd, "--train-args-of") == ["muon_bp=--optim.blocks 4"]
     assert cmd[cmd.index("--eval.cache-dir") + 1] == str(tmp_path / "feature_cache") and "--report-only" not in cmd
     assert race.main(["--part", "sweep", "--out", str(tmp_path), "--report-only"]) == 0
@@ -66,9 +69,13 @@ def test_sweep_brackets_each_optimizer_and_gives_muon_bp_its_blocks(race, tmp_pa
 
 
 def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
-    best = {"adamw": (3e-3, [1e-3, 3e-3, 1e-2]), "torch_muon": (1e-2, [3e-3, 1e-2, 2e-2]),
-            "muon": (1e-2, [3e-3, 1e-2, 2e-2]), "periodic_row_muon": (2e-2, [3e-3, 1e-2, 2e-2]),
-            "muon_bp": (3e-3, [1e-3, 3e-3, 1e-2])}
+    best = {
+        "adamw": (3e-3, [1e-3, 3e-3, 1e-2]),
+        "torch_muon": (1e-2, [3e-3, 1e-2, 2e-2]),
+        "muon": (1e-2, [3e-3, 1e-2, 2e-2]),
+        "periodic_row_muon": (2e-2, [3e-3, 1e-2, 2e-2]),
+        "muon_bp": (3e-3, [1e-3, 3e-3, 1e-2]),
+    }
     write_sweep(tmp_path, best)
     assert race.main(["--part", "seeds", "--out", str(tmp_path)]) == 0
     assert "periodic_row_muon's best lr 0.02 is on the edge of its grid" in capsys.readouterr().out
@@ -81,8 +88,10 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     assert race.main(["--part", "gamma", "--out", str(tmp_path)]) == 0
     gamma = race.calls[-1]
     # gamma 0.15 at the best lr is the main race's PeriodicRowMuon: its seeds' runs linked, not trained again
-    for seed, target in ((0, tmp_path / "sweep" / "runs" / "periodic_row_muon-lr0.02-s0"),
-                         (1, tmp_path / "seeds" / "runs" / "periodic_row_muon-lr0.02-s1")):
+    for seed, target in (
+        (0, tmp_path / "sweep" / "runs" / "periodic_row_muon-lr0.02-s0"),
+        (1, tmp_path / "seeds" / "runs" / "periodic_row_muon-lr0.02-s1"),
+    ):
         linked = tmp_path / "gamma" / "runs" / f"periodic_row_muon-g0.15-lr0.02-s{seed}"
         assert linked.is_symlink() and linked.resolve() == target.resolve()
     assert not (tmp_path / "gamma" / "runs" / "periodic_row_muon-g0.15-lr0.01-s0").exists()  # half the lr: trained
@@ -96,8 +105,14 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     assert longer[longer.index("--out") + 1] == str(tmp_path / "long")
     assert race.main(["--part", "bp", "--out", str(tmp_path)]) == 0
     bp = dict(a.split("=", 1) for a in flags(race.calls[-1], "--train-args-of"))
-    assert shlex.split(bp["muon_bp/p10_r0.5"]) == ["--optim.blocks", "4", "--optim.period", "10",
-                                                    "--optim.block-lr-ratio", "0.5"]
+    assert shlex.split(bp["muon_bp/p10_r0.5"]) == [
+        "--optim.blocks",
+        "4",
+        "--optim.period",
+        "10",
+        "--optim.block-lr-ratio",
+        "0.5",
+    ]
 
 
 def test_every_parts_command_passes_the_quality_benchs_flag_checks(race, tmp_path):
@@ -143,27 +158,50 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
             write_run(seeds, run, curve, grid=True)
             rows.append(row(run, name, 0.01, seed, curve[-1]))
         optimizers[name] = {"lr": 0.01, "seeds": [0, 1], "runs": [f"{name}-lr0.01-s{s}" for s in (0, 1)]}
-    main = {**record(rows, optimizers), "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16,
-                                                    "steps": 1000}, "machine": {"cpu_model": "cpu", "torch": "2"}}
+    main = {
+        **record(rows, optimizers),
+        "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16, "steps": 1000},
+        "machine": {"cpu_model": "cpu", "torch": "2"},
+    }
     (seeds / "results.json").write_text(json.dumps(main))
-    k_rows = [row(f"k{k}-s{s}", f"periodic_row_muon/k{k}", 0.01, s, fd)
-              for k, fds in {2: (30, 32), 3: (33, 33), 4: (36, 36)}.items() for s, fd in enumerate(fds)]
+    k_rows = [
+        row(f"k{k}-s{s}", f"periodic_row_muon/k{k}", 0.01, s, fd)
+        for k, fds in {2: (30, 32), 3: (33, 33), 4: (36, 36)}.items()
+        for s, fd in enumerate(fds)
+    ]
     (tmp_path / "k").mkdir()
-    (tmp_path / "k" / "results.json").write_text(json.dumps(record(k_rows, {f"periodic_row_muon/k{k}": {}
-                                                                             for k in (2, 3, 4)})))
+    (tmp_path / "k" / "results.json").write_text(
+        json.dumps(record(k_rows, {f"periodic_row_muon/k{k}": {} for k in (2, 3, 4)}))
+    )
     long_rows = []
     for name, curve in {"adamw": [60, 45, 40, 30], "muon": [40, 38, 36, 35]}.items():
         write_run(tmp_path / "long", f"{name}-lr0.01-s0", curve, grid=False)
         long_rows.append(row(f"{name}-lr0.01-s0", name, 0.01, 0, curve[-1]))
-    (tmp_path / "long" / "results.json").write_text(json.dumps({
-        **record(long_rows, {n: {"lr": 0.01, "seeds": [0], "runs": [f"{n}-lr0.01-s0"]} for n in ("adamw", "muon")}),
-        "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16, "steps": 2000}}))
-    (tmp_path / "inception.json").write_text(json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0,
-                                                                  "runs": [{}, {}]}}))
+    (tmp_path / "long" / "results.json").write_text(
+        json.dumps(
+            {
+                **record(
+                    long_rows, {n: {"lr": 0.01, "seeds": [0], "runs": [f"{n}-lr0.01-s0"]} for n in ("adamw", "muon")}
+                ),
+                "config": {"model": "DiT-T/2", "dataset": "digits", "batch_size": 16, "steps": 2000},
+            }
+        )
+    )
+    (tmp_path / "inception.json").write_text(
+        json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0, "runs": [{}, {}]}})
+    )
     (tmp_path / "step").mkdir()
-    (tmp_path / "step" / "results.json").write_text(json.dumps({"command": "dimuon bench step --x", "rows": [
-        {"optimizer": name, "world": 1, "status": "ok", "step_ms": ms, "opt_ms": 1.0}
-        for name, ms in (("adamw", 100.0), ("muon", 120.0))]}))
+    (tmp_path / "step" / "results.json").write_text(
+        json.dumps(
+            {
+                "command": "dimuon bench step --x",
+                "rows": [
+                    {"optimizer": name, "world": 1, "status": "ok", "step_ms": ms, "opt_ms": 1.0}
+                    for name, ms in (("adamw", 100.0), ("muon", 120.0))
+                ],
+            }
+        )
+    )
     dest = tmp_path / "published"
     assert race.main(["--part", "report", "--out", str(tmp_path), "--report-dir", str(dest)]) == 0
     got = json.loads((dest / "race.json").read_text())
@@ -173,8 +211,15 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     assert got["k_costs"]["0.01"]["K=2->3"]["fd"] == pytest.approx(33 / 31 - 1)
     assert got["k_costs"]["0.01"]["K=3->4"] == {"fd": pytest.approx(36 / 33 - 1), "val_loss_ema": 0.0}
     assert len(got["curves"]["muon"]) == 2
-    for name in ("fd_vs_time.png", "time_to_quality.png", "time_to_levels.png", "samples.png", "fd_vs_k.png",
-                 "seeds.json", "k.json"):
+    for name in (
+        "fd_vs_time.png",
+        "time_to_quality.png",
+        "time_to_levels.png",
+        "samples.png",
+        "fd_vs_k.png",
+        "seeds.json",
+        "k.json",
+    ):
         assert (dest / name).is_file(), name
     md = (dest / "race.md").read_text()
     assert "9.00 (8.00..10.00)" in md and "K=2->3: FD +6.5%, EMA val loss +0.0%" in md
@@ -194,8 +239,9 @@ def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(rac
     before = json.loads((dest / "race.json").read_text())
     md_before = (dest / "race.md").read_text()
     samples = (dest / "samples.png").read_bytes()
-    (dest / "sweep.json").write_text(json.dumps({"optimizers": {
-        name: {"lr": 1e-2, "lrs_tried": [3e-3, 1e-2, 2e-2]} for name in race.MAIN}}))
+    (dest / "sweep.json").write_text(
+        json.dumps({"optimizers": {name: {"lr": 1e-2, "lrs_tried": [3e-3, 1e-2, 2e-2]} for name in race.MAIN}})
+    )
     fresh = tmp_path / "fresh"
     assert race.main(["--part", "k", "--out", str(fresh), "--report-dir", str(dest)]) == 0
     cmd = race.calls[-1]
@@ -204,12 +250,20 @@ def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(rac
     assert "--keep-rows-of" not in race.calls[-1]  # nothing of it published yet
     (dest / "sweep.json").unlink()
 
-    g_rows = [row(f"g{g}-s{s}", f"periodic_row_muon/g{g:g}", 0.01, s, fd)
-              for g, fds in {0.1: (30, 31), 0.15: (29, 33)}.items() for s, fd in enumerate(fds)]
+    g_rows = [
+        row(f"g{g}-s{s}", f"periodic_row_muon/g{g:g}", 0.01, s, fd)
+        for g, fds in {0.1: (30, 31), 0.15: (29, 33)}.items()
+        for s, fd in enumerate(fds)
+    ]
     (fresh / "gamma").mkdir(parents=True)
-    (fresh / "gamma" / "results.json").write_text(json.dumps({
-        **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
-        "machine": {"cpu_model": "other cpu", "torch": "2"}}))
+    (fresh / "gamma" / "results.json").write_text(
+        json.dumps(
+            {
+                **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
+                "machine": {"cpu_model": "other cpu", "torch": "2"},
+            }
+        )
+    )
     capsys.readouterr()
     assert race.main(["--part", "report", "--out", str(fresh), "--report-dir", str(dest)]) == 0
     out = capsys.readouterr().out
@@ -225,9 +279,14 @@ def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(rac
     assert "Lowest mean over seeds: lr 0.01: FD g0.1, EMA val loss g0.1." in md
     assert md.count("Measured on") == 1  # the k ablation ran on the main race's machine
     g_rows[0]["machine"] = {"cpu_model": "cpu", "torch": "2"}  # kept from a record of the main race's machine
-    (fresh / "gamma" / "results.json").write_text(json.dumps({
-        **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
-        "machine": {"cpu_model": "other cpu", "torch": "2"}}))
+    (fresh / "gamma" / "results.json").write_text(
+        json.dumps(
+            {
+                **record(g_rows, {f"periodic_row_muon/g{g:g}": {} for g in (0.1, 0.15)}),
+                "machine": {"cpu_model": "other cpu", "torch": "2"},
+            }
+        )
+    )
     assert race.main(["--part", "report", "--out", str(fresh), "--report-dir", str(dest)]) == 0
     md = (dest / "race.md").read_text()
     assert "Measured on cpu, torch 2 (1 run); other cpu, torch 2 (3 runs), not the main race's machine." in md

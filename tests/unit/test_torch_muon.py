@@ -56,8 +56,9 @@ def test_matches_dimuon_muon_with_bf16_newton_schulz() -> None:
     for steps, bound in ((range(1), {"muon": 3e-2, "adamw": 1e-5}), (range(1, 3), {"muon": None, "adamw": 5e-2})):
         for model, opt in ((ours, opt_ours), (theirs, opt_theirs), (exact, opt_exact)):
             train_steps(model, opt, steps)
-        for (name, p0), a, b, c in zip(start.named_parameters(), ours.parameters(), theirs.parameters(),
-                                       exact.parameters()):
+        for (name, p0), a, b, c in zip(
+            start.named_parameters(), ours.parameters(), theirs.parameters(), exact.parameters()
+        ):
             limit = bound[algorithm[name]]
             if limit is None:  # a bf16 rounding's worth, as this CPU rounds: 0.45 of it on an AVX2-only CPU
                 limit = 0.6 * rel(a, c, p0)
@@ -124,9 +125,22 @@ def test_bad_input_is_named() -> None:
 def test_trains_in_the_harness(tmp_path) -> None:
     from dimuon.train import TrainConfig, train
 
-    cfg = TrainConfig(model="DiT-T/2", dataset="digits", optimizer="torch_muon", batch_size=16, steps=20,
-                      warmup_steps=2, log_interval=10, val_interval=0, val_samples=32, sample_count=10,
-                      sample_steps=2, ckpt_interval=10, progress=False, out=str(tmp_path / "run"))
+    cfg = TrainConfig(
+        model="DiT-T/2",
+        dataset="digits",
+        optimizer="torch_muon",
+        batch_size=16,
+        steps=20,
+        warmup_steps=2,
+        log_interval=10,
+        val_interval=0,
+        val_samples=32,
+        sample_count=10,
+        sample_steps=2,
+        ckpt_interval=10,
+        progress=False,
+        out=str(tmp_path / "run"),
+    )
     summary = train(cfg)
     assert summary["step"] == 20 and summary["val_loss"] < 1.6  # a zero-output model scores about 1.7
     resumed = train(TrainConfig(**{**cfg.__dict__, "resume": str(tmp_path / "run"), "steps": 20}))

@@ -53,8 +53,13 @@ def test_flux_roles_hidden_matrices_to_muon_inputs_and_output_to_adamw() -> None
     assert got["single_blocks.1.modulation.lin.weight"] == ("muon", 3)
     assert got["single_blocks.1.linear1.weight"] == ("muon", (32, 32, 32, 64))  # q, k, v, the MLP's input
     assert got["final_layer.adaLN_modulation.1.weight"] == ("muon", 2)
-    for name in ("img_in.weight", "txt_in.weight", "time_in.in_layer.weight", "vector_in.in_layer.weight",
-                 "final_layer.linear.weight"):
+    for name in (
+        "img_in.weight",
+        "txt_in.weight",
+        "time_in.in_layer.weight",
+        "vector_in.in_layer.weight",
+        "final_layer.linear.weight",
+    ):
         assert got[name] == ("adamw", None), name
     model = FluxShaped()
     assert all(got[n][0] == "adamw" for n, p in model.named_parameters() if p.ndim < 2)
@@ -71,8 +76,11 @@ def test_activation_checkpointed_blocks_group_alike_under_canonical_names() -> N
 
 
 def test_rules_come_first_and_adamw_kwargs_fill_the_adamw_groups() -> None:
-    groups = torchtitan_param_groups(FluxShaped(), {"*img_mlp.0.weight": {"algorithm": "adamw", "lr": 1e-4}},
-                                     adamw_kwargs={"lr": 3e-3, "weight_decay": 0.1})
+    groups = torchtitan_param_groups(
+        FluxShaped(),
+        {"*img_mlp.0.weight": {"algorithm": "adamw", "lr": 1e-4}},
+        adamw_kwargs={"lr": 3e-3, "weight_decay": 0.1},
+    )
     by_name = {name: g for g in groups for name in g["param_names"]}
     assert by_name["double_blocks.0.img_mlp.0.weight"]["lr"] == 1e-4  # the rule's own lr wins
     assert by_name["double_blocks.0.img_mlp.0.weight"]["weight_decay"] == 0.1
@@ -103,10 +111,15 @@ def test_container_builds_dimuon_from_its_config(implementation: str, adamw_fuse
     assert {g["step"] for g in opt.param_groups} == {3}
 
 
-@pytest.mark.parametrize(("name", "options"), [
-    ("Muon", {}), ("PeriodicRowMuon", {"k": 2}), ("MuonBP", {"period": 2}),
-    ("AdaptiveRowMuon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),
-])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("Muon", {}),
+        ("PeriodicRowMuon", {"k": 2}),
+        ("MuonBP", {"period": 2}),
+        ("AdaptiveRowMuon", {"threshold": 0.3, "k_min": 1, "k_max": 3}),
+    ],
+)
 def test_every_optimizer_continues_exactly_from_the_containers_flat_state_dict(name: str, options: dict) -> None:
     def fresh():
         torch.manual_seed(0)
@@ -129,12 +142,18 @@ def test_every_optimizer_continues_exactly_from_the_containers_flat_state_dict(n
 
 def test_patterns_name_dimuon_and_torch_optimizers() -> None:
     model = FluxShaped()
-    config = DimuonOptimizersContainer.Config(grouping="patterns", param_groups=[
-        ParamGroupConfig(pattern=r"(^(img_in|txt_in|final_layer\.linear)\.|\.bias$|norm\.weight$|in_layer)",
-                         optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
-        ParamGroupConfig(pattern=r"qkv", optimizer_name="MuonBP", optimizer_kwargs={"lr": 0.01, "split_sizes": 3}),
-        ParamGroupConfig(pattern=r".*", optimizer_name="MuonBP", optimizer_kwargs={"lr": 0.01, "period": 2}),
-    ])
+    config = DimuonOptimizersContainer.Config(
+        grouping="patterns",
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r"(^(img_in|txt_in|final_layer\.linear)\.|\.bias$|norm\.weight$|in_layer)",
+                optimizer_name="AdamW",
+                optimizer_kwargs={"lr": 1e-3},
+            ),
+            ParamGroupConfig(pattern=r"qkv", optimizer_name="MuonBP", optimizer_kwargs={"lr": 0.01, "split_sizes": 3}),
+            ParamGroupConfig(pattern=r".*", optimizer_name="MuonBP", optimizer_kwargs={"lr": 0.01, "period": 2}),
+        ],
+    )
     optimizers = config.build(model_parts=[model])
     adamw, muon = optimizers.optimizers
     assert type(adamw) is torch.optim.AdamW and isinstance(muon, MuonBP)
@@ -159,20 +178,27 @@ def test_config_refuses_what_it_would_ignore() -> None:
     with pytest.raises(ValueError, match="dimuon_optimizer must be one of"):
         DimuonOptimizersContainer.Config(dimuon_optimizer="muon")
     with pytest.raises(ValueError, match="'eps' is torch AdamW's name"):
-        DimuonOptimizersContainer.Config(grouping="patterns", param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="Muon", optimizer_kwargs={"lr": 1e-3, "eps": 1e-6}),
-        ]).build(model_parts=[FluxShaped()])
+        DimuonOptimizersContainer.Config(
+            grouping="patterns",
+            param_groups=[
+                ParamGroupConfig(pattern=".*", optimizer_name="Muon", optimizer_kwargs={"lr": 1e-3, "eps": 1e-6}),
+            ],
+        ).build(model_parts=[FluxShaped()])
     with pytest.raises(NotImplementedError, match="dimuon adds Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon"):
-        DimuonOptimizersContainer.Config(grouping="patterns", param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="Lion", optimizer_kwargs={"lr": 1e-3}),
-        ]).build(model_parts=[FluxShaped()])
+        DimuonOptimizersContainer.Config(
+            grouping="patterns",
+            param_groups=[
+                ParamGroupConfig(pattern=".*", optimizer_name="Lion", optimizer_kwargs={"lr": 1e-3}),
+            ],
+        ).build(model_parts=[FluxShaped()])
 
 
 def test_command_line_overrides_reach_the_config() -> None:
     tyro = pytest.importorskip("tyro")
     default = default_dimuon("PeriodicRowMuon", lr=1e-3, k=3)
-    config = tyro.cli(DimuonOptimizersContainer.Config, default=default,
-                      args=["--dimuon-kwargs.k", "4", "--no-split-fused"])
+    config = tyro.cli(
+        DimuonOptimizersContainer.Config, default=default, args=["--dimuon-kwargs.k", "4", "--no-split-fused"]
+    )
     assert config.dimuon_kwargs == {"lr": 1e-3, "k": 4} and config.split_fused is False
     with pytest.raises(SystemExit):  # the config's own check, through tyro
         tyro.cli(DimuonOptimizersContainer.Config, default=default, args=["--dimuon-optimizer", "MuonBP"])

@@ -123,7 +123,9 @@ def test_a_damaged_state_with_a_matching_manifest_still_fails_cleanly(run_copy: 
         load_model_for_eval(ckpt_dir)
 
 
-def test_resume_from_a_damaged_checkpoint_fails_with_its_path(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_from_a_damaged_checkpoint_fails_with_its_path(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = run_copy / "checkpoints" / "step_0000008" / "state.pt"
     state.write_bytes(state.read_bytes()[:1000])
     code = train_main(["--resume", str(run_copy), "--steps", "10", "--no-progress"])

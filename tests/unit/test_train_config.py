@@ -26,8 +26,22 @@ def test_help_lists_every_required_flag_with_its_default(capsys: pytest.CaptureF
         main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # undo the help's line wrapping
-    for flag in ("--model", "--optimizer", "--lr", "--steps", "--batch-size", "--seed", "--out", "--resume",
-                 "--optim.k", "--optim.gamma", "--ema-decay", "--grad-clip", "--ckpt-interval", "--schedule"):
+    for flag in (
+        "--model",
+        "--optimizer",
+        "--lr",
+        "--steps",
+        "--batch-size",
+        "--seed",
+        "--out",
+        "--resume",
+        "--optim.k",
+        "--optim.gamma",
+        "--ema-decay",
+        "--grad-clip",
+        "--ckpt-interval",
+        "--schedule",
+    ):
         assert flag in text, flag
     assert "(default: DiT-XS/4)" in text and "(default: periodic_row_muon)" in text
 
@@ -39,8 +53,27 @@ def test_unknown_flag_is_rejected_by_the_parser() -> None:
 
 
 def test_flags_reach_the_config_including_nested_optimizer_options() -> None:
-    cfg = parse_config(["--model", "DiT-T/4", "--lr", "0.02", "--batch-size", "32", "--steps", "7",
-                        "--seed", "3", "--out", "x", "--optim.k", "5", "--optim.betas", "0.8", "0.9"])
+    cfg = parse_config(
+        [
+            "--model",
+            "DiT-T/4",
+            "--lr",
+            "0.02",
+            "--batch-size",
+            "32",
+            "--steps",
+            "7",
+            "--seed",
+            "3",
+            "--out",
+            "x",
+            "--optim.k",
+            "5",
+            "--optim.betas",
+            "0.8",
+            "0.9",
+        ]
+    )
     assert (cfg.model, cfg.lr, cfg.batch_size, cfg.steps, cfg.seed, cfg.out) == ("DiT-T/4", 0.02, 32, 7, 3, "x")
     assert cfg.optim.k == 5 and cfg.optim.betas == (0.8, 0.9)
 
@@ -54,8 +87,12 @@ def test_config_round_trips_through_its_dict() -> None:
 
 def test_optimizer_kwargs_use_each_optimizer_s_own_names() -> None:
     muon = TrainConfig(optimizer="muon", optim=OptimOptions(betas=(0.9, 0.99), eps=1e-6, ns_dtype="float32"))
-    assert resolve(muon).optimizer.kwargs == {"lr": muon.lr, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6,
-                                              "ns_dtype": torch.float32}
+    assert resolve(muon).optimizer.kwargs == {
+        "lr": muon.lr,
+        "adamw_betas": (0.9, 0.99),
+        "adamw_eps": 1e-6,
+        "ns_dtype": torch.float32,
+    }
     adamw = TrainConfig(optimizer="adamw", optim=OptimOptions(betas=(0.9, 0.99), weight_decay=0.1))
     assert resolve(adamw).optimizer.kwargs == {"lr": adamw.lr, "betas": (0.9, 0.99), "weight_decay": 0.1}
 
@@ -63,7 +100,10 @@ def test_optimizer_kwargs_use_each_optimizer_s_own_names() -> None:
 def test_dataset_kwargs_rebuild_the_data_set() -> None:
     assert data_spec(TrainConfig()).kwargs == {}
     folder = TrainConfig(dataset="folder", data_path="/d", image_size=32, channels=1)
-    assert data_spec(folder).as_record() == {"name": "folder", "kwargs": {"root": "/d", "image_size": 32, "channels": 1}}
+    assert data_spec(folder).as_record() == {
+        "name": "folder",
+        "kwargs": {"root": "/d", "image_size": 32, "channels": 1},
+    }
 
 
 def test_defaults_are_valid() -> None:
@@ -104,10 +144,15 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
         (["--parallel.dp-replicate", "2", "--parallel.tp", "2"], "--parallel.dp-replicate > 1 with --parallel.tp > 1"),
         (["--optimizer", "torch_muon", "--parallel.tp", "2"], "--optimizer torch_muon runs in one process only"),
-        (["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],
-         "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by rows"),
-        (["--parallel.dp-shard", "2"], "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 2 x 1 = 2 "
-                                       "must equal the world size 1"),
+        (
+            ["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],
+            "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded "
+            "by rows",
+        ),
+        (
+            ["--parallel.dp-shard", "2"],
+            "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 2 x 1 = 2 must equal the world size 1",
+        ),
     ],
 )
 def test_bad_values_fail_at_start_up_with_a_message_naming_the_flag(

@@ -34,9 +34,22 @@ def arrays(path: Path, bad_rows: tuple[int, ...] = ()) -> Path:
 
 
 def config(data: Path, out: Path, **extra: Any) -> TrainConfig:
-    base = dict(model="DiT-T/4", dataset="arrays", data_path=str(data), batch_size=8, steps=4, log_interval=4,
-                val_interval=0, val_samples=4, sample_count=2, sample_steps=1, ckpt_interval=0, warmup_steps=1,
-                progress=False, out=str(out))
+    base = dict(
+        model="DiT-T/4",
+        dataset="arrays",
+        data_path=str(data),
+        batch_size=8,
+        steps=4,
+        log_interval=4,
+        val_interval=0,
+        val_samples=4,
+        sample_count=2,
+        sample_steps=1,
+        ckpt_interval=0,
+        warmup_steps=1,
+        progress=False,
+        out=str(out),
+    )
     return TrainConfig(**{**base, **extra})
 
 
@@ -88,7 +101,8 @@ def test_skip_reads_nothing_in_a_step_and_logs_the_skip_at_the_logging_step(opti
     recs = records(out)
     skipped = [r for r in recs if r["kind"] == "nonfinite"]
     assert [(r["step"], r["action"], r["skipped_total"]) for r in skipped] == [
-        (s + 1, "skipped", i + 1) for i, s in enumerate(bad)]
+        (s + 1, "skipped", i + 1) for i, s in enumerate(bad)
+    ]
     for r in skipped:  # read at the logging step after it (every 4 steps)
         assert r.get("logged_at", r["step"]) == 4 * -(-r["step"] // 4)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4, 8]

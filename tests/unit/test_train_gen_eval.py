@@ -37,8 +37,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def eval_options(cache_dir: Path, **overrides: Any) -> EvalOptions:
-    base: dict[str, Any] = dict(interval=3, num_samples=30, sample_steps=2, cfg=2.0, batch_size=16,
-                                cache_dir=cache_dir)
+    base: dict[str, Any] = dict(interval=3, num_samples=30, sample_steps=2, cfg=2.0, batch_size=16, cache_dir=cache_dir)
     return EvalOptions(**{**base, **overrides})
 
 
@@ -46,9 +45,20 @@ def tiny_config(out: Path, cache_dir: Path, **overrides: Any) -> TrainConfig:
     """DiT-T/2 on 8x8 digits, 6 steps, evaluated at steps 3 and 6 (where checkpoints are taken too)."""
     evals = overrides.pop("eval", {})
     base: dict[str, Any] = dict(
-        model="DiT-T/2", dataset="digits", batch_size=16, steps=6, warmup_steps=2, log_interval=3,
-        val_interval=3, val_samples=16, sample_count=10, sample_steps=2, ckpt_interval=3, progress=False,
-        out=str(out), eval=eval_options(cache_dir, **evals),
+        model="DiT-T/2",
+        dataset="digits",
+        batch_size=16,
+        steps=6,
+        warmup_steps=2,
+        log_interval=3,
+        val_interval=3,
+        val_samples=16,
+        sample_count=10,
+        sample_steps=2,
+        ckpt_interval=3,
+        progress=False,
+        out=str(out),
+        eval=eval_options(cache_dir, **evals),
     )
     return TrainConfig(**{**base, **overrides})
 
@@ -145,7 +155,10 @@ def test_evaluation_does_not_change_training(evaluated_run, cache_dir, tmp_path)
     plain = train(tiny_config(tmp_path / "plain", cache_dir, eval={"interval": 0}))
     assert not (tmp_path / "plain" / "eval").exists()
     assert (plain["train_loss"], plain["val_loss"], plain["val_loss_ema"]) == (
-        summary["train_loss"], summary["val_loss"], summary["val_loss_ema"])
+        summary["train_loss"],
+        summary["val_loss"],
+        summary["val_loss_ema"],
+    )
     a, _ = load_model_for_eval(run / "checkpoints" / "step_0000006")
     b, _ = load_model_for_eval(tmp_path / "plain" / "checkpoints" / "step_0000006")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
@@ -170,8 +183,13 @@ def test_resuming_in_place_from_an_earlier_checkpoint_drops_later_scores(evaluat
     train(tiny_config(copy, cache_dir, steps=4, resume=str(copy), eval={"interval": 0}))
     assert [s for s, _ in list_checkpoints(copy)] == [3, 4]
     assert [e["step"] for e in series(copy)["entries"]] == [3]
-    assert not (copy / "eval" / "grids" / next(iter(load_results(copy / "eval" / "results.json")["evaluations"]))
-                / "step_0000006.png").exists()
+    assert not (
+        copy
+        / "eval"
+        / "grids"
+        / next(iter(load_results(copy / "eval" / "results.json")["evaluations"]))
+        / "step_0000006.png"
+    ).exists()
     assert [r["step"] for r in gen_records(copy)] == [3]
 
 
@@ -215,8 +233,10 @@ def test_sample_slices_concatenate_to_the_full_set() -> None:
         (["--eval.interval", "5", "--eval.num-samples", "1"], "--eval.num-samples must be >= 2"),
         (["--eval.interval", "5", "--eval.sample-steps", "0"], "--eval.sample-steps must be >= 1"),
         (["--eval.interval", "5", "--eval.features", "dinov2"], "--eval.features dinov2 needs --eval.dinov2-weights"),
-        (["--eval.interval", "5", "--eval.features", "dinov2", "--eval.dinov2-weights", "/nope.pth"],
-         "--eval.dinov2-weights /nope.pth: no such file"),
+        (
+            ["--eval.interval", "5", "--eval.features", "dinov2", "--eval.dinov2-weights", "/nope.pth"],
+            "--eval.dinov2-weights /nope.pth: no such file",
+        ),
     ],
 )
 def test_bad_eval_flags_fail_at_start_up_naming_the_flag(flags: list[str], message: str) -> None:

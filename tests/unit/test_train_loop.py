@@ -15,15 +15,37 @@ from dimuon.train import ConfigError, TrainConfig, train
 from dimuon.train.run import main as train_main
 from dimuon.train.sample import main as sample_main
 
-TIMING_KEYS = {"active_time_s", "wall_s", "step_ms", "data_ms", "fwd_bwd_ms", "opt_ms", "samples_per_s",
-               "eval_s", "sample_s", "ckpt_s", "path", "resumed_from"}
+TIMING_KEYS = {
+    "active_time_s",
+    "wall_s",
+    "step_ms",
+    "data_ms",
+    "fwd_bwd_ms",
+    "opt_ms",
+    "samples_per_s",
+    "eval_s",
+    "sample_s",
+    "ckpt_s",
+    "path",
+    "resumed_from",
+}
 
 
 def tiny_config(out: Path, **overrides: Any) -> TrainConfig:
     """A run of a few 25 ms steps: DiT-T/4 on MNIST, small validation and sample budgets."""
     base: dict[str, Any] = dict(
-        model="DiT-T/4", batch_size=16, steps=8, warmup_steps=2, log_interval=2, val_interval=4,
-        val_samples=16, sample_count=10, sample_steps=2, ckpt_interval=4, progress=False, out=str(out),
+        model="DiT-T/4",
+        batch_size=16,
+        steps=8,
+        warmup_steps=2,
+        log_interval=2,
+        val_interval=4,
+        val_samples=16,
+        sample_count=10,
+        sample_steps=2,
+        ckpt_interval=4,
+        progress=False,
+        out=str(out),
     )
     return TrainConfig(**{**base, **overrides})
 
@@ -40,8 +62,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loss_decreases_on_a_tiny_run(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path / "run", steps=60, batch_size=32, warmup_steps=5, log_interval=10,
-                      val_interval=0, val_samples=64, ckpt_interval=0, lr=5e-3)
+    cfg = tiny_config(
+        tmp_path / "run",
+        steps=60,
+        batch_size=32,
+        warmup_steps=5,
+        log_interval=10,
+        val_interval=0,
+        val_samples=64,
+        ckpt_interval=0,
+        lr=5e-3,
+    )
     summary = train(cfg)
     train_losses = [r["loss"] for r in records(tmp_path / "run") if r["kind"] == "train"]
     assert train_losses[-1] < 0.75 * train_losses[0], train_losses
@@ -74,8 +105,15 @@ def test_refresh_decisions_are_logged_and_plotted(tmp_path: Path) -> None:
     from dimuon.train import OptimOptions
 
     run = tmp_path / "run"
-    train(tiny_config(run, optimizer="adaptive_row_muon", optim=OptimOptions(threshold=0.3, k_min=2, k_max=3),
-                      val_interval=0, ckpt_interval=0))
+    train(
+        tiny_config(
+            run,
+            optimizer="adaptive_row_muon",
+            optim=OptimOptions(threshold=0.3, k_min=2, k_max=3),
+            val_interval=0,
+            ckpt_interval=0,
+        )
+    )
     windows = [r["refresh"] for r in records(run) if r["kind"] == "train"]
     assert len(windows) == 4 and len(windows[0]["matrices"]) == 5 * 2 + 2  # DiT-T/4: 2 blocks x 5, t-MLP, final adaLN
     assert all(f == 0.5 for f in windows[0]["matrices"].values())  # steps 0 (first, spectral) and 1 (k_min)
@@ -143,18 +181,36 @@ def test_sample_command_writes_a_grid_from_a_checkpoint(tmp_path: Path, capsys: 
     run = tmp_path / "run"
     train(tiny_config(run, steps=2, ckpt_interval=0))
     out = tmp_path / "grid.png"
-    code = sample_main(["--ckpt", str(run), "--n", "12", "--cfg", "2", "--steps", "2", "--method", "euler",
-                        "--out", str(out), "--scale", "1"])
+    code = sample_main(
+        [
+            "--ckpt",
+            str(run),
+            "--n",
+            "12",
+            "--cfg",
+            "2",
+            "--steps",
+            "2",
+            "--method",
+            "euler",
+            "--out",
+            str(out),
+            "--scale",
+            "1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, one class per column, two rows
     assert sample_main(["--ckpt", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
-    for args, message in ((["--out", str(tmp_path)], f"--out {tmp_path} is a directory; name the PNG file"),
-                          (["--out", str(tmp_path / "file" / "g.png")], f"--out {tmp_path / 'file' / 'g.png'} cannot be written: "),
-                          (["--nrow", "0"], "--nrow must be >= 1, got 0"),
-                          (["--cfg", "-1"], "--cfg must be >= 0")):
+    for args, message in (
+        (["--out", str(tmp_path)], f"--out {tmp_path} is a directory; name the PNG file"),
+        (["--out", str(tmp_path / "file" / "g.png")], f"--out {tmp_path / 'file' / 'g.png'} cannot be written: "),
+        (["--nrow", "0"], "--nrow must be >= 1, got 0"),
+        (["--cfg", "-1"], "--cfg must be >= 0"),
+    ):
         assert sample_main(["--ckpt", str(run), *args]) == 2
         assert capsys.readouterr().err.startswith(f"dimuon sample: error: {message}")
 
@@ -169,13 +225,25 @@ def test_tensorboard_without_its_package_is_a_start_up_error(tmp_path: Path) -> 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("optimizer", "options"), [("adamw", {}), ("muon", {}), ("muon_bp", {"period": 2}),
-                                                  ("adaptive_row_muon", {"threshold": 0.3, "k_max": 3})])
+@pytest.mark.parametrize(
+    ("optimizer", "options"),
+    [("adamw", {}), ("muon", {}), ("muon_bp", {"period": 2}), ("adaptive_row_muon", {"threshold": 0.3, "k_max": 3})],
+)
 def test_every_optimizer_trains_and_resumes_exactly(optimizer: str, options: dict, tmp_path: Path) -> None:
     from dimuon.train import OptimOptions
 
-    overrides = dict(steps=4, ckpt_interval=2, val_interval=0, val_samples=8, sample_count=10, sample_steps=1,
-                     batch_size=8, optimizer=optimizer, optim=OptimOptions(**options), precision="bf16")
+    overrides = dict(
+        steps=4,
+        ckpt_interval=2,
+        val_interval=0,
+        val_samples=8,
+        sample_count=10,
+        sample_steps=1,
+        batch_size=8,
+        optimizer=optimizer,
+        optim=OptimOptions(**options),
+        precision="bf16",
+    )
     train(tiny_config(tmp_path / "a", **overrides))
     train(tiny_config(tmp_path / "b", **overrides), stop_after=3)
     train(tiny_config(tmp_path / "b", resume=str(tmp_path / "b"), **overrides))

@@ -34,17 +34,42 @@ def arrays(path: Path, bad_rows: tuple[int, ...] = (), value: float = HUGE, n: i
 
 
 def flags(data: Path, out: Path, **extra: Any) -> list[str]:
-    base = {"--model": "DiT-T/4", "--dataset": "arrays", "--data-path": str(data), "--batch-size": "8",
-            "--steps": "4", "--log-interval": "1", "--val-interval": "0", "--val-samples": "4", "--sample-count": "2",
-            "--sample-steps": "1", "--ckpt-interval": "0", "--warmup-steps": "1", "--out": str(out)}
+    base = {
+        "--model": "DiT-T/4",
+        "--dataset": "arrays",
+        "--data-path": str(data),
+        "--batch-size": "8",
+        "--steps": "4",
+        "--log-interval": "1",
+        "--val-interval": "0",
+        "--val-samples": "4",
+        "--sample-count": "2",
+        "--sample-steps": "1",
+        "--ckpt-interval": "0",
+        "--warmup-steps": "1",
+        "--out": str(out),
+    }
     base.update({f"--{k.replace('_', '-')}": str(v) for k, v in extra.items()})
     return [*(x for kv in base.items() for x in kv), "--no-progress"]
 
 
 def config(data: Path, out: Path, **extra: Any) -> TrainConfig:
-    base = dict(model="DiT-T/4", dataset="arrays", data_path=str(data), batch_size=8, steps=4, log_interval=1,
-                val_interval=0, val_samples=4, sample_count=2, sample_steps=1, ckpt_interval=0, warmup_steps=1,
-                progress=False, out=str(out))
+    base = dict(
+        model="DiT-T/4",
+        dataset="arrays",
+        data_path=str(data),
+        batch_size=8,
+        steps=4,
+        log_interval=1,
+        val_interval=0,
+        val_samples=4,
+        sample_count=2,
+        sample_steps=1,
+        ckpt_interval=0,
+        warmup_steps=1,
+        progress=False,
+        out=str(out),
+    )
     return TrainConfig(**{**base, **extra})
 
 
@@ -71,11 +96,15 @@ def a_train_row(data: Path) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_bad_data_is_a_start_up_error_naming_the_file_or_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_is_a_start_up_error_naming_the_file_or_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     nan = arrays(tmp_path / "nan.npz", bad_rows=(7,), value=np.nan)
     assert train_main(flags(nan, tmp_path / "a")) == 2
-    assert capsys.readouterr().err == (f"dimuon train: error: --dataset arrays --data-path {nan}: 1 item of the data "
-                                       f"set cannot be used: row 7 of {nan} holds NaN or inf values\n")
+    assert capsys.readouterr().err == (
+        f"dimuon train: error: --dataset arrays --data-path {nan}: 1 item of the data "
+        f"set cannot be used: row 7 of {nan} holds NaN or inf values\n"
+    )
 
     folder = tmp_path / "imgs"
     for cls in ("a", "b"):
@@ -83,8 +112,12 @@ def test_bad_data_is_a_start_up_error_naming_the_file_or_row(tmp_path: Path, cap
         for i in range(6):
             Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / cls / f"{i}.png")
     (folder / "b" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    assert train_main([*flags(folder, tmp_path / "b", batch_size=4, val_samples=1), "--dataset", "folder",
-                       "--image-size", "8"]) == 2
+    assert (
+        train_main(
+            [*flags(folder, tmp_path / "b", batch_size=4, val_samples=1), "--dataset", "folder", "--image-size", "8"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"1 item of the data set cannot be used: {folder / 'b' / '3.png'} cannot be decoded" in err
 
@@ -96,9 +129,11 @@ def test_bad_data_is_a_start_up_error_naming_the_file_or_row(tmp_path: Path, cap
     capsys.readouterr()
 
     assert train_main(flags(arrays(tmp_path / "ok.npz"), tmp_path / "d", batch_size=64)) == 2
-    assert capsys.readouterr().err == ("dimuon train: error: --batch-size 64 is larger than the 36 training items of "
-                                       f"--dataset arrays --data-path {tmp_path / 'ok.npz'}; pass --batch-size 36 or "
-                                       "less\n")
+    assert capsys.readouterr().err == (
+        "dimuon train: error: --batch-size 64 is larger than the 36 training items of "
+        f"--dataset arrays --data-path {tmp_path / 'ok.npz'}; pass --batch-size 36 or "
+        "less\n"
+    )
     assert not any((tmp_path / name).exists() for name in "abd")  # nothing was written for a refused run
 
 
@@ -113,9 +148,12 @@ def test_a_non_finite_step_stops_every_optimizer_naming_the_step(optimizer: str,
     row = a_train_row(arrays(data))
     arrays(data, bad_rows=(row,))
     step = first_step_drawing(data, row)
-    with pytest.raises(RunFailed, match=rf"^step {step} of 4: (loss|gradient norm) (inf|nan).*the batch's 8 input "
-                                        r"items are finite, so the model or the optimizer diverged\. The step was not "
-                                        r"applied\. Pass --nonfinite skip"):
+    with pytest.raises(
+        RunFailed,
+        match=rf"^step {step} of 4: (loss|gradient norm) (inf|nan).*the batch's 8 input "
+        r"items are finite, so the model or the optimizer diverged\. The step was not "
+        r"applied\. Pass --nonfinite skip",
+    ):
         train(config(data, tmp_path / "run", optimizer=optimizer, steps=max(step, 2)))
     nonfinite = [r for r in records(tmp_path / "run") if r["kind"] == "nonfinite"]
     assert [(r["step"], r["action"]) for r in nonfinite] == [(step, "stopped")]
@@ -140,7 +178,9 @@ def test_skipped_steps_are_counted_logged_and_never_applied(tmp_path: Path, caps
     assert "1 step(s) of this run were skipped" in capsys.readouterr().out
 
 
-def test_too_many_skipped_steps_in_a_row_stop_a_diverged_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_too_many_skipped_steps_in_a_row_stop_a_diverged_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = arrays(tmp_path / "data.npz", bad_rows=tuple(range(40)))
     out = tmp_path / "run"
     assert train_main(flags(data, out, nonfinite="skip", skip_limit=2)) == 1
@@ -149,8 +189,9 @@ def test_too_many_skipped_steps_in_a_row_stop_a_diverged_run(tmp_path: Path, cap
     assert [r["action"] for r in records(out) if r["kind"] == "nonfinite"] == ["skipped", "skipped"]
 
 
-def test_the_cli_names_flag_and_step_and_the_failed_run_can_be_resumed(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_names_flag_and_step_and_the_failed_run_can_be_resumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "data.npz"
     row = a_train_row(arrays(data))
     arrays(data, bad_rows=(row,))
@@ -159,8 +200,10 @@ def test_the_cli_names_flag_and_step_and_the_failed_run_can_be_resumed(tmp_path:
     assert train_main(flags(data, out)) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(f"dimuon train: error: step {step} of 4: ") and "--nonfinite skip" in err[0]
-    assert err[1] == (f"dimuon train: the run stopped after step {step - 1}, before its first checkpoint: dimuon "
-                      f"train --resume {out} restarts it from step 0 (flags such as --lr or --nonfinite may change)")
+    assert err[1] == (
+        f"dimuon train: the run stopped after step {step - 1}, before its first checkpoint: dimuon "
+        f"train --resume {out} restarts it from step 0 (flags such as --lr or --nonfinite may change)"
+    )
     assert train_main(["--resume", str(out), "--nonfinite", "skip", "--no-progress"]) == 0
     assert [s for s, _ in list_checkpoints(out)] == [4]
     assert json.loads((out / "config.json").read_text())["nonfinite"] == "skip"

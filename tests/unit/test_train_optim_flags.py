@@ -22,9 +22,29 @@ from dimuon.train.optim_options import (
 from dimuon.train.plan import resolve
 
 # The flags dimuon train has always taken (the non-finite policy is the harness's own --nonfinite).
-FLAGS = ("weight_decay", "betas", "eps", "momentum", "nesterov", "lr_scale", "ns_coefficients", "ns_steps",
-         "ns_dtype", "ns_algorithm", "refresh", "bucket_mb", "comm_dtype", "k", "gamma", "period",
-         "blocks", "block_lr_ratio", "threshold", "k_min", "k_max")
+FLAGS = (
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "nesterov",
+    "lr_scale",
+    "ns_coefficients",
+    "ns_steps",
+    "ns_dtype",
+    "ns_algorithm",
+    "refresh",
+    "bucket_mb",
+    "comm_dtype",
+    "k",
+    "gamma",
+    "period",
+    "blocks",
+    "block_lr_ratio",
+    "threshold",
+    "k_min",
+    "k_max",
+)
 
 
 def test_every_known_flag_is_derived_and_non_cli_arguments_are_not() -> None:
@@ -32,9 +52,14 @@ def test_every_known_flag_is_derived_and_non_cli_arguments_are_not() -> None:
     assert set(FLAGS) <= names
     assert not names & {"lr", "nonfinite", "params", "process_group", "engine", "schedule_options", "kwargs"}
     assert all(f.default is None for f in dataclasses.fields(OptimOptions))
-    assert OPTION_SPECS["betas"].keywords == {"adamw": "betas", "muon": "adamw_betas", "periodic_row_muon": "adamw_betas",
-                                              "muon_bp": "adamw_betas", "adaptive_row_muon": "adamw_betas",
-                                              "torch_muon": "adamw_betas"}
+    assert OPTION_SPECS["betas"].keywords == {
+        "adamw": "betas",
+        "muon": "adamw_betas",
+        "periodic_row_muon": "adamw_betas",
+        "muon_bp": "adamw_betas",
+        "adaptive_row_muon": "adamw_betas",
+        "torch_muon": "adamw_betas",
+    }
     assert OPTION_SPECS["k"].keywords == {"periodic_row_muon": "k"}
     assert OPTION_SPECS["ns_dtype"].is_dtype and OPTION_SPECS["betas"].type == tuple[float, float]
 
@@ -69,8 +94,9 @@ class _WithNewOptions(PeriodicRowMuon):
         ns_compile: compile the Newton-Schulz iteration.
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, ns_compile: bool = False, adamw_fused: bool | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, params: Any, lr: float = 1e-3, ns_compile: bool = False, adamw_fused: bool | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(params, lr=lr, **kwargs)
         self.ns_compile, self.adamw_fused = ns_compile, adamw_fused
 
@@ -97,7 +123,12 @@ def test_one_flag_cannot_take_two_types() -> None:
 def test_build_receives_each_optimizer_s_own_keywords() -> None:
     options = OptimOptions(betas=(0.9, 0.99), eps=1e-6, ns_dtype="bfloat16", k=4)
     assert optimizer_kwargs("periodic_row_muon", options, 0.01) == {
-        "lr": 0.01, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-6, "ns_dtype": torch.bfloat16, "k": 4}
+        "lr": 0.01,
+        "adamw_betas": (0.9, 0.99),
+        "adamw_eps": 1e-6,
+        "ns_dtype": torch.bfloat16,
+        "k": 4,
+    }
     assert optimizer_kwargs("adamw", OptimOptions(betas=(0.9, 0.99)), 0.1) == {"lr": 0.1, "betas": (0.9, 0.99)}
     with pytest.raises(ConfigError, match="--optimizer adamw rejects its options"):
         resolve(TrainConfig(optimizer="adamw", optim=OptimOptions(k=3)))  # k is passed on, and refused by name

@@ -26,13 +26,36 @@ from dimuon.train.rundir import check_same_start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FLAGS = ["--model", "DiT-T/4", "--batch-size", "8", "--val-interval", "0", "--val-samples", "8", "--sample-count",
-         "10", "--sample-steps", "1", "--log-interval", "1", "--no-progress"]
+FLAGS = [
+    "--model",
+    "DiT-T/4",
+    "--batch-size",
+    "8",
+    "--val-interval",
+    "0",
+    "--val-samples",
+    "8",
+    "--sample-count",
+    "10",
+    "--sample-steps",
+    "1",
+    "--log-interval",
+    "1",
+    "--no-progress",
+]
 
 
 def tiny(out: Path, **overrides: Any) -> TrainConfig:
-    base = dict(steps=1, ckpt_interval=0, val_interval=0, val_samples=8, sample_count=10, sample_steps=1,
-                batch_size=8, log_interval=1)
+    base = dict(
+        steps=1,
+        ckpt_interval=0,
+        val_interval=0,
+        val_samples=8,
+        sample_count=10,
+        sample_steps=1,
+        batch_size=8,
+        log_interval=1,
+    )
     return tiny_config(out, **{**base, **overrides})
 
 
@@ -92,13 +115,17 @@ def test_an_incomplete_newest_checkpoint_is_passed_over_for_the_one_before(run3:
     blob[-1] ^= 0xFF
     (ckpts / "step_0000002" / "state.pt").write_bytes(bytes(blob))
     (ckpts / "step_0000001" / "meta.json").unlink()
-    with pytest.raises(CheckpointError, match=r"no checkpoint of the run in .* passes its manifest: step 4 .*; "
-                                              r"step 3 .*truncated.*; step 2 .*corrupted"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint of the run in .* passes its manifest: step 4 .*; "
+        r"step 3 .*truncated.*; step 2 .*corrupted",
+    ):
         auto_resume_point(run)
 
 
 def test_the_cli_resumes_from_the_one_before_and_the_run_replaces_the_damaged_one(
-        run3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = copy(run3, tmp_path / "run")
     meta = run / "checkpoints" / "step_0000003" / "meta.json"
     meta.write_text(meta.read_text()[:-10])  # unreadable metadata
@@ -117,8 +144,11 @@ def test_a_foreign_directory_is_refused_and_left_as_it_was(tmp_path: Path) -> No
     files = {foreign / "config.json": '{"mine": 1}', foreign / "checkpoints" / "model.ckpt": "weights"}
     for path, text in files.items():
         path.write_text(text)
-    with pytest.raises(ConfigError, match=r"is not a dimuon run \(it has no \.dimuon-run\.json\) but holds "
-                                          r"config\.json, checkpoints/ \(1 file: checkpoints/model\.ckpt\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is not a dimuon run \(it has no \.dimuon-run\.json\) but holds "
+        r"config\.json, checkpoints/ \(1 file: checkpoints/model\.ckpt\)",
+    ):
         train(tiny(foreign, resume="auto"))
     assert train_main(["--resume", "auto", "--out", str(foreign), *FLAGS]) == 2
     assert sorted(p for p in foreign.rglob("*") if p.is_file()) == sorted(files)
@@ -126,7 +156,8 @@ def test_a_foreign_directory_is_refused_and_left_as_it_was(tmp_path: Path) -> No
 
 
 def test_dimuon_checkpoints_without_the_run_marker_are_refused_naming_the_explicit_resume(
-        run3: Path, tmp_path: Path) -> None:
+    run3: Path, tmp_path: Path
+) -> None:
     run = copy(run3, tmp_path / "copy")
     RunLayout(run).marker.unlink()  # a copy without dimuon's marker
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -141,9 +172,11 @@ def test_a_frozen_flag_is_refused_as_plain_resume_refuses_it(run3: Path, capsys:
     for resume in (str(run3), "auto"):
         assert train_main(["--resume", resume, "--out", str(run3), "--seed", "1", "--steps", "4"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"dimuon train: error: --seed cannot change on resume (it fixes the data order and the "
-                              f"training noise of every step): checkpoint {run3}/checkpoints/step_0000003 was trained "
-                              "with --seed 0, this run asks for 1"), err
+        assert err.startswith(
+            f"dimuon train: error: --seed cannot change on resume (it fixes the data order and the "
+            f"training noise of every step): checkpoint {run3}/checkpoints/step_0000003 was trained "
+            "with --seed 0, this run asks for 1"
+        ), err
     assert train_main(["--resume", "auto", "--out", str(run3), "--steps", "2"]) == 2
     assert "--steps 2 is behind the step 3 of checkpoint" in capsys.readouterr().err
     assert train_main(["--resume", "auto", "--out", str(run3), "--overwrite"]) == 2
@@ -151,8 +184,9 @@ def test_a_frozen_flag_is_refused_as_plain_resume_refuses_it(run3: Path, capsys:
     assert [s for s, _ in list_checkpoints(run3)] == [1, 2, 3]
 
 
-def test_a_run_without_a_checkpoint_restarts_from_step_0_with_its_config(tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_without_a_checkpoint_restarts_from_step_0_with_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     train(tiny(run, steps=3, lr=0.003), stop_after=1)  # stopped before its first checkpoint
     found = auto_resume_point(run)
@@ -168,8 +202,9 @@ def test_a_run_without_a_checkpoint_restarts_from_step_0_with_its_config(tmp_pat
         auto_resume_point(run)
 
 
-def test_the_same_command_starts_stops_and_continues_bitwise(tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_same_command_starts_stops_and_continues_bitwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     straight, auto = tmp_path / "straight", tmp_path / "auto"
     overrides = dict(steps=6, ckpt_interval=2, optimizer="periodic_row_muon")
     train(tiny(straight, **overrides))
@@ -190,7 +225,16 @@ def test_the_same_command_starts_stops_and_continues_bitwise(tmp_path: Path,
 def test_ranks_that_found_different_starting_points_are_refused() -> None:
     check_same_start(["runs/x/checkpoints/step_0000004"] * 2)
     check_same_start([None, None])
-    with pytest.raises(ConfigError, match=r"\(runs/x/checkpoints/step_0000004 on rank 0 and 2 more; a new run on rank 2\): "
-                                          "every node must see the same files"):
-        check_same_start(["runs/x/checkpoints/step_0000004", "runs/x/checkpoints/step_0000004", None,
-                          "runs/x/checkpoints/step_0000004"])
+    with pytest.raises(
+        ConfigError,
+        match=r"\(runs/x/checkpoints/step_0000004 on rank 0 and 2 more; a new run on rank 2\): "
+        "every node must see the same files",
+    ):
+        check_same_start(
+            [
+                "runs/x/checkpoints/step_0000004",
+                "runs/x/checkpoints/step_0000004",
+                None,
+                "runs/x/checkpoints/step_0000004",
+            ]
+        )

@@ -36,17 +36,49 @@ CPU = DistEnv(rank=0, world=1, device=torch.device("cpu"))
 # A value other than the default for every --optim.* flag. A new optimizer option must get one here: the
 # test below then shows that a resumed run applies it (or the option is declared frozen on resume).
 CHANGED_OPTIM = {
-    "weight_decay": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "amsgrad": True, "maximize": True, "foreach": False,
-    "capturable": True, "differentiable": True, "fused": True, "momentum": 0.9, "nesterov": False,
-    "lr_scale": "original", "ns_coefficients": "polar_express", "ns_steps": 4, "ns_dtype": "bfloat16",
-    "ns_algorithm": "gram", "refresh": "gather", "bucket_mb": 4.0, "comm_dtype": "bfloat16", "ns_compile": True,
-    "k": 7, "gamma": 0.5, "period": 3, "blocks": 2, "block_lr_ratio": 0.5, "adjust_lr_fn": "original",
-    "replica_refresh": "split", "threshold": 0.5, "k_min": 2, "k_max": 6,
+    "weight_decay": 0.1,
+    "betas": (0.8, 0.9),
+    "eps": 1e-6,
+    "amsgrad": True,
+    "maximize": True,
+    "foreach": False,
+    "capturable": True,
+    "differentiable": True,
+    "fused": True,
+    "momentum": 0.9,
+    "nesterov": False,
+    "lr_scale": "original",
+    "ns_coefficients": "polar_express",
+    "ns_steps": 4,
+    "ns_dtype": "bfloat16",
+    "ns_algorithm": "gram",
+    "refresh": "gather",
+    "bucket_mb": 4.0,
+    "comm_dtype": "bfloat16",
+    "ns_compile": True,
+    "k": 7,
+    "gamma": 0.5,
+    "period": 3,
+    "blocks": 2,
+    "block_lr_ratio": 0.5,
+    "adjust_lr_fn": "original",
+    "replica_refresh": "split",
+    "threshold": 0.5,
+    "k_min": 2,
+    "k_max": 6,
 }
 # A value other than the saved one for every flag that cannot change on resume.
 CHANGED_FROZEN = {
-    "model": "DiT-T/2", "dataset": "digits", "data_path": "elsewhere", "image_size": 32, "channels": 1,
-    "num_classes": 12, "class_dropout": 0.2, "optimizer": "muon_bp", "batch_size": 64, "seed": 1,
+    "model": "DiT-T/2",
+    "dataset": "digits",
+    "data_path": "elsewhere",
+    "image_size": 32,
+    "channels": 1,
+    "num_classes": 12,
+    "class_dropout": 0.2,
+    "optimizer": "muon_bp",
+    "batch_size": 64,
+    "seed": 1,
 }
 OPTIMIZERS = ("adamw", "muon", "periodic_row_muon", "muon_bp", "torch_muon")
 GROUP_COUNTERS = {"params", "param_names", "step", "skipped_steps", "initial_lr"}
@@ -55,8 +87,7 @@ RUNTIME = ("nonfinite", "ns_compile", "adamw_fused", "engine_options")
 
 def tiny(out: Path, **overrides: Any) -> TrainConfig:
     """One step, saved; the smallest validation and sample budgets."""
-    base = dict(steps=1, ckpt_interval=0, val_interval=0, val_samples=8, sample_count=10, sample_steps=1,
-                batch_size=8)
+    base = dict(steps=1, ckpt_interval=0, val_interval=0, val_samples=8, sample_count=10, sample_steps=1, batch_size=8)
     return tiny_config(out, **{**base, **overrides})
 
 
@@ -69,8 +100,12 @@ def options(opt: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str,
 def state_tensors(state: Any) -> list[list[float]]:
     """The tensors of an optimizer's state dict (not its options), as nested lists, in a fixed order."""
     if isinstance(state, dict):
-        return [t for k, v in sorted(state.items(), key=lambda kv: str(kv[0])) if k != "param_groups"
-                for t in state_tensors(v)]
+        return [
+            t
+            for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))
+            if k != "param_groups"
+            for t in state_tensors(v)
+        ]
     return [state.tolist()] if isinstance(state, torch.Tensor) else []
 
 
@@ -87,13 +122,21 @@ def test_every_optim_flag_has_a_changed_value_here() -> None:
     assert set(CHANGED_FROZEN) == set(FROZEN_ON_RESUME)
 
 
-def test_changed_optimizer_and_ema_flags_reach_the_running_optimizer_and_ema(saved_run: TrainConfig,
-                                                                             tmp_path: Path) -> None:
+def test_changed_optimizer_and_ema_flags_reach_the_running_optimizer_and_ema(
+    saved_run: TrainConfig, tmp_path: Path
+) -> None:
     name = saved_run.optimizer
     frozen = FROZEN_OPTIM_ON_RESUME.get(name, {})
     changed = {k: v for k, v in CHANGED_OPTIM.items() if name in OPTION_SPECS[k].keywords and k not in frozen}
-    cfg = dataclasses.replace(saved_run, out=str(tmp_path / "fork"), resume=saved_run.out, steps=2,
-                              optim=OptimOptions(**changed), ema_decay=0.5, ema_warmup=False)
+    cfg = dataclasses.replace(
+        saved_run,
+        out=str(tmp_path / "fork"),
+        resume=saved_run.out,
+        steps=2,
+        optim=OptimOptions(**changed),
+        ema_decay=0.5,
+        ema_warmup=False,
+    )
     trainer = Trainer(resolve(cfg), CPU)
     saved = torch.load(Path(saved_run.out) / "checkpoints/step_0000001/state.pt", weights_only=True)
     assert trainer.start == 1 and state_tensors(trainer.opt.state_dict()) == state_tensors(saved["optimizer"])
@@ -117,8 +160,10 @@ def test_every_frozen_flag_is_refused_naming_it_and_its_saved_value() -> None:
     for flag, value in CHANGED_FROZEN.items():
         cfg = dataclasses.replace(base, **{flag: value})
         option = "--" + flag.replace("_", "-")
-        with pytest.raises(ConfigError, match=f"^{option} cannot change on resume .*trained with {option} "
-                                              f"{saved[flag]}, this run asks for {value}"):
+        with pytest.raises(
+            ConfigError,
+            match=f"^{option} cannot change on resume .*trained with {option} {saved[flag]}, this run asks for {value}",
+        ):
             check_resume_flags(cfg, saved, "checkpoint X")
     check_resume_flags(dataclasses.replace(base, data_path="./data.npz", lr=0.5, steps=9, ema_decay=0.1), saved, "X")
 
@@ -133,12 +178,28 @@ def test_optimizer_options_the_saved_state_depends_on_are_refused() -> None:
     check_resume_flags(dataclasses.replace(base, optim=OptimOptions(amsgrad=False, fused=None)), saved, "X")
 
 
-def test_resume_through_the_cli_applies_the_new_values_and_records_them(tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_through_the_cli_applies_the_new_values_and_records_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     train(tiny(run))
-    code = train_main(["--resume", str(run), "--steps", "2", "--optim.k", "7", "--optim.gamma", "0.5",
-                       "--optim.weight-decay", "0.1", "--ema-decay", "0.5", "--no-progress"])
+    code = train_main(
+        [
+            "--resume",
+            str(run),
+            "--steps",
+            "2",
+            "--optim.k",
+            "7",
+            "--optim.gamma",
+            "0.5",
+            "--optim.weight-decay",
+            "0.1",
+            "--ema-decay",
+            "0.5",
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     state = torch.load(run / "checkpoints/step_0000002/state.pt", weights_only=True)
     muon_groups = [g for g in state["optimizer"]["param_groups"] if g["algorithm"] == "muon"]
@@ -146,8 +207,12 @@ def test_resume_through_the_cli_applies_the_new_values_and_records_them(tmp_path
     assert state["ema"]["decay"] == 0.5
     meta = json.loads((run / "checkpoints/step_0000002/meta.json").read_text())["config"]
     for recorded in (meta, json.loads((run / "config.json").read_text())):
-        assert (recorded["optim"]["k"], recorded["optim"]["gamma"], recorded["optim"]["weight_decay"],
-                recorded["ema_decay"]) == (7, 0.5, 0.1, 0.5)
+        assert (
+            recorded["optim"]["k"],
+            recorded["optim"]["gamma"],
+            recorded["optim"]["weight_decay"],
+            recorded["ema_decay"],
+        ) == (7, 0.5, 0.1, 0.5)
 
     assert train_main(["--resume", str(run), "--optimizer", "muon_bp", "--steps", "3"]) == 2
     err = capsys.readouterr().err

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(out: Path, **overrides: Any) -> TrainConfig:
-    base = dict(steps=1, ckpt_interval=0, val_interval=0, val_samples=8, sample_count=10, sample_steps=1,
-                batch_size=8)
+    base = dict(steps=1, ckpt_interval=0, val_interval=0, val_samples=8, sample_count=10, sample_steps=1, batch_size=8)
     return tiny_config(out, **{**base, **overrides})
 
 
@@ -44,8 +43,11 @@ def test_a_run_holds_its_marker_and_only_files_dimuon_recognises_as_its_own(tmp_
 def test_overwrite_deletes_dimuon_s_files_and_keeps_the_user_s(tmp_path: Path) -> None:
     run = RunLayout(tmp_path / "run")
     train(tiny(run.root, steps=2, ckpt_interval=1))
-    mine = [write(run.eval / "run_eval.py", "print('mine')"), write(run.plots / "fig1.png", "png"),
-            write(run.root / "notes.txt", "notes")]
+    mine = [
+        write(run.eval / "run_eval.py", "print('mine')"),
+        write(run.plots / "fig1.png", "png"),
+        write(run.root / "notes.txt", "notes"),
+    ]
     with pytest.raises(ConfigError, match=r"already holds a run \(its newest checkpoint is step 2\); pass --resume"):
         train(tiny(run.root))
     train(tiny(run.root, overwrite=True))
@@ -58,8 +60,11 @@ def test_a_directory_without_the_marker_is_not_a_run_and_is_never_written_into(t
     out = tmp_path / "analysis"
     mine = [write(out / "eval" / "run_eval.py", "x"), write(out / "plots" / "fig1.png", "y")]
     for overwrite in (False, True):
-        with pytest.raises(ConfigError, match=r"is not a dimuon run \(it has no \.dimuon-run\.json\) but holds "
-                                              r"plots/ \(1 file: plots/fig1\.png\), eval/ \(1 file: eval/run_eval\.py\)"):
+        with pytest.raises(
+            ConfigError,
+            match=r"is not a dimuon run \(it has no \.dimuon-run\.json\) but holds "
+            r"plots/ \(1 file: plots/fig1\.png\), eval/ \(1 file: eval/run_eval\.py\)",
+        ):
             train(tiny(out, overwrite=overwrite))
     assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(mine)
     # Files at names a run never uses do not stop it (e.g. a launcher's log beside the run).
@@ -82,32 +87,39 @@ def test_resuming_from_an_earlier_checkpoint_sets_later_ones_aside_until_they_ar
     assert not run.superseded(4).exists() and run.foreign_files() == []
 
 
-def test_an_unwritable_out_is_refused_at_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unwritable_out_is_refused_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path / "file", "x")
     assert train_main(["--out", str(tmp_path / "file" / "run"), "--steps", "1", "--no-progress"]) == 2
-    assert capsys.readouterr().err.startswith(f"dimuon train: error: --out {tmp_path / 'file' / 'run'} cannot be "
-                                              f"written: {tmp_path / 'file'} is a file, not a directory")
+    assert capsys.readouterr().err.startswith(
+        f"dimuon train: error: --out {tmp_path / 'file' / 'run'} cannot be "
+        f"written: {tmp_path / 'file'} is a file, not a directory"
+    )
     monkeypatch.setattr(dio.os, "access", lambda path, mode: False)  # as a read-only file system answers
     with pytest.raises(ConfigError, match=r"cannot be written: its parent .* is not writable"):
         train(tiny(tmp_path / "ro" / "run"))
     assert not (tmp_path / "ro").exists()
 
 
-def test_too_little_free_space_for_a_checkpoint_is_refused_at_start_up(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_little_free_space_for_a_checkpoint_is_refused_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dimuon.train.rundir as rundir
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 3 << 20)
-    with pytest.raises(ConfigError, match=r"3 MiB free on its file system, but one checkpoint of this run takes "
-                                          r"about \d+ MiB .* free some space or choose another --out"):
+    with pytest.raises(
+        ConfigError,
+        match=r"3 MiB free on its file system, but one checkpoint of this run takes "
+        r"about \d+ MiB .* free some space or choose another --out",
+    ):
         train(tiny(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
-def test_a_save_that_fails_leaves_no_partial_checkpoint_and_an_error_line(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_save_that_fails_leaves_no_partial_checkpoint_and_an_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     real_save = torch.save
 
     def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -116,12 +128,34 @@ def test_a_save_that_fails_leaves_no_partial_checkpoint_and_an_error_line(tmp_pa
 
     run = tmp_path / "run"
     monkeypatch.setattr(torch, "save", full_disk)
-    code = train_main(["--out", str(run), "--model", "DiT-T/4", "--steps", "1", "--batch-size", "8",
-                       "--val-samples", "8", "--sample-count", "10", "--sample-steps", "1", "--no-progress"])
+    code = train_main(
+        [
+            "--out",
+            str(run),
+            "--model",
+            "DiT-T/4",
+            "--steps",
+            "1",
+            "--batch-size",
+            "8",
+            "--val-samples",
+            "8",
+            "--sample-count",
+            "10",
+            "--sample-steps",
+            "1",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err.splitlines()
     assert code == 1, err
-    assert err[0].startswith(f"dimuon train: error: could not write the checkpoint of step 1 to {run}/checkpoints/"
-                             "step_0000001 (RuntimeError: ") and "unexpected pos" in err[0]
+    assert (
+        err[0].startswith(
+            f"dimuon train: error: could not write the checkpoint of step 1 to {run}/checkpoints/"
+            "step_0000001 (RuntimeError: "
+        )
+        and "unexpected pos" in err[0]
+    )
     assert err[0].endswith("nothing of it was left behind")
     assert err[1].startswith("dimuon train: the run stopped after step 1, before its first checkpoint")
     assert list((run / "checkpoints").iterdir()) == []  # no .tmp-step_ directory, no hidden partial file

@@ -33,8 +33,8 @@ collective sequence and Newton-Schulz batches only, with the direction maps them
 
 Every recorded step follows one untimed warm-up step, after which the optimizer's initial state is loaded
 back: the optimizer derives each sharded parameter's layout and process groups at its construction (host reads of
-the device mesh; timed apart), and the first step's remaining setup is not a cost of the step either. Step 1 is then the optimizer's first step, state for state.
-Gradients are the same on both recorded steps.
+the device mesh; timed apart), and the first step's remaining setup is not a cost of the step either. Step 1 is
+then the optimizer's first step, state for state. Gradients are the same on both recorded steps.
 
 Run ``dimuon bench census --help`` (or ``python -m dimuon.bench.census --help``).
 """
@@ -231,8 +231,9 @@ def plan_jobs(cfg: Config) -> tuple[list[Job], list[dict[str, Any]]]:
     """Every (layout, world size, model) to trace, and a row per one that cannot be (with the reason)."""
     jobs, refused = [], []
 
-    def add(layout: str, world: int, model: str, arch: dict[str, int], keys: Sequence[str], fake: bool,
-            tag: str = "") -> None:
+    def add(
+        layout: str, world: int, model: str, arch: dict[str, int], keys: Sequence[str], fake: bool, tag: str = ""
+    ) -> None:
         try:
             par = layout_degrees(layout, world)
             if par is not None:
@@ -251,13 +252,23 @@ def plan_jobs(cfg: Config) -> tuple[list[Job], list[dict[str, Any]]]:
         depth_keys = [k for k in cfg.optimizers if k in DEPTH_VARIANTS]
         for depth in cfg.ops_depths:
             for layout in cfg.layouts:
-                add(layout, min(cfg.gloo_worlds), cfg.gloo_model, {**gloo_arch, "depth": depth}, depth_keys, False,
-                    f"depth={depth}")
+                add(
+                    layout,
+                    min(cfg.gloo_worlds),
+                    cfg.gloo_model,
+                    {**gloo_arch, "depth": depth},
+                    depth_keys,
+                    False,
+                    f"depth={depth}",
+                )
     fake_arch = model_arch(cfg.fake_model, cfg.fake_depth, cfg.fake_heads)
     for world in cfg.fake_worlds:
         for layout in cfg.layouts:
-            arch = {**fake_arch, "depth": min(fake_arch["depth"], cfg.fake_replicated_depth)} \
-                if layout == "replicated" else fake_arch
+            arch = (
+                {**fake_arch, "depth": min(fake_arch["depth"], cfg.fake_replicated_depth)}
+                if layout == "replicated"
+                else fake_arch
+            )
             add(layout, world, cfg.fake_model, arch, cfg.optimizers, True)
     return jobs, refused
 
@@ -274,24 +285,32 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be world sizes >= 2, got {list(worlds)}")
     if not cfg.gloo_worlds and not cfg.fake_worlds:
         raise ValueError("--gloo-worlds and --fake-worlds are both empty: nothing to count")
-    for flag, value in (("--gloo-depth", cfg.gloo_depth), ("--fake-depth", cfg.fake_depth),
-                        ("--gloo-heads", cfg.gloo_heads), ("--fake-heads", cfg.fake_heads),
-                        ("--fake-replicated-depth", cfg.fake_replicated_depth),
-                        ("--flop-ranks", cfg.flop_ranks), ("--threads", cfg.threads),
-                        *((f"--ops-depths {d}", d) for d in cfg.ops_depths)):
+    for flag, value in (
+        ("--gloo-depth", cfg.gloo_depth),
+        ("--fake-depth", cfg.fake_depth),
+        ("--gloo-heads", cfg.gloo_heads),
+        ("--fake-heads", cfg.fake_heads),
+        ("--fake-replicated-depth", cfg.fake_replicated_depth),
+        ("--flop-ranks", cfg.flop_ranks),
+        ("--threads", cfg.threads),
+        *((f"--ops-depths {d}", d) for d in cfg.ops_depths),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if not cfg.bucket_mb > 0:
         raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    for flag, model, heads in (("--gloo-model", cfg.gloo_model, cfg.gloo_heads),
-                               ("--fake-model", cfg.fake_model, cfg.fake_heads)):
+    for flag, model, heads in (
+        ("--gloo-model", cfg.gloo_model, cfg.gloo_heads),
+        ("--fake-model", cfg.fake_model, cfg.fake_heads),
+    ):
         try:
             arch = model_arch(model, None, heads)
         except ValueError as err:
             raise ValueError(f"{flag}: {err}") from None
         if arch["hidden_size"] % arch["num_heads"]:
-            raise ValueError(f"{flag} {model}: {arch['num_heads']} heads must divide the hidden size "
-                             f"{arch['hidden_size']}")
+            raise ValueError(
+                f"{flag} {model}: {arch['num_heads']} heads must divide the hidden size {arch['hidden_size']}"
+            )
     if cfg.gloo_worlds and dist.is_available() and dist.is_initialized():
         raise ValueError("--gloo-worlds starts its own ranks: run the census outside a process group")
 
@@ -300,8 +319,14 @@ def check_config(cfg: Config) -> None:
 
 
 # torch's own wrappers between a caller and the read, skipped when naming where a read comes from.
-_PLUMBING = ("/torch/utils/", "/torch/_dynamo/", "/torch/_tensor.py", "/torch/_compile.py", "/torch/overrides.py",
-             "/torch/optim/optimizer.py")
+_PLUMBING = (
+    "/torch/utils/",
+    "/torch/_dynamo/",
+    "/torch/_tensor.py",
+    "/torch/_compile.py",
+    "/torch/overrides.py",
+    "/torch/optim/optimizer.py",
+)
 
 
 def _site() -> str:
@@ -393,8 +418,14 @@ def _newton_schulz_probe(tally: Tally, stub: bool) -> Callable[..., Tensor]:
     dtype instead of the iteration."""
     real = engine_module.newton_schulz
 
-    def probe(x: Tensor, steps: int = 5, coefficients: str = "quintic", algorithm: str = "standard",
-              dtype: torch.dtype | None = None, **kwargs: Any) -> Tensor:
+    def probe(
+        x: Tensor,
+        steps: int = 5,
+        coefficients: str = "quintic",
+        algorithm: str = "standard",
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
         batch, rows, cols = (1, *x.shape) if x.ndim == 2 else tuple(x.shape)
         compute = dtype if dtype is not None else default_ns_dtype(x.device)
         tally.orthogonalized(batch, rows, cols, steps, algorithm, compute)
@@ -422,8 +453,12 @@ def _map_plan(tally: Tally) -> Callable[..., list[Tensor]]:
         for (rows, cols), batch in by_shape.items():
             tally.orthogonalized(batch, rows, cols, config.ns_steps, config.ns_algorithm, ns_dtype)
         scaled = kwargs.get("scaled", args[0] if args else True)  # unscaled: Newton-Schulz's own dtype
-        return [torch.zeros((), dtype=torch.promote_types(p.dtype, torch.float32) if scaled else ns_dtype,
-                            device=p.device).expand(p.shape) for p in pieces]
+        return [
+            torch.zeros(
+                (), dtype=torch.promote_types(p.dtype, torch.float32) if scaled else ns_dtype, device=p.device
+            ).expand(p.shape)
+            for p in pieces
+        ]
 
     return plan
 
@@ -439,8 +474,14 @@ def _memo_piece_at(original: Callable[..., Any]) -> Callable[..., Any]:
     every shard group, O(parameters x W) host work)."""
 
     def piece_at(self: Any, coord: Sequence[int]) -> Any:
-        key = (self.rows, self.cols, self.col_unit, tuple(map(repr, self.placements)), tuple(self.mesh.shape),
-               tuple(coord))
+        key = (
+            self.rows,
+            self.cols,
+            self.col_unit,
+            tuple(map(repr, self.placements)),
+            tuple(self.mesh.shape),
+            tuple(coord),
+        )
         found = _PIECES.get(key)
         if found is None:
             found = _PIECES[key] = original(self, coord)
@@ -475,8 +516,7 @@ def _no_full(self: Any, job: Any, plc: Any, table: Tensor, keep_dtype: bool = Fa
 
 
 @contextlib.contextmanager
-def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_layouts: bool = False
-            ) -> Iterator[Tally]:
+def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_layouts: bool = False) -> Iterator[Tally]:
     """Count what the body does on this rank: the collectives (``counter`` must be inside an active
     :func:`count_collectives` block), and with ``ops`` the dispatched ops and host reads; Newton-Schulz
     batches always. ``ns``: the real iteration (its ops counted apart), a stub returning zeros (its ops not
@@ -558,12 +598,16 @@ def set_gradients(model: nn.Module, job: Job, seed: int) -> None:
 
     for p in model.parameters():
         local = torch.full(local_tensor(p).shape, 1e-2, dtype=p.dtype, device=local_tensor(p).device)
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                    run_check=False) if hasattr(p, "device_mesh") else local
+        p.grad = (
+            DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            if hasattr(p, "device_mesh")
+            else local
+        )
 
 
-def make_optimizer(cfg: Config, key: str, model: nn.Module, group: Any, engines: dict[str, Any] | None = None
-                   ) -> torch.optim.Optimizer:
+def make_optimizer(
+    cfg: Config, key: str, model: nn.Module, group: Any, engines: dict[str, Any] | None = None
+) -> torch.optim.Optimizer:
     """Configuration ``key`` over ``model`` (``group``: the process group of its plain parameters). With
     ``engines`` (a plan pass) over the Muon groups alone (the AdamW group issues no collective and no
     Newton-Schulz), on one sharded engine per refresh strategy kept in ``engines``, so each parameter's layout
@@ -581,8 +625,12 @@ def make_optimizer(cfg: Config, key: str, model: nn.Module, group: Any, engines:
     groups = [g for g in param_groups(model) if g["algorithm"] == "muon"]
     refresh = opts.get("refresh", DEFAULT_REFRESH)
     if refresh not in engines:
-        engines[refresh] = ShardedEngine(refresh=refresh, bucket_mb=cfg.bucket_mb, process_group=group,
-                                         params=[p for g in groups for _, p in g["params"]])
+        engines[refresh] = ShardedEngine(
+            refresh=refresh,
+            bucket_mb=cfg.bucket_mb,
+            process_group=group,
+            params=[p for g in groups for _, p in g["params"]],
+        )
     return build(v.name, groups, engine=engines[refresh], **opts)
 
 
@@ -612,8 +660,9 @@ def model_ns_flops(model: nn.Module, cfg_steps: int = 5, algorithm: str = "stand
             col_ranges = col_split_sizes_to_ranges(cols, g.get("col_split_sizes"), name) or ((0, cols),)
             for a, b in row_ranges:
                 for c, d in col_ranges:
-                    total += sum(2.0 * m * k * n for m, k, n in newton_schulz_products(b - a, d - c, cfg_steps,
-                                                                                         algorithm))
+                    total += sum(
+                        2.0 * m * k * n for m, k, n in newton_schulz_products(b - a, d - c, cfg_steps, algorithm)
+                    )
     return total
 
 
@@ -636,8 +685,9 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
         "kind": kind,
         "spectral": None if refresh is None else [refresh["spectral"], refresh["steps"]],
         "collectives": [[c.group, c.kind, c.dtype, c.world, c.bytes, c.buffer_bytes] for c in tally.collectives],
-        "own": {dim: {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in kinds.items()}
-                for dim, kinds in own.items()},
+        "own": {
+            dim: {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in kinds.items()} for dim, kinds in own.items()
+        },
         "host_reads": dict(tally.host_reads),
         "read_sites": dict(tally.read_sites),
         "ops": tally.ops,
@@ -649,8 +699,9 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
     }
 
 
-def trace_job(cfg: Config, job: Job, counter: CallCounter, mode: NsMode,
-              advance: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def trace_job(
+    cfg: Config, job: Job, counter: CallCounter, mode: NsMode, advance: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
     """This rank's records of every configuration of ``job`` (``counter`` must be counting): with ``mode``
     ``real`` or ``stub`` a full pass (warm-up step, then the recorded steps with their ops and host reads);
     with ``plan`` the configurations of :data:`PLAN_VARIANTS`, for their collective sequences and Newton-Schulz
@@ -710,10 +761,15 @@ def trace_job(cfg: Config, job: Job, counter: CallCounter, mode: NsMode,
                 c[0] = labels.get(c[0], f"group {c[0]}")
     muon = [p for g in param_groups(model) if g["algorithm"] == "muon" for _, p in g["params"]]
     shapes = {(p.shape[0], math.prod(p.shape[1:])) for p in muon}
-    info = {"muon_params": len(muon), "muon_shapes": len(shapes), "params": sum(p.numel() for p in model.parameters()),
-            "model_ns_flops": model_ns_flops(model),
-            "local_numel": sum(local_tensor(p).numel() for p in model.parameters()),
-            "first_step_setup_s": setup_s, "construction_s": construction_s}
+    info = {
+        "muon_params": len(muon),
+        "muon_shapes": len(shapes),
+        "params": sum(p.numel() for p in model.parameters()),
+        "model_ns_flops": model_ns_flops(model),
+        "local_numel": sum(local_tensor(p).numel() for p in model.parameters()),
+        "first_step_setup_s": setup_s,
+        "construction_s": construction_s,
+    }
     del model, snapshot, engines
     gc.collect()
     return {"records": records, "info": info}
@@ -741,8 +797,13 @@ def _meta_state(opt: Any) -> None:
 
 def _gloo_rank(rank: int, world: int, cfg: Config, jobs: list[Job]) -> list[dict[str, Any]]:
     """Entry point of a gloo rank (importable, so spawned processes find it): every job of this world size."""
-    bar = tqdm(total=sum(len(j.keys) for j in jobs), desc=f"census, {world} gloo ranks", unit="config",
-               disable=not cfg.progress or rank != 0, leave=False)
+    bar = tqdm(
+        total=sum(len(j.keys) for j in jobs),
+        desc=f"census, {world} gloo ranks",
+        unit="config",
+        disable=not cfg.progress or rank != 0,
+        leave=False,
+    )
     out = []
     with bar, count_collectives(CallCounter()) as counter:
         for job in jobs:
@@ -794,8 +855,14 @@ def _forget_meshes() -> None:
     MeshTopoInfo.build_from_mesh.cache_clear()
 
 
-def _fake_all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: Any = None,
-                            input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+def _fake_all_to_all_single(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Any = None,
+    input_split_sizes: Any = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """``dist.all_to_all_single`` for torch's fake backend, which refuses an empty input beside a non-empty
     output (what a rank that sends nothing but receives passes; a real backend takes it): the input is then a
     zero tensor of the output's size, which changes neither the call nor its counted bytes (both read the
@@ -804,8 +871,7 @@ def _fake_all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: A
 
     if input.numel() == 0 and output.numel() > 0:
         input, input_split_sizes = torch.zeros_like(output), output_split_sizes
-    return c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    return c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 class _Done:
@@ -866,8 +932,15 @@ def _sequence(step: dict[str, Any]) -> list[tuple[Any, ...]]:
     return [tuple(c[:4]) for c in step["collectives"]]
 
 
-def summarize_case(key: str, index: int, full: dict[str, Any], per_rank: dict[int, dict[str, Any]],
-                   model_flops: float, world: int, plan_of_full: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize_case(
+    key: str,
+    index: int,
+    full: dict[str, Any],
+    per_rank: dict[int, dict[str, Any]],
+    model_flops: float,
+    world: int,
+    plan_of_full: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One configuration x step x layout x world: rank 0's counts (``full``) and, over ``per_rank`` (rank ->
     that rank's record of the same step), the collective sequences and the Newton-Schulz FLOPs."""
     by_group: dict[tuple[str, str, str], dict[str, int]] = {}
@@ -911,17 +984,22 @@ def summarize_case(key: str, index: int, full: dict[str, Any], per_rank: dict[in
         "ranks_traced": len(per_rank),
         "same_sequence_on_all_ranks": same,
         "peak_comm_buffer_bytes": max((c[5] for c in full["collectives"]), default=0),
-        "peak_ns_batch_bytes": max((b[0] * b[1] * b[2] * DTYPES.get(b[3], torch.float32).itemsize
-                                    for b in full["ns_batches"]), default=0),
+        "peak_ns_batch_bytes": max(
+            (b[0] * b[1] * b[2] * DTYPES.get(b[3], torch.float32).itemsize for b in full["ns_batches"]), default=0
+        ),
     }
     if plan_of_full is not None:  # the light per-rank trace of rank 0 against its full trace
-        out["plan_matches_full"] = (plan_of_full["ns_flops"] == full["ns_flops"]
-                                    and _sequence(plan_of_full) == seq0)
+        out["plan_matches_full"] = plan_of_full["ns_flops"] == full["ns_flops"] and _sequence(plan_of_full) == seq0
     return out
 
 
-def summarize_job(job: Job, full: dict[str, dict[str, Any]], per_rank: dict[int, dict[str, dict[str, Any]]],
-                  info: dict[str, Any], plan_of_full: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def summarize_job(
+    job: Job,
+    full: dict[str, dict[str, Any]],
+    per_rank: dict[int, dict[str, dict[str, Any]]],
+    info: dict[str, Any],
+    plan_of_full: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """A job's cases from its records (configuration -> ``{"steps": [...]}`` or ``{"refused": why}``); a
     configuration missing from ``per_rank`` (a plan pass leaves some out) is summarized over rank 0 alone."""
     cases, refused = [], {}
@@ -934,9 +1012,19 @@ def summarize_job(job: Job, full: dict[str, dict[str, Any]], per_rank: dict[int,
             plan = plan_of_full.get(key, {}).get("steps", [None] * (i + 1))[i] if plan_of_full is not None else None
             case = summarize_case(key, i, step, ranks or {0: step}, info["model_ns_flops"], job.world, plan)
             cases.append(case)
-    return {"layout": job.layout, "world": job.world, "model": job.model, "depth": job.arch["depth"],
-            "heads": job.arch["num_heads"], "mesh": mesh_words(job.par), "backend": "fake" if job.fake else "gloo",
-            "tag": job.tag, **info, "cases": cases, "refused_optimizers": refused}
+    return {
+        "layout": job.layout,
+        "world": job.world,
+        "model": job.model,
+        "depth": job.arch["depth"],
+        "heads": job.arch["num_heads"],
+        "mesh": mesh_words(job.par),
+        "backend": "fake" if job.fake else "gloo",
+        "tag": job.tag,
+        **info,
+        "cases": cases,
+        "refused_optimizers": refused,
+    }
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -951,7 +1039,8 @@ def collective_words(case: dict[str, Any]) -> str:
     per_group: dict[str, list[str]] = {}
     for c in case["collectives"]:
         per_group.setdefault(c["group"], []).append(
-            f"{SHORT.get(c['kind'], c['kind'])} {c['calls']} {DTYPE_SHORT.get(c['dtype'], c['dtype'])}")
+            f"{SHORT.get(c['kind'], c['kind'])} {c['calls']} {DTYPE_SHORT.get(c['dtype'], c['dtype'])}"
+        )
     return "; ".join(f"{g}: {', '.join(v)}" for g, v in per_group.items()) or "-"
 
 
@@ -965,19 +1054,41 @@ def table_rows(jobs: Sequence[dict[str, Any]]) -> list[list[Any]]:
         for c in job["cases"]:
             balance = c["ns_flops_max_over_mean"]
             dup = c["ns_flops_sum_over_model"]
-            rows.append([
-                f"{c['label']}", f"{c['step']} {c['kind']}".strip(), f"{job['layout']} {job['mesh']}",
-                collective_words(c), _mib(c["bytes"]), ",".join(DTYPE_SHORT.get(d, d) for d in c["payload_dtypes"])
-                or "-", c["host_reads"], c["ops"], _gflops(c["ns_flops_max"]),
-                "-" if balance is None else f"{balance:.2f}", "-" if dup is None else f"{dup:.2f}",
-                "- (rank 0 only)" if c["ranks_traced"] == 1 else
-                f"{'yes' if c['same_sequence_on_all_ranks'] else 'NO'} ({c['ranks_traced']})",
-            ])
+            rows.append(
+                [
+                    f"{c['label']}",
+                    f"{c['step']} {c['kind']}".strip(),
+                    f"{job['layout']} {job['mesh']}",
+                    collective_words(c),
+                    _mib(c["bytes"]),
+                    ",".join(DTYPE_SHORT.get(d, d) for d in c["payload_dtypes"]) or "-",
+                    c["host_reads"],
+                    c["ops"],
+                    _gflops(c["ns_flops_max"]),
+                    "-" if balance is None else f"{balance:.2f}",
+                    "-" if dup is None else f"{dup:.2f}",
+                    "- (rank 0 only)"
+                    if c["ranks_traced"] == 1
+                    else f"{'yes' if c['same_sequence_on_all_ranks'] else 'NO'} ({c['ranks_traced']})",
+                ]
+            )
     return rows
 
 
-HEADERS = ["optimizer", "step", "layout (mesh)", "collectives (group: kind calls dtype)", "MiB", "payload",
-           "host reads", "ops", "NS GFLOP max", "max/mean", "sum/model", "same seq (ranks)"]
+HEADERS = [
+    "optimizer",
+    "step",
+    "layout (mesh)",
+    "collectives (group: kind calls dtype)",
+    "MiB",
+    "payload",
+    "host reads",
+    "ops",
+    "NS GFLOP max",
+    "max/mean",
+    "sum/model",
+    "same seq (ranks)",
+]
 RIGHT = [False, False, False, False, True, False, True, True, True, True, True, False]
 
 
@@ -996,14 +1107,33 @@ def depth_rows(record: dict[str, Any]) -> list[list[Any]]:
         if len(depths) < 2:
             continue
         (d0, a), (d1, b) = sorted(depths.items())[0], sorted(depths.items())[-1]
-        rows.append([VARIANTS[key].label, a["kind"], layout, f"{d0} / {d1}", f"{a['muon_params']} / {b['muon_params']}",
-                     f"{a['muon_shapes']} / {b['muon_shapes']}", f"{a['ops']} / {b['ops']}", f"{b['ops'] / a['ops']:.2f}",
-                     f"{b['muon_params'] / a['muon_params']:.2f}"])
+        rows.append(
+            [
+                VARIANTS[key].label,
+                a["kind"],
+                layout,
+                f"{d0} / {d1}",
+                f"{a['muon_params']} / {b['muon_params']}",
+                f"{a['muon_shapes']} / {b['muon_shapes']}",
+                f"{a['ops']} / {b['ops']}",
+                f"{b['ops'] / a['ops']:.2f}",
+                f"{b['muon_params'] / a['muon_params']:.2f}",
+            ]
+        )
     return rows
 
 
-DEPTH_HEADERS = ["optimizer", "step", "layout", "depth", "Muon params", "distinct shapes", "ops", "ops ratio",
-                 "params ratio"]
+DEPTH_HEADERS = [
+    "optimizer",
+    "step",
+    "layout",
+    "depth",
+    "Muon params",
+    "distinct shapes",
+    "ops",
+    "ops ratio",
+    "params ratio",
+]
 
 
 def render(record: dict[str, Any], markdown: bool = False) -> str:
@@ -1012,7 +1142,8 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     lines = [
         ("# " if markdown else "") + "Optimizer step census: collectives, host reads, ops, Newton-Schulz FLOPs",
         "",
-        f"Produced by `{record['command']}` on torch {m['torch']}, {m['cpu_model']} ({m['logical_cpus']} logical CPUs), "
+        f"Produced by `{record['command']}` on torch {m['torch']}, {m['cpu_model']} "
+        f"({m['logical_cpus']} logical CPUs), "
         f"{m['date']}; wall time {record['wall_s']:.0f} s. Newton-Schulz dtype {record['config']['ns_dtype']}, "
         f"buckets of {record['config']['bucket_mb']} MiB.",
         "",
@@ -1029,15 +1160,28 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         if not jobs:
             continue
         first = jobs[0]
-        how = ("real gloo ranks, real Newton-Schulz" if first["backend"] == "gloo"
-               else "fake process group, Newton-Schulz stubbed (FLOPs counted, ops not dispatched)")
+        how = (
+            "real gloo ranks, real Newton-Schulz"
+            if first["backend"] == "gloo"
+            else "fake process group, Newton-Schulz stubbed (FLOPs counted, ops not dispatched)"
+        )
         depth = ", ".join(sorted({f"{j['layout']}: {j['depth']} blocks" for j in jobs if j["depth"] != first["depth"]}))
-        lines += ["", ("## " if markdown else "") + f"W = {world}: {first['model']} ({first['depth']} blocks"
-                  + (f"; {depth}" if depth else "") + f", {first['heads']} heads), {how}", ""]
+        lines += [
+            "",
+            ("## " if markdown else "")
+            + f"W = {world}: {first['model']} ({first['depth']} blocks"
+            + (f"; {depth}" if depth else "")
+            + f", {first['heads']} heads), {how}",
+            "",
+        ]
         lines.append(table(HEADERS, table_rows(jobs), right=RIGHT))
     refused = [f"{r['layout']} at W = {r['world']} ({r['model']}): {r['reason']}" for r in record["refused"]]
-    refused += [f"{VARIANTS[k].label} on {j['layout']} at W = {j['world']}: {why}" for j in record["jobs"]
-                if not j["tag"] for k, why in j["refused_optimizers"].items()]
+    refused += [
+        f"{VARIANTS[k].label} on {j['layout']} at W = {j['world']}: {why}"
+        for j in record["jobs"]
+        if not j["tag"]
+        for k, why in j["refused_optimizers"].items()
+    ]
     if refused:
         lines += ["", "Not traced: " + "; ".join(refused) + "."]
     lines += ["", ("## " if markdown else "") + "First step and refresh buffers (rank 0)", ""]
@@ -1047,19 +1191,25 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         lines += ["", ("## " if markdown else "") + "Ops of RowNorm and block steps against the model's depth", ""]
         lines.append(table(DEPTH_HEADERS, rows, right=[False, False, False, *[True] * 6]))
     lines += ["", ("## " if markdown else "") + "Targets", ""]
-    lines.append(table(["target", "measured"], [[t["target"], t["measured"]] for t in record["targets"]],
-                       right=[False, False]))
+    lines.append(
+        table(["target", "measured"], [[t["target"], t["measured"]] for t in record["targets"]], right=[False, False])
+    )
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------- targets
 
 
-def _cases(record: dict[str, Any], key: str, step: int | None = None, world: int | None = None,
-           layout: str | None = None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    return [(j, c) for j in record["jobs"] if not j["tag"] and (world is None or j["world"] == world)
-            and (layout is None or j["layout"] == layout)
-            for c in j["cases"] if c["optimizer"] == key and (step is None or c["step"] == step)]
+def _cases(
+    record: dict[str, Any], key: str, step: int | None = None, world: int | None = None, layout: str | None = None
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [
+        (j, c)
+        for j in record["jobs"]
+        if not j["tag"] and (world is None or j["world"] == world) and (layout is None or j["layout"] == layout)
+        for c in j["cases"]
+        if c["optimizer"] == key and (step is None or c["step"] == step)
+    ]
 
 
 SIGNAL_SITE = "core.py:_decide_kinds"  # where a per-matrix schedule reads its staleness signals
@@ -1077,7 +1227,10 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
     def add(target: str, measured: str) -> None:
         out.append({"target": target, "measured": measured})
 
-    owner, gather = _cases(record, "muon_owner"), {(j["world"], j["layout"]): c for j, c in _cases(record, "muon_gather")}
+    owner, gather = (
+        _cases(record, "muon_owner"),
+        {(j["world"], j["layout"]): c for j, c in _cases(record, "muon_gather")},
+    )
 
     def calls(case: dict[str, Any], kind: str) -> int:
         return sum(x["calls"] for x in case["collectives"] if x["kind"] == kind)
@@ -1088,17 +1241,23 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
         # Sharded buckets of the gather refresh: its all-gathers less those both share (matrices held whole).
         gathers = calls(g, "all_gather") - calls(c, "all_gather") if g else 0
         if calls(c, "all_to_all"):
-            parts.append(f"{j['layout']} W={j['world']}: {calls(c, 'all_to_all')} all-to-alls for {j['muon_params']} "
-                         f"matrices of {j['muon_shapes']} shapes (gather: {gathers} all-gathers)")
-    add("owner refresh: one exchange each way per bucket of up to W same-shape matrices, not two per matrix",
-        "; ".join(parts) or "-")
+            parts.append(
+                f"{j['layout']} W={j['world']}: {calls(c, 'all_to_all')} all-to-alls for {j['muon_params']} "
+                f"matrices of {j['muon_shapes']} shapes (gather: {gathers} all-gathers)"
+            )
+    add(
+        "owner refresh: one exchange each way per bucket of up to W same-shape matrices, not two per matrix",
+        "; ".join(parts) or "-",
+    )
     parts = []
     for j, c in owner:
         if c["ns_flops_max_over_mean"] is not None:
             parts.append(f"{j['layout']} W={j['world']}: {c['ns_flops_max_over_mean']:.2f}")
     add("owner refresh: Newton-Schulz FLOPs max/mean per rank <= 1.15 at W = 8", "; ".join(parts) or "-")
-    for policy, keys, goal in (("skip", ("prm_k3_skip", "adaptive_skip"), "0"),
-                               ("raise", ("muon_gather", "prm_k3", "muon_bp_p5", "adaptive"), "<= 1")):
+    for policy, keys, goal in (
+        ("skip", ("prm_k3_skip", "adaptive_skip"), "0"),
+        ("raise", ("muon_gather", "prm_k3", "muon_bp_p5", "adaptive"), "<= 1"),
+    ):
         parts = []
         for key in keys:
             for step in VARIANTS[key].steps:
@@ -1112,25 +1271,43 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
         target = goal if policy == "raise" else f"{goal} (AdaptiveRowMuon's staleness signals apart: one read)"
         add(f"host reads per optimizer step with nonfinite={policy!r}: {target}", "; ".join(parts) or "-")
     rows = depth_rows(record)
-    add("ops per RowNorm or block step grow with distinct shapes, not parameters (ops ratio at two depths vs "
-        "params ratio)", "; ".join(f"{r[0]} {r[2]}: ops x{r[7]} for params x{r[8]} ({r[3]} blocks)" for r in rows)
-        or "-")
+    add(
+        "ops per RowNorm or block step grow with distinct shapes, not parameters (ops ratio at two depths vs "
+        "params ratio)",
+        "; ".join(f"{r[0]} {r[2]}: ops x{r[7]} for params x{r[8]} ({r[3]} blocks)" for r in rows) or "-",
+    )
     parts = []
     for key in ("muon_gather", "muon_owner"):
         for what, kinds in (("sharded refresh", ("all_gather", "all_to_all")), ("whole matrices", ("all_gather",))):
             whole = what == "whole matrices"
-            found = sorted({x["dtype"] for j, c in _cases(record, key) if (j["layout"] == "replicated") == whole
-                            for x in c["collectives"] if x["kind"] in kinds})
-            ns = sorted({d for j, c in _cases(record, key) if (j["layout"] == "replicated") == whole
-                         for d in c["ns_dtypes"]})
+            found = sorted(
+                {
+                    x["dtype"]
+                    for j, c in _cases(record, key)
+                    if (j["layout"] == "replicated") == whole
+                    for x in c["collectives"]
+                    if x["kind"] in kinds
+                }
+            )
+            ns = sorted(
+                {d for j, c in _cases(record, key) if (j["layout"] == "replicated") == whole for d in c["ns_dtypes"]}
+            )
             if found:
                 parts.append(f"{VARIANTS[key].label}, {what}: sends {'/'.join(found)}, Newton-Schulz in {'/'.join(ns)}")
     add("payload dtype = Newton-Schulz dtype where chosen", "; ".join(parts) or "-")
     return out
 
 
-BUFFER_HEADERS = ["layout (mesh)", "W", "construction s", "first step setup s", "gather: largest collective MiB",
-                  "gather: largest NS batch MiB", "owner: largest collective MiB", "owner: largest NS batch MiB"]
+BUFFER_HEADERS = [
+    "layout (mesh)",
+    "W",
+    "construction s",
+    "first step setup s",
+    "gather: largest collective MiB",
+    "gather: largest NS batch MiB",
+    "owner: largest collective MiB",
+    "owner: largest NS batch MiB",
+]
 
 
 def buffer_rows(record: dict[str, Any]) -> list[list[Any]]:
@@ -1142,11 +1319,15 @@ def buffer_rows(record: dict[str, Any]) -> list[list[Any]]:
         if job["tag"]:
             continue
         found = {c["optimizer"]: c for c in job["cases"] if c["optimizer"] in ("muon_gather", "muon_owner")}
-        cells = [f"{_mib(found[k][field])}" if k in found else "-" for k in ("muon_gather", "muon_owner")
-                 for field in ("peak_comm_buffer_bytes", "peak_ns_batch_bytes")]
+        cells = [
+            f"{_mib(found[k][field])}" if k in found else "-"
+            for k in ("muon_gather", "muon_owner")
+            for field in ("peak_comm_buffer_bytes", "peak_ns_batch_bytes")
+        ]
         timed = [job.get("construction_s"), job["first_step_setup_s"]]
-        rows.append([f"{job['layout']} {job['mesh']}", job["world"], *("-" if t is None else f"{t:.1f}" for t in timed),
-                     *cells])
+        rows.append(
+            [f"{job['layout']} {job['mesh']}", job["world"], *("-" if t is None else f"{t:.1f}" for t in timed), *cells]
+        )
     return rows
 
 
@@ -1164,10 +1345,14 @@ def source_state() -> dict[str, Any]:
     root = Path(dimuon.__file__).resolve().parents[2]
     try:
         git = ["git", "-C", str(root)]
-        out["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                       timeout=30).stdout.strip()
-        out["modified"] = bool(subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True,
-                                              text=True, check=True, timeout=30).stdout.strip())
+        out["commit"] = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+        out["modified"] = bool(
+            subprocess.run(
+                [*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True, check=True, timeout=30
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return out
@@ -1191,13 +1376,17 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     fake = [j for j in jobs if j.fake]
     if fake:
         total = sum(len(ranks_to_trace(j.world, cfg.flop_ranks)) for j in fake)
-        with tqdm(total=total, desc="census, fake groups", unit="rank", disable=not cfg.progress) as bar, \
-                fake_collectives(), count_collectives(CallCounter()) as counter:
+        with (
+            tqdm(total=total, desc="census, fake groups", unit="rank", disable=not cfg.progress) as bar,
+            fake_collectives(),
+            count_collectives(CallCounter()) as counter,
+        ):
             for job in fake:
                 bar.set_postfix_str(f"W={job.world} {job.layout}")
                 traced = trace_fake(cfg, job, counter, bar)
-                summaries.append(summarize_job(job, traced["full"], traced["plans"], traced["info"],
-                                               traced["plans"][0]))
+                summaries.append(
+                    summarize_job(job, traced["full"], traced["plans"], traced["info"], traced["plans"][0])
+                )
     record: dict[str, Any] = {
         "benchmark": "census",
         "command": "dimuon bench census" + ("" if not argv else " " + " ".join(argv)),
@@ -1205,16 +1394,19 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "source": source_state(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "layouts": LAYOUTS,
-        "variants": {k: {"label": v.label, "build": {"name": v.name, **v.options}, "steps": list(v.steps)}
-                     for k, v in VARIANTS.items() if k in cfg.optimizers},
+        "variants": {
+            k: {"label": v.label, "build": {"name": v.name, **v.options}, "steps": list(v.steps)}
+            for k, v in VARIANTS.items()
+            if k in cfg.optimizers
+        },
         "notes": {
             "warm_up": "each recorded step follows one warm-up step and a reload of the initial optimizer state",
             "fake_newton_schulz": "fake-group runs stub Newton-Schulz (zeros of the result's shape and dtype); "
-                                  "FLOPs are counted from newton_schulz_products, its ops are not dispatched",
+            "FLOPs are counted from newton_schulz_products, its ops are not dispatched",
             "fake_ranks": "rank 0 traced in full; FLOPs and sequences over the ranks of --flop-ranks, each with "
-                          "the fake group re-initialized and the direction maps replaced by zeros",
+            "the fake group re-initialized and the direction maps replaced by zeros",
             "buffers": "largest tensor named by one collective, and largest Newton-Schulz input batch; two buckets "
-                       "can be in flight at once, the allocator's peak is not measured",
+            "can be in flight at once, the allocator's peak is not measured",
         },
         "jobs": summaries,
         "refused": refused,

@@ -60,6 +60,7 @@ from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, build, linalg, param_groups
+from dimuon.optim.distributed.layout import is_dtensor
 
 CHECK = "all_reduce[check]"  # the 4-byte non-finite-gradient vote of every Muon-family step
 BASELINE = "muon_gather"
@@ -84,10 +85,12 @@ VARIANTS: dict[str, Variant] = {
     "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3, "refresh": "gather"}, 3),
     "prm_k4": Variant("PeriodicRowMuon K=4", "periodic_row_muon", {"k": 4, "refresh": "gather"}, 4),
     "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5, "refresh": "gather"}, 5),
-    "muon_gather_split": Variant("Muon (gather, replicas split)", "muon", {"refresh": "gather",
-                                                                            "replica_refresh": "split"}),
-    "muon_owner_split": Variant("Muon (owner, replicas split)", "muon", {"refresh": "owner",
-                                                                          "replica_refresh": "split"}),
+    "muon_gather_split": Variant(
+        "Muon (gather, replicas split)", "muon", {"refresh": "gather", "replica_refresh": "split"}
+    ),
+    "muon_owner_split": Variant(
+        "Muon (owner, replicas split)", "muon", {"refresh": "owner", "replica_refresh": "split"}
+    ),
 }
 # Rows that differ from their "repeat" twin only on meshes with a replicate dimension.
 REPLICA_VARIANTS = ("muon_gather_split", "muon_owner_split")
@@ -185,7 +188,9 @@ def parse_mesh(spec: str, world: int) -> Parallelism:
                 return Parallelism(*degrees(*found.groups())).resolve(world)
             except ValueError as err:
                 raise ValueError(f"--mesh {spec} on {world} ranks: {err}") from None
-    raise ValueError(f"--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT (e.g. hsdp2x2, tp4, fsdp2xtp2), got {spec!r}")
+    raise ValueError(
+        f"--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT (e.g. hsdp2x2, tp4, fsdp2xtp2), got {spec!r}"
+    )
 
 
 def world_size(cfg: Config) -> int:
@@ -206,9 +211,16 @@ def check_config(cfg: Config) -> None:
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
     check_names(cfg.peers)
-    for flag, value, low in (("--world", cfg.world, 1), ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0),
-                             *((f"--{k.replace('_', '-')}", v, 1) for k, v in (("num_heads", cfg.num_heads),
-                                                                                ("depth", cfg.depth)) if v is not None)):
+    for flag, value, low in (
+        ("--world", cfg.world, 1),
+        ("--repeats", cfg.repeats, 1),
+        ("--warmup", cfg.warmup, 0),
+        *(
+            (f"--{k.replace('_', '-')}", v, 1)
+            for k, v in (("num_heads", cfg.num_heads), ("depth", cfg.depth))
+            if v is not None
+        ),
+    ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     arch = build_arch(cfg)  # raises on an unknown registry name
@@ -252,8 +264,7 @@ def seed_gradients(model: nn.Module, seed: int, device: torch.device) -> None:
     for p in model.parameters():
         full = torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype)
         # src_data_rank=None: every rank already holds the full tensor, so no scatter is needed.
-        is_dtensor = type(p).__name__ == "DTensor"
-        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if is_dtensor else full
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if is_dtensor(p) else full
 
 
 def make_optimizer(cfg: Config, key: str, model: nn.Module, process_group: Any = None) -> torch.optim.Optimizer:
@@ -262,13 +273,24 @@ def make_optimizer(cfg: Config, key: str, model: nn.Module, process_group: Any =
     v = VARIANTS[key]
     opts = {**v.options, "lr": cfg.lr}
     if v.name != "adamw":
-        opts.update(bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype], ns_dtype=DTYPES[cfg.ns_dtype],
-                    process_group=process_group)
+        opts.update(
+            bucket_mb=cfg.bucket_mb,
+            comm_dtype=DTYPES[cfg.comm_dtype],
+            ns_dtype=DTYPES[cfg.ns_dtype],
+            process_group=process_group,
+        )
     return build(v.name, model, **opts)
 
 
-def timed_period(opt: Any, period: int, device: torch.device, log: list[dict[str, Any]],
-                 snapshot: GradientSnapshot, counter: CallCounter, own: bool = True) -> Callable[[], None]:
+def timed_period(
+    opt: Any,
+    period: int,
+    device: torch.device,
+    log: list[dict[str, Any]],
+    snapshot: GradientSnapshot,
+    counter: CallCounter,
+    own: bool = True,
+) -> Callable[[], None]:
     """One whole period of ``opt``: per step the saved gradients back and a barrier, then ``step()`` timed,
     with the call-boundary count (``counter``) and, if ``own``, the optimizer's own counters (None else)."""
 
@@ -296,8 +318,9 @@ def timed_period(opt: Any, period: int, device: torch.device, log: list[dict[str
     return run
 
 
-def peer_optimizers(cfg: Config, model: nn.Module, device: torch.device, snapshot: GradientSnapshot,
-                    par: Parallelism) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
+def peer_optimizers(
+    cfg: Config, model: nn.Module, device: torch.device, snapshot: GradientSnapshot, par: Parallelism
+) -> tuple[dict[str, Any], dict[str, PeerStatus]]:
     """The peers that run here (after one untimed first step on every rank), and every named peer's status.
 
     The ranks agree: a peer whose first step failed on any rank is left out on all of them. On HSDP and
@@ -339,8 +362,12 @@ def measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     logs: dict[str, list[dict[str, Any]]] = {key: [] for key in periods}
     counter = CallCounter()
     candidates = [
-        Candidate(key, timed_period(opt, periods[key], device, logs[key], snapshot, counter, own=key not in peers),
-                  repeats=cfg.repeats, warmup=cfg.warmup)
+        Candidate(
+            key,
+            timed_period(opt, periods[key], device, logs[key], snapshot, counter, own=key not in peers),
+            repeats=cfg.repeats,
+            warmup=cfg.warmup,
+        )
         for key, opt in {**opts, **peers}.items()
     ]
     # interleave gives the round-robin order; its own rank-local times include the barriers and are unused.
@@ -384,8 +411,9 @@ def _spawned_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- summarizing
 
 
-def per_step(per_rank: Sequence[list[dict[str, Any]]], field: str, kinds: Callable[[str], bool],
-             source: str = "stats") -> list[float]:
+def per_step(
+    per_rank: Sequence[list[dict[str, Any]]], field: str, kinds: Callable[[str], bool], source: str = "stats"
+) -> list[float]:
     """Per rank: ``field`` of the collective kinds selected by ``kinds`` in the steps' ``source`` counts
     (``stats``: the optimizer's own, ``boundary``: the call-boundary count), summed and averaged over its steps."""
     return [
@@ -415,6 +443,7 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
     def by_kind(source: str, kinds: set[str]) -> dict[str, dict[str, float]]:
         out = {}
         for kind in sorted(kinds):
+
             def this(k: str, kind: str = kind) -> bool:
                 return k == kind
 
@@ -438,8 +467,16 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
         "boundary_by_kind": by_kind("boundary", {k for steps in per_rank for s in steps for k in s["boundary"]}),
     }
     if any(s["stats"] is None for steps in per_rank for s in steps):
-        return {**summary, "own_matches_boundary": None, "bytes_per_step": None, "calls_per_step": None,
-                "exposed_ms_per_step": None, "exposed_share": None, "check": None, "by_kind": None}
+        return {
+            **summary,
+            "own_matches_boundary": None,
+            "bytes_per_step": None,
+            "calls_per_step": None,
+            "exposed_ms_per_step": None,
+            "exposed_share": None,
+            "check": None,
+            "by_kind": None,
+        }
     optimizer, check = (lambda k: k != CHECK), (lambda k: k == CHECK)
     exposed_r = per_step(per_rank, "exposed_s", optimizer)
     dims = sorted({d for steps in per_rank for s in steps for d in (s.get("by_dim") or {})})
@@ -447,7 +484,10 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
     def dim_mean(dim: str, field: str) -> float:
         return statistics.fmean(
             sum(v[field] for s in steps for k, v in (s.get("by_dim") or {}).get(dim, {}).items() if k != CHECK)
-            / len(steps) for steps in per_rank)
+            / len(steps)
+            for steps in per_rank
+        )
+
     time_r = [sum(s["time_s"] for s in steps) / n for steps in per_rank]
     return {
         **summary,
@@ -465,8 +505,14 @@ def summarize_steps(name: str, period: int, per_rank: Sequence[list[dict[str, An
         },
         "by_kind": by_kind("stats", {k for steps in per_rank for s in steps for k in s["stats"]} - {CHECK}),
         # The optimizer's own bytes, calls and exposed time per mesh dimension (the vote left out).
-        "by_mesh_dim": {d: {"bytes_per_step": dim_mean(d, "bytes"), "calls_per_step": dim_mean(d, "calls"),
-                            "exposed_ms_per_step": 1e3 * dim_mean(d, "exposed_s")} for d in dims},
+        "by_mesh_dim": {
+            d: {
+                "bytes_per_step": dim_mean(d, "bytes"),
+                "calls_per_step": dim_mean(d, "calls"),
+                "exposed_ms_per_step": 1e3 * dim_mean(d, "exposed_s"),
+            }
+            for d in dims
+        },
     }
 
 
@@ -474,15 +520,24 @@ def summarize_variant(key: str, per_rank: Sequence[list[dict[str, Any]]]) -> dic
     """One of dimuon's rows (or AdamW): :func:`summarize_steps` with its label and build options."""
     v = VARIANTS[key]
     version = f"torch {torch.__version__}" if v.name == "adamw" else f"dimuon {dimuon.__version__}"
-    return {"label": v.label, "build": {"name": v.name, **v.options}, "version": version,
-            **summarize_steps(key, v.period, per_rank)}
+    return {
+        "label": v.label,
+        "build": {"name": v.name, **v.options},
+        "version": version,
+        **summarize_steps(key, v.period, per_rank),
+    }
 
 
 def summarize_peer(status: dict[str, Any], per_rank: Sequence[list[dict[str, Any]]]) -> dict[str, Any]:
     """A peer's row: :func:`summarize_steps` with the peer's identity."""
-    return {"label": status["label"], "peer": True, "version": f"{status['package']} {status['version']}",
-            "ns_dtype": status["ns_dtype"], "sharded": status["sharded"],
-            **summarize_steps(status["key"], 1, per_rank)}
+    return {
+        "label": status["label"],
+        "peer": True,
+        "version": f"{status['package']} {status['version']}",
+        "ns_dtype": status["ns_dtype"],
+        "sharded": status["sharded"],
+        **summarize_steps(status["key"], 1, per_rank),
+    }
 
 
 def dimuon_ns_dtype(cfg: Config, device_type: str) -> str:
@@ -514,16 +569,20 @@ def ideal_ratio(key: str, shard: int, replicas: int = 1) -> tuple[float | None, 
     return 1.0, "1"
 
 
-def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
-              argv: Sequence[str] | None) -> dict[str, Any]:
+def summarize(
+    cfg: Config, results: Sequence[dict[str, Any]], launcher: str, argv: Sequence[str] | None
+) -> dict[str, Any]:
     """The JSON record: provenance, model, and per optimizer the numbers and ratios to Muon-gather."""
     world = len(results)
     first = results[0]
     machine = machine_info(argv)
     dims = first["mesh"]["dims"]
     shard_ranks = dims.get("dp_shard", 1) * dims.get("tp", 1)
-    optimizers = {key: summarize_variant(key, [r["steps"][key] for r in results]) for key in cfg.optimizers
-                  if key in first["steps"]}
+    optimizers = {
+        key: summarize_variant(key, [r["steps"][key] for r in results])
+        for key in cfg.optimizers
+        if key in first["steps"]
+    }
     for name, status in first["peers"].items():
         if status["runnable"]:
             optimizers[name] = summarize_peer(status, [r["steps"][name] for r in results])
@@ -534,8 +593,11 @@ def summarize(cfg: Config, results: Sequence[dict[str, Any]], launcher: str,
         o["ideal_bytes_ratio"], o["ideal_bytes_formula"] = ideal_ratio(key, shard_ranks, dims.get("dp_replicate", 1))
         own, base_own = o["bytes_per_step"], base and base["bytes_per_step"]
         o["bytes_ratio_to_gather"] = own / base_own if own is not None and base_own else None
-        o["boundary_bytes_ratio_to_gather"] = (o["boundary_bytes_per_step"] / base["boundary_bytes_per_step"]
-                                               if base and base["boundary_bytes_per_step"] else None)
+        o["boundary_bytes_ratio_to_gather"] = (
+            o["boundary_bytes_per_step"] / base["boundary_bytes_per_step"]
+            if base and base["boundary_bytes_per_step"]
+            else None
+        )
         o["time_ratio_to_gather"] = o["step_ms"] / base["step_ms"] if base else None
     arch = build_arch(cfg)
     return {
@@ -573,11 +635,17 @@ def render_mesh_dims(record: dict[str, Any]) -> str:
         if not o.get("by_mesh_dim") and o.get("peer"):
             continue
         per = o.get("by_mesh_dim") or {}
-        rows.append([o["label"], *(f"{per[d]['bytes_per_step'] / 2**20:.2f}" if d in per else "0.00" for d in dims),
-                     *(f"{per[d]['exposed_ms_per_step']:.1f}" if d in per else "0.0" for d in dims)])
+        rows.append(
+            [
+                o["label"],
+                *(f"{per[d]['bytes_per_step'] / 2**20:.2f}" if d in per else "0.00" for d in dims),
+                *(f"{per[d]['exposed_ms_per_step']:.1f}" if d in per else "0.0" for d in dims),
+            ]
+        )
     header = ["optimizer", *(f"MiB/step {d}" for d in dims), *(f"exposed ms {d}" for d in dims)]
     return "Per mesh dimension (dimuon's own counters, vote left out):\n" + format_table(
-        header, rows, right=[False, *[True] * (2 * len(dims))])
+        header, rows, right=[False, *[True] * (2 * len(dims))]
+    )
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -602,45 +670,68 @@ def render(record: dict[str, Any]) -> str:
     rows = []
     for o in record["optimizers"].values():
         exposed, share = o["exposed_ms_per_step"], o["exposed_share"]
-        rows.append([
-            o["label"],
-            o.get("version", ""),
-            o.get("ns_dtype", ""),
-            f"{o['boundary_bytes_per_step'] / 2**20:.2f}",
-            _fmt(o["boundary_bytes_ratio_to_gather"], ".3f"),
-            o["ideal_bytes_formula"],
-            f"{o['boundary_calls_per_step']:.2f}",
-            f"{o['step_ms']:.1f}",
-            _fmt(o["time_ratio_to_gather"], ".3f"),
-            _fmt(exposed, ".1f"),
-            "-" if share is None else f"{100 * share:.1f}%",
-            o.get("note", ""),
-        ])
+        rows.append(
+            [
+                o["label"],
+                o.get("version", ""),
+                o.get("ns_dtype", ""),
+                f"{o['boundary_bytes_per_step'] / 2**20:.2f}",
+                _fmt(o["boundary_bytes_ratio_to_gather"], ".3f"),
+                o["ideal_bytes_formula"],
+                f"{o['boundary_calls_per_step']:.2f}",
+                f"{o['step_ms']:.1f}",
+                _fmt(o["time_ratio_to_gather"], ".3f"),
+                _fmt(exposed, ".1f"),
+                "-" if share is None else f"{100 * share:.1f}%",
+                o.get("note", ""),
+            ]
+        )
     for p in record.get("peers", {}).values():
         if not p["runnable"]:
-            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"],
-                         *["-"] * 8, p["reason"]])
-    lines.append(format_table(
-        ["optimizer", "version", "NS dtype", "MiB/step", "x gather", "ideal", "calls/step", "step ms", "x gather",
-         "exposed ms", "exposed share", "note"],
-        rows, right=[False, False, False, *[True] * 8, False],
-    ))
+            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], *["-"] * 8, p["reason"]])
+    lines.append(
+        format_table(
+            [
+                "optimizer",
+                "version",
+                "NS dtype",
+                "MiB/step",
+                "x gather",
+                "ideal",
+                "calls/step",
+                "step ms",
+                "x gather",
+                "exposed ms",
+                "exposed share",
+                "note",
+            ],
+            rows,
+            right=[False, False, False, *[True] * 8, False],
+        )
+    )
     lines += ["", render_mesh_dims(record)]
-    own = {o["label"]: o["own_matches_boundary"] for o in record["optimizers"].values()
-           if o["own_matches_boundary"] is not None}
+    own = {
+        o["label"]: o["own_matches_boundary"]
+        for o in record["optimizers"].values()
+        if o["own_matches_boundary"] is not None
+    }
     if own:
         differ = [label for label, same in own.items() if not same]
         lines.append(
             "\ndimuon's own comm_stats() (the 4-byte non-finite vote of every Muon-family step included) "
-            + ("equal the call-boundary count on every step and rank." if not differ
-               else "differ from the call-boundary count for: " + ", ".join(differ) + ".")
+            + (
+                "equal the call-boundary count on every step and rank."
+                if not differ
+                else "differ from the call-boundary count for: " + ", ".join(differ) + "."
+            )
         )
     checks = [o for o in record["optimizers"].values() if o["check"] and o["check"]["calls_per_step"]]
     if checks:
         c = checks[0]["check"]
         lines.append(
             f"The vote is {c['calls_per_step']:.0f} all-reduce of 4 bytes per step ({c['bytes_per_step']:.0f} logical "
-            "bytes), exposed " + ", ".join(f"{o['check']['exposed_ms_per_step']:.1f}" for o in checks)
+            "bytes), exposed "
+            + ", ".join(f"{o['check']['exposed_ms_per_step']:.1f}" for o in checks)
             + " ms per step (dimuon's rows in table order); exposed ms above leaves it out."
         )
     p = record["paper"]
@@ -653,8 +744,10 @@ def render(record: dict[str, Any]) -> str:
         "Exposed ms comes from dimuon's own counters: '-' for the peers.",
     ]
     if record["backend"] == "nccl":
-        lines.append("Exposed ms is host time blocked in the optimizer's collectives; NCCL's wait() only orders "
-                     "CUDA streams, so it understates exposure on GPUs: read the --trace-dir traces instead.")
+        lines.append(
+            "Exposed ms is host time blocked in the optimizer's collectives; NCCL's wait() only orders "
+            "CUDA streams, so it understates exposure on GPUs: read the --trace-dir traces instead."
+        )
     return "\n".join(lines)
 
 

@@ -111,30 +111,103 @@ def check_config(cfg: Config) -> None:
 
 
 def tests_command(cfg: Config, junit: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}",
-            str(cfg.tests)]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        str(cfg.tests),
+    ]
 
 
 def bench_command(cfg: Config, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "dimuon.bench.optimizer", "--device", cfg.device, "--out", str(out), "--no-progress"]
     if cfg.quick:  # one block of width 64; the compiled row compiles for longer than the rest runs on a CPU
-        cmd += ["--depth", "1", "--hidden-size", "64", "--num-heads", "2", "--input-size", "8", "--num-classes", "10",
-                "--repeats", "1", "--warmup", "1", "--ns-repeats", "1", "--peers", "torch_muon", "--threads", "1"]
+        cmd += [
+            "--depth",
+            "1",
+            "--hidden-size",
+            "64",
+            "--num-heads",
+            "2",
+            "--input-size",
+            "8",
+            "--num-classes",
+            "10",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--ns-repeats",
+            "1",
+            "--peers",
+            "torch_muon",
+            "--threads",
+            "1",
+        ]
         if cfg.device == "cpu":
             cmd += ["--skip", "muon_compiled"]
     else:
-        cmd += ["--model", cfg.model, "--repeats", "10", "--warmup", "2", "--repeats-of", "torch_muon=10",
-                "--ns-repeats", "10"]
+        cmd += [
+            "--model",
+            cfg.model,
+            "--repeats",
+            "10",
+            "--warmup",
+            "2",
+            "--repeats-of",
+            "torch_muon=10",
+            "--ns-repeats",
+            "10",
+        ]
     return cmd
 
 
 def train_command(cfg: Config, run_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "dimuon.train.run", "--device", cfg.device, "--precision", "bf16", "--out",
-           str(run_dir), "--overwrite", "--no-progress", "--ckpt-interval", "0", "--val-interval", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimuon.train.run",
+        "--device",
+        cfg.device,
+        "--precision",
+        "bf16",
+        "--out",
+        str(run_dir),
+        "--overwrite",
+        "--no-progress",
+        "--ckpt-interval",
+        "0",
+        "--val-interval",
+        "0",
+    ]
     if cfg.quick:
-        return [*cmd, "--model", "DiT-T/4", "--steps", "4", "--batch-size", "8", "--warmup-steps", "1",
-                "--log-interval", "2", "--val-samples", "16", "--sample-count", "10", "--sample-steps", "2",
-                "--threads", "1"]
+        return [
+            *cmd,
+            "--model",
+            "DiT-T/4",
+            "--steps",
+            "4",
+            "--batch-size",
+            "8",
+            "--warmup-steps",
+            "1",
+            "--log-interval",
+            "2",
+            "--val-samples",
+            "16",
+            "--sample-count",
+            "10",
+            "--sample-steps",
+            "2",
+            "--threads",
+            "1",
+        ]
     return [*cmd, "--steps", str(cfg.train_steps), "--log-interval", str(max(1, cfg.train_steps // 6))]
 
 
@@ -230,13 +303,20 @@ def readme_rows(record: dict[str, Any]) -> str:
     parts = record["parts"]
     gpu = record["machine"].get("gpu") or {}
     where = gpu.get("name") or record["machine"]["cpu_model"]
-    lines = [f"Measured on {where} (driver {gpu.get('driver')}, CUDA {gpu.get('cuda')}, torch "
-             f"{record['machine']['torch']}) by `{record['command']}`:", ""]
+    lines = [
+        f"Measured on {where} (driver {gpu.get('driver')}, CUDA {gpu.get('cuda')}, torch "
+        f"{record['machine']['torch']}) by `{record['command']}`:",
+        "",
+    ]
     tests = parts["tests"]
     if tests["status"] != "not run":
         r = tests["results"]
-        lines += [f"- CUDA-marked tests: {tests['status']}: {r.get('passed', '-')} passed, {r.get('failed', '-')} failed, "
-                  f"{r.get('errors', '-')} errors, {r.get('skipped', '-')} skipped ({tests['seconds']:.0f} s)", ""]
+        lines += [
+            f"- CUDA-marked tests: {tests['status']}: {r.get('passed', '-')} passed, {r.get('failed', '-')} failed, "
+            f"{r.get('errors', '-')} errors, {r.get('skipped', '-')} skipped ({tests['seconds']:.0f} s)",
+            "",
+        ]
+
     def shown(part: dict[str, Any], key: str) -> bool:
         """A part that finished, or one that overran its budget with some results to show (marked partial)."""
         return part["status"] == "ok" or (part["results"].get("partial", False) and key in part["results"])
@@ -244,29 +324,56 @@ def readme_rows(record: dict[str, Any]) -> str:
     bench = parts["bench"]
     if shown(bench, "optimizers"):
         r = bench["results"]
-        rows = [[o["label"], f"{o['median_ms']:.2f}", f"{o['ratio_to_adamw']:.2f}" if o["ratio_to_adamw"] else "-",
-                 f"{o['ratio_to_muon']:.2f}" if o.get("ratio_to_muon") else "-",
-                 "-" if o.get("first_ms") is None else f"{o['first_ms']:.0f}"]
-                for o in r["optimizers"].values()]
+        rows = [
+            [
+                o["label"],
+                f"{o['median_ms']:.2f}",
+                f"{o['ratio_to_adamw']:.2f}" if o["ratio_to_adamw"] else "-",
+                f"{o['ratio_to_muon']:.2f}" if o.get("ratio_to_muon") else "-",
+                "-" if o.get("first_ms") is None else f"{o['first_ms']:.0f}",
+            ]
+            for o in r["optimizers"].values()
+        ]
         m = r["model"]
-        lines += [f"Optimizer step, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
-                  f"{m['muon_matrices']} Muon matrices)" + (" (partial: the rows done within its budget)"
-                                                            if r.get("partial") else "") + ":", "",
-                  format_markdown_table(["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"],
-                                        rows), ""]
+        lines += [
+            f"Optimizer step, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
+            f"{m['muon_matrices']} Muon matrices)"
+            + (" (partial: the rows done within its budget)" if r.get("partial") else "")
+            + ":",
+            "",
+            format_markdown_table(
+                ["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"], rows
+            ),
+            "",
+        ]
         ns = r.get("ns_flop_rate")
         if ns:
             unit, scale = ("TFLOP/s", 1e-3) if gpu else ("GFLOP/s", 1.0)
-            rates = ", ".join(f"{alg} {res['ns_gflops'] * scale:.1f} {unit} ({res['ratio']:.2f}x bmm's "
-                              f"{res['bmm_gflops'] * scale:.1f})" for alg, res in ns_algorithms(ns).items())
+            rates = ", ".join(
+                f"{alg} {res['ns_gflops'] * scale:.1f} {unit} ({res['ratio']:.2f}x bmm's "
+                f"{res['bmm_gflops'] * scale:.1f})"
+                for alg, res in ns_algorithms(ns).items()
+            )
             lines += [f"Newton-Schulz in {ns['dtype']} on the stacked Muon shapes: {rates}.", ""]
     train = parts["train"]
     if shown(train, "steps"):
         r = train["results"]
-        lines += [format_markdown_table(
-            ["training (demo task, bf16 autocast)", "steps/s", "ms/step", "data ms", "fwd+bwd ms", "optimizer ms"],
-            [[f"{r['steps']} steps on {r['device']}" + (" (partial)" if r.get("partial") else ""), f"{r['steps_per_s']:.1f}", f"{r['step_ms']:.1f}",
-              f"{r['data_ms']:.2f}", f"{r['fwd_bwd_ms']:.1f}", f"{r['opt_ms']:.1f}"]]), ""]
+        lines += [
+            format_markdown_table(
+                ["training (demo task, bf16 autocast)", "steps/s", "ms/step", "data ms", "fwd+bwd ms", "optimizer ms"],
+                [
+                    [
+                        f"{r['steps']} steps on {r['device']}" + (" (partial)" if r.get("partial") else ""),
+                        f"{r['steps_per_s']:.1f}",
+                        f"{r['step_ms']:.1f}",
+                        f"{r['data_ms']:.2f}",
+                        f"{r['fwd_bwd_ms']:.1f}",
+                        f"{r['opt_ms']:.1f}",
+                    ]
+                ],
+            ),
+            "",
+        ]
     failed = [f"{name} ({p['status']})" for name, p in parts.items() if p["status"] not in ("ok", "not run")]
     if failed:
         lines.append(f"Did not complete: {', '.join(failed)}; see each part's log and tail in {record['out']}.")
@@ -284,13 +391,24 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     cache = (work / "compile-cache").resolve()
     shared = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     plans = {
-        "tests": Plan(tests_command(cfg, junit), cfg.tests_budget_s, lambda: junit_counts(junit), junit,
-                      {**shared, "DIMUON_TEST_TIMEOUT_S": f"{cfg.test_timeout_s:g}", "DIMUON_TEST_LOG": str(test_log)},
-                      partial=lambda: test_log_counts(test_log)),
-        "bench": Plan(bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out,
-                      shared),
-        "train": Plan(train_command(cfg, run_dir), cfg.train_budget_s, lambda: train_results(run_dir),
-                      run_dir / "metrics.jsonl", shared),
+        "tests": Plan(
+            tests_command(cfg, junit),
+            cfg.tests_budget_s,
+            lambda: junit_counts(junit),
+            junit,
+            {**shared, "DIMUON_TEST_TIMEOUT_S": f"{cfg.test_timeout_s:g}", "DIMUON_TEST_LOG": str(test_log)},
+            partial=lambda: test_log_counts(test_log),
+        ),
+        "bench": Plan(
+            bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out, shared
+        ),
+        "train": Plan(
+            train_command(cfg, run_dir),
+            cfg.train_budget_s,
+            lambda: train_results(run_dir),
+            run_dir / "metrics.jsonl",
+            shared,
+        ),
     }
     parts: dict[str, Part] = {}
     for name, plan in plans.items():

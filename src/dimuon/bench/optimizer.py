@@ -4,11 +4,11 @@ Builds a registry DiT (optionally with fewer blocks) on ``--device``, gives ever
 random gradient, groups it with :func:`dimuon.optim.param_groups` exactly as training does, and times
 ``opt.step()`` for AdamW (foreach and fused), the fp32 per-tensor reference Muon, dimuon's Muon
 (standard and Gram Newton-Schulz, per attention head, compiled with ``ns_compile=True``, and standard in bf16),
-PeriodicRowMuon and MuonBP, and for the peers (other installable Muon packages, :mod:`dimuon.bench.peers`: ``torch.optim.Muon``,
-muon-fsdp2, dtensor-muon, heavyball) built over the same matrices; a peer that cannot run here gets
-a row that says why. Every sample starts from the same gradients. Periodic optimizers are timed over whole periods and reported per
-step. A second part measures the FLOP rate of the batched Newton-Schulz iteration on the model's
-stacked Muon shapes against bare ``torch.bmm`` calls of the same products, in the dtype Newton-Schulz
+PeriodicRowMuon and MuonBP, and for the peers (other installable Muon packages, :mod:`dimuon.bench.peers`:
+``torch.optim.Muon``, muon-fsdp2, dtensor-muon, heavyball) built over the same matrices; a peer that cannot run
+here gets a row that says why. Every sample starts from the same gradients. Periodic optimizers are timed over
+whole periods and reported per step. A second part measures the FLOP rate of the batched Newton-Schulz iteration
+on the model's stacked Muon shapes against bare ``torch.bmm`` calls of the same products, in the dtype Newton-Schulz
 computes in on the device (fp32 on a CPU, bf16 on a GPU). On a GPU every sample is bracketed by
 ``torch.cuda.synchronize``; each optimizer's first (warm-up) step, which holds state allocation and,
 for the compiled row, compilation, is reported apart. Prints tables and writes a JSON record.
@@ -213,8 +213,11 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
             opt = build("muon_bp", model, lr=cfg.lr, period=cfg.period, blocks=cfg.bp_blocks)
             steps[name] = (opt.step, cfg.period)
         elif name in ("rownorm_step", "block_step"):  # the memory-bound steps alone, beside fused AdamW
-            opt = (build("periodic_row_muon", model, lr=cfg.lr, k=NEVER) if name == "rownorm_step" else
-                   build("muon_bp", model, lr=cfg.lr, period=NEVER, blocks=cfg.bp_blocks))
+            opt = (
+                build("periodic_row_muon", model, lr=cfg.lr, k=NEVER)
+                if name == "rownorm_step"
+                else build("muon_bp", model, lr=cfg.lr, period=NEVER, blocks=cfg.bp_blocks)
+            )
             opt.step()  # the spectral first step, untimed (the gradients are the snapshot's, put back before each)
             steps[name] = (opt.step, 1)
         else:
@@ -222,8 +225,9 @@ def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str,
     return steps
 
 
-def make_peer_steps(cfg: Config, model: nn.Module, names: Sequence[str], snapshot: GradientSnapshot
-                    ) -> tuple[dict[str, tuple[Callable[[], None], int]], dict[str, PeerStatus]]:
+def make_peer_steps(
+    cfg: Config, model: nn.Module, names: Sequence[str], snapshot: GradientSnapshot
+) -> tuple[dict[str, tuple[Callable[[], None], int]], dict[str, PeerStatus]]:
     """The peers that run here (one untimed first step each), and every named peer's status."""
     muon_params, rest = muon_and_rest(model)
     steps: dict[str, tuple[Callable[[], None], int]] = {}
@@ -280,7 +284,10 @@ def _bmm_operands(batch: int, product: tuple[int, int, int], wide: Tensor) -> tu
 
 
 def measure_ns_rate(
-    batches: Sequence[tuple[int, int, int]], repeats: int, progress: bool, seed: int,
+    batches: Sequence[tuple[int, int, int]],
+    repeats: int,
+    progress: bool,
+    seed: int,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """Achieved FLOP/s of ``newton_schulz`` (standard and Gram) vs bare ``torch.bmm`` of its products.
@@ -300,15 +307,17 @@ def measure_ns_rate(
     for shape, x in inputs.items():
         for algorithm in linalg.NS_ALGORITHMS:
             candidates.append(
-                Candidate(f"ns/{algorithm}/{shape}", lambda x=x, a=algorithm: linalg.newton_schulz(x, algorithm=a),
-                          repeats=repeats)
+                Candidate(
+                    f"ns/{algorithm}/{shape}",
+                    lambda x=x, a=algorithm: linalg.newton_schulz(x, algorithm=a),
+                    repeats=repeats,
+                )
             )
         products = {p for a in linalg.NS_ALGORITHMS for p in linalg.newton_schulz_products(*shape[1:], algorithm=a)}
         for product in sorted(products):
             a, b, out = _bmm_operands(shape[0], product, x)
             candidates.append(
-                Candidate(f"bmm/{product}/{shape}", lambda a=a, b=b, out=out: torch.bmm(a, b, out=out),
-                          repeats=repeats)
+                Candidate(f"bmm/{product}/{shape}", lambda a=a, b=b, out=out: torch.bmm(a, b, out=out), repeats=repeats)
             )
     timings = interleave(candidates, progress=progress, desc="NS FLOP rate", sync=synchronizer(device))
     result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch.")}
@@ -319,16 +328,18 @@ def measure_ns_rate(
             flops = shape[0] * sum(2.0 * m * k * n for m, k, n in products)
             ns_s = timings[f"ns/{algorithm}/{shape}"].median
             mm_s = sum(timings[f"bmm/{p}/{shape}"].median for p in products)
-            rows.append({
-                "batch": list(shape),
-                "uses_gram": linalg.uses_gram(algorithm, *shape[1:]),
-                "gflop": flops / 1e9,
-                "ns_ms": 1e3 * ns_s,
-                "bmm_ms": 1e3 * mm_s,
-                "ns_gflops": flops / ns_s / 1e9,
-                "bmm_gflops": flops / mm_s / 1e9,
-                "ratio": mm_s / ns_s,
-            })
+            rows.append(
+                {
+                    "batch": list(shape),
+                    "uses_gram": linalg.uses_gram(algorithm, *shape[1:]),
+                    "gflop": flops / 1e9,
+                    "ns_ms": 1e3 * ns_s,
+                    "bmm_ms": 1e3 * mm_s,
+                    "ns_gflops": flops / ns_s / 1e9,
+                    "bmm_gflops": flops / mm_s / 1e9,
+                    "ratio": mm_s / ns_s,
+                }
+            )
             total_flops, total_ns, total_mm = total_flops + flops, total_ns + ns_s, total_mm + mm_s
         result[algorithm] = {
             "per_batch": rows,
@@ -350,8 +361,9 @@ def ns_algorithms(ns: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # ----------------------------------------------------------------------------------- reporting
 
 
-def summarize(cfg: Config, timings: dict[str, Timing], peers: dict[str, PeerStatus] | None = None,
-              cpu_flags: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+def summarize(
+    cfg: Config, timings: dict[str, Timing], peers: dict[str, PeerStatus] | None = None, cpu_flags: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
     """Per optimizer: times (ms per step), ratios to AdamW (foreach), to the reference Muon and to dimuon's
     Muon, package version and Newton-Schulz dtype (with a word on bf16 on this CPU)."""
     peers = peers or {}
@@ -394,8 +406,12 @@ def check_targets(optimizers: dict[str, dict[str, Any]], ns: dict[str, Any] | No
         ("PeriodicRowMuon K=3 <= 0.40x dimuon Muon", ratio("periodic_row_muon", "muon"), 0.40, "<="),
         ("dimuon Muon (Gram NS) <= 0.60x fp32 reference Muon", ratio("muon_gram", REFERENCE), 0.60, "<="),
         ("NS5 FLOP rate >= 0.85x torch.bmm", ns["standard"]["ratio"] if ns else None, 0.85, ">="),
-        ("PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound)", ratio("rownorm_step", "adamw_fused"),
-         1.5, "<="),
+        (
+            "PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound)",
+            ratio("rownorm_step", "adamw_fused"),
+            1.5,
+            "<=",
+        ),
     ]
     targets = []
     for name, value, limit, op in rows:
@@ -413,8 +429,11 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     table = format_markdown_table if markdown else format_table
     m, machine = record["model"], record["machine"]
     gpu = machine.get("gpu")
-    where = (f"{gpu['name']} (driver {gpu['driver']}, CUDA {gpu['cuda']})" if gpu else
-             f"{machine['torch_threads']} thread{'' if machine['torch_threads'] == 1 else 's'}, {machine['cpu_model']}")
+    where = (
+        f"{gpu['name']} (driver {gpu['driver']}, CUDA {gpu['cuda']})"
+        if gpu
+        else f"{machine['torch_threads']} thread{'' if machine['torch_threads'] == 1 else 's'}, {machine['cpu_model']}"
+    )
     lines = [
         f"{m['name']} with {m['depth']} blocks (hidden {m['hidden_size']}): {m['params'] / 1e6:.1f}M parameters, "
         f"{m['muon_params'] / 1e6:.1f}M in {m['muon_matrices']} Muon matrices; "
@@ -424,46 +443,89 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     ]
     rows = []
     for r in record["optimizers"].values():
-        rows.append([
-            r["label"],
-            r.get("version", ""),
-            r.get("ns_dtype", ""),
-            f"{r['median_ms']:.1f}",
-            f"{r['min_ms']:.1f}",
-            f"{r['repeats']}x{r['calls_per_sample']}",
-            _fmt(r["ratio_to_adamw"], ".2f"),
-            _fmt(r["ratio_to_reference"], ".2f"),
-            _fmt(r.get("ratio_to_muon"), ".2f"),
-            _fmt(r.get("first_ms"), ".0f"),
-            r.get("note", ""),
-        ])
+        rows.append(
+            [
+                r["label"],
+                r.get("version", ""),
+                r.get("ns_dtype", ""),
+                f"{r['median_ms']:.1f}",
+                f"{r['min_ms']:.1f}",
+                f"{r['repeats']}x{r['calls_per_sample']}",
+                _fmt(r["ratio_to_adamw"], ".2f"),
+                _fmt(r["ratio_to_reference"], ".2f"),
+                _fmt(r.get("ratio_to_muon"), ".2f"),
+                _fmt(r.get("first_ms"), ".0f"),
+                r.get("note", ""),
+            ]
+        )
     for p in record.get("peers", {}).values():
         if not p["runnable"]:
-            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], *["-"] * 7,
-                         p["reason"]])
-    lines.append(table(
-        ["optimizer", "version", "NS dtype", "ms/step (median)", "min", "samples x steps", "x AdamW", "x reference",
-         "x Muon", "first ms", "note"], rows, right=[False, False, False, *[True] * 7, False],
-    ))
+            rows.append([p["label"], f"{p['package']} {p['version'] or '-'}", p["ns_dtype"], *["-"] * 7, p["reason"]])
+    lines.append(
+        table(
+            [
+                "optimizer",
+                "version",
+                "NS dtype",
+                "ms/step (median)",
+                "min",
+                "samples x steps",
+                "x AdamW",
+                "x reference",
+                "x Muon",
+                "first ms",
+                "note",
+            ],
+            rows,
+            right=[False, False, False, *[True] * 7, False],
+        )
+    )
     lines += ["", "first ms: the first (warm-up) sample, per step: state allocation and, compiled, the compilation."]
     ns = record.get("ns_flop_rate")
     if ns:
         tera = gpu is not None  # GPU rates read better in TFLOP/s
         unit, scale = ("TFLOP/s", 1e-3) if tera else ("GFLOP/s", 1.0)
-        lines += ["", f"Newton-Schulz (5 quintic steps, {ns.get('dtype', 'float32')}) on the stacked Muon shapes "
-                      f"vs bare torch.bmm in the same dtype:", ""]
+        lines += [
+            "",
+            f"Newton-Schulz (5 quintic steps, {ns.get('dtype', 'float32')}) on the stacked Muon shapes "
+            f"vs bare torch.bmm in the same dtype:",
+            "",
+        ]
         rows = []
         for algorithm, res in ns_algorithms(ns).items():
             for b in res["per_batch"]:
                 form = "gram" if b["uses_gram"] else "standard"
-                rows.append([algorithm, "x".join(map(str, b["batch"])), form, f"{b['gflop']:.1f}", f"{b['ns_ms']:.2f}",
-                             f"{b['ns_gflops'] * scale:.1f}", f"{b['bmm_gflops'] * scale:.1f}", f"{b['ratio']:.2f}"])
-            rows.append([algorithm, "total", "", f"{res['gflop']:.1f}", f"{res['ns_ms']:.2f}",
-                         f"{res['ns_gflops'] * scale:.1f}", f"{res['bmm_gflops'] * scale:.1f}", f"{res['ratio']:.2f}"])
-        lines.append(table(
-            ["ns_algorithm", "stack BxRxC", "form", "GFLOP", "ms", unit, f"bmm {unit}", "NS/bmm rate"], rows,
-            right=[False, False, False, True, True, True, True, True],
-        ))
+                rows.append(
+                    [
+                        algorithm,
+                        "x".join(map(str, b["batch"])),
+                        form,
+                        f"{b['gflop']:.1f}",
+                        f"{b['ns_ms']:.2f}",
+                        f"{b['ns_gflops'] * scale:.1f}",
+                        f"{b['bmm_gflops'] * scale:.1f}",
+                        f"{b['ratio']:.2f}",
+                    ]
+                )
+            rows.append(
+                [
+                    algorithm,
+                    "total",
+                    "",
+                    f"{res['gflop']:.1f}",
+                    f"{res['ns_ms']:.2f}",
+                    f"{res['ns_gflops'] * scale:.1f}",
+                    f"{res['bmm_gflops'] * scale:.1f}",
+                    f"{res['ratio']:.2f}",
+                ]
+            )
+        lines.append(
+            table(
+                ["ns_algorithm", "stack BxRxC", "form", "GFLOP", "ms", unit, f"bmm {unit}", "NS/bmm rate"],
+                rows,
+                right=[False, False, False, True, True, True, True, True],
+            )
+        )
     lines += ["", "Targets:", ""]
     for t in record["targets"]:
         verdict = "n/a" if t["met"] is None else ("PASS" if t["met"] else "MISS")
@@ -510,8 +572,14 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     steps = make_steps(cfg, model, names)
     peer_steps, peers = make_peer_steps(cfg, model, peer_names, snapshot)
     candidates = [
-        Candidate(name, fn, repeats=repeats_of.get(name, cfg.repeats), warmup=warmup_of.get(name, cfg.warmup),
-                  calls=calls, setup=snapshot.restore)
+        Candidate(
+            name,
+            fn,
+            repeats=repeats_of.get(name, cfg.repeats),
+            warmup=warmup_of.get(name, cfg.warmup),
+            calls=calls,
+            setup=snapshot.restore,
+        )
         for name, (fn, calls) in {**steps, **peer_steps}.items()
     ]
     timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps", sync=synchronizer(cfg.device))

@@ -162,11 +162,17 @@ _LABEL = re.compile(r"[A-Za-z0-9_.=+]+")
 def _check_optimizers(entries: Sequence[str]) -> None:
     """--optimizers: distinct entries, each an optimizer name or NAME/LABEL with a label fit for a directory name."""
     allowed = list(OPTIMIZERS)
-    bad = [e for e in entries if base_optimizer(e) not in allowed or (
-        VARIANT_SEPARATOR in e and not _LABEL.fullmatch(e.split(VARIANT_SEPARATOR, 1)[1]))]
+    bad = [
+        e
+        for e in entries
+        if base_optimizer(e) not in allowed
+        or (VARIANT_SEPARATOR in e and not _LABEL.fullmatch(e.split(VARIANT_SEPARATOR, 1)[1]))
+    ]
     if not entries or len(set(entries)) != len(entries) or bad:
-        raise FlagError(f"--optimizers must name distinct values from: {', '.join(allowed)} (or NAME/LABEL, a "
-                        f"LABEL of letters, digits and _.=+); got {list(entries)}")
+        raise FlagError(
+            f"--optimizers must name distinct values from: {', '.join(allowed)} (or NAME/LABEL, a "
+            f"LABEL of letters, digits and _.=+); got {list(entries)}"
+        )
 
 
 def _check_choice(flag: str, value: str, allowed: Iterable[str]) -> None:
@@ -186,8 +192,13 @@ def check_config(cfg: Config) -> None:
         _learning_rate("--lrs", lr)
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds) or min(cfg.seeds) < 0:
         raise FlagError(f"--seeds must be distinct integers >= 0, got {list(cfg.seeds)}")
-    for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--jobs", cfg.jobs),
-                        ("--threads", cfg.threads), ("--eval.interval", cfg.eval.interval)):
+    for flag, value in (
+        ("--steps", cfg.steps),
+        ("--batch-size", cfg.batch_size),
+        ("--jobs", cfg.jobs),
+        ("--threads", cfg.threads),
+        ("--eval.interval", cfg.eval.interval),
+    ):
         if value is not None and value < 1:
             raise FlagError(f"{flag} must be an integer >= 1, got {value}")
     try:
@@ -213,13 +224,14 @@ def notes(cfg: Config) -> list[str]:
     extra = train_args_of(cfg)
     for entry, args in extra.items():
         if base_optimizer(entry) == "muon_bp" and not any(a.split("=")[0] == "--optim.blocks" for a in args):
-            found.append(f"{entry} trains in one process with its default --optim.blocks 1, where a block step is "
-                         "a full Newton-Schulz step, i.e. it takes the same steps as muon; pass --train-args-of "
-                         f"'{entry}=--optim.blocks 4' for the row blocks of 4 FSDP ranks")
+            found.append(
+                f"{entry} trains in one process with its default --optim.blocks 1, where a block step is "
+                "a full Newton-Schulz step, i.e. it takes the same steps as muon; pass --train-args-of "
+                f"'{entry}=--optim.blocks 4' for the row blocks of 4 FSDP ranks"
+            )
     if BASELINE not in cfg.optimizers:
         found.append(f"{BASELINE} is not among --optimizers: the x AdamW columns stay empty")
     return found
-
 
 
 def _plain(value: Any) -> Any:
@@ -253,10 +265,17 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     title = f"FD at step {cfg.steps} in {space}; lines: mean over seeds"
     lr_plot = plot_fd_vs_lr(rows, cfg.optimizers, cfg.out / "fd_vs_lr.png", title)
     outputs += [lr_plot] if lr_plot else []
-    for cost, name, what in (("opt_ms", "fd_vs_opt_ms.png", "optimizer time"),
-                             ("spectral_fraction", "fd_vs_spectral.png", "Newton-Schulz steps")):
-        cost_plot = plot_fd_frontier(summary, rows, cfg.out / name,
-                                     f"FD at step {cfg.steps} in {space} against {what}, each at its best lr", cost)
+    for cost, name, what in (
+        ("opt_ms", "fd_vs_opt_ms.png", "optimizer time"),
+        ("spectral_fraction", "fd_vs_spectral.png", "Newton-Schulz steps"),
+    ):
+        cost_plot = plot_fd_frontier(
+            summary,
+            rows,
+            cfg.out / name,
+            f"FD at step {cfg.steps} in {space} against {what}, each at its best lr",
+            cost,
+        )
         outputs += [cost_plot] if cost_plot else []
     outputs += [Path(p) for p in compared["outputs"]] if compared else []
     record = {
@@ -304,8 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         print(render(record) + "\n\nwrote " + ", ".join(record["outputs"]))
         return 0 if all(r["status"] == "ok" for r in record["runs"]) else 1
 
-    return run_command("dimuon bench quality", body, usage=(FlagError,), interrupted="the same command continues "
-                       "(finished runs are skipped, interrupted ones resume from their newest checkpoint)")
+    return run_command(
+        "dimuon bench quality",
+        body,
+        usage=(FlagError,),
+        interrupted="the same command continues "
+        "(finished runs are skipped, interrupted ones resume from their newest checkpoint)",
+    )
 
 
 if __name__ == "__main__":

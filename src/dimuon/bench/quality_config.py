@@ -1,7 +1,7 @@
 """The typed configuration of ``dimuon bench quality`` (``Config``, with ``QualityEval`` for its
 ``--eval.*`` group) and one point of its grid (``RunSpec``: an optimizer, or a labelled variant of one,
-at a learning rate and a seed). They live in a module of their own because all three parts of the benchmark read them, the
-entry point that checks flags and builds the grid (``dimuon.bench.quality``), the launcher of the
+at a learning rate and a seed). They live in a module of their own because all three parts of the benchmark read
+them, the entry point that checks flags and builds the grid (``dimuon.bench.quality``), the launcher of the
 training runs (``quality_runs``) and the report (``quality_report``), and this way neither of the
 latter two imports the entry point: imports point one way.
 """
@@ -30,7 +30,9 @@ class QualityEval(EvalOptions):
     ] = None
     cache_dir: Annotated[
         Path | None,
-        tyro.conf.arg(help="Feature cache shared by all runs, so the classifier trains once (default: <out>/feature_cache)."),
+        tyro.conf.arg(
+            help="Feature cache shared by all runs, so the classifier trains once (default: <out>/feature_cache)."
+        ),
     ] = None
 
 

@@ -49,8 +49,11 @@ def _median(values: Iterable[Any]) -> float | None:
 def spectral_fraction(train: Sequence[dict[str, Any]]) -> float | None:
     """Share of the Muon matrices' steps that were spectral over the run, from the train records' ``refresh``
     (windows weighted by their steps); None for an optimizer without refresh statistics."""
-    windows = [(r["step"] - prev["step"] if prev else r["step"], r["refresh"]["spectral_fraction"])
-               for prev, r in zip([None, *train], train) if "refresh" in r]
+    windows = [
+        (r["step"] - prev["step"] if prev else r["step"], r["refresh"]["spectral_fraction"])
+        for prev, r in zip([None, *train], train)
+        if "refresh" in r
+    ]
     steps = sum(n for n, _ in windows)
     return sum(n * f for n, f in windows) / steps if steps else None
 
@@ -76,9 +79,19 @@ def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
     """Best FD (with its step) and the last evaluation's scores of a series (Nones without one)."""
     ok = series_entries(series)
     if not ok:
-        return {"evaluations": 0, "eval_step": None, "fd": None, "best_fd": None, "best_fd_step": None,
-                "precision": None, "recall": None, "density": None, "coverage": None,
-                "reference_fd": None, "feature_space": None}
+        return {
+            "evaluations": 0,
+            "eval_step": None,
+            "fd": None,
+            "best_fd": None,
+            "best_fd_step": None,
+            "precision": None,
+            "recall": None,
+            "density": None,
+            "coverage": None,
+            "reference_fd": None,
+            "feature_space": None,
+        }
     best, last = summarize(ok, None), ok[-1]
     reference = series.get("reference") or {}
     return {
@@ -121,9 +134,17 @@ def kept_row(cfg: Config, spec: RunSpec, earlier: dict[str, Any], extra: Sequenc
     """A finished run's row kept from ``cfg.keep_rows_of`` (its directory is not here): what it reached and cost
     as recorded there, where it would live and the command it was trained with as this grid spells them."""
     run_dir = run_directory(cfg, spec)
-    return {**earlier, "action": "kept", "error": None, "kept_from": str(cfg.keep_rows_of), "train_s": 0.0,
-            "run_dir": str(run_dir), "log": str(run_dir / LOG_NAME),
-            "command": shlex.join(train_command(cfg, spec, extra)), "launched": None}
+    return {
+        **earlier,
+        "action": "kept",
+        "error": None,
+        "kept_from": str(cfg.keep_rows_of),
+        "train_s": 0.0,
+        "run_dir": str(run_dir),
+        "log": str(run_dir / LOG_NAME),
+        "command": shlex.join(train_command(cfg, spec, extra)),
+        "launched": None,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,8 +183,10 @@ def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     values = by_lr(rows, key)
     lrs = sorted(values)
     best = best_lr(rows, key)
-    table = {f"{lr:g}": {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "seeds": len(v)}
-             for lr, v in sorted(values.items())}
+    table = {
+        f"{lr:g}": {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "seeds": len(v)}
+        for lr, v in sorted(values.items())
+    }
     flat = []
     if best is not None:
         i, b = lrs.index(best), table[f"{best:g}"]
@@ -172,16 +195,22 @@ def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
                 n = table[f"{lrs[j]:g}"]
                 if n["min"] <= b["max"] and b["min"] <= n["max"]:
                     flat.append(lrs[j])
-    return {"by": key, "lrs": table, "best": best, "on_edge": best is not None and len(lrs) > 1
-            and best in (lrs[0], lrs[-1]), "flat_with": flat}
+    return {
+        "by": key,
+        "lrs": table,
+        "best": best,
+        "on_edge": best is not None and len(lrs) > 1 and best in (lrs[0], lrs[-1]),
+        "flat_with": flat,
+    }
 
 
 SUMMARY_KEYS = ("fd", "best_fd", "val_loss_ema", "spectral_fraction", "opt_ms", "step_ms", "active_time_s")
 RATIO_KEYS = ("fd", "opt_ms", "active_time_s", "target_active_time_s")
 
 
-def optimizer_summary(rows: Sequence[dict[str, Any]], optimizers: Sequence[str],
-                      select_by: str = "val_loss_ema") -> dict[str, dict[str, Any]]:
+def optimizer_summary(
+    rows: Sequence[dict[str, Any]], optimizers: Sequence[str], select_by: str = "val_loss_ema"
+) -> dict[str, dict[str, Any]]:
     """Per optimizer, its finished runs at its best learning rate (lowest mean ``select_by``) averaged over
     seeds, with how that lr was chosen."""
     summary: dict[str, dict[str, Any]] = {}
@@ -236,7 +265,9 @@ def compare_best(cfg: Config, summary: dict[str, dict[str, Any]]) -> dict[str, A
     return record
 
 
-def plot_fd_vs_lr(rows: Sequence[dict[str, Any]], optimizers: Sequence[str], path: Path, title: str = "") -> Path | None:
+def plot_fd_vs_lr(
+    rows: Sequence[dict[str, Any]], optimizers: Sequence[str], path: Path, title: str = ""
+) -> Path | None:
     """Final FD against learning rate, one line per optimizer through its seed means, seeds as dots."""
     import matplotlib
 
@@ -268,8 +299,13 @@ COST_AXES = {
 }
 
 
-def plot_fd_frontier(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path,
-                     title: str = "", cost: str = "opt_ms") -> Path | None:
+def plot_fd_frontier(
+    summary: dict[str, dict[str, Any]],
+    rows: Sequence[dict[str, Any]],
+    path: Path,
+    title: str = "",
+    cost: str = "opt_ms",
+) -> Path | None:
     """The quality/cost frontier: final FD against a cost (``COST_AXES``: optimizer ms per step, or the share of
     spectral steps, which counts Newton-Schulz work without the machine's noise), each entry at its best lr
     (mean over seeds, bars from the lowest to the highest seed, seeds as dots); the variants of one optimizer
@@ -291,17 +327,40 @@ def plot_fd_frontier(summary: dict[str, dict[str, Any]], rows: Sequence[dict[str
         colours[base] = line.get_color()
         for n, s in mine:
             seen = [r[cost] for r in rows if r["name"] in s["runs"] and r[cost] is not None] or [s[cost]]
-            ax.errorbar(s[cost], s["fd"], xerr=error_bars([s[cost]], [min(seen)], [max(seen)]),
-                        yerr=error_bars([s["fd"]], [s["fd_min"]], [s["fd_max"]]), color=line.get_color(), alpha=0.5,
-                        lw=1, capsize=2)
+            ax.errorbar(
+                s[cost],
+                s["fd"],
+                xerr=error_bars([s[cost]], [min(seen)], [max(seen)]),
+                yerr=error_bars([s["fd"]], [s["fd_min"]], [s["fd_max"]]),
+                color=line.get_color(),
+                alpha=0.5,
+                lw=1,
+                capsize=2,
+            )
             label = n.split(VARIANT_SEPARATOR, 1)[1] if VARIANT_SEPARATOR in n else ""
             if label:
-                ax.annotate(label, (s[cost], s["fd"]), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                            color=line.get_color())
-    dots = [r for r in rows if r["status"] == "ok" and r[cost] is not None
-            and r["name"] in {run for s in placed.values() for run in s["runs"]}]
-    ax.scatter([r[cost] for r in dots], [r["fd"] for r in dots], s=10, alpha=0.4,
-               c=[colours[base_optimizer(r["optimizer"])] for r in dots])
+                ax.annotate(
+                    label,
+                    (s[cost], s["fd"]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color=line.get_color(),
+                )
+    dots = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and r[cost] is not None
+        and r["name"] in {run for s in placed.values() for run in s["runs"]}
+    ]
+    ax.scatter(
+        [r[cost] for r in dots],
+        [r["fd"] for r in dots],
+        s=10,
+        alpha=0.4,
+        c=[colours[base_optimizer(r["optimizer"])] for r in dots],
+    )
     ax.set_xlabel(COST_AXES[cost])
     return _save_fd_axes(fig, ax, path, title)
 
@@ -328,11 +387,38 @@ def _f(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-SUMMARY_HEADERS = ["optimizer", "best lr", "seeds", "final FD", "x AdamW", "best FD", "EMA val loss",
-                   "spectral steps", "opt ms/step", "x AdamW", "step ms", "active time (s)", "x AdamW",
-                   "time to target (s)", "x AdamW"]
-RUN_HEADERS = ["run", "status", "EMA val loss", "best FD (step)", "final FD", "precision", "recall",
-               "density", "coverage", "spectral steps", "opt ms/step", "step ms", "active time (s)"]
+SUMMARY_HEADERS = [
+    "optimizer",
+    "best lr",
+    "seeds",
+    "final FD",
+    "x AdamW",
+    "best FD",
+    "EMA val loss",
+    "spectral steps",
+    "opt ms/step",
+    "x AdamW",
+    "step ms",
+    "active time (s)",
+    "x AdamW",
+    "time to target (s)",
+    "x AdamW",
+]
+RUN_HEADERS = [
+    "run",
+    "status",
+    "EMA val loss",
+    "best FD (step)",
+    "final FD",
+    "precision",
+    "recall",
+    "density",
+    "coverage",
+    "spectral steps",
+    "opt ms/step",
+    "step ms",
+    "active time (s)",
+]
 
 
 def _right(headers: Sequence[str], text_columns: int) -> list[bool]:
@@ -344,13 +430,25 @@ def summary_rows(record: dict[str, Any]) -> list[list[str]]:
     """One table row per optimizer at its best learning rate."""
     rows = []
     for name, s in record["optimizers"].items():
-        rows.append([
-            name, _f(s["lr"], "g"), str(len(s["seeds"])), _f(s["fd"]), _f(s["fd_ratio"], ".2f"), _f(s["best_fd"]),
-            _f(s["val_loss_ema"], ".4f"), _f(s["spectral_fraction"], ".3f"), _f(s["opt_ms"], ".1f"),
-            _f(s["opt_ms_ratio"], ".2f"),
-            _f(s["step_ms"], ".1f"), _f(s["active_time_s"], ".1f"), _f(s["active_time_s_ratio"], ".2f"),
-            _f(s.get("target_active_time_s"), ".1f"), _f(s.get("target_active_time_s_ratio"), ".2f"),
-        ])
+        rows.append(
+            [
+                name,
+                _f(s["lr"], "g"),
+                str(len(s["seeds"])),
+                _f(s["fd"]),
+                _f(s["fd_ratio"], ".2f"),
+                _f(s["best_fd"]),
+                _f(s["val_loss_ema"], ".4f"),
+                _f(s["spectral_fraction"], ".3f"),
+                _f(s["opt_ms"], ".1f"),
+                _f(s["opt_ms_ratio"], ".2f"),
+                _f(s["step_ms"], ".1f"),
+                _f(s["active_time_s"], ".1f"),
+                _f(s["active_time_s_ratio"], ".2f"),
+                _f(s.get("target_active_time_s"), ".1f"),
+                _f(s.get("target_active_time_s_ratio"), ".2f"),
+            ]
+        )
     return rows
 
 
@@ -360,11 +458,20 @@ def run_rows(record: dict[str, Any]) -> list[list[str]]:
     for r in record["runs"]:
         best = "-" if r["best_fd"] is None else f"{r['best_fd']:.3f} ({r['best_fd_step']})"
         final = _f(r["fd"]) if r["eval_step"] == record["config"]["steps"] else "-"
-        rows.append([
-            r["name"], r["status"], _f(r["val_loss_ema"], ".4f"), best, final,
-            *(_f(r[m] if final != "-" else None) for m in ("precision", "recall", "density", "coverage")),
-            _f(r["spectral_fraction"], ".3f"), _f(r["opt_ms"], ".1f"), _f(r["step_ms"], ".1f"), _f(r["active_time_s"], ".1f"),
-        ])
+        rows.append(
+            [
+                r["name"],
+                r["status"],
+                _f(r["val_loss_ema"], ".4f"),
+                best,
+                final,
+                *(_f(r[m] if final != "-" else None) for m in ("precision", "recall", "density", "coverage")),
+                _f(r["spectral_fraction"], ".3f"),
+                _f(r["opt_ms"], ".1f"),
+                _f(r["step_ms"], ".1f"),
+                _f(r["active_time_s"], ".1f"),
+            ]
+        )
     return rows
 
 
@@ -380,12 +487,19 @@ def selection_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
         cells = ", ".join(
             f"{'**' if float(lr) == sel['best'] else ''}{lr}: {v['mean']:{digits}}"
             + (f" ({v['min']:{digits}}..{v['max']:{digits}}, {v['seeds']} seeds)" if v["seeds"] > 1 else " (1 seed)")
-            + ("**" if float(lr) == sel["best"] else "") for lr, v in sel["lrs"].items())
+            + ("**" if float(lr) == sel["best"] else "")
+            for lr, v in sel["lrs"].items()
+        )
         notes = (["on the grid's edge: widen it"] if sel["on_edge"] else []) + (
             [f"flat: seed ranges overlap at {', '.join(f'{lr:g}' for lr in sel['flat_with'])}"]
-            if sel["flat_with"] else [])
-        lines.append(f"- {name}: best lr {sel['best']:g} by {SELECTION_METRICS[sel['by']]}"
-                     + (f" ({'; '.join(notes)})" if notes else "") + f"; {cells}")
+            if sel["flat_with"]
+            else []
+        )
+        lines.append(
+            f"- {name}: best lr {sel['best']:g} by {SELECTION_METRICS[sel['by']]}"
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + f"; {cells}"
+        )
     return lines
 
 
@@ -409,12 +523,18 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         "",
         f"Per optimizer at its best lr (lowest {SELECTION_METRICS[select_by]}, mean over seeds); x AdamW: ratio to "
         "AdamW at its best lr"
-        + (f"; target FD {target:.3f}: the best FD of the worst best-lr run, reached by every one of them."
-           if target is not None else "."),
+        + (
+            f"; target FD {target:.3f}: the best FD of the worst best-lr run, reached by every one of them."
+            if target is not None
+            else "."
+        ),
         "",
         table(SUMMARY_HEADERS, summary_rows(record), _right(SUMMARY_HEADERS, 1)),
-        *(["", "How each lr was chosen (mean over seeds, lowest..highest):", *selection]
-          if (selection := selection_lines(record["optimizers"])) else []),
+        *(
+            ["", "How each lr was chosen (mean over seeds, lowest..highest):", *selection]
+            if (selection := selection_lines(record["optimizers"]))
+            else []
+        ),
         "",
         table(RUN_HEADERS, run_rows(record), _right(RUN_HEADERS, 2)),
     ]

@@ -79,10 +79,29 @@ def eval_flags(cfg: Config) -> list[str]:
 def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = "new") -> list[str]:
     """The ``dimuon train`` command of one run; ``mode`` resume continues it, restart replaces its files."""
     run_dir = run_directory(cfg, spec)
-    cmd = [sys.executable, "-m", "dimuon.cli", "train", "--out", str(run_dir),
-           "--optimizer", spec.base, "--lr", repr(spec.lr), "--seed", str(spec.seed),
-           "--model", cfg.model, "--dataset", cfg.dataset, "--steps", str(cfg.steps),
-           "--batch-size", str(cfg.batch_size), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimuon.cli",
+        "train",
+        "--out",
+        str(run_dir),
+        "--optimizer",
+        spec.base,
+        "--lr",
+        repr(spec.lr),
+        "--seed",
+        str(spec.seed),
+        "--model",
+        cfg.model,
+        "--dataset",
+        cfg.dataset,
+        "--steps",
+        str(cfg.steps),
+        "--batch-size",
+        str(cfg.batch_size),
+        "--no-progress",
+    ]
     threads = threads_per_run(cfg)
     if threads is not None:
         cmd += ["--threads", str(threads)]
@@ -135,8 +154,14 @@ def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # a torn config is rewritten by the restarted run
-    want = {"model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size,
-            "optimizer": spec.base, "lr": spec.lr, "seed": spec.seed}
+    want = {
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "batch_size": cfg.batch_size,
+        "optimizer": spec.base,
+        "lr": spec.lr,
+        "seed": spec.seed,
+    }
     diff = [f"{k} {saved.get(k)!r} (asked for {v!r})" for k, v in want.items() if saved.get(k) != v]
     if isinstance(saved.get("steps"), int) and saved["steps"] > cfg.steps:  # more steps continue a run; fewer cannot
         diff.append(f"steps {saved['steps']} (asked for {cfg.steps})")
@@ -163,8 +188,11 @@ def kept_rows(cfg: Config, specs: Sequence[RunSpec], extra: dict[str, list[str]]
     if cfg.keep_rows_of is None:
         return {}, []
     record = load_record(cfg.keep_rows_of)
-    earlier = {r["name"]: {**r, "machine": r.get("machine") or record.get("machine")}  # where it trained
-               for r in record["runs"] if r.get("status") == "ok"}
+    earlier = {
+        r["name"]: {**r, "machine": r.get("machine") or record.get("machine")}  # where it trained
+        for r in record["runs"]
+        if r.get("status") == "ok"
+    }
     kept: dict[str, dict] = {}
     notes = []
     for spec in specs:
@@ -197,8 +225,13 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def launch(cmd: Sequence[str], log_path: Path, threads: int | None, timeout_s: float | None = None,
-           env_extra: dict[str, str] | None = None) -> int:
+def launch(
+    cmd: Sequence[str],
+    log_path: Path,
+    threads: int | None,
+    timeout_s: float | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> int:
     """Run one command with its output appended to ``log_path`` (after a ``$ command`` line); its exit status.
 
     With ``timeout_s`` the command runs in its own process group, which is killed (the command and every
@@ -258,8 +291,9 @@ def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
 def inspect_run(cfg: Config, spec: RunSpec) -> Outcome:
     """What :func:`execute` would find, launching nothing: a finished run is skipped, any other is unfinished."""
     settled, _ = _settled(cfg, spec)
-    return settled or Outcome(spec, "not run",
-                              error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)")
+    return settled or Outcome(
+        spec, "not run", error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)"
+    )
 
 
 def failure_message(cfg: Config, outcome: Outcome) -> str:

@@ -52,8 +52,10 @@ __all__ = [
     "timed_by",
 ]
 
-TIME_BASES = {"side by side": "steps x the optimizer's step time measured side by side (dimuon bench step)",
-              "run medians": "steps x the run's median step time"}
+TIME_BASES = {
+    "side by side": "steps x the optimizer's step time measured side by side (dimuon bench step)",
+    "run medians": "steps x the run's median step time",
+}
 
 
 @dataclass(frozen=True)
@@ -98,19 +100,29 @@ def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path
         return None
     entries = sorted(entries, key=lambda e: e["step"])
     grid = layout.eval_grid(key, entries[-1]["step"])
-    return Curve(row["name"], row["optimizer"], row["lr"], row["seed"], [e["step"] for e in entries],
-                 [e["fd"] for e in entries], [e.get("active_time_s") for e in entries], row.get("step_ms"),
-                 str(grid) if grid.is_file() else None)
+    return Curve(
+        row["name"],
+        row["optimizer"],
+        row["lr"],
+        row["seed"],
+        [e["step"] for e in entries],
+        [e["fd"] for e in entries],
+        [e.get("active_time_s") for e in entries],
+        row.get("step_ms"),
+        str(grid) if grid.is_file() else None,
+    )
 
 
 def finished_rows(record: Mapping[str, Any], name: str, lr: float | None = None) -> list[dict[str, Any]]:
     """The finished runs of one optimizer of a record (at ``lr`` where given)."""
-    return [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"
-            and (lr is None or r["lr"] == lr)]
+    return [
+        r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok" and (lr is None or r["lr"] == lr)
+    ]
 
 
-def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
-                best_lr_only: bool = True) -> dict[str, list[Curve]]:
+def load_curves(
+    record: Mapping[str, Any], record_dir: Path | None = None, best_lr_only: bool = True
+) -> dict[str, list[Curve]]:
     """Per optimizer of a ``dimuon bench quality`` record, the FD curves of its finished runs (at its best lr
     unless ``best_lr_only`` is False), in seed order. Runs whose directory is gone are left out."""
     settings = record.get("eval_settings")
@@ -119,15 +131,21 @@ def load_curves(record: Mapping[str, Any], record_dir: Path | None = None,
         return curves
     for name, summary in record["optimizers"].items():
         rows = finished_rows(record, name, summary["lr"] if best_lr_only else None)
-        found = [c for c in (_curve(r, settings, record_dir) for r in sorted(rows, key=lambda r: (r["lr"], r["seed"])))
-                 if c is not None]
+        found = [
+            c
+            for c in (_curve(r, settings, record_dir) for r in sorted(rows, key=lambda r: (r["lr"], r["seed"])))
+            if c is not None
+        ]
         if found:
             curves[name] = found
     return curves
 
 
-def fill_curves(found: Mapping[str, Sequence[Curve]], record: Mapping[str, Any],
-                published: Mapping[str, Sequence[Mapping[str, Any]]]) -> tuple[dict[str, list[Curve]], list[str]]:
+def fill_curves(
+    found: Mapping[str, Sequence[Curve]],
+    record: Mapping[str, Any],
+    published: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> tuple[dict[str, list[Curve]], list[str]]:
     """``found`` (:func:`load_curves`), with an optimizer's published curves (a race.json's ``curves``) in place
     of its own where some of its best-lr runs' directories are gone and the published ones are of exactly those
     runs; and the optimizers so filled. A fresh checkout of a published race rebuilds its report this way."""
@@ -150,19 +168,25 @@ def step_times(record: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
     optimizer timed side by side on the same model and batch, alone on the machine."""
     if not record:
         return {}
-    return {r["optimizer"]: {"step_ms": float(r["step_ms"]), "opt_ms": float(r["opt_ms"])}
-            for r in record["rows"] if r["status"] == "ok" and r["world"] == 1}
+    return {
+        r["optimizer"]: {"step_ms": float(r["step_ms"]), "opt_ms": float(r["opt_ms"])}
+        for r in record["rows"]
+        if r["status"] == "ok" and r["world"] == 1
+    }
 
 
-def timed_by(curves: Mapping[str, Sequence[Curve]],
-             times: Mapping[str, Mapping[str, float]]) -> tuple[dict[str, list[Curve]], str]:
+def timed_by(
+    curves: Mapping[str, Sequence[Curve]], times: Mapping[str, Mapping[str, float]]
+) -> tuple[dict[str, list[Curve]], str]:
     """The curves with each optimizer's side-by-side step time (:func:`step_times`), and the time basis (a key of
     ``TIME_BASES``); unchanged (basis ``run medians``) unless ``times`` covers every optimizer, so that no two
     optimizers are timed differently."""
     if not curves or any(name not in times for name in curves):
         return {name: list(cs) for name, cs in curves.items()}, "run medians"
-    return ({name: [replace(c, step_ms=times[name]["step_ms"]) for c in cs] for name, cs in curves.items()},
-            "side by side")
+    return (
+        {name: [replace(c, step_ms=times[name]["step_ms"]) for c in cs] for name, cs in curves.items()},
+        "side by side",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,14 +218,23 @@ def reach(curve: Curve, target: float) -> dict[str, Any]:
             else:
                 s0, f0 = curve.steps[i - 1], curve.fds[i - 1]
                 est, bounded = s0 + (step - s0) * (f0 - target) / (f0 - fd), False
-            return {"reached": True, "eval_step": step, "step": est, "bounded": bounded,
-                    "time_s": curve.time_s(est), "active_time_s": curve.active_time_s[i]}
-    return {"reached": False, "eval_step": None, "step": None, "bounded": False, "time_s": None,
-            "active_time_s": None}
+            return {
+                "reached": True,
+                "eval_step": step,
+                "step": est,
+                "bounded": bounded,
+                "time_s": curve.time_s(est),
+                "active_time_s": curve.active_time_s[i],
+            }
+    return {"reached": False, "eval_step": None, "step": None, "bounded": False, "time_s": None, "active_time_s": None}
 
 
-def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE,
-                      side_by_side: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
+def optimizer_summary(
+    record: Mapping[str, Any],
+    curves: Mapping[str, Sequence[Curve]],
+    baseline: str = BASELINE,
+    side_by_side: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
     """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, how much FD still moved
     between the last two evaluations (has it flattened?), step and optimizer time, and the time to the baseline's
     quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own. With
@@ -215,10 +248,16 @@ def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[C
         table[name] = {
             "lr": s["lr"],
             "seeds": s["seeds"],
-            **{key: spread([r.get(key) for r in rows])
-               for key in ("fd", "precision", "recall", "val_loss_ema", "active_time_s")},
-            **{key: spread([side_by_side[name][key]] if side_by_side and name in side_by_side
-                           else [r.get(key) for r in rows]) for key in ("step_ms", "opt_ms")},
+            **{
+                key: spread([r.get(key) for r in rows])
+                for key in ("fd", "precision", "recall", "val_loss_ema", "active_time_s")
+            },
+            **{
+                key: spread(
+                    [side_by_side[name][key]] if side_by_side and name in side_by_side else [r.get(key) for r in rows]
+                )
+                for key in ("step_ms", "opt_ms")
+            },
             **{f"run_{key}": spread([r.get(key) for r in rows]) for key in ("step_ms", "opt_ms")},
             "fd_last_change": spread([c.fds[-1] / c.fds[-2] - 1.0 for c in curves.get(name, []) if len(c.fds) > 1]),
             "time_to_target_s": spread([r["time_s"] for r in reached.values()]),
@@ -231,8 +270,12 @@ def optimizer_summary(record: Mapping[str, Any], curves: Mapping[str, Sequence[C
         for key in ("fd", "opt_ms", "step_ms", "time_to_target_s", "steps_to_target"):
             b, v = base.get(key, {}).get("mean"), entry[key]["mean"]
             entry[f"{key}_ratio"] = v / b if v is not None and b else None
-    return {"target_fd": target, "baseline": baseline,
-            "time_basis": "side by side" if side_by_side else "run medians", "optimizers": table}
+    return {
+        "target_fd": target,
+        "baseline": baseline,
+        "time_basis": "side by side" if side_by_side else "run medians",
+        "optimizers": table,
+    }
 
 
 def ranking(summary: Mapping[str, Any]) -> list[str]:
@@ -259,8 +302,9 @@ def dense_levels(levels: Sequence[Mapping[str, float]], n: int = 12) -> list[dic
     return [{"step": None, "fd": hi * (lo / hi) ** (i / (n - 1))} for i in range(n)]
 
 
-def time_to_levels(curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE,
-                   levels: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def time_to_levels(
+    curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE, levels: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """Per optimizer, the time to each of the baseline's :func:`quality_levels` after its first evaluation (which
     every run reaches by then at the latest, so it measures nothing): the spread over seeds, how many seeds got
     there, how many only at their first evaluation (``bounded``: an upper bound), the ratio of the mean to the
@@ -272,10 +316,16 @@ def time_to_levels(curves: Mapping[str, Sequence[Curve]], baseline: str = BASELI
         table[name] = []
         for level in levels:
             reached = [reach(c, level["fd"]) for c in cs]
-            table[name].append({**level, "time_s": spread([r["time_s"] for r in reached]),
-                                "steps": spread([r["step"] for r in reached]),
-                                "reached": sum(r["reached"] for r in reached),
-                                "bounded": sum(r["bounded"] for r in reached), "seeds": len(cs)})
+            table[name].append(
+                {
+                    **level,
+                    "time_s": spread([r["time_s"] for r in reached]),
+                    "steps": spread([r["step"] for r in reached]),
+                    "reached": sum(r["reached"] for r in reached),
+                    "bounded": sum(r["bounded"] for r in reached),
+                    "seeds": len(cs),
+                }
+            )
     for rows in table.values():
         for row, base in zip(rows, table.get(baseline, [])):
             b, v = base["time_s"]["mean"], row["time_s"]["mean"]
@@ -292,8 +342,10 @@ def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
             rows = finished_rows(record, name, lr)
             out.setdefault(name, {})[f"{lr:g}"] = {
                 "seeds": [r["seed"] for r in rows],
-                **{key: spread([r.get(key) for r in rows])
-                   for key in ("fd", "val_loss_ema", "opt_ms", "spectral_fraction")},
+                **{
+                    key: spread([r.get(key) for r in rows])
+                    for key in ("fd", "val_loss_ema", "opt_ms", "spectral_fraction")
+                },
             }
     return out
 
@@ -334,8 +386,11 @@ def best_entries(summary: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for lr in sorted({lr for by_lr in summary.values() for lr in by_lr}, key=float, reverse=True):
         for key in ABLATION_METRICS:
-            means = [(mean, name) for name, by_lr in summary.items()
-                     if (mean := by_lr.get(lr, {}).get(key, {}).get("mean")) is not None]
+            means = [
+                (mean, name)
+                for name, by_lr in summary.items()
+                if (mean := by_lr.get(lr, {}).get(key, {}).get("mean")) is not None
+            ]
             if means:
                 out.setdefault(lr, {})[key] = min(means, key=lambda m: m[0])[1]
     return out
@@ -363,8 +418,13 @@ def _seconds(t: float) -> str:
     return f"{t:.0f} s" if t >= 10 else f"{t:.2g} s"
 
 
-def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: float | None = None,
-                    title: str = "", time_basis: str = "run medians") -> Path | None:
+def plot_fd_vs_time(
+    curves: Mapping[str, Sequence[Curve]],
+    path: Path,
+    target: float | None = None,
+    title: str = "",
+    time_basis: str = "run medians",
+) -> Path | None:
     """FD against training time per optimizer: the mean over seeds at each evaluated step (time: steps x step
     ms, as ``time_basis`` says), a band from the lowest to the highest seed, the target FD dashed."""
     plt = _pyplot()
@@ -377,7 +437,13 @@ def plot_fd_vs_time(curves: Mapping[str, Sequence[Curve]], path: Path, target: f
         steps = sorted(set.intersection(*(set(c.steps) for c in cs)))
         fds = [[c.fds[c.steps.index(s)] for c in cs] for s in steps]
         times = [statistics.fmean(c.time_s(s) for c in cs) for s in steps]
-        (line,) = ax.plot(times, [statistics.fmean(f) for f in fds], "o-", ms=3, label=f"{name} ({len(cs)} seed{'s' if len(cs) > 1 else ''})")
+        (line,) = ax.plot(
+            times,
+            [statistics.fmean(f) for f in fds],
+            "o-",
+            ms=3,
+            label=f"{name} ({len(cs)} seed{'s' if len(cs) > 1 else ''})",
+        )
         if len(cs) > 1:
             ax.fill_between(times, [min(f) for f in fds], [max(f) for f in fds], color=line.get_color(), alpha=0.15)
         every_fd += [x for f in fds for x in f]
@@ -410,8 +476,13 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
         ax.errorbar(t["mean"], i, xerr=error_bars([t["mean"]], [t["min"]], [t["max"]]), color="black", capsize=3)
         ratio = f"{s['time_to_target_s_ratio']:.2f}x AdamW" if s.get("time_to_target_s_ratio") else ""
         missing = f", {seeds - s['reached_target']} of {seeds} seeds never" if s["reached_target"] < seeds else ""
-        ax.text(t["max"], i, f"  {_seconds(t['mean'])}, {s['steps_to_target']['mean']:.0f} steps {ratio}{missing}",
-                va="center", fontsize=8)
+        ax.text(
+            t["max"],
+            i,
+            f"  {_seconds(t['mean'])}, {s['steps_to_target']['mean']:.0f} steps {ratio}{missing}",
+            va="center",
+            fontsize=8,
+        )
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.invert_yaxis()
     basis = TIME_BASES[summary.get("time_basis", "run medians")]
@@ -424,8 +495,9 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
     return path
 
 
-def plot_time_to_levels(levels: Mapping[str, Any], path: Path, title: str = "",
-                        time_basis: str = "run medians") -> Path | None:
+def plot_time_to_levels(
+    levels: Mapping[str, Any], path: Path, title: str = "", time_basis: str = "run medians"
+) -> Path | None:
     """Training time to each of the baseline's quality levels, one line per optimizer (mean over seeds; a level
     some seed never reached is left out), FD falling to the right: where each optimizer is ahead."""
     plt = _pyplot()
@@ -447,14 +519,25 @@ def plot_time_to_levels(levels: Mapping[str, Any], path: Path, title: str = "",
     return path
 
 
-def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float | str, str]], path: Path,
-                  xlabel: str, title: str = "", log_x: bool = False) -> Path | None:
+def plot_ablation(
+    summary: Mapping[str, Any],
+    points: Mapping[str, tuple[float | str, str]],
+    path: Path,
+    xlabel: str,
+    title: str = "",
+    log_x: bool = False,
+) -> Path | None:
     """Final FD (left) and EMA validation loss (right) of an ablation: ``points`` maps each entry to its x value
     and the line it belongs to (one line per line name and lr); means over seeds joined, whiskers over seeds.
     String x values are categories."""
     plt = _pyplot()
-    placed = [(name, *points[name], lr, s) for name, by_lr in summary.items() if name in points
-              for lr, s in by_lr.items() if s["fd"]["mean"] is not None]
+    placed = [
+        (name, *points[name], lr, s)
+        for name, by_lr in summary.items()
+        if name in points
+        for lr, s in by_lr.items()
+        if s["fd"]["mean"] is not None
+    ]
     if not placed:
         return None
     categories = list(dict.fromkeys(x for _, x, *_ in placed if isinstance(x, str)))
@@ -464,25 +547,38 @@ def plot_ablation(summary: Mapping[str, Any], points: Mapping[str, tuple[float |
         every: list[float] = []
         for line_name in dict.fromkeys(ln for _, _, ln, _, _ in placed):
             for lr in sorted(lrs, key=float):
-                mine = sorted(((categories.index(x) if isinstance(x, str) else x, s[key])
-                               for _, x, ln, lr_, s in placed
-                               if ln == line_name and lr_ == lr and s.get(key, {}).get("mean") is not None),
-                              key=lambda p: p[0])
+                mine = sorted(
+                    (
+                        (categories.index(x) if isinstance(x, str) else x, s[key])
+                        for _, x, ln, lr_, s in placed
+                        if ln == line_name and lr_ == lr and s.get(key, {}).get("mean") is not None
+                    ),
+                    key=lambda p: p[0],
+                )
                 if not mine:
                     continue
                 label = " ".join(p for p in (line_name, f"lr {lr}" if len(lrs) > 1 else "") if p)
                 xs, values = [x for x, _ in mine], [v for _, v in mine]
                 means = [v["mean"] for v in values]
                 (line,) = ax.plot(xs, means, "o" if categories else "o-", label=label or None)  # categories: unjoined
-                ax.errorbar(xs, means, yerr=error_bars(means, [v["min"] for v in values], [v["max"] for v in values]),
-                            fmt="none", color=line.get_color(), capsize=3, alpha=0.6)
+                ax.errorbar(
+                    xs,
+                    means,
+                    yerr=error_bars(means, [v["min"] for v in values], [v["max"] for v in values]),
+                    fmt="none",
+                    color=line.get_color(),
+                    capsize=3,
+                    alpha=0.6,
+                )
                 every += [v["min"] for v in values] + [v["max"] for v in values]
         if categories:
             ax.set_xticks(range(len(categories)), categories, fontsize=8)
         if log_x:
             ax.set_xscale("log")
-            ax.set_xticks([x for _, x, *_ in placed if not isinstance(x, str)],
-                          [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)])
+            ax.set_xticks(
+                [x for _, x, *_ in placed if not isinstance(x, str)],
+                [f"{x:g}" for _, x, *_ in placed if not isinstance(x, str)],
+            )
         ax.set_xlabel("\n".join(textwrap.wrap(xlabel, 52)))  # two panels side by side: long labels would meet
         if key == "fd":
             fd_axes(ax, every)
@@ -521,7 +617,6 @@ def plot_sample_grids(curves: Mapping[str, Sequence[Curve]], path: Path, title: 
     return path
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Markdown
 # --------------------------------------------------------------------------------------------------
@@ -544,23 +639,60 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
     """The main race as a Markdown table: per optimizer at its best lr, the spread over seeds of every number."""
     from dimuon.bench.report import format_markdown_table
 
-    headers = ["optimizer", "lr", "seeds", "final FD", "x AdamW", "last FD change", "Inception FD", "precision", "recall",
-               "EMA val loss", *(("opt ms/step", "step ms") if main.get("time_basis") != "side by side"
-                                 else ("opt ms/step (side by side)", "step ms (side by side)")), "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
-               "x AdamW", "steps to it"]
+    headers = [
+        "optimizer",
+        "lr",
+        "seeds",
+        "final FD",
+        "x AdamW",
+        "last FD change",
+        "Inception FD",
+        "precision",
+        "recall",
+        "EMA val loss",
+        *(
+            ("opt ms/step", "step ms")
+            if main.get("time_basis") != "side by side"
+            else ("opt ms/step (side by side)", "step ms (side by side)")
+        ),
+        "time to AdamW's FD (s)" if main["target_fd"] is None else f"time to FD {main['target_fd']:.2f} (s)",
+        "x AdamW",
+        "steps to it",
+    ]
     rows = []
     for name, s in main["optimizers"].items():
         inc = (inception or {}).get(name)
-        inc_cell = "-" if not inc else (f"{inc['fd_mean']:.2f} ({inc['fd_min']:.2f}..{inc['fd_max']:.2f})"
-                                        if len(inc["runs"]) > 1 else f"{inc['fd_mean']:.2f}")
+        inc_cell = (
+            "-"
+            if not inc
+            else (
+                f"{inc['fd_mean']:.2f} ({inc['fd_min']:.2f}..{inc['fd_max']:.2f})"
+                if len(inc["runs"]) > 1
+                else f"{inc['fd_mean']:.2f}"
+            )
+        )
         seeds = len(s["seeds"])
         reached = "" if s["reached_target"] == seeds else f"; {seeds - s['reached_target']} never"
         change = s["fd_last_change"]
-        rows.append([name, f"{s['lr']:g}" if s["lr"] is not None else "-", seeds, _pm(s["fd"]),
-                     _ratio(s["fd_ratio"]), "-" if change["mean"] is None else f"{100 * change['mean']:+.1f}%", inc_cell, _pm(s["precision"]), _pm(s["recall"]),
-                     _pm(s["val_loss_ema"], ".4f"), _pm(s["opt_ms"], ".1f"), _pm(s["step_ms"], ".0f"),
-                     _pm(s["time_to_target_s"], ".0f") + reached, _ratio(s["time_to_target_s_ratio"]),
-                     _pm(s["steps_to_target"], ".0f")])
+        rows.append(
+            [
+                name,
+                f"{s['lr']:g}" if s["lr"] is not None else "-",
+                seeds,
+                _pm(s["fd"]),
+                _ratio(s["fd_ratio"]),
+                "-" if change["mean"] is None else f"{100 * change['mean']:+.1f}%",
+                inc_cell,
+                _pm(s["precision"]),
+                _pm(s["recall"]),
+                _pm(s["val_loss_ema"], ".4f"),
+                _pm(s["opt_ms"], ".1f"),
+                _pm(s["step_ms"], ".0f"),
+                _pm(s["time_to_target_s"], ".0f") + reached,
+                _ratio(s["time_to_target_s_ratio"]),
+                _pm(s["steps_to_target"], ".0f"),
+            ]
+        )
     return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])
 
 
@@ -589,7 +721,17 @@ def render_ablation(summary: Mapping[str, Any]) -> str:
     from dimuon.bench.report import format_markdown_table
 
     headers = ["entry", "lr", "seeds", "final FD", "EMA val loss", "spectral steps", "opt ms/step"]
-    rows = [[name, lr, len(s["seeds"]), _pm(s["fd"]), _pm(s["val_loss_ema"], ".4f"), _pm(s["spectral_fraction"], ".3f"),
-             _pm(s["opt_ms"], ".1f")]
-            for name, by_lr in summary.items() for lr, s in by_lr.items()]
+    rows = [
+        [
+            name,
+            lr,
+            len(s["seeds"]),
+            _pm(s["fd"]),
+            _pm(s["val_loss_ema"], ".4f"),
+            _pm(s["spectral_fraction"], ".3f"),
+            _pm(s["opt_ms"], ".1f"),
+        ]
+        for name, by_lr in summary.items()
+        for lr, s in by_lr.items()
+    ]
     return format_markdown_table(headers, rows, [i > 1 for i in range(len(headers))])

@@ -64,8 +64,13 @@ def nvidia_driver() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return out.splitlines()[0].strip() if out.strip() else None
@@ -127,8 +132,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: S
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
-def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
-                          right: Sequence[bool] | None = None) -> str:
+def format_markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None
+) -> str:
     """The same table as :func:`format_table`, as GitHub-flavoured Markdown (for docs)."""
     if right is None:
         right = [i > 0 for i in range(len(headers))]

@@ -42,8 +42,14 @@ from dimuon.optim import OPTIMIZERS
 
 DEFAULT_OPTIMIZERS = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
 ONE_PROCESS_ONLY = {"torch_muon": "refuses sharded (DTensor) parameters"}
-LABELS = {"adamw": "AdamW", "torch_muon": "torch.optim.Muon", "muon": "Muon", "periodic_row_muon": "PeriodicRowMuon",
-          "muon_bp": "MuonBP", "adaptive_row_muon": "AdaptiveRowMuon"}
+LABELS = {
+    "adamw": "AdamW",
+    "torch_muon": "torch.optim.Muon",
+    "muon": "Muon",
+    "periodic_row_muon": "PeriodicRowMuon",
+    "muon_bp": "MuonBP",
+    "adaptive_row_muon": "AdaptiveRowMuon",
+}
 
 
 @dataclass
@@ -105,13 +111,17 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--model must be one of {sorted(DIT_MODELS)}, got {cfg.model!r}")
     unknown = [o for o in cfg.optimizers if o not in OPTIMIZERS]
     if not cfg.optimizers or unknown or len(set(cfg.optimizers)) != len(cfg.optimizers):
-        raise ValueError(f"--optimizers must name distinct values from {sorted(OPTIMIZERS)}, got {list(cfg.optimizers)}")
+        raise ValueError(
+            f"--optimizers must name distinct values from {sorted(OPTIMIZERS)}, got {list(cfg.optimizers)}"
+        )
     if not cfg.worlds or any(w < 1 for w in cfg.worlds) or len(set(cfg.worlds)) != len(cfg.worlds):
         raise ValueError(f"--worlds must be distinct process counts >= 1, got {list(cfg.worlds)}")
     bad_batch = [w for w in cfg.worlds if cfg.batch_size % w]
     if cfg.batch_size < 1 or bad_batch:
-        raise ValueError(f"--batch-size must be >= 1 and divisible by every --worlds entry, got {cfg.batch_size} "
-                         f"(not by {bad_batch})")
+        raise ValueError(
+            f"--batch-size must be >= 1 and divisible by every --worlds entry, got {cfg.batch_size} "
+            f"(not by {bad_batch})"
+        )
     for flag, value in (("--window", cfg.window), ("--windows", cfg.windows), ("--repeats", cfg.repeats)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -139,17 +149,53 @@ def run_name(optimizer: str, world: int, repeat: int = 0) -> str:
 def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> list[str]:
     """The ``dimuon train`` command of one run: whole windows, the end-of-run hooks made cheap."""
     window = window_steps(cfg, optimizer)
-    train = ["--out", str(run_dir), "--overwrite", "--no-progress", "--optimizer", optimizer, "--model", cfg.model,
-             "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size), "--steps", str(window * (1 + cfg.windows)),
-             "--warmup-steps", "1", "--log-interval", str(window), "--val-interval", "0", "--val-samples", "16",
-             "--ckpt-interval", "0", "--sample-count", "10", "--sample-steps", "2"]
+    train = [
+        "--out",
+        str(run_dir),
+        "--overwrite",
+        "--no-progress",
+        "--optimizer",
+        optimizer,
+        "--model",
+        cfg.model,
+        "--dataset",
+        cfg.dataset,
+        "--batch-size",
+        str(cfg.batch_size),
+        "--steps",
+        str(window * (1 + cfg.windows)),
+        "--warmup-steps",
+        "1",
+        "--log-interval",
+        str(window),
+        "--val-interval",
+        "0",
+        "--val-samples",
+        "16",
+        "--ckpt-interval",
+        "0",
+        "--sample-count",
+        "10",
+        "--sample-steps",
+        "2",
+    ]
     train += extra_train_args(cfg)[optimizer]
     if world == 1:
         if cfg.threads is not None:
             train += ["--threads", str(cfg.threads)]
         return [sys.executable, "-m", "dimuon.cli", "train", *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            "-m", "dimuon.cli", "train", *train]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "dimuon.cli",
+        "train",
+        *train,
+    ]
 
 
 def threads_of(cfg: Config, world: int) -> int | None:
@@ -161,8 +207,12 @@ def threads_of(cfg: Config, world: int) -> int | None:
 
 def measure(cfg: Config, optimizer: str, world: int, repeat: int = 0) -> dict[str, Any]:
     """One run: train, then read its step-time split; a run that cannot or did not finish gets its reason."""
-    row: dict[str, Any] = {"optimizer": optimizer, "label": LABELS.get(optimizer, optimizer), "world": world,
-                           "window": window_steps(cfg, optimizer)}
+    row: dict[str, Any] = {
+        "optimizer": optimizer,
+        "label": LABELS.get(optimizer, optimizer),
+        "world": world,
+        "window": window_steps(cfg, optimizer),
+    }
     if world > 1 and optimizer in ONE_PROCESS_ONLY:
         return {**row, "status": "not run", "error": f"one process only: {ONE_PROCESS_ONLY[optimizer]}"}
     run_dir = cfg.out / "runs" / run_name(optimizer, world, repeat)
@@ -187,9 +237,13 @@ def combine(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     bad = next((r for r in repeats if r["status"] != "ok"), None)
     if bad is not None or len(repeats) == 1:
         return bad if bad is not None else repeats[0]
-    row = {**repeats[0], **{key: statistics.median(r[key] for r in repeats) for key in TIMES},
-           "records_used": sum(r["records_used"] for r in repeats), "repeats": len(repeats),
-           "repeat_step_ms": [r["step_ms"] for r in repeats]}
+    row = {
+        **repeats[0],
+        **{key: statistics.median(r[key] for r in repeats) for key in TIMES},
+        "records_used": sum(r["records_used"] for r in repeats),
+        "repeats": len(repeats),
+        "repeat_step_ms": [r["step_ms"] for r in repeats],
+    }
     return row
 
 
@@ -199,8 +253,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         if row["status"] != "ok":
             continue
         row["opt_share"] = row["opt_ms"] / row["step_ms"]
-        base = next((r for r in rows if r["optimizer"] == "adamw" and r["world"] == row["world"]
-                     and r["status"] == "ok"), None)
+        base = next(
+            (r for r in rows if r["optimizer"] == "adamw" and r["world"] == row["world"] and r["status"] == "ok"), None
+        )
         row["step_x_adamw"] = row["step_ms"] / base["step_ms"] if base else None
         row["opt_x_adamw"] = row["opt_ms"] / base["opt_ms"] if base and base["opt_ms"] > 0 else None
 
@@ -218,15 +273,42 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             if r["status"] != "ok":
                 table.append([r["label"], *(["-"] * 8), f"{r['status']}: {r['error']}"])
                 continue
-            table.append([r["label"], f"{r['step_ms']:.0f}", f"{r['fwd_bwd_ms']:.0f}", f"{r['opt_ms']:.0f}",
-                          f"{r['data_ms']:.1f}", f"{100 * r['opt_share']:.0f}%",
-                          f"{r['comm_bytes_per_step'] / 2**20:.2f}", _ratio(r["step_x_adamw"]),
-                          _ratio(r["opt_x_adamw"]), f"{r['window']}-step windows x {r['records_used']}"
-                          + (f" ({r['repeats']} runs)" if r.get("repeats", 1) > 1 else "")])
+            table.append(
+                [
+                    r["label"],
+                    f"{r['step_ms']:.0f}",
+                    f"{r['fwd_bwd_ms']:.0f}",
+                    f"{r['opt_ms']:.0f}",
+                    f"{r['data_ms']:.1f}",
+                    f"{100 * r['opt_share']:.0f}%",
+                    f"{r['comm_bytes_per_step'] / 2**20:.2f}",
+                    _ratio(r["step_x_adamw"]),
+                    _ratio(r["opt_x_adamw"]),
+                    f"{r['window']}-step windows x {r['records_used']}"
+                    + (f" ({r['repeats']} runs)" if r.get("repeats", 1) > 1 else ""),
+                ]
+            )
         where = "one process" if world == 1 else f"{world} ranks, FSDP2"
-        out += [f"**{where}**", "", format_markdown_table(
-            ["optimizer", "step ms", "fwd+bwd ms", "optimizer ms", "data ms", "optimizer share", "MiB/step",
-             "step x AdamW", "optimizer x AdamW", "medians over"], table), ""]
+        out += [
+            f"**{where}**",
+            "",
+            format_markdown_table(
+                [
+                    "optimizer",
+                    "step ms",
+                    "fwd+bwd ms",
+                    "optimizer ms",
+                    "data ms",
+                    "optimizer share",
+                    "MiB/step",
+                    "step x AdamW",
+                    "optimizer x AdamW",
+                    "medians over",
+                ],
+                table,
+            ),
+            "",
+        ]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -91,8 +91,9 @@ def time_calls(fn: Callable[[], Any], calls: int = 1, sync: Callable[[], None] |
     return (time.perf_counter() - start) / calls
 
 
-def interleave(candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing",
-               sync: Callable[[], None] | None = None) -> dict[str, Timing]:
+def interleave(
+    candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing", sync: Callable[[], None] | None = None
+) -> dict[str, Timing]:
     """Warm every candidate up, then sample them round-robin; returns a :class:`Timing` per name.
 
     Candidates with fewer repeats than others take their samples in the first rounds. ``sync`` waits for

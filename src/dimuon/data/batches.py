@@ -35,9 +35,7 @@ class BatchSchedule:
                 f"data set has {self.num_samples} items, fewer than one global batch of {self.global_batch_size}"
             )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
-            )
+            raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}")
         if self.global_batch_size % self.world_size:
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} is not divisible by world_size {self.world_size}"

@@ -200,9 +200,7 @@ def _pick(arrays: dict[str, Any], keys: Sequence[str], where: Path) -> Any:
     for k in keys:
         if k in arrays:
             return arrays[k]
-    raise KeyError(
-        f"{where}: no {' or '.join(repr(k) for k in keys)} array (found: {', '.join(sorted(arrays))})"
-    )
+    raise KeyError(f"{where}: no {' or '.join(repr(k) for k in keys)} array (found: {', '.join(sorted(arrays))})")
 
 
 def _read_shard(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -233,9 +231,7 @@ def _load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray, list[tuple[str, in
         raise FileNotFoundError(f"array data path does not exist: {path}")
     if path.is_file():
         if path.suffix not in (".npz", ".safetensors"):
-            raise ValueError(
-                f"{path}: a single array file must be .npz or .safetensors with images and labels"
-            )
+            raise ValueError(f"{path}: a single array file must be .npz or .safetensors with images and labels")
         return (*_to_nchw(*_read_shard(path), path), [])
     for stem in ("images", "latents"):
         if (path / f"{stem}.npy").is_file() and (path / "labels.npy").is_file():
@@ -281,15 +277,15 @@ def _to_nchw(images: np.ndarray, labels: np.ndarray, where: Path) -> tuple[np.nd
         channels_last = images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4)
         images = np.transpose(images, (0, 3, 1, 2)) if channels_last else images
     if images.ndim != 4:
-        raise ValueError(
-            f"{where}: images must be (N, C, H, W), (N, H, W, C) or (N, H, W), got {images.shape}"
-        )
+        raise ValueError(f"{where}: images must be (N, C, H, W), (N, H, W, C) or (N, H, W), got {images.shape}")
     labels = np.asarray(labels).reshape(-1)
     if len(labels) != len(images):
         raise ValueError(f"{where}: {len(images)} images but {len(labels)} labels")
     if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.round(labels)):
-        raise ValueError(f"{where}: labels must be integer class indices, got {labels.dtype} values such as "
-                         f"{labels[labels != np.round(labels)][0]}")
+        raise ValueError(
+            f"{where}: labels must be integer class indices, got {labels.dtype} values such as "
+            f"{labels[labels != np.round(labels)][0]}"
+        )
     return images, labels
 
 
@@ -320,8 +316,9 @@ def _arrays(
         num_classes = infer_num_classes(labels, source)
     elif num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    return ArrayDataset(images, labels, num_classes=num_classes, scale=scale, index=idx, source=str(source),
-                        shards=shards)
+    return ArrayDataset(
+        images, labels, num_classes=num_classes, scale=scale, index=idx, source=str(source), shards=shards
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -419,9 +416,7 @@ def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
         files += found
         labels += [k] * len(found)
     if not files:
-        raise ValueError(
-            f"image folder {root} is empty: no {'/'.join(IMAGE_EXTENSIONS)} files under {classes}"
-        )
+        raise ValueError(f"image folder {root} is empty: no {'/'.join(IMAGE_EXTENSIONS)} files under {classes}")
     return classes, files, labels
 
 
@@ -466,8 +461,7 @@ def get_batch(dataset: Any, indices: Sequence[int] | np.ndarray | Tensor) -> tup
     if hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
     items = [dataset[int(i)] for i in indices]
-    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.int64,
-                                                            device="cpu")
+    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.int64, device="cpu")
 
 
 def check_image_shape(dataset: Any, image_size: int, channels: int) -> None:

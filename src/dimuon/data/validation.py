@@ -55,8 +55,13 @@ def find_problems(dataset: Any, part: int = 0, parts: int = 1, progress: bool = 
     positions = np.arange(n * part // parts, n * (part + 1) // parts)
     check = getattr(dataset, "find_problems", None) or (lambda pos: _generic_problems(dataset, pos))
     found: list[str] = []
-    with tqdm(total=len(positions), desc=f"checking {what}", unit="item", dynamic_ncols=True,
-              disable=not progress or len(positions) < PROGRESS_MIN_ITEMS) as bar:
+    with tqdm(
+        total=len(positions),
+        desc=f"checking {what}",
+        unit="item",
+        dynamic_ncols=True,
+        disable=not progress or len(positions) < PROGRESS_MIN_ITEMS,
+    ) as bar:
         for start in range(0, len(positions), _CHUNK):
             chunk = positions[start : start + _CHUNK]
             found += check(chunk)

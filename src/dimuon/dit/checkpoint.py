@@ -48,8 +48,19 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 STATE_FILE = "state.pt"
 TMP_PREFIX = ".tmp-"  # a checkpoint being assembled: checkpoints/.tmp-step_NNNNNNN/
-REQUIRED_META = ("format", "kind", "step", "config", "active_time_s", "dataset", "image_shape",
-                 "num_classes", "model", "world_size", "files")
+REQUIRED_META = (
+    "format",
+    "kind",
+    "step",
+    "config",
+    "active_time_s",
+    "dataset",
+    "image_shape",
+    "num_classes",
+    "model",
+    "world_size",
+    "files",
+)
 
 
 class CheckpointError(RuntimeError):

@@ -50,12 +50,12 @@ class DiffusersDiT(nn.Module):
         self.num_classes = int(cfg.num_embeds_ada_norm)
         # diffusers' label embedders hold the null row (index num_classes) and drop labels on their own
         # in training mode; the adapter drops labels itself, once per sample, so switch theirs off.
+        from diffusers.models.embeddings import LabelEmbedding
+
         for module in model.modules():
-            if type(module).__name__ == "LabelEmbedding":
+            if isinstance(module, LabelEmbedding):
                 if module.embedding_table.num_embeddings <= self.num_classes:
-                    raise ValueError(
-                        "the diffusers model has no null-label row: build it with label dropout > 0"
-                    )
+                    raise ValueError("the diffusers model has no null-label row: build it with label dropout > 0")
                 module.dropout_prob = 0.0
 
     @property
@@ -71,9 +71,7 @@ class DiffusersDiT(nn.Module):
             drop_labels = torch.rand(n, device=y.device) < self.class_dropout_prob  # (N,)
         if drop_labels is not None:
             y = torch.where(drop_labels, torch.full_like(y, self.num_classes), y)  # (N,)
-        out = self.model(x, timestep=t * self.t_scale, class_labels=y, return_dict=False)[
-            0
-        ]  # (N, C_out, H, W)
+        out = self.model(x, timestep=t * self.t_scale, class_labels=y, return_dict=False)[0]  # (N, C_out, H, W)
         return out[:, : self.in_channels]  # (N, C, H, W)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:

@@ -17,22 +17,49 @@ HEADS, HEAD_DIM = 2, 24
 WIDTH = HEADS * HEAD_DIM  # 48: unlike any latent channel count x patch area, so roles stay apart by shape
 # Values the shrinker cannot guess: a class's required arguments left None by its defaults, or sizes that must
 # agree with each other.
-FILLS: dict[str, Any] = {"in_channels": 4, "patch_size": 2, "caption_channels": WIDTH, "cross_attention_dim": WIDTH,
-                         "text_embed_dim_t5": WIDTH, "num_kv_heads": HEADS, "llama_layers": [0], "axes_dim": [8, 8]}
+FILLS: dict[str, Any] = {
+    "in_channels": 4,
+    "patch_size": 2,
+    "caption_channels": WIDTH,
+    "cross_attention_dim": WIDTH,
+    "text_embed_dim_t5": WIDTH,
+    "num_kv_heads": HEADS,
+    "llama_layers": [0],
+    "axes_dim": [8, 8],
+}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "DreamLiteTransformer2DModel": {"in_channels": 4, "norm_num_groups": 2},
     "TransformerTemporalModel": {"in_channels": 4, "norm_num_groups": 2},
-    "Transformer2DModel": {"in_channels": 4, "sample_size": 8, "patch_size": 2, "norm_type": "ada_norm_zero",
-                           "num_embeds_ada_norm": 10},
+    "Transformer2DModel": {
+        "in_channels": 4,
+        "sample_size": 8,
+        "patch_size": 2,
+        "norm_type": "ada_norm_zero",
+        "num_embeds_ada_norm": 10,
+    },
     "PRXTransformer2DModel": {"axes_dim": [12, 12]},
     "EasyAnimateTransformer3DModel": {"out_channels": 4},
     "WanAnimateTransformer3DModel": {"motion_encoder_size": 16},  # a key of its fixed table of channel widths
     "HiDreamImageTransformer2DModel": {"caption_channels": [WIDTH, WIDTH], "axes_dims_rope": (8, 8, 8)},
-    "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * (HEAD_DIM // 2),
-                                                   "long_factor": [1.0] * (HEAD_DIM // 2)}},
+    "OmniGenTransformer2DModel": {
+        "rope_scaling": {"short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [1.0] * (HEAD_DIM // 2)}
+    },
 }
-_SIZE_WORDS = ("hidden", "inner_dim", "d_model", "embed_dim", "cross_attention_dim", "joint_attention_dim", "text_dim",
-               "caption_channels", "pooled_projection", "text_embed", "context_dim", "encoder_hid", "model_dim")
+_SIZE_WORDS = (
+    "hidden",
+    "inner_dim",
+    "d_model",
+    "embed_dim",
+    "cross_attention_dim",
+    "joint_attention_dim",
+    "text_dim",
+    "caption_channels",
+    "pooled_projection",
+    "text_embed",
+    "context_dim",
+    "encoder_hid",
+    "model_dim",
+)
 _NOT_SIZES = ("vocab", "freq", "max", "pos", "seq", "sample", "num")
 
 
@@ -88,7 +115,9 @@ def transformer_classes() -> list[type]:
     import diffusers.models.transformers as transformers
     from diffusers import ModelMixin
 
-    found = {c for n in dir(transformers) if inspect.isclass(c := getattr(transformers, n)) and issubclass(c, ModelMixin)}
+    found = {
+        c for n in dir(transformers) if inspect.isclass(c := getattr(transformers, n)) and issubclass(c, ModelMixin)
+    }
     return sorted(found, key=lambda c: c.__name__)
 
 

@@ -57,9 +57,7 @@ class EMA:
                 for name, p in model.named_parameters()
                 if p.is_floating_point()
             }
-            self.buffers: dict[str, Tensor] = {
-                name: b.detach().clone() for name, b in _persistent_buffers(model)
-            }
+            self.buffers: dict[str, Tensor] = {name: b.detach().clone() for name, b in _persistent_buffers(model)}
 
     def current_decay(self) -> float:
         """Decay that the next ``update`` will use."""

@@ -52,9 +52,7 @@ class TimestepDist:
 
     def __post_init__(self) -> None:
         if self.kind not in ("uniform", "logit_normal"):
-            raise ValueError(
-                f"unknown timestep distribution {self.kind!r}; choose 'uniform' or 'logit_normal'"
-            )
+            raise ValueError(f"unknown timestep distribution {self.kind!r}; choose 'uniform' or 'logit_normal'")
         if not self.std > 0:
             raise ValueError(f"logit-normal std must be positive, got {self.std}")
 
@@ -189,6 +187,4 @@ def validation_loss(
                 err = (predict_velocity(model, x_t, t, y).float() - velocity_target(x0, x1)).square()
                 sums[k] += err.sum(dtype=torch.float64)
     per_t = (sums / (n * math.prod(images.shape[1:]))).tolist()
-    return ValidationLoss(
-        mean=sum(per_t) / len(per_t), per_t=dict(zip((float(t) for t in t_grid), per_t, strict=True))
-    )
+    return ValidationLoss(mean=sum(per_t) / len(per_t), per_t=dict(zip((float(t) for t in t_grid), per_t, strict=True)))

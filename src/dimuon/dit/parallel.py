@@ -35,8 +35,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Parallelism", "apply_parallelism", "build_mesh", "checkpointable", "clip_grad_norm", "tensor_parallel_dit",
-           "tp_process_group"]
+__all__ = [
+    "Parallelism",
+    "apply_parallelism",
+    "build_mesh",
+    "checkpointable",
+    "clip_grad_norm",
+    "tensor_parallel_dit",
+    "tp_process_group",
+]
 
 FLAGS = {"dp_replicate": "--parallel.dp-replicate", "dp_shard": "--parallel.dp-shard", "tp": "--parallel.tp"}
 
@@ -57,8 +64,10 @@ class Parallelism:
         dp_shard = self.dp_shard
         if dp_shard == -1:
             if world % (self.dp_replicate * self.tp):
-                raise ValueError(f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}) "
-                                 f"must divide the world size {world}")
+                raise ValueError(
+                    f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}) "
+                    f"must divide the world size {world}"
+                )
             dp_shard = world // (self.dp_replicate * self.tp)
         elif dp_shard < 1:
             raise ValueError(f"{FLAGS['dp_shard']} must be >= 1 or -1 (the rest of the world), got {dp_shard}")
@@ -130,10 +139,21 @@ def tensor_parallel_dit(model: nn.Module, tp_mesh: Any) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in model.blocks:
-        plan = {"attn.qkv": _headwise_qkv_style(), "attn.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        plan = {
+            "attn.qkv": _headwise_qkv_style(),
+            "attn.proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(),
+        }
         parallelize_module(block, tp_mesh, plan)
     return model
+
+
+def _is_strided(placement: Any) -> bool:
+    """A head-wise ``_StridedShard`` placement (torch's private class for a shard of a strided layout)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
 
 
 def _fsdp_placement(param: nn.Parameter) -> Any:
@@ -141,13 +161,14 @@ def _fsdp_placement(param: nn.Parameter) -> Any:
     from torch.distributed.tensor import Shard
 
     placements = getattr(param, "placements", ())
-    if any(type(p).__name__ == "_StridedShard" for p in placements):
+    if any(_is_strided(p) for p in placements):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
 
 
-def apply_parallelism(model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True,
-                      param_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_parallelism(
+    model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True, param_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Tensor parallelism over ``tp`` (if any), then FSDP2 over the data-parallel dimensions: every block,
     then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded).
 
@@ -187,10 +208,10 @@ def checkpointable(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(checkpointable(v) for v in state)
     placements = getattr(state, "placements", None)
-    if placements and any(type(p).__name__ == "_StridedShard" for p in placements):
+    if placements and any(_is_strided(p) for p in placements):
         from torch.distributed.tensor import Replicate
 
-        safe = [Replicate() if type(p).__name__ == "_StridedShard" else p for p in placements]
+        safe = [Replicate() if _is_strided(p) else p for p in placements]
         return state.redistribute(state.device_mesh, safe)
     return state
 

@@ -36,9 +36,7 @@ def run_label(run: Path) -> str:
         optimizer = json.loads(RunLayout(run).config.read_text(encoding="utf-8")).get("optimizer")
     except (OSError, ValueError, AttributeError):
         optimizer = None
-    return (
-        f"{run.name} ({optimizer})" if isinstance(optimizer, str) and optimizer not in run.name else run.name
-    )
+    return f"{run.name} ({optimizer})" if isinstance(optimizer, str) and optimizer not in run.name else run.name
 
 
 def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dict[str, Any]:
@@ -63,9 +61,7 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
         compared.append({"run": str(run), "name": run_label(Path(run)), "key": key, "series": ev})
     spaces = {r["series"]["settings"]["feature_key"] for r in compared}
     if len(spaces) > 1:
-        raise ValueError(
-            f"the runs were scored in different feature spaces {sorted(spaces)}: FDs are not comparable"
-        )
+        raise ValueError(f"the runs were scored in different feature spaces {sorted(spaces)}: FDs are not comparable")
     if len({r["series"]["settings"]["num_real"] for r in compared}) > 1:
         log.warning("the runs were scored against real sets of different sizes")
     # The FD every run reaches: the worst of the best. Time to reach it compares optimizers at equal quality.

@@ -70,8 +70,9 @@ class NoCheckpointsError(FileNotFoundError):
     """The run directory holds no complete checkpoint (yet)."""
 
 
-def select_checkpoints(checkpoints: Sequence[tuple[int, Path]], every: int,
-                       latest: bool = False) -> list[tuple[int, Path]]:
+def select_checkpoints(
+    checkpoints: Sequence[tuple[int, Path]], every: int, latest: bool = False
+) -> list[tuple[int, Path]]:
     """Every `every`-th checkpoint in step order, plus the latest; with `latest`, the latest alone."""
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
@@ -202,8 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_config(cfg)
         return _run(cfg)
 
-    return run_command("dimuon eval", body, usage=(ValueError,), failures=(NoCheckpointsError,),
-                       interrupted="the same command continues (checkpoints already scored are kept and skipped)")
+    return run_command(
+        "dimuon eval",
+        body,
+        usage=(ValueError,),
+        failures=(NoCheckpointsError,),
+        interrupted="the same command continues (checkpoints already scored are kept and skipped)",
+    )
 
 
 def _run(cfg: Config) -> int:

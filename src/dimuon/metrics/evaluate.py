@@ -14,9 +14,7 @@ from dimuon.metrics.frechet import ArrayLike, feature_matrix, frechet_distance
 from dimuon.metrics.prdc import prdc
 
 
-def _batches(
-    images: torch.Tensor | np.ndarray | Iterable[torch.Tensor], batch_size: int
-) -> Iterable[torch.Tensor]:
+def _batches(images: torch.Tensor | np.ndarray | Iterable[torch.Tensor], batch_size: int) -> Iterable[torch.Tensor]:
     if isinstance(images, (torch.Tensor, np.ndarray)):
         for i in range(0, images.shape[0], batch_size):
             chunk = images[i : i + batch_size]

@@ -61,9 +61,7 @@ class SampleSettings:
 
     def __post_init__(self) -> None:
         if self.num_samples < 2:
-            raise ValueError(
-                f"num_samples must be >= 2 (a covariance needs two samples), got {self.num_samples}"
-            )
+            raise ValueError(f"num_samples must be >= 2 (a covariance needs two samples), got {self.num_samples}")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
         if self.sampler not in SAMPLERS:
@@ -85,9 +83,7 @@ def sample_noise(seed: int, start: int, stop: int, shape: tuple[int, ...]) -> Te
     NumPy's SeedSequence mixes `(seed, i)` into the full generator state (torch's CPU generator keeps only
     32 bits of a seed), so no two (seed, sample) pairs share noise.
     """
-    rows = [
-        np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32) for i in range(start, stop)
-    ]
+    rows = [np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32) for i in range(start, stop)]
     return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, *shape, device="cpu")
 
 
@@ -406,9 +402,7 @@ class GenerationEvaluator:
         FD is biased upward for finite sets, so this is the floor to read the model's numbers against.
         """
         if self.train_split is None:
-            raise RuntimeError(
-                "reference() needs the training split: build with GenerationEvaluator.for_dataset"
-            )
+            raise RuntimeError("reference() needs the training split: build with GenerationEvaluator.for_dataset")
         name, kwargs = self.train_split
         train = build_dataset(name, split="train", **kwargs)
         n = min(num or self.settings.num_samples, len(train))

@@ -57,9 +57,7 @@ def _check_k(k: int, n: int, k_arg: str, set_arg: str) -> None:
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
         raise ValueError(f"{k_arg} must be a positive integer, got {k!r}")
     if k >= n:
-        raise ValueError(
-            f"{k_arg}={k} needs more than {k} samples in {set_arg} (k-th neighbour of each), got {n}"
-        )
+        raise ValueError(f"{k_arg}={k} needs more than {k} samples in {set_arg} (k-th neighbour of each), got {n}")
 
 
 def prdc(
@@ -73,9 +71,7 @@ def prdc(
     r_np = feature_matrix(real, "real")
     f_np = feature_matrix(fake, "fake")
     if r_np.shape[1] != f_np.shape[1]:
-        raise ValueError(
-            f"real and fake must have the same feature dimension, got {r_np.shape[1]} and {f_np.shape[1]}"
-        )
+        raise ValueError(f"real and fake must have the same feature dimension, got {r_np.shape[1]} and {f_np.shape[1]}")
     n, m = r_np.shape[0], f_np.shape[0]
     _check_k(k_pr, n, "k_pr", "real")
     _check_k(k_pr, m, "k_pr", "fake")

@@ -89,9 +89,7 @@ def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tupl
         and ev["settings"]["feature_space"].startswith(cfg.features)
     ]
     if not matches:
-        have = "\n".join(
-            f"  {k}: {describe_settings(ev['settings'])}" for k, ev in results["evaluations"].items()
-        )
+        have = "\n".join(f"  {k}: {describe_settings(ev['settings'])}" for k, ev in results["evaluations"].items())
         raise ValueError(
             f"{where} has no series with {cfg.features} features and {want}; pass the flags used to evaluate it. "
             f"It has:\n{have or '  (nothing)'}"

@@ -83,8 +83,13 @@ _MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
 # Matrix state whose saved dtype a load keeps (torch would cast it to the parameter's dtype).
 _MATRIX_STATE_DTYPES = ("momentum_buffer", "refresh_direction", "refresh_row_sums")
-_ENGINE_DEFAULTS: dict[str, Any] = {"refresh": DEFAULT_REFRESH, "bucket_mb": DEFAULT_BUCKET_MB, "comm_dtype": None,
-                                    "process_group": None, "replica_refresh": "repeat"}
+_ENGINE_DEFAULTS: dict[str, Any] = {
+    "refresh": DEFAULT_REFRESH,
+    "bucket_mb": DEFAULT_BUCKET_MB,
+    "comm_dtype": None,
+    "process_group": None,
+    "replica_refresh": "repeat",
+}
 
 
 @dataclass
@@ -172,8 +177,9 @@ def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
         return zeros
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols),
-                              stride=(cols, 1))
+    return DTensor.from_local(
+        zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols), stride=(cols, 1)
+    )
 
 
 def _matrix_view(weight: Tensor, update: Tensor) -> Tensor | None:
@@ -271,8 +277,13 @@ class MuonFamily(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.ns_compile = ns_compile
         self.adamw_fused = adamw_fused
-        self.engine_options = {"refresh": refresh, "bucket_mb": bucket_mb, "comm_dtype": comm_dtype,
-                               "process_group": process_group, "replica_refresh": replica_refresh}
+        self.engine_options = {
+            "refresh": refresh,
+            "bucket_mb": bucket_mb,
+            "comm_dtype": comm_dtype,
+            "process_group": process_group,
+            "replica_refresh": replica_refresh,
+        }
         self._engine: DirectionEngine | None = engine
         self._engine_params: tuple[tuple[int, bool], ...] = ()  # the parameters the engine was built for
         self._engine_given = engine is not None
@@ -305,14 +316,20 @@ class MuonFamily(torch.optim.Optimizer):
         parent = inspect.signature(parent_init).parameters
         # Schedule options: the ones this class adds, then those it inherits (a subclass of a schedule keeps them).
         added = [p for name, p in own.items() if name not in leading and name not in core and p.kind in kinds]
-        inherited = [parent[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                     for name in cls._schedule_options if name not in own and name in parent]
+        inherited = [
+            parent[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for name in cls._schedule_options
+            if name not in own and name in parent
+        ]
         cls._schedule_options = {**cls._schedule_options, **{p.name: p.default for p in added}}
         for p in added:
             MuonFamily._schedule_owners.setdefault(p.name, cls.__name__)
         # The core's options, keyword-only; one the subclass re-declares keeps its own default.
-        common = [own.get(name, p).replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                  for name, p in core.items() if name not in leading and p.kind is not p.VAR_KEYWORD]
+        common = [
+            own.get(name, p).replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for name, p in core.items()
+            if name not in leading and p.kind is not p.VAR_KEYWORD
+        ]
         ordered = [*(own[name] for name in leading if name in own), *added, *inherited, *common]
         try:
             own_hints = typing.get_type_hints(init)
@@ -335,8 +352,12 @@ class MuonFamily(torch.optim.Optimizer):
             other = todo.pop()
             todo += other.__subclasses__()
             defaults = other._schedule_defaults()
-            if other is not cls and not other.__name__.startswith("_") and key in defaults and not (
-                    _same_value(value, defaults[key])):
+            if (
+                other is not cls
+                and not other.__name__.startswith("_")
+                and key in defaults
+                and not (_same_value(value, defaults[key]))
+            ):
                 found.append(other.__name__)
         return sorted(set(found))
 
@@ -379,12 +400,17 @@ class MuonFamily(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         unknown = set(param_group) - set(self.defaults) - _EXTRA_GROUP_KEYS
-        elsewhere = {key: owners for key in sorted(unknown)
-                     if (owners := self._optimizers_taking(key, param_group[key]))}
+        elsewhere = {
+            key: owners for key in sorted(unknown) if (owners := self._optimizers_taking(key, param_group[key]))
+        }
         if elsewhere:
-            whose = [f"{key!r} (" + ", ".join(f"{owner}'s" for owner in owners) + ")" for key, owners in elsewhere.items()]
-            raise ValueError(f"parameter-group option(s) of other optimizers: {', '.join(whose)}, not "
-                             f"{type(self).__name__}'s; its options: {sorted(self.defaults)}")
+            whose = [
+                f"{key!r} (" + ", ".join(f"{owner}'s" for owner in owners) + ")" for key, owners in elsewhere.items()
+            ]
+            raise ValueError(
+                f"parameter-group option(s) of other optimizers: {', '.join(whose)}, not "
+                f"{type(self).__name__}'s; its options: {sorted(self.defaults)}"
+            )
         typos = {key: option for key in sorted(unknown) if (option := misspelt_option(key, self.defaults))}
         if typos:
             raise ValueError(
@@ -395,8 +421,10 @@ class MuonFamily(torch.optim.Optimizer):
         algorithm = param_group.get("algorithm", self.defaults.get("algorithm"))
         matrix_only = [k for k in _MATRIX_GROUP_OPTIONS if param_group.get(k) not in (None, False)]
         if algorithm == "adamw" and matrix_only:
-            raise ValueError(f"parameter-group option(s) {matrix_only} shape a 'muon' group's matrices; this group's "
-                             "algorithm is 'adamw' (set 'algorithm': 'muon' to orthogonalize its parameters)")
+            raise ValueError(
+                f"parameter-group option(s) {matrix_only} shape a 'muon' group's matrices; this group's "
+                "algorithm is 'adamw' (set 'algorithm': 'muon' to orthogonalize its parameters)"
+            )
         if getattr(self, "_pending_skips", None) is not None:
             self._fold_skips()  # the skips so far are the existing groups'
         super().add_param_group(param_group)
@@ -460,7 +488,8 @@ class MuonFamily(torch.optim.Optimizer):
                     raise ValueError(
                         f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
                         "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
-                        "shard only the leading dimension (FSDP2's Shard(0)) or replicate it")
+                        "shard only the leading dimension (FSDP2's Shard(0)) or replicate it"
+                    )
                 col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
                 if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
                     raise ValueError(
@@ -469,13 +498,15 @@ class MuonFamily(torch.optim.Optimizer):
                         f"{'/'.join(k.value for k in self.schedule.kinds if k is not StepKind.SPECTRAL)} steps cut "
                         "column chunks out of each rank's rows, so they need whole rows on every rank (FSDP, HSDP, "
                         "Shard(0) tensor parallelism); use muon for it (its spectral steps assemble whole "
-                        "matrices), drop col_split_sizes, or a layout that keeps its rows whole")
+                        "matrices), drop col_split_sizes, or a layout that keeps its rows whole"
+                    )
                 if self.schedule.per_matrix and layout.col_dims:
                     raise ValueError(
                         f"{type(self).__name__} keeps per-row sums for its staleness signal, so its matrices may be "
                         f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
                         f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
-                        "plan for its layer")
+                        "plan for its layer"
+                    )
 
     def _warn_foreign_keys(self, stacklevel: int) -> None:
         """One warning for the group keys dimuon ignores, gathered since the last one."""
@@ -529,8 +560,9 @@ class MuonFamily(torch.optim.Optimizer):
                 # per row taken then (shaped and sharded by rows like the parameter), and the steps since.
                 ref = state.get("refresh_direction")
                 if ref is None or (group["step"] == 0 and ref.device != p.device):
-                    state["refresh_direction"] = torch.zeros_like(p, dtype=REFERENCE_DTYPE,
-                                                                  memory_format=torch.contiguous_format)
+                    state["refresh_direction"] = torch.zeros_like(
+                        p, dtype=REFERENCE_DTYPE, memory_format=torch.contiguous_format
+                    )
                     state["refresh_row_sums"] = _zeros_by_rows(p, row_sums_width(p, group))
                 state.setdefault("refresh_age", NEVER_REFRESHED)
             return state
@@ -581,10 +613,20 @@ class MuonFamily(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; no group here takes it
-        runtime = {**_RUNTIME_DEFAULTS, "engine_options": dict(_ENGINE_DEFAULTS), "_engine": None,
-                   "_engine_given": False, "_constructing": False, "_flattened": [], "_foreign_keys": set(),
-                   "_engine_params": (), "_refresh_counts": {}, "_pending_skips": None, "_last_vote": None,
-                   "_workspace": {}}
+        runtime = {
+            **_RUNTIME_DEFAULTS,
+            "engine_options": dict(_ENGINE_DEFAULTS),
+            "_engine": None,
+            "_engine_given": False,
+            "_constructing": False,
+            "_flattened": [],
+            "_foreign_keys": set(),
+            "_engine_params": (),
+            "_refresh_counts": {},
+            "_pending_skips": None,
+            "_last_vote": None,
+            "_workspace": {},
+        }
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -631,8 +673,11 @@ class MuonFamily(torch.optim.Optimizer):
         mesh dimension (DCP cannot store head-wise tensor-parallel pieces) or from another layout."""
         state = self.state[p]
         for name, value in state.items():
-            if is_dtensor(value) and value.ndim > 0 and (
-                    value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements)):
+            if (
+                is_dtensor(value)
+                and value.ndim > 0
+                and (value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements))
+            ):
                 state[name] = value.redistribute(p.device_mesh, p.placements)
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
@@ -644,24 +689,29 @@ class MuonFamily(torch.optim.Optimizer):
         mine = set(self._schedule_defaults())
         for gi, (group, saved) in enumerate(zip(groups, loaded)):
             if "algorithm" not in saved:
-                raise ValueError(f"state_dict parameter group {gi} has no 'algorithm': it was not saved by a "
-                                 "Muon-family optimizer")
+                raise ValueError(
+                    f"state_dict parameter group {gi} has no 'algorithm': it was not saved by a Muon-family optimizer"
+                )
             stray = sorted(k for k in set(saved) - mine if k in MuonFamily._schedule_owners)
             missing = sorted(mine - set(saved))
             if stray or missing:
                 owners = ", ".join(sorted({MuonFamily._schedule_owners[k] for k in stray}))
                 found = ([f"carry {stray} (options of {owners})"] if stray else []) + (
-                    [f"lack {missing}"] if missing else [])
+                    [f"lack {missing}"] if missing else []
+                )
                 raise ValueError(
                     f"state_dict was not saved by {type(self).__name__}: its parameter groups {' and '.join(found)}"
                     f" ({type(self).__name__}'s schedule options: {sorted(mine) or 'none'})"
                 )
             if saved["algorithm"] != group["algorithm"]:
-                raise ValueError(f"parameter group {gi} is {group['algorithm']!r} here but "
-                                 f"{saved['algorithm']!r} in the state_dict")
+                raise ValueError(
+                    f"parameter group {gi} is {group['algorithm']!r} here but {saved['algorithm']!r} in the state_dict"
+                )
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"parameter group {gi} holds {len(group['params'])} parameters here but "
-                                 f"{len(saved['params'])} in the state_dict")
+                raise ValueError(
+                    f"parameter group {gi} holds {len(group['params'])} parameters here but "
+                    f"{len(saved['params'])} in the state_dict"
+                )
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 for name, value in state_dict["state"].get(key, {}).items():
                     shape = (p.shape[0], row_sums_width(p, group)) if name == "refresh_row_sums" else p.shape
@@ -699,8 +749,9 @@ class MuonFamily(torch.optim.Optimizer):
         (host reads of the meshes, communicators made by every rank together): start-up work, not a step's. Plain
         parameters (a wrapper may shard them later) leave the engine to the first step."""
         params = [p for g in self.param_groups for p in g["params"]]
-        if self._engine_given or not (self.engine_options["process_group"] is not None
-                                      or any(is_dtensor(p) for p in params)):
+        if self._engine_given or not (
+            self.engine_options["process_group"] is not None or any(is_dtensor(p) for p in params)
+        ):
             return
         prepare = getattr(self._get_engine(), "prepare", None)
         if prepare is None:
@@ -876,8 +927,9 @@ class MuonFamily(torch.optim.Optimizer):
         )
         return _MuonWork(group, params, jobs, config, keys)
 
-    def _decide_kinds(self, works: Sequence[_MuonWork], vote: tuple[Tensor, _Verdicts] | None = None
-                      ) -> list[list[StepKind]]:
+    def _decide_kinds(
+        self, works: Sequence[_MuonWork], vote: tuple[Tensor, _Verdicts] | None = None
+    ) -> list[list[StepKind]]:
         """The step kind of every job: the group's from a fixed schedule; per matrix from a per-matrix one,
         whose staleness signals (where the bounds leave the choice open) take one engine reduction and one host read
         for all groups together, so every rank decides alike. ``vote`` (``nonfinite="raise"`` under a per-matrix
@@ -886,17 +938,24 @@ class MuonFamily(torch.optim.Optimizer):
         if not schedule.per_matrix:
             return [[schedule.kind(w.group["step"], w.group)] * len(w.jobs) for w in works]
         ages = [[self.state[p]["refresh_age"] for p in w.params] for w in works]
-        open_ = [(wi, ji) for wi, w in enumerate(works) for ji in range(len(w.jobs))
-                 if schedule.needs_signal(ages[wi][ji], w.group)]
+        open_ = [
+            (wi, ji)
+            for wi, w in enumerate(works)
+            for ji in range(len(w.jobs))
+            if schedule.needs_signal(ages[wi][ji], w.group)
+        ]
         signals: dict[tuple[int, int], float] = {}
         if open_:
+
             def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
                 states = [self.state[job.meta["param"]] for job in jobs]
                 return staleness_partial_sums_many(
                     [job.update for job in jobs],
                     [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
                     [_row_sums_view(st, job) for st, job in zip(states, jobs)],
-                    local_ranges, [job.col_splits for job in jobs])
+                    local_ranges,
+                    [job.col_splits for job in jobs],
+                )
 
             sums = self._get_engine().matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
             # A fused parameter refreshes as one: its stalest logical matrix decides.
@@ -911,12 +970,14 @@ class MuonFamily(torch.optim.Optimizer):
                 stalest = torch.cat([stalest, self._vote_values(*vote).to(stalest)])
             values = stalest.tolist()  # the host reads the decisions' inputs once
             if vote is not None:
-                self._check_vote(values[len(open_):], vote[1])
+                self._check_vote(values[len(open_) :], vote[1])
             signals = dict(zip(open_, values))
         elif vote is not None:
             self._check_vote(self._vote_values(*vote).tolist(), vote[1])
-        return [[schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
-                for wi, w in enumerate(works)]
+        return [
+            [schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
+            for wi, w in enumerate(works)
+        ]
 
     def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind], mask: Tensor | None) -> None:
         """Directions for each kind's jobs (one engine call per kind present), then the weight update.
@@ -936,8 +997,11 @@ class MuonFamily(torch.optim.Optimizer):
         row_scaled: dict[int, RowScaled] = {}  # RowNorm directions left as U * factor: folded into the update
         for kind, chosen in chosen_by_kind.items():
             jobs = [work.jobs[i] for i in chosen]
-            made = (engine.row_directions(jobs, work.config) if kind is StepKind.ROWNORM and hasattr(
-                engine, "row_directions") else engine.directions(jobs, kind, work.config))
+            made = (
+                engine.row_directions(jobs, work.config)
+                if kind is StepKind.ROWNORM and hasattr(engine, "row_directions")
+                else engine.directions(jobs, kind, work.config)
+            )
             for i, d in zip(chosen, made):
                 if isinstance(d, RowScaled) and _matrix_view(weights[i], d.update) is None:
                     d = d.materialize()  # a weight that is no view of its matrix (non-contiguous): written out
@@ -978,8 +1042,9 @@ class MuonFamily(torch.optim.Optimizer):
         if self.schedule.per_matrix:
             self._keep_references(work, kinds, directions, mask)
 
-    def _keep_references(self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor],
-                         mask: Tensor | None) -> None:
+    def _keep_references(
+        self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor], mask: Tensor | None
+    ) -> None:
         """After a per-matrix schedule's step: a refreshed matrix keeps its new direction (bf16) and row sums as
         the staleness signal's reference, and its age restarts; the others age by one step.
 
@@ -1046,8 +1111,10 @@ class MuonFamily(torch.optim.Optimizer):
         """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype), and they are
         contiguous: torch 2.13's fused kernel returns wrong updates for a non-contiguous parameter."""
         devices = _get_fused_kernels_supported_devices()
-        return all(local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
-                   for p in params)
+        return all(
+            local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
+            for p in params
+        )
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
         """torch's AdamW over the group, one kernel call per device mesh: a list kernel takes plain tensors or
@@ -1112,9 +1179,9 @@ class MuonFamily(torch.optim.Optimizer):
         bias corrections on the host, and neither takes ``found_inf``. So this is the single-tensor loop with the
         counters on the parameter's device (as torch's capturable form keeps them) and masked factors, the cheapest
         correct masking found: the first moment lerped towards ``where(mask, G, m)`` (``lerp(m, m, w) = m``), the second
-        scaled by ``where(mask, beta2, 1)`` and added ``G'^2`` with ``G' = where(mask, G, 0)`` (``0 * NaN`` would leak), the
-        decay by ``where(mask, 1 - lr wd, 1)``, the step by ``lr mask / (1 - beta1^t)``: a failed vote leaves the
-        parameter, both moments and the counter bitwise unchanged. It rounds as torch's unfused kernels do, to
+        scaled by ``where(mask, beta2, 1)`` and added ``G'^2`` with ``G' = where(mask, G, 0)`` (``0 * NaN`` would
+        leak), the decay by ``where(mask, 1 - lr wd, 1)``, the step by ``lr mask / (1 - beta1^t)``: a failed vote leaves
+        the parameter, both moments and the counter bitwise unchanged. It rounds as torch's unfused kernels do, to
         within an ulp (not bit for bit), on every step: a run's kernel does not change with its votes."""
         beta1, beta2 = group["adamw_betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["adamw_eps"]
@@ -1160,8 +1227,12 @@ class MuonFamily(torch.optim.Optimizer):
         matrices = {key: {"spectral": s, "steps": n, "fraction": s / n} for key, (s, n) in self._refresh_counts.items()}
         spectral = sum(m["spectral"] for m in matrices.values())
         steps = sum(m["steps"] for m in matrices.values())
-        return {"spectral_fraction": spectral / steps if steps else 0.0, "spectral": spectral, "steps": steps,
-                "matrices": matrices}
+        return {
+            "spectral_fraction": spectral / steps if steps else 0.0,
+            "spectral": spectral,
+            "steps": steps,
+            "matrices": matrices,
+        }
 
     def reset_refresh_stats(self) -> None:
         self._refresh_counts = {}

@@ -66,8 +66,15 @@ SINUSOIDAL_MODULES: tuple[str, ...] = ("t_embedder", "delta_embedder")  # whole 
 OUTPUT_CHILDREN: dict[str, str] = {"LuminaLayerNormContinuous": "linear_2"}
 
 # Modules whose ``weight`` is a linear map (conv weights are flattened to (out, in * kernel)).
-MATRIX_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
-                                               nn.ConvTranspose2d, nn.ConvTranspose3d)
+MATRIX_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 
 # Fused matrices of dimuon's DiT that can be orthogonalized chunk by chunk.
 DIT_FUSED_SPLITS: dict[str, int] = {

@@ -46,8 +46,9 @@ class HeadSplits:
     split_sizes: dict[str, int] = field(default_factory=dict)
     rules: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def with_split_sizes(self, split_sizes: Mapping[str, int | Sequence[int]] | None = None
-                         ) -> dict[str, int | Sequence[int]]:
+    def with_split_sizes(
+        self, split_sizes: Mapping[str, int | Sequence[int]] | None = None
+    ) -> dict[str, int | Sequence[int]]:
         """The per-head row splits first, then ``split_sizes`` (e.g. ``DIT_FUSED_SPLITS``, whose 3-way qkv split
         the per-head one refines): one mapping for ``param_groups(split_sizes=...)``."""
         return {**self.split_sizes, **{k: v for k, v in (split_sizes or {}).items() if k not in self.split_sizes}}
@@ -105,12 +106,15 @@ def per_head_splits(model: nn.Module) -> HeadSplits:
             for child in filter(None, (_child(module, n) for n in _DIFFUSERS_COLS)):
                 add(cols, child.weight, child.weight.shape[1] // head_dim, 1)
         elif _is_int(getattr(module, "num_heads", None)) and all(
-                isinstance(_child(module, n), nn.Module) for n in ("qkv", "proj")):
+            isinstance(_child(module, n), nn.Module) for n in ("qkv", "proj")
+        ):
             heads = module.num_heads
             add(rows, module.qkv.weight, 3 * heads, 0)
             add(cols, module.proj.weight, heads, 1)
-    return HeadSplits({_escape(n): k for n, k in rows.items()},
-                      {_escape(n): {"algorithm": "muon", "col_split_sizes": k} for n, k in cols.items()})
+    return HeadSplits(
+        {_escape(n): k for n, k in rows.items()},
+        {_escape(n): {"algorithm": "muon", "col_split_sizes": k} for n, k in cols.items()},
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -281,8 +281,8 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate polar factor ``U V^T`` of each matrix in ``x`` (``(r, c)`` or ``(B, r, c)``).
 
-    Tall matrices are iterated as their (wide) transpose and come back tall and contiguous. ``dtype`` is the compute dtype (default: bf16
-    on accelerators, fp32 on CPU); the result comes back in that dtype. ``algorithm="gram"`` uses
+    Tall matrices are iterated as their (wide) transpose and come back tall and contiguous. ``dtype`` is the compute
+    dtype (default: bf16 on accelerators, fp32 on CPU); the result comes back in that dtype. ``algorithm="gram"`` uses
     the Gram-matrix form when ``c >= 2r`` and the standard form otherwise (same polynomial);
     ``gram_restart_every`` steps between its restarts (0: never). ``x`` is never written.
     """
@@ -327,14 +327,26 @@ class CompiledNewtonSchulz:
     def compiles(self) -> int:
         return len(self._graphs)
 
-    def __call__(self, x: Tensor, steps: int = 5, coefficients: str = "quintic", algorithm: str = "standard",
-                 dtype: torch.dtype | None = None, gram_restart_every: int = GRAM_RESTART_EVERY) -> Tensor:
+    def __call__(
+        self,
+        x: Tensor,
+        steps: int = 5,
+        coefficients: str = "quintic",
+        algorithm: str = "standard",
+        dtype: torch.dtype | None = None,
+        gram_restart_every: int = GRAM_RESTART_EVERY,
+    ) -> Tensor:
         key = (tuple(x.shape), x.dtype, x.device, steps, coefficients, algorithm, dtype, gram_restart_every)
         graph = self._graphs.get(key)
         if graph is None:
             code = newton_schulz.__code__.replace()  # a code object of its own: its own dynamo cache
-            copy = types.FunctionType(code, newton_schulz.__globals__, newton_schulz.__name__,
-                                      newton_schulz.__defaults__, newton_schulz.__closure__)
+            copy = types.FunctionType(
+                code,
+                newton_schulz.__globals__,
+                newton_schulz.__name__,
+                newton_schulz.__defaults__,
+                newton_schulz.__closure__,
+            )
             graph = self._graphs[key] = torch.compile(copy, dynamic=False, backend=self.backend)
         return graph(x, steps, coefficients, algorithm, dtype, gram_restart_every)
 

@@ -75,9 +75,7 @@ class PeriodicRowMuon(MuonFamily):
 
     schedule = PeriodicRowSchedule()
 
-    def __init__(
-        self, params: Any, lr: float | Tensor = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any
-    ) -> None:
+    def __init__(self, params: Any, lr: float | Tensor = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any) -> None:
         super().__init__(params, lr=lr, k=k, gamma=gamma, **kwargs)
 
     def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:

@@ -62,11 +62,19 @@ def reference_direction(
         return reference_rownorm(u) * reference_scale(lr_scale, rows, cols)
     if kind is StepKind.BLOCK:
         row_blocks, col_blocks = (blocks, 1) if isinstance(blocks, int) else (*blocks, 1)[:2]
-        return torch.cat([
-            torch.cat([reference_orthogonalize(block, dtype=dtype).float() * reference_scale(lr_scale, *block.shape)
-                       for block in torch.chunk(band, col_blocks, dim=1)], dim=1)
-            for band in torch.chunk(u, row_blocks, dim=0)
-        ], dim=0)
+        return torch.cat(
+            [
+                torch.cat(
+                    [
+                        reference_orthogonalize(block, dtype=dtype).float() * reference_scale(lr_scale, *block.shape)
+                        for block in torch.chunk(band, col_blocks, dim=1)
+                    ],
+                    dim=1,
+                )
+                for band in torch.chunk(u, row_blocks, dim=0)
+            ],
+            dim=0,
+        )
     return reference_orthogonalize(u, dtype=dtype).float() * reference_scale(lr_scale, rows, cols)
 
 
@@ -90,8 +98,12 @@ def _torch_chunks(size: int, n: int) -> list[tuple[int, int]]:
 
 
 def reference_split_direction(
-    u: Tensor, kind: StepKind, lr_scale: str, blocks: int | tuple[int, int] = 1,
-    split_sizes: int | tuple[int, ...] | None = None, col_split_sizes: int | tuple[int, ...] | None = None,
+    u: Tensor,
+    kind: StepKind,
+    lr_scale: str,
+    blocks: int | tuple[int, int] = 1,
+    split_sizes: int | tuple[int, ...] | None = None,
+    col_split_sizes: int | tuple[int, ...] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Scaled direction of one ``(rows, cols)`` momentum matrix made of logical matrices: every row chunk
@@ -111,8 +123,9 @@ def reference_split_direction(
                     lo, hi, left, right = max(a, r0), min(b, r1), max(c, c0), min(d, c1)
                     if lo < hi and left < right:
                         block = u[lo:hi, left:right]
-                        out[lo:hi, left:right] = (reference_orthogonalize(block, dtype=dtype).float()
-                                                  * reference_scale(lr_scale, *block.shape))
+                        out[lo:hi, left:right] = reference_orthogonalize(block, dtype=dtype).float() * reference_scale(
+                            lr_scale, *block.shape
+                        )
     return out
 
 
@@ -175,8 +188,12 @@ class ReferenceMuon:
 
     def logical(self, u: Tensor) -> list[Tensor]:
         """Every logical matrix of a parameter-shaped tensor: per matrix, each row chunk x column chunk."""
-        return [x[a:b, c:d] for x in self.matrices(u) for a, b in _chunks(x.shape[0], self.split_sizes)
-                for c, d in _chunks(x.shape[1], self.col_split_sizes)]
+        return [
+            x[a:b, c:d]
+            for x in self.matrices(u)
+            for a, b in _chunks(x.shape[0], self.split_sizes)
+            for c, d in _chunks(x.shape[1], self.col_split_sizes)
+        ]
 
     def adaptive_kind(self, i: int, u: Tensor) -> StepKind:
         """Matrix ``i``'s kind: spectral if never refreshed or ``k_max`` steps on, RowNorm before ``k_min`` steps,
@@ -193,11 +210,14 @@ class ReferenceMuon:
 
     def direction(self, u: Tensor, kind: StepKind) -> Tensor:
         """The scaled direction of one parameter-shaped momentum, matrix by matrix."""
-        return torch.stack([
-            reference_split_direction(x, kind, self.lr_scale, self.blocks, self.split_sizes, self.col_split_sizes,
-                                      self.dtype)
-            for x in self.matrices(u)
-        ]).view(u.shape)
+        return torch.stack(
+            [
+                reference_split_direction(
+                    x, kind, self.lr_scale, self.blocks, self.split_sizes, self.col_split_sizes, self.dtype
+                )
+                for x in self.matrices(u)
+            ]
+        ).view(u.shape)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -215,8 +235,9 @@ class ReferenceMuon:
             if self.schedule == "adaptive_row_muon" and kind is StepKind.SPECTRAL:
                 ref = d.view(u.shape).to(torch.bfloat16)
                 self.refs[i], self.last_spectral[i] = ref, self.t
-                self.ref_cos[i] = [_cosine(x, o) if x.norm() > 0 else 0.0
-                                   for x, o in zip(self.logical(u), self.logical(ref.float()))]
+                self.ref_cos[i] = [
+                    _cosine(x, o) if x.norm() > 0 else 0.0 for x, o in zip(self.logical(u), self.logical(ref.float()))
+                ]
             p.mul_(1 - self.lr * self.wd)
             p.add_(d.view(p.shape).to(p.dtype), alpha=-self.lr * mult)
         self.decisions.append(kinds)

@@ -36,12 +36,22 @@ def reference_row_sums(update: Tensor, direction: Tensor, col_ranges: Sequence[R
     u, o = update.float(), direction.float()
     if not col_ranges:
         return torch.stack(((u * o).sum(dim=1), u.square().sum(dim=1)), dim=1)
-    return torch.stack([torch.stack(((u[:, c:d] * o[:, c:d]).sum(dim=1), u[:, c:d].square().sum(dim=1)), dim=1)
-                        for c, d in col_ranges], dim=1).reshape(u.shape[0], ROW_SUMS * len(col_ranges))
+    return torch.stack(
+        [
+            torch.stack(((u[:, c:d] * o[:, c:d]).sum(dim=1), u[:, c:d].square().sum(dim=1)), dim=1)
+            for c, d in col_ranges
+        ],
+        dim=1,
+    ).reshape(u.shape[0], ROW_SUMS * len(col_ranges))
 
 
-def staleness_partial_sums(update: Tensor, direction: Tensor, row_sums: Tensor,
-                           local_ranges: Sequence[RowRange | None], col_ranges: Sequence[RowRange] = ()) -> Tensor:
+def staleness_partial_sums(
+    update: Tensor,
+    direction: Tensor,
+    row_sums: Tensor,
+    local_ranges: Sequence[RowRange | None],
+    col_ranges: Sequence[RowRange] = (),
+) -> Tensor:
     """``(len(local_ranges), 4)`` fp32: per logical matrix, this process's part of ``U_t . O_s``, ``|U_t|^2``,
     ``U_s . O_s`` and ``|U_s|^2`` over the rows it holds: local rows ``local_ranges[i]`` of ``update``,
     ``direction`` and ``row_sums`` (None: none of matrix ``i``'s rows are here). With column ranges (the
@@ -50,9 +60,13 @@ def staleness_partial_sums(update: Tensor, direction: Tensor, row_sums: Tensor,
     return staleness_partial_sums_many([update], [direction], [row_sums], [local_ranges], [col_ranges])[0]
 
 
-def staleness_partial_sums_many(updates: Sequence[Tensor], directions: Sequence[Tensor], row_sums: Sequence[Tensor],
-                                local_ranges: Sequence[Sequence[RowRange | None]],
-                                col_ranges: Sequence[Sequence[RowRange]] | None = None) -> list[Tensor]:
+def staleness_partial_sums_many(
+    updates: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    row_sums: Sequence[Tensor],
+    local_ranges: Sequence[Sequence[RowRange | None]],
+    col_ranges: Sequence[Sequence[RowRange]] | None = None,
+) -> list[Tensor]:
     """:func:`staleness_partial_sums` of many matrices: per matrix two row dot products and one segmented sum
     over its logical matrices (a few kernels per matrix, none per logical matrix; matrices are not stacked,
     which would copy what the dot products only read)."""
@@ -61,8 +75,9 @@ def staleness_partial_sums_many(updates: Sequence[Tensor], directions: Sequence[
     for u, o, rs, ranges, cols in zip(updates, directions, row_sums, local_ranges, col_ranges):
         u, o = u.float(), o.float()
         if not cols:
-            rows = torch.cat((torch.linalg.vecdot(u, o).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1),
-                              rs.float()), dim=1)  # (m, 4)
+            rows = torch.cat(
+                (torch.linalg.vecdot(u, o).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1), rs.float()), dim=1
+            )  # (m, 4)
         else:  # per row and column range: (m, C, 4), flattened so one segmented sum takes every range
             now = torch.stack([torch.linalg.vecdot(u[:, c:d], o[:, c:d]) for c, d in cols], dim=1)
             norm = torch.stack([torch.linalg.vecdot(u[:, c:d], u[:, c:d]) for c, d in cols], dim=1)

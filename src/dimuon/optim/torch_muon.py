@@ -79,14 +79,16 @@ class TorchMuonAdamW(torch.optim.Optimizer):
                     raise ValueError(
                         f"torch.optim.Muon takes 2-D parameters only, and {name!r} with shape {tuple(p.shape)} is in a "
                         "'muon' group: use dimuon's 'muon' (it updates conv weights as (out, rest) matrices), or a "
-                        "rule that puts it in an 'adamw' group")
+                        "rule that puts it in an 'adamw' group"
+                    )
         inner = self._muon if kind == "muon" else self._adamw
         if inner is not None:
             inner.add_param_group(group)
             return
         cls = torch.optim.Muon if kind == "muon" else torch.optim.AdamW
-        inner = cls([group], lr=self.defaults["lr"], weight_decay=self.defaults["weight_decay"],
-                    **self._inner_options[kind])
+        inner = cls(
+            [group], lr=self.defaults["lr"], weight_decay=self.defaults["weight_decay"], **self._inner_options[kind]
+        )
         if kind == "muon":
             self._muon = inner
         else:
@@ -105,8 +107,12 @@ class TorchMuonAdamW(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state plus the inner optimizers (pickled together, so they keep sharing the group dicts)."""
-        return {**super().__getstate__(), "_muon": self._muon, "_adamw": self._adamw,
-                "_inner_options": self._inner_options}
+        return {
+            **super().__getstate__(),
+            "_muon": self._muon,
+            "_adamw": self._adamw,
+            "_inner_options": self._inner_options,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -150,8 +156,9 @@ class TorchMuonAdamW(torch.optim.Optimizer):
                 )
             if opt is not None:
                 opt.load_state_dict(state_dict[key])
-        reloaded = iter([*(self._muon.param_groups if self._muon else []),
-                         *(self._adamw.param_groups if self._adamw else [])])
+        reloaded = iter(
+            [*(self._muon.param_groups if self._muon else []), *(self._adamw.param_groups if self._adamw else [])]
+        )
         by_algorithm: dict[str, list[dict[str, Any]]] = {"muon": [], "adamw": []}
         for group in reloaded:
             by_algorithm[group["algorithm"]].append(group)

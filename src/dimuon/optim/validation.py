@@ -10,8 +10,16 @@ from typing import Any
 from torch import Tensor
 
 
-def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
     """Raise a ValueError/TypeError naming ``name`` unless ``value`` lies in the stated range."""
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
@@ -47,12 +55,20 @@ def check_lr(value: Any, where: str) -> None:
 
 def check_split(name: str, value: Any) -> None:
     """``None``, a chunk count (an int >= 1) or chunk sizes (a non-empty sequence of ints >= 1)."""
+
     def is_int(v: Any) -> bool:
         return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
     if value is None or (is_int(value) and value >= 1):
         return
-    if isinstance(value, Sequence) and not isinstance(value, str) and value and all(is_int(v) and v >= 1 for v in value):
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and value
+        and all(is_int(v) and v >= 1 for v in value)
+    ):
         return
-    raise ValueError(f"{name} must be None, a chunk count (an int >= 1) or chunk sizes (a non-empty sequence of "
-                     f"ints >= 1), got {value!r}")
+    raise ValueError(
+        f"{name} must be None, a chunk count (an int >= 1) or chunk sizes (a non-empty sequence of "
+        f"ints >= 1), got {value!r}"
+    )

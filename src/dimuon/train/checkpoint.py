@@ -146,8 +146,12 @@ def checkpoint_bytes(model: nn.Module, ema: EMA) -> int:
 
 
 def _save_single(
-    tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
-    progress: dict[str, float], rng: list[list[torch.Tensor]],
+    tmp: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA,
+    progress: dict[str, float],
+    rng: list[list[torch.Tensor]],
 ) -> dict[str, Any]:
     state = {
         "model": model.state_dict(),
@@ -162,8 +166,11 @@ def _save_single(
 
 
 def _dcp_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
-    progress: dict[str, float], rng: list[list[torch.Tensor]],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA,
+    progress: dict[str, float],
+    rng: list[list[torch.Tensor]],
 ) -> dict[str, Any]:
     """The nested dict DCP saves and loads in place (model and optimizer keyed by parameter names)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -171,13 +178,17 @@ def _dcp_state(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Head-wise tensor-parallel pieces are gathered along tp: DCP stores contiguous blocks only.
     model_sd, optim_sd, ema_sd = checkpointable((model_sd, optim_sd, ema.state_dict()))
-    return {"model": model_sd, "optimizer": optim_sd, "ema": ema_sd,
-            "progress": dict(progress), "rng": rng}
+    return {"model": model_sd, "optimizer": optim_sd, "ema": ema_sd, "progress": dict(progress), "rng": rng}
 
 
 def _save_dcp(
-    tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
-    progress: dict[str, float], rng: list[list[torch.Tensor]], env: DistEnv,
+    tmp: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA,
+    progress: dict[str, float],
+    rng: list[list[torch.Tensor]],
+    env: DistEnv,
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -235,8 +246,11 @@ def drop_superseded(run_dir: str | Path, up_to: int | None = None) -> list[Path]
     layout = RunLayout(run_dir)
     if not layout.checkpoints.is_dir():
         return []
-    doomed = [p for p in sorted(layout.checkpoints.iterdir())
-              if (s := step_of(p, SUPERSEDED_SUFFIX)) is not None and (up_to is None or s <= up_to)]
+    doomed = [
+        p
+        for p in sorted(layout.checkpoints.iterdir())
+        if (s := step_of(p, SUPERSEDED_SUFFIX)) is not None and (up_to is None or s <= up_to)
+    ]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -275,8 +289,7 @@ def load_training_state(
     if meta["kind"] == "single":
         if env.distributed:
             raise CheckpointError(
-                f"{ckpt_dir}: a one-process checkpoint cannot resume on {env.world} ranks; "
-                "resume it in one process"
+                f"{ckpt_dir}: a one-process checkpoint cannot resume on {env.world} ranks; resume it in one process"
             )
         state = torch_load(ckpt_dir / STATE_FILE, env.device)
         try:
@@ -297,15 +310,24 @@ def load_training_state(
 
 
 def _load_dcp(
-    ckpt_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-    ema: EMA, env: DistEnv,
+    ckpt_dir: Path,
+    meta: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA,
+    env: DistEnv,
 ) -> tuple[dict[str, float], list[list[torch.Tensor]]]:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     saved_world = int(meta["world_size"])
     rng_shape = [s.clone() for s in _rng_state(env)]
-    state = _dcp_state(model, optimizer, ema, {k: 0.0 for k in meta.get("progress", {})},
-                       [[s.clone() for s in rng_shape] for _ in range(saved_world)])
+    state = _dcp_state(
+        model,
+        optimizer,
+        ema,
+        {k: 0.0 for k in meta.get("progress", {})},
+        [[s.clone() for s in rng_shape] for _ in range(saved_world)],
+    )
     try:
         dcp_load(state, ckpt_dir, no_dist=not env.distributed)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -212,8 +212,9 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     for key in ("dinov2_weights", "cache_dir"):
         if evals.get(key) is not None:
             evals[key] = Path(evals[key])
-    return TrainConfig(**data, optim=options_from_dict(optim), eval=EvalOptions(**evals),
-                       parallel=ParallelOptions(**parallel))
+    return TrainConfig(
+        **data, optim=options_from_dict(optim), eval=EvalOptions(**evals), parallel=ParallelOptions(**parallel)
+    )
 
 
 def _field_names(cls: type) -> set[str]:
@@ -269,9 +270,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.device == "cuda":
         _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
     _require(bool(cfg.out), "--out must name a directory")
-    _require(not (cfg.resume == RESUME_AUTO and cfg.overwrite),
-             "--overwrite cannot go with --resume auto: --resume auto continues the run in --out, which --overwrite "
-             "would delete (at every restart); pass one of them")
+    _require(
+        not (cfg.resume == RESUME_AUTO and cfg.overwrite),
+        "--overwrite cannot go with --resume auto: --resume auto continues the run in --out, which --overwrite "
+        "would delete (at every restart); pass one of them",
+    )
     _validate_data(cfg)
     _validate_eval(cfg)
     _validate_parallel(cfg)
@@ -289,8 +292,10 @@ def _validate_data(cfg: TrainConfig) -> None:
     else:
         _require(cfg.channels is None, "--channels only applies to --dataset folder")
     if cfg.num_classes is not None:
-        _require(cfg.dataset == "arrays", f"--num-classes only applies to --dataset arrays (the classes of "
-                 f"--dataset {cfg.dataset} are known)")
+        _require(
+            cfg.dataset == "arrays",
+            f"--num-classes only applies to --dataset arrays (the classes of --dataset {cfg.dataset} are known)",
+        )
         _check_positive_int("--num-classes", cfg.num_classes)
     if cfg.image_size is not None:
         _check_positive_int("--image-size", cfg.image_size)
@@ -324,17 +329,25 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     """Degrees in range and a tensor-parallel degree the model can use; the world size is checked at start-up."""
     _check_positive_int("--parallel.dp-replicate", cfg.parallel.dp_replicate)
     _check_positive_int("--parallel.tp", cfg.parallel.tp)
-    _require(cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
-             f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}")
-    _require(cfg.parallel.tp == 1 or cfg.parallel.dp_replicate == 1,
-             "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported: HSDP over tensor parallelism is a "
-             "3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp")
-    _require(cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
-             "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp")
-    _require(cfg.parallel.tp == 1 or cfg.optimizer != "adaptive_row_muon",
-             "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by "
-             "rows, and the tensor-parallel plan splits attn.proj and mlp.fc2 by columns; use periodic_row_muon "
-             "with --parallel.tp, or adaptive_row_muon with --parallel.dp-replicate / --parallel.dp-shard")
+    _require(
+        cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
+        f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}",
+    )
+    _require(
+        cfg.parallel.tp == 1 or cfg.parallel.dp_replicate == 1,
+        "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported: HSDP over tensor parallelism is a "
+        "3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp",
+    )
+    _require(
+        cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
+        "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp",
+    )
+    _require(
+        cfg.parallel.tp == 1 or cfg.optimizer != "adaptive_row_muon",
+        "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by "
+        "rows, and the tensor-parallel plan splits attn.proj and mlp.fc2 by columns; use periodic_row_muon "
+        "with --parallel.tp, or adaptive_row_muon with --parallel.dp-replicate / --parallel.dp-shard",
+    )
     parallelism(cfg)
 
 

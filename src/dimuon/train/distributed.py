@@ -16,8 +16,17 @@ from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_p
 
 T = TypeVar("T")
 
-__all__ = ["DataParallel", "DistEnv", "all_gather_objects", "barrier", "data_parallel", "mean_over_ranks", "on_main",
-           "setup", "shard_model"]
+__all__ = [
+    "DataParallel",
+    "DistEnv",
+    "all_gather_objects",
+    "barrier",
+    "data_parallel",
+    "mean_over_ranks",
+    "on_main",
+    "setup",
+    "shard_model",
+]
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,9 @@ def data_parallel(env: DistEnv, par: Parallelism) -> DataParallel:
     return DataParallel(rank=env.rank // par.tp, world=env.world // par.tp)
 
 
-def shard_model(model: nn.Module, env: DistEnv, par: Parallelism,
-                param_dtype: torch.dtype | None = None) -> ProcessGroup | None:
+def shard_model(
+    model: nn.Module, env: DistEnv, par: Parallelism, param_dtype: torch.dtype | None = None
+) -> ProcessGroup | None:
     """Lay the model out on one device mesh of the ``par`` degrees (dimuon.dit.parallel): the tensor-parallel
     plan over ``tp``, then FSDP2 per block and root over the data-parallel dimensions (HSDP with replicas),
     all-gathering in ``param_dtype`` with fp32 gradient reductions where given (``--precision bf16``).

@@ -70,16 +70,27 @@ class NonFiniteGuard:
         """A finite step was taken."""
         self.in_a_row = 0
 
-    def event(self, done: int, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor | float,
-              bad_items: list[str], batch_items: int) -> tuple[dict[str, Any], str]:
+    def event(
+        self,
+        done: int,
+        steps: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | float,
+        bad_items: list[str],
+        batch_items: int,
+    ) -> tuple[dict[str, Any], str]:
         """Account the non-finite step ``done`` (1-based); returns its ``nonfinite`` record and a message
         naming the step, what was not finite and the data (``bad_items``: the batch's non-finite inputs).
 
         Whether the run goes on is :meth:`stops`'s answer, asked after the record is logged.
         """
         loss_v, norm_v = _value(loss), _value(grad_norm)
-        what = ", ".join(f"{name} {v}" for name, v in (("loss", loss_v), ("gradient norm", norm_v))
-                         if not math.isfinite(v)) or "a non-finite value"
+        what = (
+            ", ".join(
+                f"{name} {v}" for name, v in (("loss", loss_v), ("gradient norm", norm_v)) if not math.isfinite(v)
+            )
+            or "a non-finite value"
+        )
         if bad_items:
             shown = "; ".join(bad_items[:5]) + (f"; and {len(bad_items) - 5} more" if len(bad_items) > 5 else "")
             data = f"the batch holds non-finite input values: {shown}"
@@ -89,15 +100,26 @@ class NonFiniteGuard:
         if skip:
             self.skipped += 1
             self.in_a_row += 1
-        record = {"kind": "nonfinite", "step": done, "loss": loss_v, "grad_norm": norm_v,
-                  "action": "skipped" if skip else "stopped", "skipped_total": self.skipped, "items": bad_items}
+        record = {
+            "kind": "nonfinite",
+            "step": done,
+            "loss": loss_v,
+            "grad_norm": norm_v,
+            "action": "skipped" if skip else "stopped",
+            "skipped_total": self.skipped,
+            "items": bad_items,
+        }
         line = f"step {done} of {steps}: {what}; {data}"
         if not skip:
-            return record, (f"{line}. The step was not applied. Pass --nonfinite skip to skip such steps (they "
-                            "are counted in metrics.jsonl), fix the data, or lower --lr / --grad-clip")
+            return record, (
+                f"{line}. The step was not applied. Pass --nonfinite skip to skip such steps (they "
+                "are counted in metrics.jsonl), fix the data, or lower --lr / --grad-clip"
+            )
         if self.limit and self.in_a_row >= self.limit:
-            return record, (f"{line}. That makes {self.in_a_row} skipped steps in a row (--skip-limit "
-                            f"{self.limit}): the run has diverged; lower --lr or --grad-clip")
+            return record, (
+                f"{line}. That makes {self.in_a_row} skipped steps in a row (--skip-limit "
+                f"{self.limit}): the run has diverged; lower --lr or --grad-clip"
+            )
         return record, f"{line}: skipped (--nonfinite skip), {self.skipped} so far"
 
     def stops(self) -> bool:

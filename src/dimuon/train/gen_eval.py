@@ -38,9 +38,7 @@ def full_weights(model: nn.Module, ema: EMA | None) -> dict[str, torch.Tensor]:
     Sharded tensors are all-gathered, so every rank must call this, in the same order.
     """
     source = ema.weights() if ema is not None else model.state_dict()
-    return {
-        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in source.items()
-    }
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in source.items()}
 
 
 @contextlib.contextmanager

@@ -121,15 +121,20 @@ def open_data(plan: TrainPlan, env: DistEnv, dp: DataParallel) -> TrainData:
     if getattr(train_set, "classes", None) != getattr(val_set, "classes", None) or (
         train_set.num_classes != val_set.num_classes
     ):
-        raise ConfigError(f"{where}: the train and val splits have different classes "
-                          f"({train_set.num_classes} and {val_set.num_classes})")
+        raise ConfigError(
+            f"{where}: the train and val splits have different classes "
+            f"({train_set.num_classes} and {val_set.num_classes})"
+        )
     if len(train_set) < cfg.batch_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training items of "
-                          f"{where}; pass --batch-size {len(train_set)} or less")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training items of "
+            f"{where}; pass --batch-size {len(train_set)} or less"
+        )
     problems = []
     for split, dataset in (("train", train_set), ("val", val_set)):
-        found = find_problems(dataset, env.rank, env.world, progress=env.is_main and cfg.progress,
-                              what=f"the {split} split")
+        found = find_problems(
+            dataset, env.rank, env.world, progress=env.is_main and cfg.progress, what=f"the {split} split"
+        )
         problems += [p for part in all_gather_objects(found, env) for p in part]
     if problems:
         raise ConfigError(f"{where}: {problems_message(problems, 'the data set')}")
@@ -163,8 +168,9 @@ class Trainer:
             raise ConfigError(str(e)) from None
         self.dp = data_parallel(env, self.par)
         if cfg.batch_size % self.dp.world:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {self.dp.world} data-parallel "
-                              "ranks")
+            raise ConfigError(
+                f"--batch-size {cfg.batch_size} is not divisible by the {self.dp.world} data-parallel ranks"
+            )
         self.data = open_data(plan, env, self.dp)
 
         # Model, optimizer, EMA: the same init on every rank (seeded), sharded afterwards.
@@ -191,8 +197,9 @@ class Trainer:
         self.clock, self.start = RunClock(), 0
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.skip_limit)
         if self.resume_from is not None:
-            restored = ckpt.load_training_state(self.resume_from, model=self.model, optimizer=self.opt,
-                                                ema=self.ema, env=env)
+            restored = ckpt.load_training_state(
+                self.resume_from, model=self.model, optimizer=self.opt, ema=self.ema, env=env
+            )
             self.start, self.clock = int(restored["step"]), RunClock.resumed(restored["progress"])
             self.guard.skipped = int(restored["progress"].get("skipped_steps", 0))
         on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start), env)
@@ -200,8 +207,10 @@ class Trainer:
         self.generation = None
         if plan.evaluation is not None:
             if env.is_main:
-                print(f"dimuon train: preparing generation-quality evaluation ({plan.evaluation.features} features, "
-                      f"{plan.evaluation.num_samples} samples every {plan.evaluation.interval} steps)")
+                print(
+                    f"dimuon train: preparing generation-quality evaluation ({plan.evaluation.features} features, "
+                    f"{plan.evaluation.num_samples} samples every {plan.evaluation.interval} steps)"
+                )
             self.generation = TrainingEvaluator(plan.evaluation, layout.root, self.meta, env, progress=cfg.progress)
         self.log = RunLog(layout.metrics, layout.tensorboard if cfg.tensorboard else None, enabled=env.is_main)
         self.timesteps = TimestepDist(cfg.timesteps)
@@ -220,8 +229,14 @@ class Trainer:
         self.optimizer_stats("comm_stats")
         self.optimizer_stats("refresh_stats")
         self.clock.restart()
-        self.bar = tqdm(total=cfg.steps, initial=self.start, unit="step", dynamic_ncols=True, mininterval=1.0,
-                        disable=not (self.env.is_main and cfg.progress))
+        self.bar = tqdm(
+            total=cfg.steps,
+            initial=self.start,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            disable=not (self.env.is_main and cfg.progress),
+        )
         self.model.train()
         try:
             for step in range(self.start, cfg.steps):
@@ -276,8 +291,9 @@ class Trainer:
         gen = step_generator(cfg.seed, step, self.dp.rank, env.device)
         drop = torch.rand(x1.shape[0], generator=gen, device=env.device) < cfg.class_dropout
         with self.autocast:
-            loss = flow_loss(functools.partial(self.model, drop_labels=drop), x1, y,
-                             timesteps=self.timesteps, generator=gen)
+            loss = flow_loss(
+                functools.partial(self.model, drop_labels=drop), x1, y, timesteps=self.timesteps, generator=gen
+            )
         loss.backward()
         grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
         timer.mark()
@@ -326,8 +342,9 @@ class Trainer:
         mine = [describe_item(self.data.train_set, int(items[i])) for i in bad]
         bad_items = [d for part in all_gather_objects(mine, self.env) for d in part]
         global_loss = torch.tensor(mean_over_ranks(loss.detach().float(), self.env))  # as every rank sees it
-        record, message = self.guard.event(step + 1, self.cfg.steps, global_loss, grad_norm, bad_items,
-                                           self.data.batches.global_batch_size)
+        record, message = self.guard.event(
+            step + 1, self.cfg.steps, global_loss, grad_norm, bad_items, self.data.batches.global_batch_size
+        )
         if self.summary["step"] != step + 1:  # read at a later logging step
             record["logged_at"] = self.summary["step"]
         self.record(record)
@@ -349,12 +366,20 @@ class Trainer:
         """The ``train`` record of the steps since the last one (and the optimizer's communication)."""
         self.settle()
         by_dim = self.comm_stats(by_mesh_dim=True)  # read before optimizer_stats resets the counts
-        rec = train_record(self.window, done, self.lr, self.data.batches, self.env, self.optimizer_stats("comm_stats"),
-                           self.optimizer_stats("refresh_stats"))
+        rec = train_record(
+            self.window,
+            done,
+            self.lr,
+            self.data.batches,
+            self.env,
+            self.optimizer_stats("comm_stats"),
+            self.optimizer_stats("refresh_stats"),
+        )
         if by_dim:  # the optimizer's bytes per mesh dimension (sharded runs)
             rec["comm_bytes_per_step_by_mesh_dim"] = {
                 dim: sum(v["bytes"] for v in kinds.values()) / (self.window.steps + self.window.skipped)
-                for dim, kinds in by_dim.items()}
+                for dim, kinds in by_dim.items()
+            }
         self.record(rec)
         loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"  # every step of the window skipped
         self.bar.set_postfix(loss=loss, step_ms=f"{rec['step_ms']:.0f}", opt_ms=f"{rec['opt_ms']:.1f}", refresh=False)
@@ -378,14 +403,20 @@ class Trainer:
         labels = torch.arange(cfg.sample_count, device=env.device) % self.data.num_classes
         gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
         with self.ema.swapped_into(self.model):
-            images = sample(self.model, labels, self.data.image_shape, steps=cfg.sample_steps,
-                            method=cfg.sample_method, cfg_scale=cfg.cfg_scale, generator=gen)
+            images = sample(
+                self.model,
+                labels,
+                self.data.image_shape,
+                steps=cfg.sample_steps,
+                method=cfg.sample_method,
+                cfg_scale=cfg.cfg_scale,
+                generator=gen,
+            )
         path = self.layout.sample_grid(done)
         if env.is_main:
             nrow = self.data.num_classes if self.data.num_classes <= 20 else None
             save_grid(images, path, nrow=nrow, scale=2 if self.data.image_shape[1] < 64 else 1)
-        self.record({"kind": "sample", "step": done, "path": str(path),
-                     "sample_s": round(time.perf_counter() - t, 3)})
+        self.record({"kind": "sample", "step": done, "path": str(path), "sample_s": round(time.perf_counter() - t, 3)})
         self.summary["samples"] = str(path)
 
     def evaluate(self, done: int) -> None:
@@ -395,23 +426,34 @@ class Trainer:
         self.record({"kind": "gen_eval", "step": done, **{k: entry[k] for k in GEN_EVAL_KEYS}})
         self.summary.update(fd=entry["fd"], feature_space=entry["feature_space"])
         if self.env.is_main:
-            self.bar.write(f"step {done}: FD {entry['fd']:.3f} ({entry['feature_space']}), precision "
-                           f"{entry['precision']:.3f}, recall {entry['recall']:.3f} in {entry['eval_s']:.1f} s")
+            self.bar.write(
+                f"step {done}: FD {entry['fd']:.3f} ({entry['feature_space']}), precision "
+                f"{entry['precision']:.3f}, recall {entry['recall']:.3f} in {entry['eval_s']:.1f} s"
+            )
 
     def checkpoint(self, done: int) -> None:
         """Save the training state (every rank), keep the newest checkpoints, redraw the loss plots."""
         t = time.perf_counter()
         self.settle()  # the count saved is every step's so far
         progress = {**self.clock.progress(), "skipped_steps": self.guard.skipped}
-        path = ckpt.save_checkpoint(self.layout.root, done, model=self.model, optimizer=self.opt, ema=self.ema,
-                                    progress=progress, meta=self.meta, env=self.env)
+        path = ckpt.save_checkpoint(
+            self.layout.root,
+            done,
+            model=self.model,
+            optimizer=self.opt,
+            ema=self.ema,
+            progress=progress,
+            meta=self.meta,
+            env=self.env,
+        )
         if self.env.is_main:
             # Checkpoints set aside by a resume from an earlier one are replaced now (all of them at the end).
             ckpt.drop_superseded(self.layout.root, None if done == self.cfg.steps else done)
             ckpt.prune_checkpoints(self.layout.root, self.cfg.keep_checkpoints)
             self.plot()
-        self.record({"kind": "checkpoint", "step": done, "path": str(path),
-                     "ckpt_s": round(time.perf_counter() - t, 3)})
+        self.record(
+            {"kind": "checkpoint", "step": done, "path": str(path), "ckpt_s": round(time.perf_counter() - t, 3)}
+        )
         self.summary["checkpoint"] = str(path)
 
     # ----------------------------------------------------------------------------------------------
@@ -437,11 +479,18 @@ class Trainer:
             print(f"dimuon train: resumed from {self.resume_from} at step {self.start}")
         elif self.plan.resume is not None:
             print(f"dimuon train: restarted {self.plan.resume.run} from step 0 (it had no checkpoint)")
-        self.log.write({"kind": "start", "step": self.start, "world_size": env.world, "device": str(env.device),
-                        "parallel": {"dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard,
-                                     "tp": self.par.tp},
-                        "params": n_params, "torch_version": torch.__version__,
-                        "resumed_from": str(self.resume_from or "")})
+        self.log.write(
+            {
+                "kind": "start",
+                "step": self.start,
+                "world_size": env.world,
+                "device": str(env.device),
+                "parallel": {"dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard, "tp": self.par.tp},
+                "params": n_params,
+                "torch_version": torch.__version__,
+                "resumed_from": str(self.resume_from or ""),
+            }
+        )
 
     def finish(self) -> None:
         """The final loss plots and the closing line (rank 0)."""
@@ -458,8 +507,10 @@ class Trainer:
             + (f"; FD {s['fd']:.3f} ({s['feature_space']})" if "fd" in s else "")
         )
         if self.guard.skipped:
-            print(f"dimuon train: {self.guard.skipped} step(s) of this run were skipped for a non-finite loss or "
-                  f"gradient (--nonfinite skip); the nonfinite records of {self.layout.metrics} name them")
+            print(
+                f"dimuon train: {self.guard.skipped} step(s) of this run were skipped for a non-finite loss or "
+                f"gradient (--nonfinite skip); the nonfinite records of {self.layout.metrics} name them"
+            )
 
     def recall_summary(self) -> None:
         """Fill the summary from the run's records: its last validation, sample grid and evaluation."""
@@ -476,10 +527,14 @@ class Trainer:
         out, at = self.layout.root, self.summary["step"]
         found = list_checkpoints(out)
         if found:
-            return (f"the run stopped after step {at}; its newest checkpoint is step {found[-1][0]}: continue with "
-                    f"dimuon train --resume {out} (flags such as --lr or --nonfinite may change)")
-        return (f"the run stopped after step {at}, before its first checkpoint: dimuon train --resume {out} "
-                "restarts it from step 0 (flags such as --lr or --nonfinite may change)")
+            return (
+                f"the run stopped after step {at}; its newest checkpoint is step {found[-1][0]}: continue with "
+                f"dimuon train --resume {out} (flags such as --lr or --nonfinite may change)"
+            )
+        return (
+            f"the run stopped after step {at}, before its first checkpoint: dimuon train --resume {out} "
+            "restarts it from step 0 (flags such as --lr or --nonfinite may change)"
+        )
 
     def plot(self) -> list[Path]:
         cfg = self.cfg

@@ -161,8 +161,11 @@ def cli_type(hint: Any) -> Any:
         typed = [cli_type(a) for a in kept]
         scalars = [t for t in typed if t in _SCALARS]
         tuples_of = {a for t in typed if typing.get_origin(t) is tuple for a in typing.get_args(t) if a is not Ellipsis}
-        if len(scalars) == 1 and len(typed) == len(scalars) + sum(typing.get_origin(t) is tuple for t in typed) \
-                and tuples_of <= set(scalars):
+        if (
+            len(scalars) == 1
+            and len(typed) == len(scalars) + sum(typing.get_origin(t) is tuple for t in typed)
+            and tuples_of <= set(scalars)
+        ):
             return tuple[scalars[0], ...]
         return None
     if origin is tuple and args:

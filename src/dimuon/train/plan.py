@@ -49,8 +49,13 @@ class ModelSpec:
     class_dropout: float
 
     def build(self, image_shape: tuple[int, int, int], num_classes: int) -> DiT:
-        return build_dit(self.name, input_size=image_shape[1], in_channels=image_shape[0],
-                         num_classes=num_classes, class_dropout_prob=self.class_dropout)
+        return build_dit(
+            self.name,
+            input_size=image_shape[1],
+            in_channels=image_shape[0],
+            num_classes=num_classes,
+            class_dropout_prob=self.class_dropout,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,7 @@ class OptimizerSpec:
     name: str
     kwargs: dict[str, Any]
 
-    def build(self, model: nn.Module, process_group: Any = None, nonfinite: str | None = None
-              ) -> torch.optim.Optimizer:
+    def build(self, model: nn.Module, process_group: Any = None, nonfinite: str | None = None) -> torch.optim.Optimizer:
         """The optimizer over ``model``; a combination it refuses (e.g. a one-process baseline on FSDP) names the flag.
 
         ``process_group``: the ranks that hold the parameters outside a tensor-parallel plan as plain tensors
@@ -69,7 +73,9 @@ class OptimizerSpec:
         the policy, for the optimizers that take one (the Muon family votes on the device).
         """
         takes = inspect.signature(OPTIMIZERS[self.name]).parameters
-        extra: dict[str, Any] = {"process_group": process_group} if process_group is not None and "process_group" in takes else {}
+        extra: dict[str, Any] = (
+            {"process_group": process_group} if process_group is not None and "process_group" in takes else {}
+        )
         if nonfinite is not None and "nonfinite" in takes:
             extra["nonfinite"] = nonfinite
         try:
@@ -134,8 +140,9 @@ def resume_point(cfg: TrainConfig, auto: AutoResume | None = None) -> ResumePoin
         point = find_resume_point(cfg.resume)
     check_resume_flags(cfg, point.config, point.where)
     if point.step > cfg.steps:
-        raise ConfigError(f"--steps {cfg.steps} is behind the step {point.step} of {point.where}; "
-                          f"pass --steps >= {point.step}")
+        raise ConfigError(
+            f"--steps {cfg.steps} is behind the step {point.step} of {point.where}; pass --steps >= {point.step}"
+        )
     return point
 
 

@@ -72,9 +72,15 @@ def plot_refreshes(records: Sequence[dict[str, Any]], out_dir: str | Path, title
     names = list(windows[-1]["refresh"]["matrices"])
     grid = [[w["refresh"]["matrices"].get(n, float("nan")) for w in windows] for n in names]
     steps = [w["step"] for w in windows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3 + 0.12 * len(names)), dpi=100, sharex=True,
-                                      layout="constrained",
-                                      gridspec_kw={"height_ratios": [max(3, 0.12 * len(names)), 1.5]})
+    fig, (top, bottom) = plt.subplots(
+        2,
+        1,
+        figsize=(9, 3 + 0.12 * len(names)),
+        dpi=100,
+        sharex=True,
+        layout="constrained",
+        gridspec_kw={"height_ratios": [max(3, 0.12 * len(names)), 1.5]},
+    )
     edges = [0, *steps]
     image = top.pcolormesh(edges, range(len(names) + 1), grid, vmin=0, vmax=1, cmap="viridis", shading="flat")
     every = max(1, len(names) // 40)
@@ -86,7 +92,9 @@ def plot_refreshes(records: Sequence[dict[str, Any]], out_dir: str | Path, title
     bottom.set_ylabel("all matrices")
     bottom.set_xlabel("step")
     bottom.grid(True, alpha=0.3)
-    top.set_title(f"{title + ': ' if title else ''}spectral (Newton-Schulz) steps per matrix and log window", fontsize=9)
+    top.set_title(
+        f"{title + ': ' if title else ''}spectral (Newton-Schulz) steps per matrix and log window", fontsize=9
+    )
     path = Path(out_dir) / "refreshes.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure_atomic(fig, path)

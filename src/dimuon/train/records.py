@@ -90,8 +90,9 @@ class Window:
         self.grad_norm = self.grad_norm + grad_norm
         self.add_times(times)
 
-    def add_voted(self, step: int, taken: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | float,
-                  times: StepTimes) -> None:
+    def add_voted(
+        self, step: int, taken: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | float, times: StepTimes
+    ) -> None:
         """Account a step the optimizer took or skipped on the device (``taken``, its vote, unread): the loss and
         gradient norm summed where it was taken; which it was is read by :meth:`settle`."""
         self.pending.append((step, taken, loss.detach(), grad_norm))
@@ -138,8 +139,15 @@ class Window:
         self.step_s += times.step_s
 
 
-def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, env: DistEnv,
-                 comm: dict[str, dict[str, float]], refresh: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_record(
+    window: Window,
+    done: int,
+    lr: float,
+    batches: BatchSchedule,
+    env: DistEnv,
+    comm: dict[str, dict[str, float]],
+    refresh: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The ``train`` record of a window: mean loss over its steps taken and the ranks (None if every step was
     skipped), the skipped steps, timing split over all steps, communication, and (``refresh``: the optimizer's
     ``refresh_stats()`` over the window) the share of spectral steps."""
@@ -163,13 +171,16 @@ def train_record(window: Window, done: int, lr: float, batches: BatchSchedule, e
     rec["comm_bytes_per_step"] = sum(v["bytes"] for v in comm.values()) / n
     rec["comm"] = {kind: {"calls": v["calls"] / n, "bytes": v["bytes"] / n} for kind, v in comm.items()}
     if refresh and refresh.get("steps"):
-        rec["refresh"] = {"spectral_fraction": round(refresh["spectral_fraction"], 4),
-                          "matrices": {name: round(m["fraction"], 4) for name, m in refresh["matrices"].items()}}
+        rec["refresh"] = {
+            "spectral_fraction": round(refresh["spectral_fraction"], 4),
+            "matrices": {name: round(m["fraction"], 4) for name, m in refresh["matrices"].items()},
+        }
     return rec
 
 
-def validation_record(model: torch.nn.Module, ema: EMA, val_x: torch.Tensor, val_y: torch.Tensor,
-                      seed: int) -> dict[str, Any]:
+def validation_record(
+    model: torch.nn.Module, ema: EMA, val_x: torch.Tensor, val_y: torch.Tensor, seed: int
+) -> dict[str, Any]:
     """Validation loss of the training weights and of the EMA weights (same images, times and noise)."""
     raw = flow_validation_loss(model, val_x, val_y, seed=seed)
     with ema.swapped_into(model):

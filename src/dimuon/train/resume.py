@@ -84,8 +84,10 @@ class AutoResume:
         elif self.point.checkpoint is None:
             text = f"--resume auto: restarted {self.out} from step 0 with its config (it had no checkpoint)"
         else:
-            text = (f"--resume auto: resumed from {self.point.checkpoint} at step {self.point.step}, the newest "
-                    "complete checkpoint in --out")
+            text = (
+                f"--resume auto: resumed from {self.point.checkpoint} at step {self.point.step}, the newest "
+                "complete checkpoint in --out"
+            )
         return text + ("; passed over " + "; ".join(self.passed_over) if self.passed_over else "")
 
 
@@ -116,11 +118,14 @@ def auto_resume_point(out: str | Path) -> AutoResume:
                 f"only marked runs; continue it once with --resume {out}, which marks it"
             )
         return AutoResume(out, None)
-    unfinished = {step: path for path in (layout.checkpoints.glob(TMP_PREFIX + "step_*")
-                                          if layout.checkpoints.is_dir() else ())
-                  if path.is_dir() and (step := step_of(path.name[len(TMP_PREFIX):])) is not None}
-    passed: list[tuple[int, str]] = [(step, f"step {step} ({path.name}: a save that did not finish)")
-                                     for step, path in unfinished.items()]
+    unfinished = {
+        step: path
+        for path in (layout.checkpoints.glob(TMP_PREFIX + "step_*") if layout.checkpoints.is_dir() else ())
+        if path.is_dir() and (step := step_of(path.name[len(TMP_PREFIX) :])) is not None
+    }
+    passed: list[tuple[int, str]] = [
+        (step, f"step {step} ({path.name}: a save that did not finish)") for step, path in unfinished.items()
+    ]
     for step, path in reversed(found):
         try:
             meta = verify_checkpoint(path)

@@ -72,7 +72,8 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 130 interrupted."""
+    """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 130
+    interrupted."""
     args = list(sys.argv[1:] if argv is None else argv)
     configure("dimuon train")
 
@@ -80,9 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(parse_config(args))
         return 0
 
-    return run_command("dimuon train", body, usage=(ConfigError, CheckpointError),
-                       failures=(RunFailed, CheckpointWriteError),
-                       interrupted="dimuon train --resume <out> continues from the newest checkpoint")
+    return run_command(
+        "dimuon train",
+        body,
+        usage=(ConfigError, CheckpointError),
+        failures=(RunFailed, CheckpointWriteError),
+        interrupted="dimuon train --resume <out> continues from the newest checkpoint",
+    )
 
 
 if __name__ == "__main__":

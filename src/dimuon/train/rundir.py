@@ -31,8 +31,15 @@ from dimuon.train.checkpoint import set_aside_checkpoints_after
 from dimuon.train.config import ConfigError
 from dimuon.train.resume import ResumePoint
 
-__all__ = ["check_free_space", "check_run_dir", "check_same_start", "continues_in_place", "describe_entries",
-           "prepare_run_dir", "start_of"]
+__all__ = [
+    "check_free_space",
+    "check_run_dir",
+    "check_same_start",
+    "continues_in_place",
+    "describe_entries",
+    "prepare_run_dir",
+    "start_of",
+]
 
 log = get_logger(__name__)
 
@@ -58,8 +65,10 @@ def check_same_start(starts: list[str | None]) -> None:
         ranks: dict[str | None, list[int]] = {}
         for rank, start in enumerate(starts):
             ranks.setdefault(start, []).append(rank)
-        found = "; ".join(f"{start or 'a new run'} on rank {r[0]}" + (f" and {len(r) - 1} more" if len(r) > 1 else "")
-                          for start, r in ranks.items())
+        found = "; ".join(
+            f"{start or 'a new run'} on rank {r[0]}" + (f" and {len(r) - 1} more" if len(r) > 1 else "")
+            for start, r in ranks.items()
+        )
         raise ConfigError(
             f"the ranks found different things to start from in --out ({found}): every node must see the same "
             "files there (one shared file system); rerun once they do"
@@ -73,8 +82,9 @@ def describe_entries(paths: list[Path], root: Path, shown: int = 5) -> str:
         if path.is_dir():
             files = sorted(str(p.relative_to(root)) for p in path.rglob("*") if not p.is_dir())
             listed = ", ".join(files[:2]) + (", ..." if len(files) > 2 else "")
-            parts.append(f"{path.name}/ ({len(files)} file{'s' if len(files) != 1 else ''}"
-                         + (f": {listed})" if files else ")"))
+            parts.append(
+                f"{path.name}/ ({len(files)} file{'s' if len(files) != 1 else ''}" + (f": {listed})" if files else ")")
+            )
         else:
             parts.append(path.name)
     return ", ".join(parts) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
@@ -133,9 +143,15 @@ def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoi
         set_aside = set_aside_checkpoints_after(layout.root, start)
         remove_steps_after(layout.samples, start)
         if dropped or set_aside:
-            log.info("resuming at step %d: dropped %d log records written after it%s", start, dropped,
-                     f"; set aside the later checkpoint(s) {', '.join(p.name for p in set_aside)} until the run "
-                     "replaces them" if set_aside else "")
+            log.info(
+                "resuming at step %d: dropped %d log records written after it%s",
+                start,
+                dropped,
+                f"; set aside the later checkpoint(s) {', '.join(p.name for p in set_aside)} until the run "
+                "replaces them"
+                if set_aside
+                else "",
+            )
     else:
         if layout.is_run():
             removed = layout.clear()

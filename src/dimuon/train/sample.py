@@ -68,8 +68,9 @@ def check_config(cfg: SampleConfig) -> None:
 def run(cfg: SampleConfig) -> torch.Tensor:
     """Sample as configured, write the grid, return the images (N, C, H, W) in [-1, 1]."""
     check_config(cfg)
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(
+        "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     model, info = load_model_for_eval(find_checkpoint(cfg.ckpt), use_ema=not cfg.raw, map_location=device)
     num_classes = int(info["num_classes"])
     base = torch.tensor(cfg.labels if cfg.labels else range(num_classes), dtype=torch.long, device="cpu")
@@ -77,12 +78,15 @@ def run(cfg: SampleConfig) -> torch.Tensor:
         raise ValueError(f"--labels must lie in [0, {num_classes}), got {cfg.labels}")
     labels = base.repeat(-(-cfg.n // len(base)))[: cfg.n].to(device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    images = sample(model, labels, info["image_shape"], steps=cfg.steps, method=cfg.method,
-                    cfg_scale=cfg.cfg, generator=gen)
+    images = sample(
+        model, labels, info["image_shape"], steps=cfg.steps, method=cfg.method, cfg_scale=cfg.cfg, generator=gen
+    )
     nrow = cfg.nrow or (len(base) if len(base) <= 20 else None)
     path = save_grid(images, cfg.out, nrow=nrow, scale=cfg.scale)
-    print(f"dimuon sample: {cfg.n} images from {info['path']} (step {info['step']}, "
-          f"{'raw' if cfg.raw else 'EMA'} weights, {cfg.method} x {cfg.steps}, cfg {cfg.cfg:g}) -> {path}")
+    print(
+        f"dimuon sample: {cfg.n} images from {info['path']} (step {info['step']}, "
+        f"{'raw' if cfg.raw else 'EMA'} weights, {cfg.method} x {cfg.steps}, cfg {cfg.cfg:g}) -> {path}"
+    )
     return images
 
 

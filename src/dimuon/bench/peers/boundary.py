@@ -175,8 +175,9 @@ def _group_name(group: Any) -> tuple[str, int]:
 
 def _call_record(kind: str, arguments: dict[str, Any], nbytes: int) -> CallRecord:
     """The :class:`CallRecord` of a call with these bound arguments: the first tensor's dtype, the largest one."""
-    tensors = [t for v in arguments.values() for t in (v if isinstance(v, (list, tuple)) else [v])
-               if isinstance(t, Tensor)]
+    tensors = [
+        t for v in arguments.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, Tensor)
+    ]
     name, world = _group_name(arguments.get("group"))
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
     return CallRecord(kind, name, world, dtype, int(nbytes), max((_nbytes(t) for t in tensors), default=0))
@@ -328,10 +329,18 @@ _FUNCOL_RULES: dict[str, _Rule] = {
     "all_reduce_coalesced": _Rule("all_reduce", _per_tensor("self", _ring_all_reduce, _funcol_geometry)),
     "reduce_scatter_single": _Rule("reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)),
     "reduce_scatter_tensor": _Rule("reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)),
-    "reduce_scatter_single_autograd": _Rule("reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)),
-    "reduce_scatter_tensor_autograd": _Rule("reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)),
-    "reduce_scatter_single_coalesced": _Rule("reduce_scatter", _per_tensor("inputs", _all_but_own_share, _funcol_geometry)),
-    "reduce_scatter_tensor_coalesced": _Rule("reduce_scatter", _per_tensor("inputs", _all_but_own_share, _funcol_geometry)),
+    "reduce_scatter_single_autograd": _Rule(
+        "reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)
+    ),
+    "reduce_scatter_tensor_autograd": _Rule(
+        "reduce_scatter", _per_tensor("self", _all_but_own_share, _funcol_geometry)
+    ),
+    "reduce_scatter_single_coalesced": _Rule(
+        "reduce_scatter", _per_tensor("inputs", _all_but_own_share, _funcol_geometry)
+    ),
+    "reduce_scatter_tensor_coalesced": _Rule(
+        "reduce_scatter", _per_tensor("inputs", _all_but_own_share, _funcol_geometry)
+    ),
     "all_to_all_single": _Rule("all_to_all", _funcol_all_to_all_single),
     "all_to_all_single_autograd": _Rule("all_to_all", _funcol_all_to_all_single),
     "broadcast": _Rule("broadcast", _funcol_broadcast),

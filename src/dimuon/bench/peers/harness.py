@@ -36,8 +36,13 @@ class GradientSnapshot:
 
 def _same_layout(grad: Tensor | None, saved: Tensor) -> bool:
     """Whether ``saved`` can be copied into ``grad`` in place (same kind, shape, dtype and placements)."""
-    return (grad is not None and type(grad) is type(saved) and grad.shape == saved.shape
-            and grad.dtype == saved.dtype and getattr(grad, "placements", None) == getattr(saved, "placements", None))
+    return (
+        grad is not None
+        and type(grad) is type(saved)
+        and grad.shape == saved.shape
+        and grad.dtype == saved.dtype
+        and getattr(grad, "placements", None) == getattr(saved, "placements", None)
+    )
 
 
 def first_step(opt: Any, snapshot: GradientSnapshot) -> str | None:
@@ -53,8 +58,15 @@ def first_step(opt: Any, snapshot: GradientSnapshot) -> str | None:
     return None
 
 
-def start_peer(key: str, muon: list[Tensor], rest: list[Tensor], lr: float, snapshot: GradientSnapshot,
-               device: torch.device | str = "cpu", setting: Setting = "local") -> tuple[Any, PeerStatus, str | None]:
+def start_peer(
+    key: str,
+    muon: list[Tensor],
+    rest: list[Tensor],
+    lr: float,
+    snapshot: GradientSnapshot,
+    device: torch.device | str = "cpu",
+    setting: Setting = "local",
+) -> tuple[Any, PeerStatus, str | None]:
     """Probe peer ``key``, build it and take its first step: (the optimizer or None, its status, why it did
     not run or None). The error is returned apart so that ranks can agree on it before marking the status."""
     status = probe(key, device, setting)

@@ -24,8 +24,12 @@ from torch import Tensor, nn
 from dimuon.optim import build, param_groups
 
 Setting = Literal["local", "fsdp2", "hsdp", "tp"]
-SETTING_WORDS = {"local": "in one process", "fsdp2": "under FSDP2", "hsdp": "under HSDP (replicate x shard mesh)",
-                 "tp": "with tensor-parallel (Shard(0) and Shard(1)) weights"}
+SETTING_WORDS = {
+    "local": "in one process",
+    "fsdp2": "under FSDP2",
+    "hsdp": "under HSDP (replicate x shard mesh)",
+    "tp": "with tensor-parallel (Shard(0) and Shard(1)) weights",
+}
 INSTALL_HINT = "pip install 'dimuon[peers]'"
 MOMENTUM, NS_STEPS = 0.95, 5
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8
@@ -60,38 +64,78 @@ def adamw_for_rest(rest: Sequence[Tensor], lr: float) -> torch.optim.Optimizer:
 
 
 def _build_torch_muon(mod: ModuleType, muon: list[Tensor], rest: list[Tensor], lr: float) -> Any:
-    main = mod.Muon(muon, lr=lr, weight_decay=0.0, momentum=MOMENTUM, nesterov=True, ns_steps=NS_STEPS,
-                    adjust_lr_fn="match_rms_adamw")
+    main = mod.Muon(
+        muon,
+        lr=lr,
+        weight_decay=0.0,
+        momentum=MOMENTUM,
+        nesterov=True,
+        ns_steps=NS_STEPS,
+        adjust_lr_fn="match_rms_adamw",
+    )
     return Paired(main, adamw_for_rest(rest, lr))
 
 
 def _build_muon_fsdp2(mod: ModuleType, muon: list[Tensor], rest: list[Tensor], lr: float) -> Any:
     # Its own Adam for the groups with use_muon=False; rms_scale=True is its RMS-matched lr scale.
-    return mod.Muon([
-        {"params": muon, "use_muon": True, "lr": lr, "momentum": MOMENTUM, "nesterov": True, "weight_decay": 0.0,
-         "rms_scale": True, "ns_steps": NS_STEPS},
-        {"params": rest, "use_muon": False, "lr": lr, "betas": ADAMW_BETAS, "eps": ADAMW_EPS, "weight_decay": 0.0},
-    ])
+    return mod.Muon(
+        [
+            {
+                "params": muon,
+                "use_muon": True,
+                "lr": lr,
+                "momentum": MOMENTUM,
+                "nesterov": True,
+                "weight_decay": 0.0,
+                "rms_scale": True,
+                "ns_steps": NS_STEPS,
+            },
+            {"params": rest, "use_muon": False, "lr": lr, "betas": ADAMW_BETAS, "eps": ADAMW_EPS, "weight_decay": 0.0},
+        ]
+    )
 
 
 def _build_dtensor_muon(mod: ModuleType, muon: list[Tensor], rest: list[Tensor], lr: float) -> Any:
     # One optimizer, groups tagged by "algorithm"; quintic Newton-Schulz like dimuon's default.
     return mod.Muon(
-        [{"params": muon}, {"params": rest, "algorithm": "adamw"}], lr=lr, wd=0.0, use_cautious_wd=False,
-        momentum=MOMENTUM, nesterov=True, ns_steps=NS_STEPS, orthogonalization_strategy="newton_schulz",
-        adam_betas=ADAMW_BETAS, adam_eps=ADAMW_EPS,
+        [{"params": muon}, {"params": rest, "algorithm": "adamw"}],
+        lr=lr,
+        wd=0.0,
+        use_cautious_wd=False,
+        momentum=MOMENTUM,
+        nesterov=True,
+        ns_steps=NS_STEPS,
+        orthogonalization_strategy="newton_schulz",
+        adam_betas=ADAMW_BETAS,
+        adam_eps=ADAMW_EPS,
     )
 
 
 def _build_heavyball(mod: ModuleType, muon: list[Tensor], rest: list[Tensor], lr: float) -> Any:
     # SplitOpt routes the matrices to its Muon (momentum = betas[0]) and the rest to its AdamW.
     # consume_grad=False: by default it sets p.grad = None after reading it.
-    return mod.SplitOpt([
-        {"params": muon, "optimizer": mod.Muon, "lr": lr, "betas": (MOMENTUM, 0.99), "nesterov": True,
-         "weight_decay": 0.0, "consume_grad": False},
-        {"params": rest, "optimizer": mod.AdamW, "lr": lr, "betas": ADAMW_BETAS, "eps": ADAMW_EPS,
-         "weight_decay": 0.0, "consume_grad": False},
-    ])
+    return mod.SplitOpt(
+        [
+            {
+                "params": muon,
+                "optimizer": mod.Muon,
+                "lr": lr,
+                "betas": (MOMENTUM, 0.99),
+                "nesterov": True,
+                "weight_decay": 0.0,
+                "consume_grad": False,
+            },
+            {
+                "params": rest,
+                "optimizer": mod.AdamW,
+                "lr": lr,
+                "betas": ADAMW_BETAS,
+                "eps": ADAMW_EPS,
+                "weight_decay": 0.0,
+                "consume_grad": False,
+            },
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -113,34 +157,56 @@ class Peer:
 
 PEERS: dict[str, Peer] = {
     "torch_muon": Peer(
-        "torch_muon", "torch.optim.Muon + AdamW", "torch", "torch.optim", "bfloat16",
+        "torch_muon",
+        "torch.optim.Muon + AdamW",
+        "torch",
+        "torch.optim",
+        "bfloat16",
         "hard-coded: grad.bfloat16() before the iteration",
         "DTensor ops: sharding propagation gathers and reduces as each product needs (whole-matrix Muon)",
-        _build_torch_muon, "2.13.0",
+        _build_torch_muon,
+        "2.13.0",
     ),
     "muon_fsdp2": Peer(
-        "muon_fsdp2", "muon-fsdp2 Muon (+ its Adam)", "muon-fsdp2", "muon_fsdp2", "bfloat16",
+        "muon_fsdp2",
+        "muon-fsdp2 Muon (+ its Adam)",
+        "muon-fsdp2",
+        "muon_fsdp2",
+        "bfloat16",
         "hard-coded: G.bfloat16(), iteration under torch.compile",
         "1-D DTensor mesh: each matrix's shards gathered along dim 0 to one owner rank, orthogonalized there, "
         "scattered back; on a 2-D (HSDP) mesh its step fails (NotImplementedError here; its code asserts a 1-D mesh)",
-        _build_muon_fsdp2, "0.3.0",
-        unsupported={"local": "its single-process path (SingelDeviceWork) calls muon_update, which the module "
-                              "does not define (NameError)",
-                     "tp": "it joins the gathered shards along dim 0 whatever their placement, so a Shard(1) "
-                           "(column-split) weight would be orthogonalized as a different matrix; not run"},
+        _build_muon_fsdp2,
+        "0.3.0",
+        unsupported={
+            "local": "its single-process path (SingelDeviceWork) calls muon_update, which the module "
+            "does not define (NameError)",
+            "tp": "it joins the gathered shards along dim 0 whatever their placement, so a Shard(1) "
+            "(column-split) weight would be orthogonalized as a different matrix; not run",
+        },
     ),
     "dtensor_muon": Peer(
-        "dtensor_muon", "dtensor-muon Muon (+ its AdamW)", "dtensor-muon", "dtensor_muon", "bfloat16",
+        "dtensor_muon",
+        "dtensor-muon Muon (+ its AdamW)",
+        "dtensor-muon",
+        "dtensor_muon",
+        "bfloat16",
         "hard-coded: G.bfloat16(), Triton Gram kernel under torch.compile",
         "DTensor: full_tensor() of each matrix, every rank orthogonalizes it, redistributed back",
-        _build_dtensor_muon, "0.1.0",
+        _build_dtensor_muon,
+        "0.1.0",
         needs_cuda="its Newton-Schulz runs a Triton Gram kernel on CUDA tensors only (gram_ asserts is_cuda)",
     ),
     "heavyball": Peer(
-        "heavyball", "heavyball Muon (+ its AdamW, SplitOpt)", "heavyball", "heavyball", "bfloat16",
+        "heavyball",
+        "heavyball Muon (+ its AdamW, SplitOpt)",
+        "heavyball",
+        "heavyball",
+        "bfloat16",
         "hard-coded: stochastic rounding to bf16 before the iteration, under torch.compile",
         "DTensor: full_tensor() of update, gradient and parameter of each matrix, every rank orthogonalizes it",
-        _build_heavyball, "3.2.1",
+        _build_heavyball,
+        "3.2.1",
     ),
 }
 
@@ -193,8 +259,17 @@ def probe(key: str, device: torch.device | str = "cpu", setting: Setting = "loca
     tensor-parallel weights, with or without FSDP) here: installed, importable, supported."""
     peer = PEERS[key]
     version = installed_version(peer.distribution)
-    status = PeerStatus(peer.key, peer.label, peer.distribution, version, peer.ns_dtype, peer.ns_source,
-                        peer.sharded, peer.read_version, runnable=True)
+    status = PeerStatus(
+        peer.key,
+        peer.label,
+        peer.distribution,
+        version,
+        peer.ns_dtype,
+        peer.ns_source,
+        peer.sharded,
+        peer.read_version,
+        runnable=True,
+    )
     if version is None:
         return status.failed(f"{peer.distribution} is not installed ({INSTALL_HINT})")
     try:

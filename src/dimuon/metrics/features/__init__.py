@@ -21,9 +21,7 @@ EXTRACTORS: dict[str, Callable[..., FeatureExtractor]] = {
 def build_extractor(name: str, **kwargs: Any) -> FeatureExtractor:
     """Build a feature extractor by registry name; `kwargs` go to its constructor (see each extractor)."""
     if name not in EXTRACTORS:
-        raise ValueError(
-            f"unknown feature extractor {name!r}; allowed values: {', '.join(sorted(EXTRACTORS))}"
-        )
+        raise ValueError(f"unknown feature extractor {name!r}; allowed values: {', '.join(sorted(EXTRACTORS))}")
     return EXTRACTORS[name](**kwargs)
 
 

@@ -48,9 +48,7 @@ class ClassifierRecipe:
 class SmallCNN(nn.Module):
     """Two conv-BN-ReLU-pool stages, a pooled grid, a ReLU feature layer, then the class logits."""
 
-    def __init__(
-        self, in_channels: int, size: int, num_classes: int, channels: tuple[int, int], feature_dim: int
-    ):
+    def __init__(self, in_channels: int, size: int, num_classes: int, channels: tuple[int, int], feature_dim: int):
         super().__init__()
         c1, c2 = channels
         self.pool_side = max(1, min(4, size // 4))
@@ -161,11 +159,14 @@ def train_classifier(
         net = SmallCNN(c, min(h, w), num_classes, recipe.channels, recipe.feature_dim)
         steps_per_epoch = max(1, -(-images.shape[0] // recipe.batch_size))
         opt = torch.optim.AdamW(net.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-        sched = torch.optim.lr_scheduler.OneCycleLR(
-            opt, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch)
+        bar = tqdm(
+            total=recipe.epochs * steps_per_epoch,
+            desc="feature classifier",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not progress,
         )
-        bar = tqdm(total=recipe.epochs * steps_per_epoch, desc="feature classifier", unit="step",
-                   dynamic_ncols=True, disable=not progress)
         for _ in range(recipe.epochs):
             net.train()
             order = torch.randperm(images.shape[0], generator=gen)
@@ -241,20 +242,28 @@ def load_or_train_classifier(
         tensors, meta = read_tensors(path)
         arch = meta["recipe"]
         size = min(meta["height"], meta["width"])
-        net = SmallCNN(
-            meta["in_channels"], size, meta["num_classes"], tuple(arch["channels"]), arch["feature_dim"]
-        )
+        net = SmallCNN(meta["in_channels"], size, meta["num_classes"], tuple(arch["channels"]), arch["feature_dim"])
         net.load_state_dict(tensors, strict=True)
         return ClassifierFeatures(net, name, meta)
 
     num_classes = int(max(y.max().item(), yt.max().item())) + 1
-    log.info("training the feature classifier of %s on %d images (%d epochs; once: it is cached as %s for every "
-             "later evaluation of this data set)", dataset_name, x.shape[0], recipe.epochs, path)
+    log.info(
+        "training the feature classifier of %s on %d images (%d epochs; once: it is cached as %s for every "
+        "later evaluation of this data set)",
+        dataset_name,
+        x.shape[0],
+        recipe.epochs,
+        path,
+    )
     start = time.perf_counter()
     with _torch_threads(num_threads):
         net, acc = train_classifier(x, y, xt, yt, num_classes, recipe, progress=progress)
-    log.info("feature classifier trained in %.0f s, %.1f%% accuracy on %d held-out images",
-             time.perf_counter() - start, 100 * acc, xt.shape[0])
+    log.info(
+        "feature classifier trained in %.0f s, %.1f%% accuracy on %d held-out images",
+        time.perf_counter() - start,
+        100 * acc,
+        xt.shape[0],
+    )
     meta = {
         "name": name,
         "dataset_name": dataset_name,

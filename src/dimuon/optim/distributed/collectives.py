@@ -149,28 +149,48 @@ class Collectives:
         """``output`` (W * local.numel()) receives every rank's ``local`` in rank order."""
         self.counter.record(self._key("all_gather"), _nbytes(output) * (self.world - 1) // self.world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return _timed(self.counter, self._key("all_gather"), async_op, (output, local),
-                      lambda: gather(output, local, group=self.group, async_op=async_op))
+        return _timed(
+            self.counter,
+            self._key("all_gather"),
+            async_op,
+            (output, local),
+            lambda: gather(output, local, group=self.group, async_op=async_op),
+        )
 
     def all_reduce(self, tensor: Tensor, async_op: bool = False, kind: str = "all_reduce"):
         """Sum ``tensor`` over ranks in place."""
         self.counter.record(self._key(kind), 2 * _nbytes(tensor) * (self.world - 1) // self.world)
-        return _timed(self.counter, self._key(kind), async_op, (tensor,),
-                      lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
+        return _timed(
+            self.counter,
+            self._key(kind),
+            async_op,
+            (tensor,),
+            lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op),
+        )
 
     def all_max(self, values: Tensor, kind: str = "all_reduce[agree]") -> Tensor:
         """``values`` replaced in place by their elementwise maximum over the ranks (identical on every rank)."""
         self.counter.record(self._key(kind), 2 * _nbytes(values) * (self.world - 1) // self.world)
-        _timed(self.counter, self._key(kind), False, (values,),
-               lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group))
+        _timed(
+            self.counter,
+            self._key(kind),
+            False,
+            (values,),
+            lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group),
+        )
         return values
 
     def all_true(self, flag: Tensor) -> Tensor:
         """``flag`` (0-d bool) AND-ed over the ranks by one 4-byte all-reduce, on ``flag``'s device (no host read)."""
         value = flag.to(torch.int32).reshape(1)
         self.counter.record(self._key("all_reduce[check]"), 2 * 4 * (self.world - 1) // self.world)
-        _timed(self.counter, self._key("all_reduce[check]"), False, (value,),
-               lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group))
+        _timed(
+            self.counter,
+            self._key("all_reduce[check]"),
+            False,
+            (value,),
+            lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group),
+        )
         return value[0] > 0
 
     def all_to_all(
@@ -184,13 +204,24 @@ class Collectives:
         """Flat all-to-all: ``send`` is cut by ``input_splits`` per destination, ``output`` by source."""
         arrived = sum(n for r, n in enumerate(output_splits) if r != self.rank)
         self.counter.record(self._key("all_to_all"), arrived * output.element_size())
-        return _timed(self.counter, self._key("all_to_all"), async_op, (output, send), lambda: dist.all_to_all_single(
-            output, send, list(output_splits), list(input_splits), group=self.group, async_op=async_op
-        ))
+        return _timed(
+            self.counter,
+            self._key("all_to_all"),
+            async_op,
+            (output, send),
+            lambda: dist.all_to_all_single(
+                output, send, list(output_splits), list(input_splits), group=self.group, async_op=async_op
+            ),
+        )
 
     def broadcast(self, tensor: Tensor, src: int, async_op: bool = False):
         """``tensor`` from group rank ``src`` to every rank."""
         self.counter.record(self._key("broadcast"), _nbytes(tensor) if self.rank != src else 0)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return _timed(self.counter, self._key("broadcast"), async_op, (tensor,),
-                      lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op))
+        return _timed(
+            self.counter,
+            self._key("broadcast"),
+            async_op,
+            (tensor,),
+            lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op),
+        )

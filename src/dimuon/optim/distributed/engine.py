@@ -177,8 +177,9 @@ def intersect(a: RowRange, b: RowRange) -> RowRange | None:
     return (lo, hi) if lo < hi else None
 
 
-def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, name: str,
-                          option: str = "split_sizes", side: str = "rows") -> tuple[RowRange, ...]:
+def split_sizes_to_ranges(
+    rows: int, split_sizes: int | Sequence[int] | None, name: str, option: str = "split_sizes", side: str = "rows"
+) -> tuple[RowRange, ...]:
     """Global row ranges of the fused matrices given ``split_sizes`` (a chunk count or row counts); with
     ``option="col_split_sizes", side="columns"`` the same for column chunks."""
     if split_sizes is None or split_sizes == 1:
@@ -186,9 +187,7 @@ def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, na
     if isinstance(split_sizes, numbers.Integral) and not isinstance(split_sizes, bool):
         split_sizes = int(split_sizes)
         if split_sizes < 1 or rows % split_sizes:
-            raise ValueError(
-                f"{option}={split_sizes} for parameter {name!r} must divide its {rows} {side} evenly"
-            )
+            raise ValueError(f"{option}={split_sizes} for parameter {name!r} must divide its {rows} {side} evenly")
         sizes = [rows // split_sizes] * split_sizes
     else:
         sizes = [int(s) for s in split_sizes]
@@ -203,8 +202,9 @@ def split_sizes_to_ranges(rows: int, split_sizes: int | Sequence[int] | None, na
     return tuple(out)
 
 
-def col_split_sizes_to_ranges(cols: int, col_split_sizes: int | Sequence[int] | None,
-                              name: str) -> tuple[RowRange, ...]:
+def col_split_sizes_to_ranges(
+    cols: int, col_split_sizes: int | Sequence[int] | None, name: str
+) -> tuple[RowRange, ...]:
     """Global column ranges of the matrices given ``col_split_sizes`` (a chunk count or column counts)."""
     return split_sizes_to_ranges(cols, col_split_sizes, name, option="col_split_sizes", side="columns")
 
@@ -245,9 +245,7 @@ def as_batch(matrices: Sequence[Tensor]) -> Tensor:
     return view if view is not None else torch.stack(list(matrices))
 
 
-def apply_map_batched(
-    pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True
-) -> list[Tensor]:
+def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
     Matrices of one exact shape share a batched call (tall ones are handled tall, never copied
@@ -290,8 +288,11 @@ def row_factors_batched(pieces: Sequence[Tensor], scales: Sequence[float]) -> li
         groups[(tuple(piece.shape), scales[i])].append(i)
     for (_, scale), idx in groups.items():
         batch = batch_view([pieces[i] for i in idx])
-        results = row_factors(batch, scale=scale).unbind(0) if batch is not None else [
-            row_factors(pieces[i], scale=scale) for i in idx]
+        results = (
+            row_factors(batch, scale=scale).unbind(0)
+            if batch is not None
+            else [row_factors(pieces[i], scale=scale) for i in idx]
+        )
         for i, res in zip(idx, results):
             out[i] = res
     return out  # type: ignore[return-value]
@@ -306,8 +307,11 @@ def compose_row_direction(update: Tensor, parts: Sequence[RegionFactor]) -> RowD
         row_tiled = all(f.shape[-1] == 1 and (c0, c1) == (0, cols) for (_, _, c0, c1), f in parts)
         col_tiled = all(f.shape[-2] == 1 and (r0, r1) == (0, rows) for (r0, r1, _, _), f in parts)
         edges = [(r0, r1) if row_tiled else (c0, c1) for (r0, r1, c0, c1), _ in parts]
-        tiles = all(a == b for (_, a), (b, _) in pairwise(edges)) and edges[0][0] == 0 and (
-            edges[-1][1] == (rows if row_tiled else cols))
+        tiles = (
+            all(a == b for (_, a), (b, _) in pairwise(edges))
+            and edges[0][0] == 0
+            and (edges[-1][1] == (rows if row_tiled else cols))
+        )
         if (row_tiled or col_tiled) and tiles:
             factors = [f for _, f in parts]
             factor = factors[0] if len(factors) == 1 else torch.cat(factors, dim=0 if row_tiled else 1)
@@ -367,9 +371,10 @@ class LocalEngine:
 
     def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
         regions = [(j, region) for j, job in enumerate(jobs) for region in job.regions()]
-        factors = row_factors_batched([jobs[j].update[r0:r1, c0:c1] for j, (r0, r1, c0, c1) in regions],
-                                      [lr_scale_factor(config.lr_scale, r1 - r0, c1 - c0) for _, (r0, r1, c0, c1)
-                                       in regions])
+        factors = row_factors_batched(
+            [jobs[j].update[r0:r1, c0:c1] for j, (r0, r1, c0, c1) in regions],
+            [lr_scale_factor(config.lr_scale, r1 - r0, c1 - c0) for _, (r0, r1, c0, c1) in regions],
+        )
         parts: list[list[RegionFactor]] = [[] for _ in jobs]
         for (j, region), f in zip(regions, factors):
             parts[j].append((region, f))
@@ -401,8 +406,10 @@ class LocalEngine:
             for j, whole in zip(js, torch.empty((len(js), *shape), dtype=dtype, device=device).unbind(0)):
                 outs[j] = whole
         if copies:  # one list copy for every region
-            torch._foreach_copy_([outs[j][r0:r1, c0:c1] for j, (r0, r1, c0, c1), _ in copies],  # type: ignore[index]
-                                 [res for *_, res in copies])
+            torch._foreach_copy_(
+                [outs[j][r0:r1, c0:c1] for j, (r0, r1, c0, c1), _ in copies],  # type: ignore[index]
+                [res for *_, res in copies],
+            )
         for j, job in enumerate(jobs):  # a matrix without regions (a rank's empty share of stacked matrices)
             if outs[j] is None:
                 wide = torch.promote_types(job.update.dtype, torch.float32)

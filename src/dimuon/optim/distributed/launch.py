@@ -30,13 +30,21 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, out_dir: str, threads: int, timeout_s: float, backend: str, fn: Callable,
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    threads: int,
+    timeout_s: float,
+    backend: str,
+    fn: Callable,
     args: tuple,
 ) -> None:
     if timeout_s > 0:  # a hung collective dumps every thread's stack and fails the run instead of hanging
         faulthandler.dump_traceback_later(timeout_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -56,7 +64,11 @@ def _worker(
 
 
 def run_gloo(
-    fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout_s: float = 600.0,
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    threads: int = 1,
+    timeout_s: float = 600.0,
     backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return each rank's result in rank order.
@@ -68,6 +80,7 @@ def run_gloo(
     tensors to the CPU before returning them).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world,
-                 join=True)
+        mp.spawn(
+            _worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world, join=True
+        )
         return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(world)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,10 @@ ROWS, COLS = 0, 1
 
 
 def is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (seconds) where nothing has: a
+    DTensor exists only once its module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 @dataclass(frozen=True)
@@ -84,15 +88,17 @@ class Piece:
                 raise NotImplementedError("a rank's rows of one logical matrix are not adjacent in its local tensor")
         return spans[0].local, spans[-1].local + spans[-1].size
 
-    def write(self, out: Tensor, full: Tensor, start: int, stop: int, col_start: int = 0,
-              col_stop: int | None = None) -> None:
+    def write(
+        self, out: Tensor, full: Tensor, start: int, stop: int, col_start: int = 0, col_stop: int | None = None
+    ) -> None:
         """``out`` (this piece's local tensor) gets its entries of ``full`` = global rows ``[start, stop)`` x
         global columns ``[col_start, col_stop)`` (default: every column)."""
         col_stop = col_start + full.shape[1] if col_stop is None else col_stop
         for r in self.rows_in(start, stop):
             for c in self.cols_in(col_start, col_stop):
-                out[r.local : r.local + r.size, c.local : c.local + c.size] = (
-                    full[r.start - start : r.stop - start, c.start - col_start : c.stop - col_start])
+                out[r.local : r.local + r.size, c.local : c.local + c.size] = full[
+                    r.start - start : r.stop - start, c.start - col_start : c.stop - col_start
+                ]
 
     def place(self, full: Tensor, local: Tensor) -> None:
         """``full`` gets this piece's local tensor ``local`` at its global position."""
@@ -166,7 +172,9 @@ def _placement_dim(p: Any) -> int | None:
 
 
 def _is_strided(p: Any) -> bool:
-    return type(p).__name__ == "_StridedShard"
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(p, _StridedShard)
 
 
 def _split(idx: Tensor, placement: Any, size: int, coord: int) -> Tensor:
@@ -234,8 +242,11 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     for d in (ROWS, COLS):
         strided = [p for p, pd in zip(placements, dims) if pd == d and _is_strided(p)]
         if len(strided) > 1:
-            raise _refuse(name, "two _StridedShard placements on one dimension (torch does not lay the data out "
-                          "as they say)", param)
+            raise _refuse(
+                name,
+                "two _StridedShard placements on one dimension (torch does not lay the data out as they say)",
+                param,
+            )
     shape = tuple(param.shape)
     rows, cols = shape[0], math.prod(shape[1:])
     col_unit = math.prod(shape[2:])
@@ -243,9 +254,13 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     col_dims = tuple(i for i, d in enumerate(dims) if d == COLS)
     rep_dims = tuple(i for i, d in enumerate(dims) if d is None)
     if len(row_dims) + len(col_dims) > 1 and not mesh.mesh_dim_names:
-        raise _refuse(name, "both mesh dimensions shard it, which needs a flattened process group, and a mesh "
-                      "without mesh_dim_names cannot be flattened; name the dimensions (init_device_mesh(..., "
-                      "mesh_dim_names=...))", param)
+        raise _refuse(
+            name,
+            "both mesh dimensions shard it, which needs a flattened process group, and a mesh "
+            "without mesh_dim_names cannot be flattened; name the dimensions (init_device_mesh(..., "
+            "mesh_dim_names=...))",
+            param,
+        )
     coord = mesh.get_coordinate()
     if coord is None:
         raise _refuse(name, "this rank is not in the parameter's mesh", param)
@@ -254,6 +269,10 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     local = param.to_local()
     local_shape = (local.shape[0], math.prod(local.shape[1:])) if local.ndim >= 2 else None
     if local_shape != mine.shape:
-        raise _refuse(name, f"its local tensor has shape {tuple(local.shape)}, but the placements give this "
-                      f"rank a {mine.shape[0]} x {mine.shape[1]} piece", param)
+        raise _refuse(
+            name,
+            f"its local tensor has shape {tuple(local.shape)}, but the placements give this "
+            f"rank a {mine.shape[0]} x {mine.shape[1]} piece",
+            param,
+        )
     return Layout(name, rows, cols, mesh, placements, row_dims, col_dims, rep_dims, col_unit, mine)

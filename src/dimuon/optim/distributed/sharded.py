@@ -106,8 +106,9 @@ def mesh_dim_label(mesh, dims: Sequence[int]) -> str:
     return "+".join(names[d] if names else f"mesh_dim{d}" for d in dims)
 
 
-def vote_groups(params: Sequence[Tensor], process_group: dist.ProcessGroup | None
-                ) -> list[tuple[dist.ProcessGroup, str]]:
+def vote_groups(
+    params: Sequence[Tensor], process_group: dist.ProcessGroup | None
+) -> list[tuple[dist.ProcessGroup, str]]:
     """The process groups the non-finite vote runs over, with their labels, in the same order on every rank.
 
     Where the ranks of the parameters' meshes (and of ``process_group``) are together the whole default group,
@@ -143,8 +144,9 @@ def _ns_cost(rows: int, cols: int) -> float:
     return 5.0 * (2.0 * r * r * c + r**3)
 
 
-def assign_owners(shapes: Sequence[tuple[int, int]], world: int, classes: Sequence[Hashable] | None = None
-                  ) -> list[int]:
+def assign_owners(
+    shapes: Sequence[tuple[int, int]], world: int, classes: Sequence[Hashable] | None = None
+) -> list[int]:
     """Owner rank per matrix, balanced by Newton-Schulz FLOPs and the same on every rank: the matrices of each class
     (default: one shape; of one cost) taken ``world`` at a time, the costliest class first, each chunk's matrices
     to as many of the least-loaded ranks, one each. A class of ``n`` matrices then has at most ``ceil(n / world)``
@@ -333,8 +335,9 @@ class ShardedEngine:
         placed = [(job, self._placement(job)) for job in jobs]
         local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
         if local:  # stacked matrices held whole: the single-process maps on the local ones, no communication
-            out = dict(zip(local, self._local.directions([_local_stacked_job(*placed[i]) for i in local], kind,
-                                                         config)))
+            out = dict(
+                zip(local, self._local.directions([_local_stacked_job(*placed[i]) for i in local], kind, config))
+            )
             rest = [i for i in range(len(placed)) if i not in out]
             if rest:
                 out.update(zip(rest, self.directions([jobs[i] for i in rest], kind, config)))
@@ -348,8 +351,11 @@ class ShardedEngine:
     def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
         placed = [(job, self._placement(job)) for job in jobs]
         local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
-        out: dict[int, RowDirection] = dict(zip(local, self._local.row_directions(
-            [_local_stacked_job(*placed[i]) for i in local], config))) if local else {}
+        out: dict[int, RowDirection] = (
+            dict(zip(local, self._local.row_directions([_local_stacked_job(*placed[i]) for i in local], config)))
+            if local
+            else {}
+        )
         rest = [i for i in range(len(placed)) if i not in out]
         if rest:
             out.update(zip(rest, self._rownorm([placed[i] for i in rest], config)))
@@ -396,8 +402,12 @@ class ShardedEngine:
             else:
                 # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
                 cols = job.col_ranges() if job.col_splits else ((0, job.update.shape[1]),)
-                regions = [(r[0], r[1], c, d) for a, b in job.logical_ranges()
-                           if (r := plc.mine.local_rows_in(a, b)) is not None for c, d in cols]
+                regions = [
+                    (r[0], r[1], c, d)
+                    for a, b in job.logical_ranges()
+                    if (r := plc.mine.local_rows_in(a, b)) is not None
+                    for c, d in cols
+                ]
             for r0, r1, c0, c1 in regions:
                 pieces.append(job.update[r0:r1, c0:c1])
                 where.append((i, r0, r1, c0, c1))
@@ -405,8 +415,12 @@ class ShardedEngine:
         count = Counter(i for i, *_ in where)
         outs: list[Tensor | None] = [None] * len(placed)
         for (i, r0, r1, c0, c1), d in zip(where, results):  # a block that is the whole piece is its direction
-            if count[i] == 1 and (r0, r1, c0, c1) == (0, *placed[i][0].update.shape[:1], 0,
-                                                       placed[i][0].update.shape[1]):
+            if count[i] == 1 and (r0, r1, c0, c1) == (
+                0,
+                *placed[i][0].update.shape[:1],
+                0,
+                placed[i][0].update.shape[1],
+            ):
                 outs[i] = d
         for (i, r0, r1, c0, c1), d in zip(where, results):
             if outs[i] is None:
@@ -438,8 +452,15 @@ class ShardedEngine:
                         if block is not None:  # oriented as its matrix: a wide one's rows, a tall one's columns
                             whole.append((i, (local[0], local[1], c, d), block, scale))
                         continue
-                    entry = _SplitRows(i, None if local is None else (local[0], local[1], c, d), scale, wide,
-                                       block, (local[1] - local[0]) if wide else d - c, u.device)
+                    entry = _SplitRows(
+                        i,
+                        None if local is None else (local[0], local[1], c, d),
+                        scale,
+                        wide,
+                        block,
+                        (local[1] - local[0]) if wide else d - c,
+                        u.device,
+                    )
                     pending.setdefault(id(comm), (comm, []))[1].append(entry)
         for (i, region, _, _), f in zip(whole, row_factors_batched([w[2] for w in whole], [w[3] for w in whole])):
             parts[i].append((region, f))
@@ -483,8 +504,7 @@ class ShardedEngine:
         materialize on a rank, not by the pieces, so memory and overlap do not depend on the world size."""
         out = []
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0], config).itemsize
-                     for i in idx]
+            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0], config).itemsize for i in idx]
             out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
         return out
 
@@ -559,8 +579,17 @@ class ShardedEngine:
     def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
         on every rank: shapes, placements and the group ranks decide)."""
-        key = tuple((id(job.meta.get("param")), job.rows, job.cols, job.splits, job.col_splits,
-                     self._payload_dtype(job, config)) for job, _ in placed)
+        key = tuple(
+            (
+                id(job.meta.get("param")),
+                job.rows,
+                job.cols,
+                job.splits,
+                job.col_splits,
+                self._payload_dtype(job, config),
+            )
+            for job, _ in placed
+        )
         plan = self._owner_plans.get(key)
         if plan is None:
             plan = self._owner_plans[key] = self._make_owner_plan(placed, config)
@@ -575,8 +604,15 @@ class ShardedEngine:
             keys = {}
             for i in idx:
                 job, plc = placed[i]
-                keys[i] = (job.rows, job.cols, plc.members, plc.pad, job.update.dtype, self._payload_dtype(job, config),
-                           job.update.device)
+                keys[i] = (
+                    job.rows,
+                    job.cols,
+                    plc.members,
+                    plc.pad,
+                    job.update.dtype,
+                    self._payload_dtype(job, config),
+                    job.update.device,
+                )
             shapes = [(placed[i][0].rows, placed[i][0].cols) for i in idx]
             owners = dict(zip(idx, assign_owners(shapes, comm.world, [keys[i] for i in idx])))
             classes: dict[tuple, list[int]] = {}
@@ -601,15 +637,17 @@ class ShardedEngine:
             comm, pad = bucket.comm, bucket.pad
             pieces = [placed[i][0].update.reshape(-1) for i in bucket.jobs]
             full_slots = all(p.numel() == pad for p in pieces)
-            send = (torch.empty if full_slots else torch.zeros)(len(pieces) * pad, dtype=bucket.dtype,
-                                                               device=pieces[0].device)
+            send = (torch.empty if full_slots else torch.zeros)(
+                len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
+            )
             filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
             if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
                 torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
             counts = [bucket.owners.count(r) for r in range(comm.world)]
             recv = send.new_empty(comm.world * counts[comm.rank] * pad)
-            work = comm.all_to_all(recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts],
-                                   async_op=True)
+            work = comm.all_to_all(
+                recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
+            )
             return recv, counts, work
 
         returns = []
@@ -630,8 +668,11 @@ class ShardedEngine:
             for t, i in enumerate(owned):
                 job, plc = placed[i]
                 full = self._full(job, plc, table[:, t], keep_dtype=True)
-                dirs[i] = (back[t, : job.rows * job.cols].view(job.rows, job.cols) if plc.row_major
-                           else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device))
+                dirs[i] = (
+                    back[t, : job.rows * job.cols].view(job.rows, job.cols)
+                    if plc.row_major
+                    else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device)
+                )
                 for a, bnd, c, e in job.regions():
                     pieces.append(full[a:bnd, c:e])
                     where.append((i, a, bnd, c, e))
@@ -645,8 +686,9 @@ class ShardedEngine:
             # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
             send_back = back.view(len(owned), comm.world, pad).transpose(0, 1).reshape(-1)
             recv_back = send_back.new_empty(len(bucket.jobs) * pad)
-            work_back = comm.all_to_all(recv_back, send_back, [c * pad for c in counts],
-                                        [len(owned) * pad] * comm.world, async_op=True)
+            work_back = comm.all_to_all(
+                recv_back, send_back, [c * pad for c in counts], [len(owned) * pad] * comm.world, async_op=True
+            )
             returns.append((bucket, recv_back, work_back, scales))
         for bucket, recv_back, work, scales in returns:
             work.wait()
@@ -659,8 +701,9 @@ class ShardedEngine:
                     outs[i].mul_(scales[i])
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
-    def _return_dtype(self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
-                      ) -> tuple[torch.dtype, dict[int, float] | None]:
+    def _return_dtype(
+        self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
+    ) -> tuple[torch.dtype, dict[int, float] | None]:
         """The dtype an owner sends a bucket's directions back in, and per job the lr scale the receiver then
         applies: Newton-Schulz's own dtype, unscaled, where it is narrower than the directions and every job of
         the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or wide)."""
@@ -678,8 +721,9 @@ class ShardedEngine:
                 return narrow, scales
         return self.comm_dtype or wide, None
 
-    def _replica_shares(self, placed: Sequence[Placed], sharded: Sequence[int]
-                        ) -> tuple[list[int], list[tuple[Collectives, list[int], list[int]]]]:
+    def _replica_shares(
+        self, placed: Sequence[Placed], sharded: Sequence[int]
+    ) -> tuple[list[int], list[tuple[Collectives, list[int], list[int]]]]:
         """The sharded jobs this rank's replica refreshes, and per replicate group the owner replica of each
         job (``replica_refresh="split"``); with ``"repeat"`` every replica refreshes every job."""
         if self.replica_refresh == "repeat":
@@ -725,15 +769,20 @@ class ShardedEngine:
                     for a, b, c, e in placed[i][0].regions():
                         pieces.append(placed[i][0].update[a:b, c:e])
                         where.append((i, a, b, c, e))
-                dirs = {i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device)
-                        for i in mine}
-                for (i, a, b, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config,
-                                                                       scaled=False)):
+                dirs = {
+                    i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device)
+                    for i in mine
+                }
+                for (i, a, b, c, e), d in zip(
+                    where, apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=False)
+                ):
                     dirs[i][a:b, c:e] = d
                 flats = [dirs[i].reshape(-1) for i in mine]
             else:
-                flats = [d.reshape(-1) for d in self._local.directions([placed[i][0] for i in mine],
-                                                                       StepKind.SPECTRAL, config)]
+                flats = [
+                    d.reshape(-1)
+                    for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
+                ]
             pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
         for owned, scales, (recv, pad, work) in pending:
             work.wait()
@@ -745,8 +794,13 @@ class ShardedEngine:
         return outs
 
 
-def _gather_segments(comm: Collectives, placed: Sequence[Placed], owned: Sequence[Sequence[int]],
-                     mine: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, int, object]:
+def _gather_segments(
+    comm: Collectives,
+    placed: Sequence[Placed],
+    owned: Sequence[Sequence[int]],
+    mine: Sequence[Tensor],
+    dtype: torch.dtype,
+) -> tuple[Tensor, int, object]:
     """Async all-gather of every rank's segment (the flat tensors ``mine`` of the jobs it owns, ``owned[rank]``),
     each padded to the largest segment: ``(recv, pad, work)``, rank ``r``'s segment at ``recv[r * pad:]``."""
     pad = max(sum(placed[i][0].update.numel() for i in jobs) for jobs in owned)
@@ -776,9 +830,17 @@ def _local_stacked_job(job: MatrixJob, plc: _Placement) -> MatrixJob:
     m = job.matrix_rows
     count = job.update.shape[0] // m
     own = tuple((a, b) for a, b in job.splits if b <= m)  # the row ranges of one stacked matrix
-    return MatrixJob(name=job.name, update=job.update, rows=count * m, cols=job.cols,
-                     splits=stacked_ranges(count, m, own) if job.splits else (), blocks=job.blocks, meta=job.meta,
-                     col_splits=job.col_splits, matrix_rows=m)
+    return MatrixJob(
+        name=job.name,
+        update=job.update,
+        rows=count * m,
+        cols=job.cols,
+        splits=stacked_ranges(count, m, own) if job.splits else (),
+        blocks=job.blocks,
+        meta=job.meta,
+        col_splits=job.col_splits,
+        matrix_rows=m,
+    )
 
 
 def _local_logical_rows(job: MatrixJob, plc: _Placement) -> list[RowRange | None]:
@@ -842,8 +904,11 @@ def _partial_square_sums(entries: Sequence[_SplitRows]) -> list[Tensor]:
         batch = batch_view(blocks)  # type: ignore[arg-type]
         dim = -1 if wide else -2
         wide_dtype = torch.promote_types(dtype, torch.float32)
-        sums = (square_sums(batch.to(wide_dtype), dim).unbind(0) if batch is not None else
-                [square_sums(b.to(wide_dtype), dim) for b in blocks])  # type: ignore[union-attr]
+        sums = (
+            square_sums(batch.to(wide_dtype), dim).unbind(0)
+            if batch is not None
+            else [square_sums(b.to(wide_dtype), dim) for b in blocks]
+        )  # type: ignore[union-attr]
         for k, total in zip(idx, sums):
             out[k] = total.reshape(-1)
     return out  # type: ignore[return-value]
