@@ -517,6 +517,17 @@ def sweep_summary(record: dict) -> dict[str, dict]:
     return out
 
 
+def _race_report():
+    """scripts/race_report.py, the module beside this script: its directory put on ``sys.path`` if it is not there
+    (it is when the script runs as ``python scripts/race.py``; not when it is loaded from its file)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import race_report
+
+    return race_report
+
+
 def report(args: argparse.Namespace) -> int:
     """``<report-dir>``: the race's numbers (race.json, race.md), its plots and a copy of every part's record,
     from whatever parts have finished (the main table from ``seeds``, or from ``sweep``'s seed 0 before it).
@@ -524,7 +535,7 @@ def report(args: argparse.Namespace) -> int:
     A checkout without some parts' runs (a fresh clone of the published report, say) takes those parts' records
     from their copies in ``<report-dir>`` and the FD curves of runs whose directories are gone from the
     published race.json; a plot that needs files no longer here (the sample grids) is kept as published."""
-    from dimuon.bench import race_report as rr
+    rr = _race_report()
     from dimuon.io import write_json_atomic, write_text_atomic
 
     dest = args.report_dir or args.out / "report"
@@ -706,7 +717,7 @@ def report(args: argparse.Namespace) -> int:
 
 def render(result: dict) -> str:
     """race.md: the main table, the sweep, each ablation and the K costs."""
-    from dimuon.bench import race_report as rr
+    rr = _race_report()
 
     m = result["machine"]
     main = result["main"]

@@ -204,7 +204,7 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> di
     import contextlib
     from unittest import mock
 
-    from dimuon.optim import core
+    from dimuon.optim import adaptive
 
     built = meshes()
     out = {}
@@ -215,7 +215,7 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> di
         placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters() if n.endswith("weight")}
         with contextlib.ExitStack() as stack:
             if skew and built[key].get_coordinate()[0] == 1:  # replica 1 alone finds every matrix stale
-                stack.enter_context(mock.patch.object(core, "staleness_from_sums", _stale))
+                stack.enter_context(mock.patch.object(adaptive, "staleness_from_sums", _stale))
             log = train(model, opt, 0, STEPS)
         out[name] = {"params": full_params(model), "log": log, "placements": placements}
     dist.barrier()

@@ -20,7 +20,7 @@ SCHEDULES = {
     "muon_bp": {"period": 2},
     "adaptive_row_muon": {"k_min": 1, "k_max": 3, "threshold": 0.0},
 }
-SIGNAL_SITE = "core.py:_decide_kinds"
+SIGNAL_SITE = "core.py:read"
 
 
 def _model(mesh_shape: tuple[int, ...], world: int):

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 from tests.example_modules import import_example
 
 pytestmark = [

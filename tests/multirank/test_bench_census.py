@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dimuon.bench import census
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 from dimuon.optim.linalg import newton_schulz_products
 
 from . import census_scenarios as cs

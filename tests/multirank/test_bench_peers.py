@@ -3,8 +3,8 @@ peers' traffic (each peer skipped, with the reason, where it cannot run)."""
 
 import pytest
 
+from dimuon.bench.launch import run_gloo
 from dimuon.bench.peers import PEERS
-from dimuon.optim.distributed.launch import run_gloo
 
 from . import peer_scenarios as ps
 

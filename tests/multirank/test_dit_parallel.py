@@ -3,8 +3,8 @@ model (saved names and values, outputs), and the same training as one process.""
 
 import pytest
 
+from dimuon.bench.launch import run_gloo
 from dimuon.optim import build, param_groups
-from dimuon.optim.distributed.launch import run_gloo
 
 from . import mesh_scenarios as ms
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from .. import device_trap as dt
 

@@ -4,7 +4,7 @@ gradient reductions in fp32 (half the all-gather bytes; the optimizer steps fp32
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import precision_scenarios as ps
 

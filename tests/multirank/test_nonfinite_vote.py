@@ -5,7 +5,7 @@ all-reduce over the world, also on a 2-D mesh whose two groups used to take one 
 
 import pytest
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import nonfinite_scenarios as ns
 

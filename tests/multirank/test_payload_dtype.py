@@ -5,7 +5,7 @@ sends directions back unscaled in bf16 where a bucket's matrices share one lr sc
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import payload_scenarios as ps
 

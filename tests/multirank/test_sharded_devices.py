@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import scenarios as sc
 

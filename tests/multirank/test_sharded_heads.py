@@ -4,7 +4,7 @@ on every rank, and the construction errors for the layouts they cannot run on.""
 
 import pytest
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import heads_scenarios as hs
 

@@ -5,7 +5,7 @@ topologies, and the clear error for the layouts the optimizer refuses."""
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import mesh_scenarios as ms
 

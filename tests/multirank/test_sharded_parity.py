@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 from dimuon.optim.distributed.sharded import assign_owners, make_buckets, owner_buckets
 
 from . import scenarios as sc

@@ -14,7 +14,7 @@ choice) is covered by the CUDA-marked tests in tests/unit/test_optim_cuda.py.
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import scenarios as sc
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 pytest.importorskip("torchtitan.components.optimizer", reason="needs torchtitan (see README: torchtitan)")
 

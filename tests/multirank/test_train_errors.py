@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import train_scenarios as sc
 

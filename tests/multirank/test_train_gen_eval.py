@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from dimuon.bench.launch import run_gloo
 from dimuon.eval.run import main as eval_main
 from dimuon.metrics.results import load_results
-from dimuon.optim.distributed.launch import run_gloo
 from dimuon.train.config import EvalOptions
 
 from . import train_scenarios as sc

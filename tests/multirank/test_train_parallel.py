@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dimuon.optim.distributed.launch import run_gloo
+from dimuon.bench.launch import run_gloo
 
 from . import train_scenarios as sc
 

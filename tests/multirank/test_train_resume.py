@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from dimuon.bench.launch import run_gloo
 from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval, read_meta
-from dimuon.optim.distributed.launch import run_gloo
 from dimuon.train import TrainConfig, train
 
 from . import train_scenarios as sc

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dimuon.optim.distributed.launch import free_port
+from dimuon.bench.launch import free_port
 
 pytestmark = pytest.mark.slow
 

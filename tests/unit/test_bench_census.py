@@ -83,7 +83,7 @@ def test_host_reads_are_counted_with_their_sites(record):
     for job, case in _cases(record, "adaptive"):
         if case["step"] == 2:  # the vote read with the staleness signals: one read
             assert case["host_reads_by_kind"] == {"tolist": 1}, job["layout"]
-            assert list(case["read_sites"]) == ["tolist at dimuon/optim/core.py:_decide_kinds"]
+            assert list(case["read_sites"]) == ["tolist at dimuon/optim/core.py:read"]
     for _, case in _cases(record, "prm_k3"):  # the vote (with this rank's verdicts, for the message)
         assert case["read_sites"] == {"tolist at dimuon/optim/core.py:step": 1}
     for job, case in _cases(record, "adaptive_skip"):  # the vote stays on the device

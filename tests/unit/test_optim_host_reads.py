@@ -22,7 +22,7 @@ FAMILY = {
     "muon_bp": (MuonBP, {"period": 2, "blocks": 2}),
     "adaptive_row_muon": (AdaptiveRowMuon, {"k_min": 1, "k_max": 3, "threshold": 0.0}),
 }
-SIGNAL_SITE = "core.py:_decide_kinds"  # AdaptiveRowMuon's read of its staleness signals
+SIGNAL_SITE = "core.py:read"  # a schedule's host read of its signals (StepContext.read)
 
 
 class Net(nn.Module):

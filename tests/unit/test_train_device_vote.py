@@ -22,7 +22,7 @@ from dimuon.train.failures import RunFailed
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILY = ("muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
-SIGNAL_SITE = "core.py:_decide_kinds"  # AdaptiveRowMuon's own read of its staleness signals
+SIGNAL_SITE = "core.py:read"  # AdaptiveRowMuon's own read of its staleness signals (StepContext.read)
 
 
 def arrays(path: Path, bad_rows: tuple[int, ...] = ()) -> Path:

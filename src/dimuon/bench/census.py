@@ -19,7 +19,7 @@ for one step of every optimizer configuration on every layout the census records
 - the largest buffer a collective of the step names (the gathered bucket, an all-to-all's buffers) and the
   largest batch handed to Newton-Schulz: the refresh buffers, without the allocator's own peak.
 
-Scales: ``--gloo-worlds`` (4 and 8) are real gloo processes (:func:`~dimuon.optim.distributed.launch.run_gloo`)
+Scales: ``--gloo-worlds`` (4 and 8) are real gloo processes (:func:`~dimuon.bench.launch.run_gloo`)
 on ``--gloo-model`` (DiT-S/2) shapes, every rank traced with the real Newton-Schulz. ``--fake-worlds`` (64 and
 256) run in this one process on torch's fake process group (collectives do nothing, DeviceMesh and FSDP2 work
 as on a cluster) on ``--fake-model`` (DiT-XL/2) shapes, built on the meta device and materialized with
@@ -66,6 +66,7 @@ from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, StepKind, build, param_groups
+from dimuon.optim import adaptive as adaptive_module
 from dimuon.optim import core as core_module
 from dimuon.optim import devices as devices_module
 from dimuon.optim.core import local_tensor
@@ -526,10 +527,10 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
     tally = Tally()
     counter.reset()
     with contextlib.ExitStack() as stack:
-        if ns != "real" and hasattr(core_module, "staleness_from_sums"):
+        if ns != "real":
             # Stubbed directions are zeros, references of no direction: AdaptiveRowMuon's signal is void (inf,
             # every matrix refreshes) on every rank, whatever the fake backend left in its receive buffers.
-            stack.enter_context(_patched(core_module, "staleness_from_sums", _void_staleness))
+            stack.enter_context(_patched(adaptive_module, "staleness_from_sums", _void_staleness))
         if ns == "plan":
             plan = _map_plan(tally)
             stack.enter_context(_patched(engine_module, "apply_map_batched", plan))
@@ -778,9 +779,6 @@ def trace_job(
 def _meta_state(opt: Any) -> None:
     """The Muon state of parameters on the meta device, made as the core makes it on any other device (it
     leaves meta parameters without state until they are moved): a plan pass's tensors hold shapes only."""
-    from dimuon.optim.schedules import NEVER_REFRESHED
-    from dimuon.optim.staleness import REFERENCE_DTYPE
-
     for group in opt.param_groups:
         if group.get("algorithm") != "muon":
             continue
@@ -789,10 +787,7 @@ def _meta_state(opt: Any) -> None:
             if not local_tensor(p).is_meta or "momentum_buffer" in state:
                 continue
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
-            if opt.schedule.per_matrix:
-                state["refresh_direction"] = torch.zeros_like(p, dtype=REFERENCE_DTYPE)
-                state["refresh_row_sums"] = core_module._zeros_by_rows(p, core_module.row_sums_width(p, group))
-                state["refresh_age"] = NEVER_REFRESHED
+            opt.schedule.init_state(p, group, state)
 
 
 def _gloo_rank(rank: int, world: int, cfg: Config, jobs: list[Job]) -> list[dict[str, Any]]:
@@ -1212,7 +1207,7 @@ def _cases(
     ]
 
 
-SIGNAL_SITE = "core.py:_decide_kinds"  # where a per-matrix schedule reads its staleness signals
+SIGNAL_SITE = "core.py:read"  # where a schedule reads its signals (StepContext.read)
 
 
 def signal_reads(case: dict[str, Any]) -> int:
@@ -1365,7 +1360,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     jobs, refused = plan_jobs(cfg)
     summaries: list[dict[str, Any]] = []
     gloo = [j for j in jobs if not j.fake]
-    from dimuon.optim.distributed.launch import run_gloo
+    from dimuon.bench.launch import run_gloo
 
     for world in sorted({j.world for j in gloo}):
         mine = [j for j in gloo if j.world == world]

@@ -799,7 +799,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any] | None
         if results is None:
             return None
     else:
-        from dimuon.optim.distributed.launch import run_gloo
+        from dimuon.bench.launch import run_gloo
 
         results = run_gloo(_spawned_rank, cfg.world, cfg, threads=cfg.threads or 1, timeout_s=cfg.timeout_s)
     record = summarize(cfg, results, launcher, argv)

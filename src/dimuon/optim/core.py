@@ -38,7 +38,6 @@ from dimuon.optim.distributed.engine import (
     MatrixJob,
     Refresh,
     ReplicaRefresh,
-    RowRange,
     RowScaled,
     block_grid,
     col_split_sizes_to_ranges,
@@ -54,14 +53,7 @@ from dimuon.optim.linalg import (
     NsAlgorithm,
     NsCoefficients,
 )
-from dimuon.optim.schedules import NEVER_REFRESHED, Schedule, StepKind
-from dimuon.optim.staleness import (
-    REFERENCE_DTYPE,
-    ROW_SUMS,
-    reference_row_sums,
-    staleness_from_sums,
-    staleness_partial_sums_many,
-)
+from dimuon.optim.schedules import Schedule, StepKind
 from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
 
 ALGORITHMS = ("muon", "adamw")
@@ -81,8 +73,6 @@ _MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
-# Matrix state whose saved dtype a load keeps (torch would cast it to the parameter's dtype).
-_MATRIX_STATE_DTYPES = ("momentum_buffer", "refresh_direction", "refresh_row_sums")
 _ENGINE_DEFAULTS: dict[str, Any] = {
     "refresh": DEFAULT_REFRESH,
     "bucket_mb": DEFAULT_BUCKET_MB,
@@ -109,6 +99,33 @@ class _Verdicts:
 
     owners: list[tuple[int, int]]
     finite: Tensor
+
+
+class _StepContext:
+    """What the core lends its schedule at one step (:class:`~dimuon.optim.schedules.StepContext`): the state, the
+    engine, and the one host read, which carries the vote of ``nonfinite="raise"`` where the schedule reads."""
+
+    def __init__(self, opt: MuonFamily, vote: tuple[Tensor, _Verdicts] | None) -> None:
+        self.state = opt.state
+        self.engine = opt._get_engine()
+        self._opt = opt
+        self._vote = vote  # read with the schedule's first read, else by settle()
+
+    def read(self, values: Tensor) -> list[float]:
+        if self._vote is None:
+            return values.tolist()
+        ok, verdicts = self._vote
+        self._vote = None
+        read = torch.cat([values, self._opt._vote_values(ok, verdicts).to(values)]).tolist()  # one read for both
+        self._opt._check_vote(read[len(values) :], verdicts)
+        return read[: len(values)]
+
+    def settle(self) -> None:
+        """Read the vote now where the schedule's decision did not."""
+        if self._vote is not None:
+            ok, verdicts = self._vote
+            self._vote = None
+            self._opt._check_vote(self._opt._vote_values(ok, verdicts).tolist(), verdicts)
 
 
 class ForeignGroupKeyWarning(UserWarning):
@@ -153,33 +170,6 @@ def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
     if stacked:
         return p.shape[0], p.shape[1], math.prod(p.shape[2:])
     return 1, p.shape[0], math.prod(p.shape[1:])
-
-
-def row_sums_width(p: Tensor, group: dict[str, Any]) -> int:
-    """Columns of a parameter's ``refresh_row_sums``: per row of ``p`` (per stacked matrix), two sums for every
-    row of its matrix (one for an unstacked parameter) and every column range."""
-    _, rows, cols = matrix_shape(p, group["stacked"])
-    col_ranges = col_split_sizes_to_ranges(cols, group["col_split_sizes"], "") or ((0, cols),)
-    return ROW_SUMS * len(col_ranges) * (rows if group["stacked"] else 1)
-
-
-def _row_sums_view(state: dict[str, Any], job: MatrixJob) -> Tensor:
-    """The local ``refresh_row_sums`` of a job's parameter, one row per row of the job's (local) matrix."""
-    return local_tensor(state["refresh_row_sums"]).view(job.update.shape[0], ROW_SUMS * len(job.col_ranges()))
-
-
-def _zeros_by_rows(p: Tensor, cols: int) -> Tensor:
-    """fp32 zeros of shape ``(p.shape[0], cols)``, laid out over the ranks by rows as ``p`` is (a DTensor with
-    ``p``'s mesh and placements for a DTensor ``p``), so a checkpoint reshards it with the parameter."""
-    local = local_tensor(p)
-    zeros = torch.zeros(local.shape[0], cols, dtype=torch.float32, device=local.device)
-    if not is_dtensor(p):
-        return zeros
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols), stride=(cols, 1)
-    )
 
 
 def _matrix_view(weight: Tensor, update: Tensor) -> Tensor | None:
@@ -392,11 +382,7 @@ class MuonFamily(torch.optim.Optimizer):
         check_split(f"col_split_sizes{where}", g["col_split_sizes"])
         if not isinstance(g["stacked"], bool):
             raise TypeError(f"stacked{where} must be a bool, got {g['stacked']!r}")
-        for key in self._schedule_defaults():
-            self._validate_schedule_option(key, g[key], where)
-
-    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
-        """Subclasses check their schedule options here."""
+        self.schedule.check(g, where)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         unknown = set(param_group) - set(self.defaults) - _EXTRA_GROUP_KEYS
@@ -500,9 +486,9 @@ class MuonFamily(torch.optim.Optimizer):
                         "Shard(0) tensor parallelism); use muon for it (its spectral steps assemble whole "
                         "matrices), drop col_split_sizes, or a layout that keeps its rows whole"
                     )
-                if self.schedule.per_matrix and layout.col_dims:
+                if self.schedule.whole_rows and layout.col_dims:
                     raise ValueError(
-                        f"{type(self).__name__} keeps per-row sums for its staleness signal, so its matrices may be "
+                        f"{type(self).__name__} {self.schedule.whole_rows}, so its matrices may be "
                         f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
                         f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
                         "plan for its layer"
@@ -555,16 +541,7 @@ class MuonFamily(torch.optim.Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None or (group["step"] == 0 and (buf.dtype, buf.device) != (dtype, p.device)):
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-            if self.schedule.per_matrix:
-                # The staleness signal's reference: the direction of the matrix's last spectral step, two sums
-                # per row taken then (shaped and sharded by rows like the parameter), and the steps since.
-                ref = state.get("refresh_direction")
-                if ref is None or (group["step"] == 0 and ref.device != p.device):
-                    state["refresh_direction"] = torch.zeros_like(
-                        p, dtype=REFERENCE_DTYPE, memory_format=torch.contiguous_format
-                    )
-                    state["refresh_row_sums"] = _zeros_by_rows(p, row_sums_width(p, group))
-                state.setdefault("refresh_age", NEVER_REFRESHED)
+            self.schedule.init_state(p, group, state)
             return state
         if "step" in state and not isinstance(state["step"], Tensor):  # a number in older state dicts
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
@@ -651,7 +628,7 @@ class MuonFamily(torch.optim.Optimizer):
             params = chain.from_iterable(g["params"] for g in self.param_groups)
             for key, p in zip(ids, params):
                 for name, value in loaded["state"].get(key, {}).items():
-                    if name in _MATRIX_STATE_DTYPES:
+                    if name in ("momentum_buffer", *self.schedule.state_dtypes):
                         saved.append((p, name, value))
 
         handle = self.register_load_state_dict_pre_hook(check)  # after the user's pre-hooks
@@ -714,7 +691,7 @@ class MuonFamily(torch.optim.Optimizer):
                 )
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 for name, value in state_dict["state"].get(key, {}).items():
-                    shape = (p.shape[0], row_sums_width(p, group)) if name == "refresh_row_sums" else p.shape
+                    shape = self.schedule.state_shape(name, p, group) or p.shape
                     if isinstance(value, Tensor) and value.ndim > 0 and value.shape != shape:
                         raise ValueError(
                             f"state_dict does not fit parameter {self._param_name(group, i, gi)!r}: its "
@@ -847,8 +824,9 @@ class MuonFamily(torch.optim.Optimizer):
         self._check_sparse()
         local, verdicts = self._local_grads_finite()
         ok = self._get_engine().all_true(local)
-        # "raise" and a fixed schedule: the one read now, then the plain kernels. Otherwise the step is masked.
-        read_now = self.nonfinite == "raise" and not self.schedule.per_matrix
+        # "raise" and a schedule that reads nothing to decide: the one read now, then the plain kernels. Otherwise
+        # the step is masked (and under "raise" the vote is read with the schedule's signals).
+        read_now = self.nonfinite == "raise" and not self.schedule.reads_signals
         if read_now:  # the vote and this rank's verdicts, one host read
             self._check_vote(self._vote_values(ok, verdicts).tolist(), verdicts)
         mask = None if read_now else ok
@@ -866,9 +844,11 @@ class MuonFamily(torch.optim.Optimizer):
                 self._adamw_step(group, params, mask)
             else:
                 works.append(self._muon_work(gi, group, params, mask))
-        kinds = self._decide_kinds(works, (ok, verdicts) if self.nonfinite == "raise" and not read_now else None)
+        ctx = _StepContext(self, (ok, verdicts) if self.nonfinite == "raise" and not read_now else None)
+        kinds = self.schedule.decide(works, ctx)
+        ctx.settle()  # the vote, where the decision read nothing: raised on before any weight moves
         for work, work_kinds in zip(works, kinds):
-            self._muon_apply(work, work_kinds, mask)
+            self._muon_apply(work, work_kinds, mask, ctx)
         # The schedule's step counter is host data: it counts step slots, taken or skipped ("skip" cannot know).
         for group in stepped:
             group["step"] += 1
@@ -927,59 +907,7 @@ class MuonFamily(torch.optim.Optimizer):
         )
         return _MuonWork(group, params, jobs, config, keys)
 
-    def _decide_kinds(
-        self, works: Sequence[_MuonWork], vote: tuple[Tensor, _Verdicts] | None = None
-    ) -> list[list[StepKind]]:
-        """The step kind of every job: the group's from a fixed schedule; per matrix from a per-matrix one,
-        whose staleness signals (where the bounds leave the choice open) take one engine reduction and one host read
-        for all groups together, so every rank decides alike. ``vote`` (``nonfinite="raise"`` under a per-matrix
-        schedule): read here, with the signals where there are any, and raised on before any weight moves."""
-        schedule = self.schedule
-        if not schedule.per_matrix:
-            return [[schedule.kind(w.group["step"], w.group)] * len(w.jobs) for w in works]
-        ages = [[self.state[p]["refresh_age"] for p in w.params] for w in works]
-        open_ = [
-            (wi, ji)
-            for wi, w in enumerate(works)
-            for ji in range(len(w.jobs))
-            if schedule.needs_signal(ages[wi][ji], w.group)
-        ]
-        signals: dict[tuple[int, int], float] = {}
-        if open_:
-
-            def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
-                states = [self.state[job.meta["param"]] for job in jobs]
-                return staleness_partial_sums_many(
-                    [job.update for job in jobs],
-                    [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
-                    [_row_sums_view(st, job) for st, job in zip(states, jobs)],
-                    local_ranges,
-                    [job.col_splits for job in jobs],
-                )
-
-            sums = self._get_engine().matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
-            # A fused parameter refreshes as one: its stalest logical matrix decides.
-            per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
-            stalest = torch.stack([s.max() for s in per_matrix])
-            # One decision for the world: replicas (HSDP, replicated parameters) hold the same sums up to the last
-            # bits (a non-deterministic reduction), and a choice they made apart would issue different collectives.
-            agree = getattr(self._get_engine(), "agree_max", None)
-            if agree is not None:
-                stalest = agree(stalest)
-            if vote is not None:  # the vote travels with the signals: one read for both
-                stalest = torch.cat([stalest, self._vote_values(*vote).to(stalest)])
-            values = stalest.tolist()  # the host reads the decisions' inputs once
-            if vote is not None:
-                self._check_vote(values[len(open_) :], vote[1])
-            signals = dict(zip(open_, values))
-        elif vote is not None:
-            self._check_vote(self._vote_values(*vote).tolist(), vote[1])
-        return [
-            [schedule.decide(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
-            for wi, w in enumerate(works)
-        ]
-
-    def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind], mask: Tensor | None) -> None:
+    def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind], mask: Tensor | None, ctx: _StepContext) -> None:
         """Directions for each kind's jobs (one engine call per kind present), then the weight update.
 
         With a ``mask`` the decay factor is ``where(mask, 1 - lr wd, 1)`` (the same multiply) and the directions are
@@ -1039,36 +967,7 @@ class MuonFamily(torch.optim.Optimizer):
             else:
                 torch._foreach_add_(ws, ds, alpha=-step_size)
         self._count_kinds(work, kinds)
-        if self.schedule.per_matrix:
-            self._keep_references(work, kinds, directions, mask)
-
-    def _keep_references(
-        self, work: _MuonWork, kinds: Sequence[StepKind], directions: Sequence[Tensor], mask: Tensor | None
-    ) -> None:
-        """After a per-matrix schedule's step: a refreshed matrix keeps its new direction (bf16) and row sums as
-        the staleness signal's reference, and its age restarts; the others age by one step.
-
-        Under a ``mask`` (``nonfinite="skip"``) the reference and its row sums are written as ``where(mask, new,
-        old)``: a skipped step leaves them bitwise as they were. The ages are host numbers and advance as the step
-        slot's decisions say (the host cannot know the vote): a matrix whose refresh was skipped restarts its
-        age with its older reference kept, so its next refresh may come up to ``k_max`` slots later (sooner where
-        its staleness, measured against that older reference, passes the threshold from ``k_min`` on)."""
-        for p, job, kind, d in zip(work.params, work.jobs, kinds, directions):
-            state = self.state[p]
-            if kind is StepKind.SPECTRAL:
-                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
-                sums = _row_sums_view(state, job)
-                if mask is None:
-                    ref.copy_(d)
-                    sums.copy_(reference_row_sums(job.update, ref, job.col_splits))
-                else:
-                    new = d.to(ref.dtype)  # the reference's own rounding, as copy_ makes it
-                    new_sums = reference_row_sums(job.update, new, job.col_splits)
-                    ref.copy_(torch.where(mask, new, ref))
-                    sums.copy_(torch.where(mask, new_sums, sums))
-                state["refresh_age"] = 1
-            else:
-                state["refresh_age"] += 1
+        self.schedule.after_step(work, kinds, directions, mask, ctx)
 
     def _nesterov_updates(
         self, gi: int, grads: list[Tensor], bufs: list[Tensor], beta: float, nesterov: bool
@@ -1207,10 +1106,7 @@ class MuonFamily(torch.optim.Optimizer):
     def step_kinds(self) -> list[StepKind | None]:
         """The kind the *next* step takes in each group (``None`` for AdamW groups, and for every group of a
         schedule that decides per matrix at the step: see :meth:`refresh_stats` for what it decided)."""
-        return [
-            self.schedule.kind(g["step"], g) if g["algorithm"] == "muon" and not self.schedule.per_matrix else None
-            for g in self.param_groups
-        ]
+        return [self.schedule.kind(g["step"], g) if g["algorithm"] == "muon" else None for g in self.param_groups]
 
     def _count_kinds(self, work: _MuonWork, kinds: Sequence[StepKind]) -> None:
         for key, kind in zip(work.keys, kinds):

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import Tensor
 
+from dimuon.optim.adaptive import AdaptiveRowSchedule
 from dimuon.optim.core import MuonFamily
-from dimuon.optim.schedules import AdaptiveRowSchedule, BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
-from dimuon.optim.validation import check_number
+from dimuon.optim.schedules import BlockPeriodicSchedule, PeriodicRowSchedule, Schedule
 
 _COMMON_DOC = """
     Args (shared by every Muon-family optimizer):
@@ -78,12 +78,6 @@ class PeriodicRowMuon(MuonFamily):
     def __init__(self, params: Any, lr: float | Tensor = 1e-3, k: int = 3, gamma: float = 0.15, **kwargs: Any) -> None:
         super().__init__(params, lr=lr, k=k, gamma=gamma, **kwargs)
 
-    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
-        if key == "k":
-            check_number(f"k{where}", value, low=1, integer=True)
-        elif key == "gamma":
-            check_number(f"gamma{where}", value, low=0.0, low_open=True)
-
 
 class MuonBP(MuonFamily):
     """MuonBP: full orthogonalization when ``t % period == 0``, block-wise otherwise.
@@ -115,20 +109,6 @@ class MuonBP(MuonFamily):
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr=lr, period=period, blocks=blocks, block_lr_ratio=block_lr_ratio, **kwargs)
-
-    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
-        if key == "period":
-            check_number(f"period{where}", value, low=1, integer=True)
-        elif key == "blocks":
-            if isinstance(value, (tuple, list)):
-                if len(value) not in (1, 2):
-                    raise ValueError(f"blocks{where} must be an int or a pair (row_blocks, col_blocks), got {value!r}")
-                for side, v in zip(("row_blocks", "col_blocks"), value):
-                    check_number(f"blocks{where} {side}", v, low=1, integer=True)
-            else:
-                check_number(f"blocks{where}", value, low=1, integer=True)
-        elif key == "block_lr_ratio":
-            check_number(f"block_lr_ratio{where}", value, low=0.0, low_open=True)
 
 
 class AdaptiveRowMuon(MuonFamily):
@@ -162,19 +142,6 @@ class AdaptiveRowMuon(MuonFamily):
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr=lr, threshold=threshold, k_min=k_min, k_max=k_max, gamma=gamma, **kwargs)
-
-    def _validate_schedule_option(self, key: str, value: Any, where: str) -> None:
-        if key in ("k_min", "k_max"):
-            check_number(f"{key}{where}", value, low=1, integer=True)
-        elif key == "threshold":
-            check_number(f"threshold{where}", value, low=0.0)
-        elif key == "gamma":
-            check_number(f"gamma{where}", value, low=0.0, low_open=True)
-
-    def _validate_options(self, g: dict[str, Any], where: str) -> None:
-        super()._validate_options(g, where)
-        if g["k_max"] < g["k_min"]:
-            raise ValueError(f"k_max{where} must be >= k_min ({g['k_min']}), got {g['k_max']}")
 
 
 for _cls in (Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon):

@@ -1,18 +1,29 @@
-"""Schedules: which direction map a Muon-family group applies at step ``t``, and its step multiplier.
+"""Schedules: which direction map each matrix of a Muon-family group takes at a step, and what a schedule owns.
 
-The optimizers share one core and differ only here (docs/algorithms.md, "Schedules"). A schedule
-reads its hyperparameters from the parameter group, so they live in ``state_dict`` with the
-step counter and a resumed run continues the exact same sequence of step kinds. A fixed schedule
-picks one kind per group and step; a per-matrix schedule (:class:`AdaptiveRowSchedule`) picks one per
-matrix from the matrix's own phase and staleness signal, which the core keeps in the optimizer state.
+The optimizers share one core and differ only here (docs/algorithms.md, "Schedules"). A schedule owns its options
+(defaults and checks), the multiplier of each step kind, and the decision of every matrix's kind at a step; one that
+keeps state per matrix (:class:`~dimuon.optim.adaptive.AdaptiveRowSchedule`) also makes that state, reads it for
+its decision and updates it after the weights move, through the hooks of :class:`Schedule`. The core asks and
+applies, with no branch on which schedule it runs. Options are read from the parameter group, so they live in
+``state_dict`` with the step counter and a resumed run continues the exact same sequence of step kinds.
+
+Adding a schedule is one subclass here (or in a module of its own), one optimizer class with its declared signature
+(:mod:`dimuon.optim.muon`) and one entry in :data:`dimuon.optim.build.OPTIMIZERS`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from dimuon.optim.validation import check_number
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from dimuon.optim.distributed.engine import DirectionEngine, MatrixJob
 
 
 class StepKind(str, enum.Enum):
@@ -24,22 +35,105 @@ class StepKind(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Option:
+    """A schedule option: its default and its check (``check(name, value)`` raises naming ``name``)."""
+
+    default: Any
+    check: Callable[[str, Any], None]
+
+
+def _positive_int(name: str, value: Any) -> None:
+    check_number(name, value, low=1, integer=True)
+
+
+def _positive(name: str, value: Any) -> None:
+    check_number(name, value, low=0.0, low_open=True)
+
+
+def _non_negative(name: str, value: Any) -> None:
+    check_number(name, value, low=0.0)
+
+
+def _blocks(name: str, value: Any) -> None:
+    if isinstance(value, (tuple, list)):
+        if len(value) not in (1, 2):
+            raise ValueError(f"{name} must be an int or a pair (row_blocks, col_blocks), got {value!r}")
+        for side, v in zip(("row_blocks", "col_blocks"), value):
+            check_number(f"{name} {side}", v, low=1, integer=True)
+    else:
+        check_number(name, value, low=1, integer=True)
+
+
+class Work(Protocol):
+    """One Muon group's step as a schedule sees it: the group, its stepped parameters and their matrix jobs."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    jobs: list[MatrixJob]
+
+
+class StepContext(Protocol):
+    """What the core lends a schedule at one step."""
+
+    state: Mapping[Any, dict[str, Any]]  # the optimizer state, per parameter
+    engine: DirectionEngine
+
+    def read(self, values: Tensor) -> list[float]:
+        """The host reads ``values`` (with the step's non-finite vote where it is still unread: one read for both,
+        raising where the vote failed)."""
+        ...
+
+
+@dataclass(frozen=True)
 class Schedule:
-    """Base: spectral every step (plain Muon)."""
+    """Base: spectral every step (plain Muon). Subclasses override what they own."""
 
     name: str = "muon"
-    per_matrix: bool = False  # True: kinds are decided per matrix by ``decide``, not per group by ``kind``
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL,)  # every kind the schedule may take
+    options: ClassVar[Mapping[str, Option]] = {}
+    # Its decision reads values on the host (then nonfinite="raise" reads the vote with them, once).
+    reads_signals: ClassVar[bool] = False
+    # Why it needs matrices sharded by rows only (None: any layout the engine runs).
+    whole_rows: ClassVar[str | None] = None
+    # Its per-matrix state tensors whose saved dtype a checkpoint load keeps (torch would cast them).
+    state_dtypes: ClassVar[tuple[str, ...]] = ()
 
-    def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
+    def defaults(self) -> dict[str, Any]:
+        return {key: option.default for key, option in self.options.items()}
+
+    def check(self, group: Mapping[str, Any], where: str) -> None:
+        """Every option of a parameter group (``where`` names the group in the message)."""
+        for key, option in self.options.items():
+            option.check(f"{key}{where}", group[key])
+
+    def kind(self, step: int, group: Mapping[str, Any]) -> StepKind | None:
+        """The kind of the group's step ``step``; None where the schedule decides per matrix at the step."""
         return StepKind.SPECTRAL
 
     def multiplier(self, kind: StepKind, group: Mapping[str, Any]) -> float:
-        if kind is StepKind.ROWNORM:
-            return float(group["gamma"])
-        if kind is StepKind.BLOCK:
-            return float(group["block_lr_ratio"])
         return 1.0
+
+    def init_state(self, p: Tensor, group: Mapping[str, Any], state: dict[str, Any]) -> None:
+        """Make the schedule's state of matrix parameter ``p`` where missing (at construction and after a move)."""
+
+    def state_shape(self, name: str, p: Tensor, group: Mapping[str, Any]) -> tuple[int, ...] | None:
+        """The shape of state tensor ``name`` of ``p`` where it is not ``p``'s (for checking a checkpoint)."""
+        return None
+
+    def decide(self, works: Sequence[Work], ctx: StepContext) -> list[list[StepKind]]:
+        """The kind of every job of every group at this step (a fixed schedule: the group's kind for all)."""
+        return [[self.kind(w.group["step"], w.group)] * len(w.jobs) for w in works]  # type: ignore[list-item]
+
+    def after_step(
+        self,
+        work: Work,
+        kinds: Sequence[StepKind],
+        directions: Sequence[Any],
+        mask: Tensor | None,
+        ctx: StepContext,
+    ) -> None:
+        """After the weights of ``work`` moved: update the schedule's state (``mask``: the vote of a step that
+        ``nonfinite="skip"`` masks)."""
 
 
 @dataclass(frozen=True)
@@ -48,55 +142,32 @@ class PeriodicRowSchedule(Schedule):
 
     name: str = "periodic_row_muon"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
+    options: ClassVar[Mapping[str, Option]] = {"k": Option(3, _positive_int), "gamma": Option(0.15, _positive)}
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL if step % int(group["k"]) == 0 else StepKind.ROWNORM
 
+    def multiplier(self, kind: StepKind, group: Mapping[str, Any]) -> float:
+        return float(group["gamma"]) if kind is StepKind.ROWNORM else 1.0
+
 
 @dataclass(frozen=True)
 class BlockPeriodicSchedule(Schedule):
-    """MuonBP: full spectral when ``t % period == 0``, block-wise spectral otherwise."""
+    """MuonBP: full spectral when ``t % period == 0``, block-wise spectral (``block_lr_ratio``) otherwise."""
 
     name: str = "muon_bp"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.BLOCK)
+    options: ClassVar[Mapping[str, Option]] = {
+        "period": Option(5, _positive_int),
+        "blocks": Option(1, _blocks),
+        "block_lr_ratio": Option(1.0, _positive),
+    }
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL if step % int(group["period"]) == 0 else StepKind.BLOCK
 
+    def multiplier(self, kind: StepKind, group: Mapping[str, Any]) -> float:
+        return float(group["block_lr_ratio"]) if kind is StepKind.BLOCK else 1.0
+
 
 NEVER_REFRESHED = -1  # the age of a matrix that has not taken a spectral step yet
-
-
-@dataclass(frozen=True)
-class AdaptiveRowSchedule(Schedule):
-    """Per matrix: spectral when its staleness (``dimuon.optim.staleness``) is above ``threshold``, RowNorm
-    (scaled by ``gamma``) otherwise, with ``k_min <= interval <= k_max`` between its spectral steps.
-
-    ``age`` is ``t - s``: the steps from the matrix's last spectral step ``s`` to the coming step ``t``
-    (:data:`NEVER_REFRESHED` before its first). The signal is only needed where the bounds leave the choice
-    open (``k_min <= age < k_max``); see :meth:`needs_signal`.
-    """
-
-    name: str = "adaptive_row_muon"
-    per_matrix: bool = True
-    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
-
-    def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
-        raise TypeError("AdaptiveRowSchedule picks a kind per matrix (decide), not per group")
-
-    def needs_signal(self, age: int, group: Mapping[str, Any]) -> bool:
-        return age != NEVER_REFRESHED and int(group["k_min"]) <= age < int(group["k_max"])
-
-    def decide(self, age: int, signal: float | None, group: Mapping[str, Any]) -> StepKind:
-        """The kind of one matrix's coming step; ``signal`` is read only where :meth:`needs_signal` holds."""
-        if age == NEVER_REFRESHED or age >= int(group["k_max"]):
-            return StepKind.SPECTRAL
-        if age < int(group["k_min"]):
-            return StepKind.ROWNORM
-        assert signal is not None, "the staleness signal is needed when k_min <= age < k_max"
-        return StepKind.SPECTRAL if signal > float(group["threshold"]) else StepKind.ROWNORM
-
-
-SCHEDULES: dict[str, Schedule] = {
-    s.name: s for s in (Schedule(), PeriodicRowSchedule(), BlockPeriodicSchedule(), AdaptiveRowSchedule())
-}

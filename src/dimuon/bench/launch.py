@@ -1,4 +1,4 @@
-"""Run a function on W local processes joined in a process group (tests and CPU benchmarks).
+"""Run a function on N local gloo ranks: the benchmarks' multi-rank parts and the multirank tests.
 
 On real clusters use ``torchrun --nproc-per-node N``; this helper exists so a test or a benchmark
 can start its own small "cluster" (gloo on CPU, or NCCL with one GPU per rank) and collect what

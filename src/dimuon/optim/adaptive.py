@@ -1,0 +1,205 @@
+"""The adaptive schedule: each matrix takes a spectral step when the direction of its last one has gone stale.
+
+:class:`AdaptiveRowSchedule` owns everything the adaptive refresh needs (docs/algorithms.md, "Adaptive refresh"):
+its options, the per-matrix state (the bf16 reference direction ``O_s``, two row sums taken with it, and the
+matrix's age), the decision (staleness signals where the bounds leave the choice open: one engine reduction, one
+agreement over the world and one host read for all groups together) and the update of its state after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from dimuon.optim.core import local_tensor, matrix_shape
+from dimuon.optim.distributed.engine import MatrixJob, RowRange, col_split_sizes_to_ranges
+from dimuon.optim.distributed.layout import is_dtensor
+from dimuon.optim.schedules import (
+    NEVER_REFRESHED,
+    Option,
+    Schedule,
+    StepContext,
+    StepKind,
+    Work,
+    _non_negative,
+    _positive,
+    _positive_int,
+)
+from dimuon.optim.staleness import (
+    REFERENCE_DTYPE,
+    ROW_SUMS,
+    reference_row_sums,
+    staleness_from_sums,
+    staleness_partial_sums_many,
+)
+
+
+def row_sums_width(p: Tensor, group: Mapping[str, Any]) -> int:
+    """Columns of a parameter's ``refresh_row_sums``: per row of ``p`` (per stacked matrix), two sums for every
+    row of its matrix (one for an unstacked parameter) and every column range."""
+    _, rows, cols = matrix_shape(p, group["stacked"])
+    col_ranges = col_split_sizes_to_ranges(cols, group["col_split_sizes"], "") or ((0, cols),)
+    return ROW_SUMS * len(col_ranges) * (rows if group["stacked"] else 1)
+
+
+def _row_sums_view(state: Mapping[str, Any], job: MatrixJob) -> Tensor:
+    """The local ``refresh_row_sums`` of a job's parameter, one row per row of the job's (local) matrix."""
+    return local_tensor(state["refresh_row_sums"]).view(job.update.shape[0], ROW_SUMS * len(job.col_ranges()))
+
+
+def zeros_by_rows(p: Tensor, cols: int) -> Tensor:
+    """fp32 zeros of shape ``(p.shape[0], cols)``, laid out over the ranks by rows as ``p`` is (a DTensor with
+    ``p``'s mesh and placements for a DTensor ``p``), so a checkpoint reshards it with the parameter."""
+    local = local_tensor(p)
+    zeros = torch.zeros(local.shape[0], cols, dtype=torch.float32, device=local.device)
+    if not is_dtensor(p):
+        return zeros
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        zeros, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0], cols), stride=(cols, 1)
+    )
+
+
+def _k_bounds(group: Mapping[str, Any], where: str) -> None:
+    if group["k_max"] < group["k_min"]:
+        raise ValueError(f"k_max{where} must be >= k_min ({group['k_min']}), got {group['k_max']}")
+
+
+@dataclass(frozen=True)
+class AdaptiveRowSchedule(Schedule):
+    """Per matrix: spectral when its staleness (``dimuon.optim.staleness``) is above ``threshold``, RowNorm
+    (scaled by ``gamma``) otherwise, with ``k_min <= interval <= k_max`` between its spectral steps.
+
+    ``age`` is ``t - s``: the steps from the matrix's last spectral step ``s`` to the coming step ``t``
+    (:data:`~dimuon.optim.schedules.NEVER_REFRESHED` before its first). The signal is only needed where the bounds
+    leave the choice open (``k_min <= age < k_max``); see :meth:`needs_signal`.
+    """
+
+    name: str = "adaptive_row_muon"
+    kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
+    options: ClassVar[Mapping[str, Option]] = {
+        "threshold": Option(0.35, _non_negative),
+        "k_min": Option(1, _positive_int),
+        "k_max": Option(8, _positive_int),
+        "gamma": Option(0.15, _positive),
+    }
+    reads_signals: ClassVar[bool] = True
+    whole_rows: ClassVar[str | None] = "keeps per-row sums for its staleness signal"
+    state_dtypes: ClassVar[tuple[str, ...]] = ("refresh_direction", "refresh_row_sums")
+
+    def check(self, group: Mapping[str, Any], where: str) -> None:
+        super().check(group, where)
+        _k_bounds(group, where)
+
+    def kind(self, step: int, group: Mapping[str, Any]) -> StepKind | None:
+        return None  # decided per matrix at the step (refresh_stats() says what was decided)
+
+    def multiplier(self, kind: StepKind, group: Mapping[str, Any]) -> float:
+        return float(group["gamma"]) if kind is StepKind.ROWNORM else 1.0
+
+    # ----------------------------------------------------------------- state
+    def init_state(self, p: Tensor, group: Mapping[str, Any], state: dict[str, Any]) -> None:
+        """The staleness signal's reference: the direction of the matrix's last spectral step, two sums per row
+        taken then (shaped and sharded by rows like the parameter), and the steps since."""
+        ref = state.get("refresh_direction")
+        if ref is None or (group["step"] == 0 and ref.device != p.device):
+            state["refresh_direction"] = torch.zeros_like(
+                p, dtype=REFERENCE_DTYPE, memory_format=torch.contiguous_format
+            )
+            state["refresh_row_sums"] = zeros_by_rows(p, row_sums_width(p, group))
+        state.setdefault("refresh_age", NEVER_REFRESHED)
+
+    def state_shape(self, name: str, p: Tensor, group: Mapping[str, Any]) -> tuple[int, ...] | None:
+        return (p.shape[0], row_sums_width(p, group)) if name == "refresh_row_sums" else None
+
+    # ----------------------------------------------------------------- decision
+    def needs_signal(self, age: int, group: Mapping[str, Any]) -> bool:
+        return age != NEVER_REFRESHED and int(group["k_min"]) <= age < int(group["k_max"])
+
+    def decide_one(self, age: int, signal: float | None, group: Mapping[str, Any]) -> StepKind:
+        """The kind of one matrix's coming step; ``signal`` is read only where :meth:`needs_signal` holds."""
+        if age == NEVER_REFRESHED or age >= int(group["k_max"]):
+            return StepKind.SPECTRAL
+        if age < int(group["k_min"]):
+            return StepKind.ROWNORM
+        assert signal is not None, "the staleness signal is needed when k_min <= age < k_max"
+        return StepKind.SPECTRAL if signal > float(group["threshold"]) else StepKind.ROWNORM
+
+    def decide(self, works: Sequence[Work], ctx: StepContext) -> list[list[StepKind]]:
+        """Per matrix, from its age and (where the bounds leave the choice open) its staleness signal: one engine
+        reduction of the signal sums, one agreement over the world and one host read for all groups together, so
+        every rank decides alike."""
+        state = ctx.state
+        ages = [[state[p]["refresh_age"] for p in w.params] for w in works]
+        open_ = [
+            (wi, ji)
+            for wi, w in enumerate(works)
+            for ji in range(len(w.jobs))
+            if self.needs_signal(ages[wi][ji], w.group)
+        ]
+        signals: dict[tuple[int, int], float] = {}
+        if open_:
+
+            def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+                states = [state[job.meta["param"]] for job in jobs]
+                return staleness_partial_sums_many(
+                    [job.update for job in jobs],
+                    [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
+                    [_row_sums_view(st, job) for st, job in zip(states, jobs)],
+                    local_ranges,
+                    [job.col_splits for job in jobs],
+                )
+
+            sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
+            # A fused parameter refreshes as one: its stalest logical matrix decides.
+            per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
+            stalest = torch.stack([s.max() for s in per_matrix])
+            # One decision for the world: replicas (HSDP, replicated parameters) hold the same sums up to the last
+            # bits (a non-deterministic reduction), and a choice they made apart would issue different collectives.
+            agree = getattr(ctx.engine, "agree_max", None)
+            if agree is not None:
+                stalest = agree(stalest)
+            signals = dict(zip(open_, ctx.read(stalest)))  # the host reads the decisions' inputs once
+        return [
+            [self.decide_one(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
+            for wi, w in enumerate(works)
+        ]
+
+    # ----------------------------------------------------------------- after the step
+    def after_step(
+        self,
+        work: Work,
+        kinds: Sequence[StepKind],
+        directions: Sequence[Any],
+        mask: Tensor | None,
+        ctx: StepContext,
+    ) -> None:
+        """A refreshed matrix keeps its new direction (bf16) and row sums as the staleness signal's reference, and
+        its age restarts; the others age by one step.
+
+        Under a ``mask`` (``nonfinite="skip"``) the reference and its row sums are written as ``where(mask, new,
+        old)``: a skipped step leaves them bitwise as they were. The ages are host numbers and advance as the step
+        slot's decisions say (the host cannot know the vote): a matrix whose refresh was skipped restarts its
+        age with its older reference kept, so its next refresh may come up to ``k_max`` slots later (sooner where
+        its staleness, measured against that older reference, passes the threshold from ``k_min`` on)."""
+        for p, job, kind, d in zip(work.params, work.jobs, kinds, directions):
+            state = ctx.state[p]
+            if kind is StepKind.SPECTRAL:
+                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
+                sums = _row_sums_view(state, job)
+                if mask is None:
+                    ref.copy_(d)
+                    sums.copy_(reference_row_sums(job.update, ref, job.col_splits))
+                else:
+                    new = d.to(ref.dtype)  # the reference's own rounding, as copy_ makes it
+                    new_sums = reference_row_sums(job.update, new, job.col_splits)
+                    ref.copy_(torch.where(mask, new, ref))
+                    sums.copy_(torch.where(mask, new_sums, sums))
+                state["refresh_age"] = 1
+            else:
+                state["refresh_age"] += 1
