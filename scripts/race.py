@@ -21,6 +21,10 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``inception``: the last checkpoint of every ``seeds`` run scored again in Inception space (FID's network),
   with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
   ``<out>/inception.json``.
+- ``fd``: FD that can resolve: the last checkpoint of every ``select`` run at its optimizer's chosen lr scored
+  with 2000 samples (4x the race's) in both feature spaces, two sampling seeds each; per optimizer the mean, the
+  training seeds' and the sampling seeds' half ranges, and per pair whether the gap exceeds the training seeds'
+  ranges (``<out>/fd.json``).
 - ``long``: every optimizer at its best lr for twice the steps (4000), seed 0: has FD flattened at 2000 steps,
   and does the ranking there hold with a longer budget (cosine schedule stretched to it)?
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
@@ -53,6 +57,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAIN = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp")
 MUON_BP_BLOCKS = "muon_bp=--optim.blocks 4"  # one process takes the row blocks of 4 FSDP ranks
@@ -123,7 +128,7 @@ ABLATIONS = {
 }
 ABLATION_SEEDS = (0, 1)
 LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
-PARTS = ("sweep", "select", "seeds", "step", "inception", "long", *ABLATIONS, "report")
+PARTS = ("sweep", "select", "seeds", "step", "inception", "fd", "long", *ABLATIONS, "report")
 FULL = [
     "--model",
     "DiT-XS/4",
@@ -429,47 +434,59 @@ def step_time(args: argparse.Namespace) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+def rescore(
+    args: argparse.Namespace, run_dir: Path, features: str, samples: str, seed: int | None = None
+) -> dict[str, Any] | None:
+    """``dimuon eval`` of a run's last checkpoint in ``features`` space with ``samples`` samples (and sampling
+    seed ``seed``; None: eval's default), the race's sampler settings and every job's threads (one evaluation at
+    a time; one already scored is not scored again); its last scored entry, None where the evaluation failed."""
+    steps = setting("--eval.sample-steps", args)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimuon.cli",
+        "eval",
+        "--run",
+        str(run_dir),
+        "--features",
+        features,
+        "--num-samples",
+        samples,
+        "--sample-steps",
+        steps,
+        *(["--seed", str(seed)] if seed is not None else []),
+        "--latest",
+        "--threads",
+        str(args.jobs * args.threads),
+        "--no-progress",
+    ]
+    print("$ " + " ".join(cmd), flush=True)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        return None
+    results = json.loads((run_dir / "eval" / "results.json").read_text(encoding="utf-8"))["evaluations"]
+    series = [
+        ev
+        for ev in results.values()
+        if ev["settings"]["feature_space"].startswith(features)
+        and str(ev["settings"]["num_samples"]) == samples
+        and str(ev["settings"]["sample_steps"]) == steps
+        and (seed is None or ev["settings"].get("seed") == seed)
+    ]
+    return max((e for ev in series for e in ev["entries"] if e["status"] == "ok"), key=lambda e: e["step"])
+
+
 def inception(args: argparse.Namespace) -> int:
-    """Every ``seeds`` run's last checkpoint in Inception space (one evaluation at a time with ``--jobs`` x
-    ``--threads`` threads; one already scored is not scored again), then the per-optimizer summary."""
+    """Every ``seeds`` run's last checkpoint in Inception space, then the per-optimizer summary."""
     record_path = args.out / "seeds" / "results.json"
     if not record_path.is_file():
         raise SystemExit(f"race: {record_path} is missing: run --part seeds first")
     runs = [r for r in json.loads(record_path.read_text(encoding="utf-8"))["runs"] if r["status"] == "ok"]
-    samples, steps = (setting(f, args) for f in ("--eval.num-samples", "--eval.sample-steps"))
+    samples = setting("--eval.num-samples", args)
     summary: dict[str, list[dict]] = {}
     for r in runs:
-        run_dir = args.out / "seeds" / "runs" / r["name"]
-        cmd = [
-            sys.executable,
-            "-m",
-            "dimuon.cli",
-            "eval",
-            "--run",
-            str(run_dir),
-            "--features",
-            "inception",
-            "--num-samples",
-            samples,
-            "--sample-steps",
-            steps,
-            "--latest",
-            "--threads",
-            str(args.jobs * args.threads),
-            "--no-progress",
-        ]  # one at a time, with every job's threads
-        print("$ " + " ".join(cmd), flush=True)
-        if subprocess.run(cmd, check=False).returncode != 0:
+        last = rescore(args, args.out / "seeds" / "runs" / r["name"], "inception", samples)
+        if last is None:
             return 1
-        results = json.loads((run_dir / "eval" / "results.json").read_text(encoding="utf-8"))["evaluations"]
-        series = [
-            ev
-            for ev in results.values()
-            if ev["settings"]["feature_space"].startswith("inception")
-            and str(ev["settings"]["num_samples"]) == samples
-            and str(ev["settings"]["sample_steps"]) == steps
-        ]
-        last = max((e for ev in series for e in ev["entries"] if e["status"] == "ok"), key=lambda e: e["step"])
         summary.setdefault(r["optimizer"], []).append(
             {
                 "run": r["name"],
@@ -492,6 +509,81 @@ def inception(args: argparse.Namespace) -> int:
     for name, t in table.items():
         print(f"{name:20s} Inception FD {t['fd_mean']:.2f} (seeds {t['fd_min']:.2f} .. {t['fd_max']:.2f})")
     return 0
+
+
+FD_SPACES = ("classifier", "inception")
+FD_SAMPLE_SEEDS = (0, 1)  # two sampling seeds per checkpoint: the sampling noise beside the training seeds'
+FD_SAMPLES = {False: "2000", True: "60"}  # --quick: the plumbing only
+
+
+def fd_spread(args: argparse.Namespace) -> int:
+    """FD that can resolve: the last checkpoint of every ``select`` run at its optimizer's chosen lr (2 training
+    seeds) scored with more samples than the race's (``FD_SAMPLES``), in both feature spaces, with 2 sampling seeds
+    each; per optimizer and space the mean, the training seeds' range and the sampling seeds' range, and per pair
+    of optimizers whether the gap between the means is larger than both ranges (``<out>/fd.json``). Resumable:
+    an evaluation already in a run's results is not made again."""
+    lrs = best_lrs(args)
+    record = _record(args.out / "select" / "results.json")
+    if record is None:
+        raise SystemExit(f"race: {args.out / 'select' / 'results.json'} is missing: run --part select first")
+    samples = FD_SAMPLES[args.quick]
+    table: dict[str, dict[str, Any]] = {}
+    for r in record["runs"]:
+        if r["status"] != "ok" or r["optimizer"] not in lrs or r["lr"] != lrs[r["optimizer"]]:
+            continue
+        for space in FD_SPACES:
+            for seed in FD_SAMPLE_SEEDS:
+                last = rescore(args, args.out / "select" / "runs" / r["name"], space, samples, seed)
+                if last is None:
+                    return 1
+                row = {"run": r["name"], "train_seed": r["seed"], "sample_seed": seed, "step": last["step"]}
+                table.setdefault(r["optimizer"], {}).setdefault(space, []).append({**row, "fd": last["fd"]})
+    result = {"samples": int(samples), "sample_seeds": list(FD_SAMPLE_SEEDS), "lrs": lrs, "optimizers": {}}
+    for name, spaces in table.items():
+        result["optimizers"][name] = {space: fd_summary(rows) for space, rows in spaces.items()}
+    result["gaps"] = fd_gaps(result["optimizers"])
+    from dimuon.io import write_json_atomic
+
+    write_json_atomic(args.out / "fd.json", result)
+    for name, spaces in result["optimizers"].items():
+        for space, t in spaces.items():
+            print(
+                f"{name:20s} {space:10s} FD {t['mean']:.2f} (training seeds +-{t['train_half_range']:.2f}, "
+                f"sampling seeds +-{t['sample_half_range']:.2f})"
+            )
+    return 0
+
+
+def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean FD of an optimizer's checkpoints; half the range over training seeds (of the means over sampling
+    seeds) and the largest half range over sampling seeds of one checkpoint."""
+    by_train: dict[int, list[float]] = {}
+    for row in rows:
+        by_train.setdefault(row["train_seed"], []).append(row["fd"])
+    means = [sum(v) / len(v) for v in by_train.values()]
+    return {
+        "mean": sum(r["fd"] for r in rows) / len(rows),
+        "train_half_range": (max(means) - min(means)) / 2,
+        "sample_half_range": max((max(v) - min(v)) / 2 for v in by_train.values()),
+        "rows": rows,
+    }
+
+
+def fd_gaps(optimizers: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per feature space and pair of optimizers: the gap between their mean FDs, and whether it resolves (larger
+    than the sum of their training-seed half ranges)."""
+    gaps = []
+    names = sorted(optimizers)
+    for space in FD_SPACES:
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                if space not in optimizers[a] or space not in optimizers[b]:
+                    continue
+                ta, tb = optimizers[a][space], optimizers[b][space]
+                gap = tb["mean"] - ta["mean"]
+                noise = ta["train_half_range"] + tb["train_half_range"]
+                gaps.append({"space": space, "a": a, "b": b, "gap": gap, "noise": noise, "resolved": abs(gap) > noise})
+    return gaps
 
 
 def _record(path: Path) -> dict | None:
@@ -852,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
             "seeds": seeds,
             "step": step_time,
             "inception": inception,
+            "fd": fd_spread,
             "long": long,
             "report": report,
         }

@@ -327,3 +327,47 @@ def test_select_trains_the_finer_grid_on_two_seeds_keeping_what_other_parts_trai
     assert race.main(["--part", "seeds", "--out", str(out)]) == 0
     assert flags(race.calls[-1], "--lr-grid") == [f"{n}=0.005" for n in race.MAIN]
     assert "note: best lrs from the sweep" not in capsys.readouterr().out
+
+
+def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve(race, tmp_path, monkeypatch):
+    """Both feature spaces, two sampling seeds per checkpoint of the chosen lr's two training seeds; the record
+    holds each optimizer's mean and half ranges and whether each gap exceeds the training seeds' ranges."""
+    runs = [
+        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
+        for o in race.MAIN
+        for lr in race.SELECT_LRS
+        for s in race.SELECT_SEEDS
+    ]
+    summary = {o: {"lr": 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
+    (tmp_path / "select" / "runs").mkdir(parents=True)
+    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": runs, "optimizers": summary}))
+    base = {"adamw": 30.0, "torch_muon": 20.0, "muon": 20.5, "periodic_row_muon": 25.0, "muon_bp": 22.0}
+
+    class Done:
+        returncode = 0
+
+    def fake_eval(cmd, check=False):
+        run = Path(flags(cmd, "--run")[0])
+        space, samples, seed = flags(cmd, "--features")[0], flags(cmd, "--num-samples")[0], flags(cmd, "--seed")[0]
+        optimizer, train_seed = run.name.split("-lr")[0], int(run.name[-1])
+        fd = base[optimizer] * (2 if space == "inception" else 1) + train_seed + 0.25 * int(seed)
+        path = run / "eval" / "results.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        evals = json.loads(path.read_text())["evaluations"] if path.is_file() else {}
+        settings = {"feature_space": f"{space}-x", "num_samples": int(samples), "sample_steps": 20, "seed": int(seed)}
+        entry = {"step": 2000, "status": "ok", "fd": fd, "precision": 0.5, "recall": 0.5}
+        evals[f"{space}-{samples}-{seed}"] = {"settings": settings, "entries": [entry]}
+        path.write_text(json.dumps({"evaluations": evals}))
+        return Done()
+
+    monkeypatch.setattr(race.subprocess, "run", fake_eval)
+    assert race.main(["--part", "fd", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "fd.json").read_text())
+    assert result["samples"] == 2000 and set(result["optimizers"]) == set(race.MAIN)
+    muon = result["optimizers"]["muon"]["classifier"]
+    assert muon["mean"] == pytest.approx(20.5 + 0.5 + 0.125)
+    assert muon["train_half_range"] == pytest.approx(0.5) and muon["sample_half_range"] == pytest.approx(0.125)
+    assert len(muon["rows"]) == 4  # 2 training seeds x 2 sampling seeds, at the chosen lr only
+    gaps = {(g["space"], g["a"], g["b"]): g for g in result["gaps"]}
+    assert not gaps[("classifier", "muon", "torch_muon")]["resolved"]  # 0.5 apart, ranges 0.5 + 0.5
+    assert gaps[("inception", "adamw", "muon")]["resolved"]  # 19 apart
