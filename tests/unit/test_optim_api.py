@@ -17,9 +17,13 @@ from dimuon.optim import (
     ForeignGroupKeyWarning,
     Muon,
     MuonBP,
+    MuonFamily,
     PeriodicRowMuon,
     build,
 )
+from dimuon.optim.build import option_parameters
+from dimuon.optim.core import MuonOptions
+from dimuon.optim.docs import CORE_OPTIONS
 
 
 class Net(nn.Module):
@@ -469,11 +473,16 @@ def test_skipped_steps_are_saved_with_the_state():
 
 @pytest.mark.parametrize("cls", [Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon])
 def test_constructor_is_the_single_source_of_every_option(cls):
-    signature = inspect.signature(cls)
-    hints = typing.get_type_hints(cls.__init__)
-    options = {n: p for n, p in signature.parameters.items() if n != "params"}
+    """The subclass declares its schedule's options and forwards the core's (typed by MuonOptions): together
+    every option once, each with its type hint and default, and its declared text."""
+    parameters = option_parameters(cls)
+    options = {n: p for n, (p, _) in parameters.items()}
+    hints = {n: hint for n, (_, hint) in parameters.items()}
     assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in options.values())
-    assert all(p.default is not inspect.Parameter.empty and n in hints for n, p in options.items())
+    assert all(
+        (p.default is not inspect.Parameter.empty and hints[n] is not typing.Any) or n == "process_group"
+        for n, p in options.items()
+    )
     for key, default in cls._schedule_defaults().items():
         assert options[key].default == default
     # The defaults in the signature are the ones an optimizer built without options carries.
@@ -483,7 +492,15 @@ def test_constructor_is_the_single_source_of_every_option(cls):
             assert (tuple(options[name].default) if name == "adamw_betas" else options[name].default) == value
     assert options["bucket_mb"].default == DEFAULT_BUCKET_MB == opt.engine_options["bucket_mb"]
     assert typing.get_args(hints["lr_scale"]) == ("match_rms_adamw", "original", "none")
-    assert set(signature.parameters) - {"params"} <= set(inspect.signature(cls).parameters)
+    # The core's options as MuonOptions types them, and each with its text.
+    core = {n for n in inspect.signature(MuonFamily.__init__).parameters if n not in ("self", "params", "lr")}
+    core -= {"schedule_options"}
+    typed = typing.get_type_hints(MuonOptions)
+    assert set(typed) == core
+    family = typing.get_type_hints(MuonFamily.__init__)
+    assert all(typed[n] == family[n] for n in core)
+    assert set(CORE_OPTIONS) == core | {"params", "lr"}
+    assert all(option.doc for option in cls.schedule.options.values())
     names = {
         Muon: "muon",
         PeriodicRowMuon: "periodic_row_muon",

@@ -35,7 +35,7 @@ class EveryNthPerMatrix(Schedule):
 
     name: str = "every_nth"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
-    options: ClassVar[Mapping[str, Option]] = {"n": Option(2, _positive_int), "gamma": Option(0.5, _positive)}
+    options: ClassVar[Mapping[str, Option]] = {"n": Option(2, _positive_int), "gamma": Option(0.15, _positive)}
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind | None:
         return None
@@ -60,15 +60,15 @@ class EveryNthPerMatrix(Schedule):
             ctx.state[p]["toy_steps"] += 1
 
 
-class EveryNthMuon(MuonFamily):
+class _EveryNthMuon(MuonFamily):  # a leading underscore: not offered as a taker of other optimizers' options
     schedule = EveryNthPerMatrix()
 
-    def __init__(self, params: Any, lr: float | Tensor = 1e-3, n: int = 2, gamma: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, params: Any, lr: float | Tensor = 1e-3, n: int = 2, gamma: float = 0.15, **kwargs: Any) -> None:
         super().__init__(params, lr=lr, n=n, gamma=gamma, **kwargs)
 
 
 def test_a_new_schedule_needs_no_edit_of_dimuon(monkeypatch):
-    monkeypatch.setitem(OPTIMIZERS, "every_nth_muon", EveryNthMuon)
+    monkeypatch.setitem(OPTIMIZERS, "every_nth_muon", _EveryNthMuon)
     torch.manual_seed(0)
     a, b = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(8, 6))
     opt = build("every_nth_muon", [("a", a), ("b", b)], lr=0.1, n=2)
@@ -82,8 +82,8 @@ def test_a_new_schedule_needs_no_edit_of_dimuon(monkeypatch):
     assert kinds == [[1, 1], [0, 0], [1, 0], [0, 1], [1, 0], [0, 0]]
     assert opt.state[a]["toy_steps"] == 6 and opt.step_kinds() == [None]
     with pytest.raises(ValueError, match="n"):
-        EveryNthMuon([("a", a)], n=0)
+        _EveryNthMuon([("a", a)], n=0)
     saved = opt.state_dict()
-    again = EveryNthMuon([("a", a), ("b", b)], lr=0.1)
+    again = _EveryNthMuon([("a", a), ("b", b)], lr=0.1)
     again.load_state_dict(saved)
     assert again.state[b]["toy_steps"] == 6

@@ -16,9 +16,9 @@ from dimuon.train.config import (
     config_to_dict,
     validate,
 )
+from dimuon.train.lr_schedule import lr_factor
 from dimuon.train.plan import data_spec, resolve
 from dimuon.train.run import main, parse_config
-from dimuon.train.schedule import lr_factor
 
 
 def test_help_lists_every_required_flag_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -52,6 +51,7 @@ import torch
 from torch import nn
 
 from dimuon.optim import AdaptiveRowMuon, Muon, MuonBP, MuonFamily, PeriodicRowMuon, param_groups
+from dimuon.optim.build import option_parameters
 
 try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
@@ -176,8 +176,7 @@ def _refuse_torch_adamw_keys(options: Mapping[str, Any], where: str) -> None:
 
 
 def _accepted_options(cls: type) -> set[str]:
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {n for n, p in inspect.signature(cls).parameters.items() if p.kind in kinds} - {"params", "engine"}
+    return set(option_parameters(cls)) - {"engine"}
 
 
 class DimuonOptimizersContainer(OptimizersContainer):

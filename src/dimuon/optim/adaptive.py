@@ -19,6 +19,7 @@ from dimuon.optim.core import local_tensor, matrix_shape
 from dimuon.optim.distributed.engine import MatrixJob, RowRange, col_split_sizes_to_ranges
 from dimuon.optim.distributed.layout import is_dtensor
 from dimuon.optim.schedules import (
+    GAMMA_DOC,
     NEVER_REFRESHED,
     Option,
     Schedule,
@@ -83,10 +84,18 @@ class AdaptiveRowSchedule(Schedule):
     name: str = "adaptive_row_muon"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
     options: ClassVar[Mapping[str, Option]] = {
-        "threshold": Option(0.35, _non_negative),
-        "k_min": Option(1, _positive_int),
-        "k_max": Option(8, _positive_int),
-        "gamma": Option(0.15, _positive),
+        "threshold": Option(
+            0.35,
+            _non_negative,
+            "staleness above which a matrix takes a spectral step (0 = at every step the bounds allow).",
+        ),
+        "k_min": Option(
+            1, _positive_int, "fewest steps from one spectral step of a matrix to its next (1 allows consecutive ones)."
+        ),
+        "k_max": Option(
+            8, _positive_int, "most steps from one spectral step of a matrix to its next (the refresh is forced then)."
+        ),
+        "gamma": Option(0.15, _positive, GAMMA_DOC),
     }
     reads_signals: ClassVar[bool] = True
     whole_rows: ClassVar[str | None] = "keeps per-row sums for its staleness signal"

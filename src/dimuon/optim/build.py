@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 import torch
@@ -26,10 +27,33 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _accepted_options(cls: type) -> set[str]:
-    """The keyword options of ``cls``: its constructor's named parameters (the Muon family's list them all)."""
+def option_parameters(cls: type) -> dict[str, tuple[inspect.Parameter, Any]]:
+    """Every keyword option of an optimizer class with its type hint: its ``__init__``'s named parameters, then
+    those of each parent ``__init__`` it forwards ``**kwargs`` to (up to ``torch.optim.Optimizer``; a subclass's
+    own declaration wins). For the Muon family: the schedule's options, then :class:`MuonFamily`'s."""
+    found: dict[str, tuple[inspect.Parameter, Any]] = {}
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {name for name, p in inspect.signature(cls).parameters.items() if p.kind in named} - {"params"}
+    for klass in cls.__mro__:
+        if klass in (torch.optim.Optimizer, object):
+            break
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        hints = typing.get_type_hints(init)
+        forwards = False
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                forwards = True
+            elif p.kind in named and p.name not in ("self", "params"):
+                found.setdefault(p.name, (p, hints.get(p.name, Any)))
+        if not forwards:
+            break
+    return found
+
+
+def _accepted_options(cls: type) -> set[str]:
+    """The keyword options of ``cls`` (:func:`option_parameters`)."""
+    return set(option_parameters(cls))
 
 
 def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimizer:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import math
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, TypedDict, get_args
 
 import torch
 from torch import Tensor
@@ -188,19 +186,44 @@ def _as_weight(direction: Tensor, weight: Tensor) -> Tensor:
     return d if d.dtype == weight.dtype else d.to(weight.dtype)
 
 
+class MuonOptions(TypedDict, total=False):
+    """The keyword options every Muon-family optimizer takes after its schedule's (their defaults are
+    :class:`MuonFamily`'s ``__init__``'s, their text :data:`dimuon.optim.docs.CORE_OPTIONS`; a test keeps the three
+    in step)."""
+
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    lr_scale: LrScale
+    ns_coefficients: NsCoefficients
+    ns_steps: int
+    ns_dtype: torch.dtype | None
+    ns_algorithm: NsAlgorithm
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    nonfinite: Nonfinite
+    refresh: Refresh
+    bucket_mb: float
+    comm_dtype: torch.dtype | None
+    process_group: Any
+    ns_compile: bool
+    adamw_fused: bool | None
+    replica_refresh: ReplicaRefresh
+    engine: DirectionEngine | None
+
+
 class MuonFamily(torch.optim.Optimizer):
     """Muon-family optimizer: one core, a schedule picks the direction map per step.
 
     Groups with ``"algorithm": "muon"`` (the default) get the matrix update; groups with
     ``"algorithm": "adamw"`` get AdamW with ``adamw_betas``/``adamw_eps``. Use the subclasses
     :class:`~dimuon.optim.Muon`, :class:`~dimuon.optim.PeriodicRowMuon` and
-    :class:`~dimuon.optim.MuonBP`. A subclass's own keyword arguments (after ``lr``) are its
-    schedule options; its ``__init__`` is given the full signature (own options, then every option
-    of this core, keyword-only), so ``inspect.signature`` lists every option with its type and default.
+    :class:`~dimuon.optim.MuonBP`. A subclass declares its schedule's options (after ``lr``) and forwards the
+    core's as ``**kwargs: Unpack[MuonOptions]`` (typed for editors and type checkers; their defaults are this
+    ``__init__``'s); :func:`dimuon.optim.build.option_parameters` lists them all.
     """
 
     schedule: Schedule = Schedule()
-    _schedule_options: ClassVar[dict[str, Any]] = {}  # this class's schedule options and defaults
     _schedule_owners: ClassVar[dict[str, str]] = {}  # every subclass's schedule option -> the first class taking it
 
     def __init__(
@@ -293,43 +316,10 @@ class MuonFamily(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- configuration
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Record the subclass's schedule options and give its ``__init__`` the full signature."""
+        """Record which optimizer first takes each of its schedule's options (for a checkpoint's error message)."""
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-        leading = ("self", "params", "lr")
-        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        own = inspect.signature(init).parameters
-        core = inspect.signature(MuonFamily.__init__).parameters
-        parent_init = cls.__mro__[1].__init__
-        parent = inspect.signature(parent_init).parameters
-        # Schedule options: the ones this class adds, then those it inherits (a subclass of a schedule keeps them).
-        added = [p for name, p in own.items() if name not in leading and name not in core and p.kind in kinds]
-        inherited = [
-            parent[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
-            for name in cls._schedule_options
-            if name not in own and name in parent
-        ]
-        cls._schedule_options = {**cls._schedule_options, **{p.name: p.default for p in added}}
-        for p in added:
-            MuonFamily._schedule_owners.setdefault(p.name, cls.__name__)
-        # The core's options, keyword-only; one the subclass re-declares keeps its own default.
-        common = [
-            own.get(name, p).replace(kind=inspect.Parameter.KEYWORD_ONLY)
-            for name, p in core.items()
-            if name not in leading and p.kind is not p.VAR_KEYWORD
-        ]
-        ordered = [*(own[name] for name in leading if name in own), *added, *inherited, *common]
-        try:
-            own_hints = typing.get_type_hints(init)
-        except NameError:  # an annotation its module cannot resolve: keep the subclass's own, as written
-            own_hints = dict(init.__annotations__)
-        hints = {**typing.get_type_hints(parent_init), **own_hints}
-        init.__signature__ = inspect.Signature(
-            [p.replace(annotation=hints.get(p.name, p.annotation)) for p in ordered], return_annotation=None
-        )
-        init.__annotations__ = {p.name: hints[p.name] for p in ordered if p.name in hints} | {"return": None}
+        for key in cls.schedule.options:
+            MuonFamily._schedule_owners.setdefault(key, cls.__name__)
 
     @classmethod
     def _optimizers_taking(cls, key: str, value: Any) -> list[str]:
@@ -353,8 +343,8 @@ class MuonFamily(torch.optim.Optimizer):
 
     @classmethod
     def _schedule_defaults(cls) -> dict[str, Any]:
-        """Schedule hyperparameters this optimizer accepts, with their defaults (from its ``__init__``)."""
-        return dict(cls._schedule_options)
+        """Schedule hyperparameters this optimizer accepts, with their defaults (its schedule's options)."""
+        return cls.schedule.defaults()
 
     def _validate_options(self, g: dict[str, Any], where: str) -> None:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""

@@ -36,10 +36,12 @@ class StepKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Option:
-    """A schedule option: its default and its check (``check(name, value)`` raises naming ``name``)."""
+    """A schedule option: its default, its check (``check(name, value)`` raises naming ``name``) and its text (the
+    optimizer's docstring and the ``--optim.*`` flag's help are made from it)."""
 
     default: Any
     check: Callable[[str, Any], None]
+    doc: str = ""
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -62,6 +64,9 @@ def _blocks(name: str, value: Any) -> None:
             check_number(f"{name} {side}", v, low=1, integer=True)
     else:
         check_number(name, value, low=1, integer=True)
+
+
+GAMMA_DOC = "step multiplier of the RowNorm steps (1 = as large as a spectral step)."
 
 
 class Work(Protocol):
@@ -142,7 +147,14 @@ class PeriodicRowSchedule(Schedule):
 
     name: str = "periodic_row_muon"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.ROWNORM)
-    options: ClassVar[Mapping[str, Option]] = {"k": Option(3, _positive_int), "gamma": Option(0.15, _positive)}
+    options: ClassVar[Mapping[str, Option]] = {
+        "k": Option(
+            3,
+            _positive_int,
+            "a spectral (Newton-Schulz) step every ``k`` steps, RowNorm steps in between (``k=1`` is Muon).",
+        ),
+        "gamma": Option(0.15, _positive, GAMMA_DOC),
+    }
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:
         return StepKind.SPECTRAL if step % int(group["k"]) == 0 else StepKind.ROWNORM
@@ -158,9 +170,14 @@ class BlockPeriodicSchedule(Schedule):
     name: str = "muon_bp"
     kinds: tuple[StepKind, ...] = (StepKind.SPECTRAL, StepKind.BLOCK)
     options: ClassVar[Mapping[str, Option]] = {
-        "period": Option(5, _positive_int),
-        "blocks": Option(1, _blocks),
-        "block_lr_ratio": Option(1.0, _positive),
+        "period": Option(5, _positive_int, "a full spectral step every ``period`` steps, block steps in between."),
+        "blocks": Option(
+            1,
+            _blocks,
+            "blocks of a block step on unsharded parameters (sharded ones use their pieces): row blocks, or a pair "
+            "(row blocks, column blocks); a 1-tuple is row blocks.",
+        ),
+        "block_lr_ratio": Option(1.0, _positive, "step multiplier of the block steps."),
     }
 
     def kind(self, step: int, group: Mapping[str, Any]) -> StepKind:

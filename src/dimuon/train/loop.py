@@ -282,7 +282,7 @@ class Trainer:
         timer.mark()
 
         # One lr for every group: the Muon family scales its matrix updates to AdamW's RMS itself.
-        self.lr = self.plan.schedule.lr(step)
+        self.lr = self.plan.lr_schedule.lr(step)
         for group in self.opt.param_groups:
             group["lr"] = self.lr
 

@@ -1,7 +1,8 @@
 """The ``--optim.*`` flags of ``dimuon train``, derived from the optimizers' own ``__init__`` signatures.
 
-An optimizer's keyword options are declared once, in its signature (with its type hint, its default
-and its ``Args`` docstring); :data:`OptimOptions` is built from them when this module is imported,
+An optimizer's keyword options are declared once, in its signature (with its type hint and its default; the
+Muon family's shared ones in ``MuonFamily.__init__``, typed for its subclasses by ``MuonOptions``) and its text
+once in :mod:`dimuon.optim.docs`; :data:`OptimOptions` is built from them when this module is imported,
 so an option added to an optimizer appears as a flag, in ``config.json`` and in ``build()`` with no
 edit here. The rules:
 
@@ -17,7 +18,8 @@ edit here. The rules:
 - ``torch.dtype`` options are spelled ``float32``, ``bfloat16`` or ``float16``.
 - An option that takes a scalar or tuples of it (``blocks: int | tuple[int, int]``) takes one or more values
   (``--optim.blocks 4``, ``--optim.blocks 2 2``), passed on as a tuple.
-- The help text is the first sentence of the optimizer's documented ``Args`` entry, where it has one.
+- The help text is the first sentence of the option's declared text (:mod:`dimuon.optim.docs`, a schedule's
+  ``Option.doc``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
-from dimuon.optim import OPTIMIZERS
+from dimuon.optim import OPTIMIZERS, MuonFamily
+from dimuon.optim.build import option_parameters
+from dimuon.optim.docs import ADAMW_OPTIONS, CORE_OPTIONS, TORCH_MUON_OPTIONS
+from dimuon.optim.torch_muon import TorchMuonAdamW
 
 __all__ = [
     "DTYPES",
@@ -76,58 +81,21 @@ class OptionSpec:
 
 
 def accepted_parameters(cls: type) -> dict[str, tuple[inspect.Parameter, Any]]:
-    """Keyword options of an optimizer class with their type hints: its ``__init__``, and the parents'
-    ``__init__`` it forwards ``**kwargs`` to (up to ``torch.optim.Optimizer``); the subclass wins."""
-    found: dict[str, tuple[inspect.Parameter, Any]] = {}
-    for klass in cls.__mro__:
-        if klass in (torch.optim.Optimizer, object):
-            break
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        hints = typing.get_type_hints(init)
-        forwards = False
-        for p in inspect.signature(init).parameters.values():
-            if p.kind is inspect.Parameter.VAR_KEYWORD:
-                forwards = True
-            elif p.kind is not inspect.Parameter.VAR_POSITIONAL and p.name not in NOT_OPTIONS:
-                found.setdefault(p.name, (p, hints.get(p.name, Any)))
-        if not forwards:
-            break
-    return found
-
-
-_ENTRY = re.compile(r"^(?P<names>[A-Za-z_]\w*(?:,\s*[A-Za-z_]\w*)*)\s*(?:\([^)]*\))?:\s*(?P<text>.*)$")
+    """Keyword options of an optimizer class with their type hints (:func:`dimuon.optim.build.option_parameters`),
+    less ``lr`` and ``nonfinite`` (their own flags)."""
+    return {name: found for name, found in option_parameters(cls).items() if name not in NOT_OPTIONS}
 
 
 def documented_args(cls: type) -> dict[str, str]:
-    """``name -> description`` from the ``Args`` sections of a class's docstring (Google style)."""
-    lines = (inspect.getdoc(cls) or "").splitlines()
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(lines):
-        header = lines[i]
-        i += 1
-        if not header.strip().startswith("Args") or not header.rstrip().endswith(":"):
-            continue
-        base = len(header) - len(header.lstrip())
-        names: list[str] = []
-        entry_indent = None
-        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > base):
-            line, indent = lines[i], len(lines[i]) - len(lines[i].lstrip())
-            i += 1
-            if not line.strip():
-                continue
-            match = _ENTRY.match(line.strip())
-            if match and (entry_indent is None or indent <= entry_indent):
-                entry_indent = indent
-                names = [n.strip() for n in match["names"].split(",")]
-                for n in names:
-                    out[n] = match["text"]
-            else:
-                for n in names:
-                    out[n] = f"{out[n]} {line.strip()}".strip()
-    return out
+    """``name -> description`` of an optimizer's options, from the declared texts (:mod:`dimuon.optim.docs` and its
+    schedule's ``Option.doc``); no docstring is read."""
+    if isinstance(cls, type) and issubclass(cls, MuonFamily):
+        return {**CORE_OPTIONS, **{key: option.doc for key, option in cls.schedule.options.items()}}
+    if cls is torch.optim.AdamW:
+        return dict(ADAMW_OPTIONS)
+    if cls is TorchMuonAdamW:
+        return dict(TORCH_MUON_OPTIONS)
+    return {}
 
 
 _DEFAULT_REMARK = re.compile(r"\s*\(default(?::[^()]*(?:\([^()]*\)[^()]*)*)?\)")

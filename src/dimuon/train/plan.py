@@ -11,7 +11,6 @@ environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the pro
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from dimuon.dit import DiT, build_dit
 from dimuon.dit.parallel import Parallelism
 from dimuon.io import RunLayout
 from dimuon.optim import OPTIMIZERS, build
+from dimuon.optim.build import option_parameters
 from dimuon.train.config import (
     RESUME_AUTO,
     ConfigError,
@@ -34,9 +34,9 @@ from dimuon.train.config import (
     parallelism,
     validate,
 )
+from dimuon.train.lr_schedule import LrSchedule
 from dimuon.train.optim_options import optimizer_kwargs
 from dimuon.train.resume import AutoResume, ResumePoint, auto_resume_point, find_resume_point
-from dimuon.train.schedule import LrSchedule
 
 __all__ = ["ModelSpec", "OptimizerSpec", "TrainPlan", "data_spec", "resolve", "resume_point"]
 
@@ -72,7 +72,7 @@ class OptimizerSpec:
         (the Muon family splits their Newton-Schulz work over it; other optimizers need nothing). ``nonfinite``:
         the policy, for the optimizers that take one (the Muon family votes on the device).
         """
-        takes = inspect.signature(OPTIMIZERS[self.name]).parameters
+        takes = option_parameters(OPTIMIZERS[self.name])
         extra: dict[str, Any] = (
             {"process_group": process_group} if process_group is not None and "process_group" in takes else {}
         )
@@ -102,7 +102,7 @@ class TrainPlan:
     model: ModelSpec
     optimizer: OptimizerSpec
     parallel: Parallelism  # checked against the model; resolved against the world size when the group exists
-    schedule: LrSchedule
+    lr_schedule: LrSchedule
     evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
     resume: ResumePoint | None  # what --resume continues from (found on disk at start-up)
     auto_resume: AutoResume | None = None  # what --resume auto found in --out (None without it)
@@ -161,7 +161,7 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
         model=ModelSpec(cfg.model, cfg.class_dropout),
         optimizer=optimizer,
         parallel=parallelism(cfg),
-        schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
+        lr_schedule=LrSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio),
         evaluation=cfg.eval if cfg.eval.interval > 0 else None,
         resume=resume,
         auto_resume=auto,
