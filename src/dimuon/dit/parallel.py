@@ -77,12 +77,17 @@ class Parallelism:
                 f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']} = {self.dp_replicate} x {dp_shard} x "
                 f"{self.tp} = {self.dp_replicate * dp_shard * self.tp} must equal the world size {world}"
             )
-        if resolved.tp > 1 and resolved.dp_replicate > 1:
+        resolved.check_mesh()
+        return resolved
+
+    def check_mesh(self) -> None:
+        """The mesh limit, the one place it is written: HSDP over tensor parallelism would be a 3-D mesh, and the
+        optimizer's layouts take two dimensions (``dimuon.optim.distributed.layout``); ValueError names the flags."""
+        if self.tp > 1 and self.dp_replicate > 1:
             raise ValueError(
                 f"{FLAGS['dp_replicate']} > 1 with {FLAGS['tp']} > 1 is not supported: HSDP over tensor parallelism is "
                 "a 3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp"
             )
-        return resolved
 
     def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
         """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""

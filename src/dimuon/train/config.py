@@ -333,11 +333,10 @@ def _validate_parallel(cfg: TrainConfig) -> None:
         cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
         f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}",
     )
-    _require(
-        cfg.parallel.tp == 1 or cfg.parallel.dp_replicate == 1,
-        "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported: HSDP over tensor parallelism is a "
-        "3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp",
-    )
+    try:
+        Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp).check_mesh()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _require(
         cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
         "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp",
