@@ -26,6 +26,11 @@ CASES = (
         ("hsdp2x2_prm_split", "hsdp2x2", "periodic_row_muon", {"k": 3, "replica_refresh": "split"}),
     ]
     + [(f"{key}_adaptive", key, "adaptive_row_muon", {"threshold": 0.5}) for key in ms.MESHES]
+    # decided from the previous step's signal: the same decisions as one process's, on replicas and TP ranks
+    + [
+        (f"{key}_adaptive_lag", key, "adaptive_row_muon", {"threshold": 0.5, "signal_lag": 1})
+        for key in ("hsdp2x2", "fsdp2xtp2")
+    ]
 )
 CHECK = "all_reduce[check]"
 # Replica 1 finds every matrix stale, replica 0 measures: one decision for the world makes both refresh everything.

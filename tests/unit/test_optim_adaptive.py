@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -170,7 +171,13 @@ def test_equal_bounds_are_periodic_row_muon_and_zero_threshold_is_muon():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(threshold=0.02, k_min=1, k_max=5), dict(threshold=0.1, k_min=1, k_max=4, gamma=0.5)]
+    "kw",
+    [
+        dict(threshold=0.02, k_min=1, k_max=5),
+        dict(threshold=0.1, k_min=1, k_max=4, gamma=0.5),
+        dict(threshold=0.02, k_min=1, k_max=5, signal_lag=1),  # decided from the previous step's signal
+        dict(threshold=0.05, k_min=2, k_max=6, signal_lag=1),
+    ],
 )
 def test_matches_the_reference_update_and_decisions(kw):
     ours, ref = _params(), _params()
@@ -280,3 +287,37 @@ def test_reference_state_keeps_its_dtypes_through_a_state_dict_round_trip(dtype)
             assert fresh.state[q][key].dtype == opt.state[p][key].dtype, key
             assert torch.equal(fresh.state[q][key], opt.state[p][key]), key
         assert fresh.state[q]["refresh_age"] == opt.state[p]["refresh_age"]
+
+
+def test_a_lagged_signal_reads_nothing_it_waits_for_and_resumes_exactly_from_a_state_dict():
+    """signal_lag=1: the decision takes the values measured one step earlier (no read of this step's signal), and a
+    state_dict taken mid-run carries them, so a fresh optimizer continues with the same decisions and weights."""
+    kw = dict(threshold=0.02, k_min=1, k_max=5, signal_lag=1, lr=0.01, ns_dtype=torch.float32)
+    ours = _params()
+    opt = AdaptiveRowMuon(ours, **kw)
+    base = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(ours)]
+
+    def grads(t):
+        g = torch.Generator().manual_seed(3000 + t)
+        return [b + 0.5 * torch.randn(p.shape, generator=g) for p, b in zip(ours, base)]
+
+    def run(o, params, steps):
+        out = []
+        for t in steps:
+            for p, grad in zip(params, grads(t)):
+                p.grad = grad.clone()
+            o.reset_refresh_stats()
+            o.step()
+            out.append([m["spectral"] for m in o.refresh_stats()["matrices"].values()])
+        return out
+
+    run(opt, ours, range(5))
+    saved = copy.deepcopy(opt.state_dict())
+    twin = [p.detach().clone().requires_grad_() for p in ours]
+    straight = run(opt, ours, range(5, 12))
+    again = AdaptiveRowMuon(twin, **kw)
+    again.load_state_dict(saved)
+    assert run(again, twin, range(5, 12)) == straight
+    for a, b in zip(ours, twin):
+        assert torch.equal(a, b)
+    assert any(any(step) for step in straight) and not all(all(step) for step in straight)

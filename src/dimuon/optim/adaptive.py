@@ -66,6 +66,15 @@ def zeros_by_rows(p: Tensor, cols: int) -> Tensor:
     )
 
 
+def _lag(name: str, value: Any) -> None:
+    if isinstance(value, bool) or value not in (0, 1):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+# The optimizer's scratch key of the signals measured for the next step: (matrix keys, host values, copy event).
+_NEXT = "adaptive_next_signals"
+
+
 def _k_bounds(group: Mapping[str, Any], where: str) -> None:
     if group["k_max"] < group["k_min"]:
         raise ValueError(f"k_max{where} must be >= k_min ({group['k_min']}), got {group['k_max']}")
@@ -96,10 +105,18 @@ class AdaptiveRowSchedule(Schedule):
             8, _positive_int, "most steps from one spectral step of a matrix to its next (the refresh is forced then)."
         ),
         "gamma": Option(0.15, _positive, GAMMA_DOC),
+        "signal_lag": Option(
+            0,
+            _lag,
+            "0: decide from this step's staleness (one host read, which waits for the device, per step where a "
+            "choice is open); 1: from the previous step's, copied to the host while the step runs, so the decision "
+            "waits for nothing (a matrix refreshed one step ago has no signal yet and takes RowNorm).",
+        ),
     }
     reads_signals: ClassVar[bool] = True
     whole_rows: ClassVar[str | None] = "keeps per-row sums for its staleness signal"
-    state_dtypes: ClassVar[tuple[str, ...]] = ("refresh_direction", "refresh_row_sums")
+    state_dtypes: ClassVar[tuple[str, ...]] = ("refresh_direction", "refresh_row_sums", "refresh_signal")
+    late_options: ClassVar[tuple[str, ...]] = ("signal_lag",)
 
     def check(self, group: Mapping[str, Any], where: str) -> None:
         super().check(group, where)
@@ -136,48 +153,108 @@ class AdaptiveRowSchedule(Schedule):
             return StepKind.SPECTRAL
         if age < int(group["k_min"]):
             return StepKind.ROWNORM
-        assert signal is not None, "the staleness signal is needed when k_min <= age < k_max"
+        if signal is None:  # signal_lag=1 before a signal was measured since the last refresh
+            return StepKind.ROWNORM
         return StepKind.SPECTRAL if signal > float(group["threshold"]) else StepKind.ROWNORM
 
     def decide(self, works: Sequence[Work], ctx: StepContext) -> list[list[StepKind]]:
         """Per matrix, from its age and (where the bounds leave the choice open) its staleness signal: one engine
         reduction of the signal sums, one agreement over the world and one host read for all groups together, so
-        every rank decides alike."""
+        every rank decides alike. Groups with ``signal_lag=1`` take the signals measured at the previous step
+        (already on the host) and measure the next step's after deciding, without waiting for them."""
         state = ctx.state
         ages = [[state[p]["refresh_age"] for p in w.params] for w in works]
+        lagged = [int(w.group["signal_lag"]) == 1 for w in works]
         open_ = [
             (wi, ji)
             for wi, w in enumerate(works)
             for ji in range(len(w.jobs))
             if self.needs_signal(ages[wi][ji], w.group)
         ]
+        now = [(wi, ji) for wi, ji in open_ if not lagged[wi]]
         signals: dict[tuple[int, int], float] = {}
-        if open_:
-
-            def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
-                states = [state[job.meta["param"]] for job in jobs]
-                return staleness_partial_sums_many(
-                    [job.update for job in jobs],
-                    [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
-                    [_row_sums_view(st, job) for st, job in zip(states, jobs)],
-                    local_ranges,
-                    [job.col_splits for job in jobs],
-                )
-
-            sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in open_], partial)
-            # A fused parameter refreshes as one: its stalest logical matrix decides.
-            per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
-            stalest = torch.stack([s.max() for s in per_matrix])
-            # One decision for the world: replicas (HSDP, replicated parameters) hold the same sums up to the last
-            # bits (a non-deterministic reduction), and a choice they made apart would issue different collectives.
-            agree = getattr(ctx.engine, "agree_max", None)
-            if agree is not None:
-                stalest = agree(stalest)
-            signals = dict(zip(open_, ctx.read(stalest)))  # the host reads the decisions' inputs once
-        return [
+        if now:
+            signals = dict(zip(now, ctx.read(self._stalest(works, now, ctx))))  # the host reads them once
+        if any(lagged):
+            signals.update(self._previous_signals(works, [(wi, ji) for wi, ji in open_ if lagged[wi]], ctx))
+        kinds = [
             [self.decide_one(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
             for wi, w in enumerate(works)
         ]
+        if any(lagged):  # the next step's signals: the matrices taking RowNorm now whose choice is open then
+            following = [
+                (wi, ji)
+                for wi, w in enumerate(works)
+                if lagged[wi]
+                for ji in range(len(w.jobs))
+                if kinds[wi][ji] is StepKind.ROWNORM and self.needs_signal(ages[wi][ji] + 1, w.group)
+            ]
+            self._measure_for_next(works, following, ctx)
+        return kinds
+
+    def _stalest(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
+        """Each item's staleness (a fused parameter's stalest logical matrix), the same on every rank: one engine
+        reduction of the signal sums, then their maximum over the world (replicas hold the same sums up to the last
+        bits, from a non-deterministic reduction, and a choice they made apart would issue different collectives)."""
+        state = ctx.state
+
+        def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+            states = [state[job.meta["param"]] for job in jobs]
+            return staleness_partial_sums_many(
+                [job.update for job in jobs],
+                [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
+                [_row_sums_view(st, job) for st, job in zip(states, jobs)],
+                local_ranges,
+                [job.col_splits for job in jobs],
+            )
+
+        sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in items], partial)
+        per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
+        stalest = torch.stack([s.max() for s in per_matrix])
+        agree = getattr(ctx.engine, "agree_max", None)
+        return agree(stalest) if agree is not None else stalest
+
+    def _measure_for_next(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> None:
+        """Measure ``items``' staleness now for the next step's decision: kept in the state (a checkpoint carries
+        it) and copied to the host without waiting (pinned memory and an event on CUDA)."""
+        ctx.scratch.pop(_NEXT, None)
+        if not items:
+            return
+        stalest = self._stalest(works, items, ctx)
+        params = [works[wi].params[ji] for wi, ji in items]
+        for p, value in zip(params, stalest.unbind(0)):
+            ctx.state[p]["refresh_signal"] = value
+        event = None
+        if stalest.is_cuda:
+            host = torch.empty(stalest.shape, dtype=stalest.dtype, pin_memory=True)
+            host.copy_(stalest, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = stalest  # the CPU's values: reading them later waits for nothing
+        ctx.scratch[_NEXT] = ([id(p) for p in params], host, event)
+
+    def _previous_signals(
+        self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext
+    ) -> dict[tuple[int, int], float]:
+        """``items``' signals measured at the previous step: from the host copy made then (its copy long finished),
+        or after a checkpoint's load from the state (one read, at that first step only). An item measured before its
+        last refresh, or never, has none."""
+        params = {(wi, ji): works[wi].params[ji] for wi, ji in items}
+        pending = ctx.scratch.pop(_NEXT, None)
+        if pending is not None:
+            keys, host, event = pending
+            if event is not None:
+                event.synchronize()
+            values = dict(zip(keys, host.tolist()))
+            return {item: values[id(p)] for item, p in params.items() if id(p) in values}
+        saved = [
+            (item, ctx.state[p]["refresh_signal"]) for item, p in params.items() if "refresh_signal" in ctx.state[p]
+        ]
+        if not saved:
+            return {}
+        values = torch.stack([local_tensor(v).reshape(()) for _, v in saved]).tolist()
+        return {item: value for (item, _), value in zip(saved, values)}
 
     # ----------------------------------------------------------------- after the step
     def after_step(
@@ -210,5 +287,6 @@ class AdaptiveRowSchedule(Schedule):
                     ref.copy_(torch.where(mask, new, ref))
                     sums.copy_(torch.where(mask, new_sums, sums))
                 state["refresh_age"] = 1
+                state.pop("refresh_signal", None)  # measured against the older reference
             else:
                 state["refresh_age"] += 1

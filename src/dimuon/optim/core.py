@@ -106,6 +106,7 @@ class _StepContext:
     def __init__(self, opt: MuonFamily, vote: tuple[Tensor, _Verdicts] | None) -> None:
         self.state = opt.state
         self.engine = opt._get_engine()
+        self.scratch = opt._schedule_scratch
         self._opt = opt
         self._vote = vote  # read with the schedule's first read, else by settle()
 
@@ -308,6 +309,7 @@ class MuonFamily(torch.optim.Optimizer):
         self._last_vote: Tensor | None = None
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
+        self._schedule_scratch: dict[str, Any] = {}  # what the schedule keeps from one step to the next (not saved)
         super().__init__(params, defaults)
         self._constructing = False
         self._warn_flattened(stacklevel=4)
@@ -593,6 +595,7 @@ class MuonFamily(torch.optim.Optimizer):
             "_pending_skips": None,
             "_last_vote": None,
             "_workspace": {},
+            "_schedule_scratch": {},
         }
         for key, value in runtime.items():
             if not hasattr(self, key):
@@ -630,7 +633,10 @@ class MuonFamily(torch.optim.Optimizer):
             now = self.state[p][name]
             if now.dtype != kept.dtype:
                 self.state[p][name] = kept.to(device=now.device)
+        self._schedule_scratch = {}  # what the schedule kept for its next step belongs to the run before the load
         for group in self.param_groups:
+            for key, value in self._schedule_defaults().items():
+                group.setdefault(key, value)  # an option added after the state_dict was saved
             for p in group["params"]:
                 if is_dtensor(p):
                     self._follow_placements(p)
@@ -660,7 +666,7 @@ class MuonFamily(torch.optim.Optimizer):
                     f"state_dict parameter group {gi} has no 'algorithm': it was not saved by a Muon-family optimizer"
                 )
             stray = sorted(k for k in set(saved) - mine if k in MuonFamily._schedule_owners)
-            missing = sorted(mine - set(saved))
+            missing = sorted(mine - set(saved) - set(self.schedule.late_options))
             if stray or missing:
                 owners = ", ".join(sorted({MuonFamily._schedule_owners[k] for k in stray}))
                 found = ([f"carry {stray} (options of {owners})"] if stray else []) + (

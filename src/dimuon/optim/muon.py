@@ -95,9 +95,12 @@ class AdaptiveRowMuon(MuonFamily):
         k_min: int = 1,
         k_max: int = 8,
         gamma: float = 0.15,
+        signal_lag: int = 0,
         **kwargs: Unpack[MuonOptions],
     ) -> None:
-        super().__init__(params, lr=lr, threshold=threshold, k_min=k_min, k_max=k_max, gamma=gamma, **kwargs)
+        super().__init__(
+            params, lr=lr, threshold=threshold, k_min=k_min, k_max=k_max, gamma=gamma, signal_lag=signal_lag, **kwargs
+        )
 
 
 for _cls in (Muon, PeriodicRowMuon, MuonBP, AdaptiveRowMuon):

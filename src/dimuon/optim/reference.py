@@ -153,6 +153,7 @@ class ReferenceMuon:
         threshold: float = 0.5,
         k_min: int = 2,
         k_max: int = 6,
+        signal_lag: int = 0,
         dtype: torch.dtype = torch.float32,
         split_sizes: int | tuple[int, ...] | None = None,
         col_split_sizes: int | tuple[int, ...] | None = None,
@@ -162,7 +163,8 @@ class ReferenceMuon:
         self.lr, self.momentum, self.nesterov, self.wd = lr, momentum, nesterov, weight_decay
         self.lr_scale, self.schedule, self.dtype = lr_scale, schedule, dtype
         self.k, self.gamma, self.period, self.blocks, self.block_lr_ratio = k, gamma, period, blocks, block_lr_ratio
-        self.threshold, self.k_min, self.k_max = threshold, k_min, k_max
+        self.threshold, self.k_min, self.k_max, self.signal_lag = threshold, k_min, k_max, signal_lag
+        self.stale_before: list[bool | None] = [None] * len(self.params)  # signal_lag=1: the previous step's verdict
         self.split_sizes, self.col_split_sizes, self.stacked = split_sizes, col_split_sizes, stacked
         self.bufs = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self.t = 0
@@ -195,18 +197,25 @@ class ReferenceMuon:
             for c, d in _chunks(x.shape[1], self.col_split_sizes)
         ]
 
+    def stale(self, i: int, u: Tensor) -> bool:
+        """Whether any logical matrix of ``u`` has lost more than ``threshold`` of its alignment with matrix ``i``'s
+        last spectral direction: ``1 - cos(U, O_s) / cos(U_s, O_s) > threshold``."""
+        for x, o, then in zip(self.logical(u), self.logical(self.refs[i].float()), self.ref_cos[i]):
+            if then <= 0 or x.norm() == 0 or 1 - _cosine(x, o) / then > self.threshold:
+                return True
+        return False
+
     def adaptive_kind(self, i: int, u: Tensor) -> StepKind:
         """Matrix ``i``'s kind: spectral if never refreshed or ``k_max`` steps on, RowNorm before ``k_min`` steps,
-        else spectral when ``1 - cos(U, O_s) / cos(U_s, O_s) > threshold`` for any of its logical matrices."""
-        last, ref = self.last_spectral[i], self.refs[i]
+        else spectral when it is stale: now, or with ``signal_lag=1`` at the previous step (RowNorm where the
+        previous step was its refresh)."""
+        last = self.last_spectral[i]
         if last is None or self.t - last >= self.k_max:
             return StepKind.SPECTRAL
         if self.t - last < self.k_min:
             return StepKind.ROWNORM
-        for x, o, then in zip(self.logical(u), self.logical(ref.float()), self.ref_cos[i]):
-            if then <= 0 or x.norm() == 0 or 1 - _cosine(x, o) / then > self.threshold:
-                return StepKind.SPECTRAL
-        return StepKind.ROWNORM
+        stale = self.stale_before[i] if self.signal_lag else self.stale(i, u)
+        return StepKind.SPECTRAL if stale else StepKind.ROWNORM
 
     def direction(self, u: Tensor, kind: StepKind) -> Tensor:
         """The scaled direction of one parameter-shaped momentum, matrix by matrix."""
@@ -230,6 +239,8 @@ class ReferenceMuon:
             u = g.lerp(buf, self.momentum) if self.nesterov else buf
             kind = self.adaptive_kind(i, u) if self.schedule == "adaptive_row_muon" else self.kind()
             kinds.append(kind)
+            if self.schedule == "adaptive_row_muon" and self.signal_lag:  # the verdict the next step decides by
+                self.stale_before[i] = self.stale(i, u) if kind is StepKind.ROWNORM else None
             mult = {StepKind.SPECTRAL: 1.0, StepKind.ROWNORM: self.gamma, StepKind.BLOCK: self.block_lr_ratio}[kind]
             d = self.direction(u, kind)
             if self.schedule == "adaptive_row_muon" and kind is StepKind.SPECTRAL:

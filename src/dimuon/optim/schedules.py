@@ -82,6 +82,7 @@ class StepContext(Protocol):
 
     state: Mapping[Any, dict[str, Any]]  # the optimizer state, per parameter
     engine: DirectionEngine
+    scratch: dict[str, Any]  # the schedule's own, kept from step to step by the optimizer (not saved; a load clears it)
 
     def read(self, values: Tensor) -> list[float]:
         """The host reads ``values`` (with the step's non-finite vote where it is still unread: one read for both,
@@ -102,6 +103,8 @@ class Schedule:
     whole_rows: ClassVar[str | None] = None
     # Its per-matrix state tensors whose saved dtype a checkpoint load keeps (torch would cast them).
     state_dtypes: ClassVar[tuple[str, ...]] = ()
+    # Options added after checkpoints were saved without them: such a state_dict loads, with their defaults.
+    late_options: ClassVar[tuple[str, ...]] = ()
 
     def defaults(self) -> dict[str, Any]:
         return {key: option.default for key, option in self.options.items()}
