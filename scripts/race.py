@@ -55,6 +55,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -434,6 +435,18 @@ def step_time(args: argparse.Namespace) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+def selected_lrs(record: dict[str, Any], names: Sequence[str]) -> dict[str, float]:
+    """The chosen lr of each of ``names`` from a ``select`` record, each of whose runs (every lr and seed of the
+    grid) must be finished."""
+    lrs = {}
+    for name in names:
+        done = [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"]
+        if len(done) < len(SELECT_LRS) * len(SELECT_SEEDS) or record["optimizers"].get(name, {}).get("lr") is None:
+            raise SystemExit(f"race: the selection of {name} is not finished ({len(done)} runs): run --part select")
+        lrs[name] = record["optimizers"][name]["lr"]
+    return lrs
+
+
 def rescore(
     args: argparse.Namespace, run_dir: Path, features: str, samples: str, seed: int | None = None
 ) -> dict[str, Any] | None:
@@ -521,11 +534,12 @@ def fd_spread(args: argparse.Namespace) -> int:
     seeds) scored with more samples than the race's (``FD_SAMPLES``), in both feature spaces, with 2 sampling seeds
     each; per optimizer and space the mean, the training seeds' range and the sampling seeds' range, and per pair
     of optimizers whether the gap between the means is larger than both ranges (``<out>/fd.json``). Resumable:
-    an evaluation already in a run's results is not made again."""
-    lrs = best_lrs(args)
+    an evaluation already in a run's results is not made again. With ``--only``, those optimizers alone, once
+    their own selection is finished (the rest of the part may still be training)."""
     record = _record(args.out / "select" / "results.json")
     if record is None:
         raise SystemExit(f"race: {args.out / 'select' / 'results.json'} is missing: run --part select first")
+    lrs = best_lrs(args) if not args.only else selected_lrs(record, args.only)
     samples = FD_SAMPLES[args.quick]
     table: dict[str, dict[str, Any]] = {}
     for r in record["runs"]:
@@ -931,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=MAIN,
         default=None,
         help="--part select: train these optimizers' runs first (their record alone; a later run "
-        "without --only completes the part and its record)",
+        "without --only completes the part and its record); --part fd: score these optimizers alone",
     )
     parser.add_argument(
         "--report-dir", type=Path, default=None, help="where --part report writes (default: <out>/report)"

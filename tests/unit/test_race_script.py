@@ -371,3 +371,12 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     gaps = {(g["space"], g["a"], g["b"]): g for g in result["gaps"]}
     assert not gaps[("classifier", "muon", "torch_muon")]["resolved"]  # 0.5 apart, ranges 0.5 + 0.5
     assert gaps[("inception", "adamw", "muon")]["resolved"]  # 19 apart
+    # --only: these optimizers alone, once their own selection is finished (MuonBP's still training here)
+    record_path = tmp_path / "select" / "results.json"
+    partial = json.loads(record_path.read_text())
+    partial["runs"] = [r for r in partial["runs"] if not (r["optimizer"] == "muon_bp" and r["seed"] == 1)]
+    record_path.write_text(json.dumps(partial))
+    assert race.main(["--part", "fd", "--out", str(tmp_path), "--only", "muon", "adamw"]) == 0
+    assert set(json.loads((tmp_path / "fd.json").read_text())["optimizers"]) == {"muon", "adamw"}
+    with pytest.raises(SystemExit, match="selection of muon_bp is not finished"):
+        race.main(["--part", "fd", "--out", str(tmp_path), "--only", "muon_bp"])
