@@ -22,7 +22,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   with ``dimuon eval`` and the same samples' settings; per optimizer the mean and spread over seeds in
   ``<out>/inception.json``.
 - ``fd``: FD that can resolve: the last checkpoint of every ``select`` run at its optimizer's chosen lr scored
-  with 2000 samples (4x the race's) in both feature spaces, two sampling seeds each; per optimizer the mean, the
+  with 2000 samples (4x the race's; the real side is the whole held-out split, 500 images on the demo set) in both
+  feature spaces, two sampling seeds each; per optimizer the mean, the
   training seeds' and the sampling seeds' half ranges, and per pair whether the gap exceeds the training seeds'
   ranges (``<out>/fd.json``).
 - ``long``: every optimizer at its best lr for twice the steps (4000), seed 0: has FD flattened at 2000 steps,
@@ -468,6 +469,8 @@ def rescore(
         "--sample-steps",
         steps,
         *(["--seed", str(seed)] if seed is not None else []),
+        "--cache-dir",
+        str(args.out / "feature_cache"),  # the race's feature classifier and real-set features, shared
         "--latest",
         "--threads",
         str(args.jobs * args.threads),
