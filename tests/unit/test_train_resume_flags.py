@@ -66,6 +66,7 @@ CHANGED_OPTIM = {
     "threshold": 0.5,
     "k_min": 2,
     "k_max": 6,
+    "signal_lag": 1,
 }
 # A value other than the saved one for every flag that cannot change on resume.
 CHANGED_FROZEN = {
