@@ -62,6 +62,7 @@ from tqdm.auto import tqdm
 
 from dimuon.bench.peers import CallCounter, CallRecord, GradientSnapshot, count_collectives
 from dimuon.bench.report import format_markdown_table, format_table, machine_info, parse_bench_flags
+from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic, write_text_atomic
@@ -78,25 +79,17 @@ from dimuon.optim.linalg import default_ns_dtype, newton_schulz_products
 PROG = "dimuon bench census"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One optimizer configuration: table label, ``build`` name and options, the steps recorded (1-based)."""
-
-    label: str
-    name: str
-    options: dict[str, Any]
-    steps: tuple[int, ...] = (1,)
-
-
 VARIANTS: dict[str, Variant] = {
-    "adamw": Variant("AdamW", "adamw", {}, (1, 2)),
+    "adamw": Variant("AdamW", "adamw", {}, steps=(1, 2)),
     "muon_gather": Variant("Muon (gather)", "muon", {"refresh": "gather"}),
     "muon_owner": Variant("Muon (owner)", "muon", {"refresh": "owner"}),
-    "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3}, (1, 2)),
-    "prm_k3_skip": Variant("PeriodicRowMuon K=3, skip", "periodic_row_muon", {"k": 3, "nonfinite": "skip"}, (1, 2)),
-    "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5}, (1, 2)),
-    "adaptive": Variant("AdaptiveRowMuon", "adaptive_row_muon", {}, (1, 2)),
-    "adaptive_skip": Variant("AdaptiveRowMuon, skip", "adaptive_row_muon", {"nonfinite": "skip"}, (1, 2)),
+    "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3}, steps=(1, 2)),
+    "prm_k3_skip": Variant(
+        "PeriodicRowMuon K=3, skip", "periodic_row_muon", {"k": 3, "nonfinite": "skip"}, steps=(1, 2)
+    ),
+    "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5}, steps=(1, 2)),
+    "adaptive": Variant("AdaptiveRowMuon", "adaptive_row_muon", {}, steps=(1, 2)),
+    "adaptive_skip": Variant("AdaptiveRowMuon, skip", "adaptive_row_muon", {"nonfinite": "skip"}, steps=(1, 2)),
 }
 # The configurations whose ops are also counted at the extra depths (--ops-depths): RowNorm and block steps.
 DEPTH_VARIANTS = ("prm_k3", "muon_bp_p5")

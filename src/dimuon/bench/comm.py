@@ -56,6 +56,7 @@ from dimuon.bench.peers import (
 )
 from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave, synchronizer
+from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic
@@ -66,25 +67,15 @@ CHECK = "all_reduce[check]"  # the 4-byte non-finite-gradient vote of every Muon
 BASELINE = "muon_gather"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One benchmarked optimizer: table label, ``build`` name and options, steps per period."""
-
-    label: str
-    name: str
-    options: dict[str, Any]
-    period: int = 1
-
-
 VARIANTS: dict[str, Variant] = {
     "adamw": Variant("AdamW", "adamw", {}),
     "muon_gather": Variant("Muon (gather)", "muon", {"refresh": "gather"}),
     "muon_owner": Variant("Muon (owner)", "muon", {"refresh": "owner"}),
     # Refreshed as Muon (gather) is, the basis of every ratio: K -> 1/K, P -> 1/P of its bytes.
-    "prm_k2": Variant("PeriodicRowMuon K=2", "periodic_row_muon", {"k": 2, "refresh": "gather"}, 2),
-    "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3, "refresh": "gather"}, 3),
-    "prm_k4": Variant("PeriodicRowMuon K=4", "periodic_row_muon", {"k": 4, "refresh": "gather"}, 4),
-    "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5, "refresh": "gather"}, 5),
+    "prm_k2": Variant("PeriodicRowMuon K=2", "periodic_row_muon", {"k": 2, "refresh": "gather"}, period=2),
+    "prm_k3": Variant("PeriodicRowMuon K=3", "periodic_row_muon", {"k": 3, "refresh": "gather"}, period=3),
+    "prm_k4": Variant("PeriodicRowMuon K=4", "periodic_row_muon", {"k": 4, "refresh": "gather"}, period=4),
+    "muon_bp_p5": Variant("MuonBP P=5", "muon_bp", {"period": 5, "refresh": "gather"}, period=5),
     "muon_gather_split": Variant(
         "Muon (gather, replicas split)", "muon", {"refresh": "gather", "replica_refresh": "split"}
     ),

@@ -39,17 +39,9 @@ from dimuon.bench.report import (
 from dimuon.dit import DIT_MODELS
 from dimuon.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from dimuon.optim import OPTIMIZERS
+from dimuon.optim.build import LABELS, ONE_PROCESS_ONLY
 
 DEFAULT_OPTIMIZERS = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
-ONE_PROCESS_ONLY = {"torch_muon": "refuses sharded (DTensor) parameters"}
-LABELS = {
-    "adamw": "AdamW",
-    "torch_muon": "torch.optim.Muon",
-    "muon": "Muon",
-    "periodic_row_muon": "PeriodicRowMuon",
-    "muon_bp": "MuonBP",
-    "adaptive_row_muon": "AdaptiveRowMuon",
-}
 
 
 @dataclass

@@ -23,6 +23,18 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "torch_muon": TorchMuonAdamW,
 }
 
+# Each optimizer's name in tables and plots.
+LABELS: dict[str, str] = {
+    "adamw": "AdamW",
+    "muon": "Muon",
+    "periodic_row_muon": "PeriodicRowMuon",
+    "muon_bp": "MuonBP",
+    "adaptive_row_muon": "AdaptiveRowMuon",
+    "torch_muon": "torch.optim.Muon",
+}
+# The optimizers that run in one process only, and why (the layout limit every command states).
+ONE_PROCESS_ONLY: dict[str, str] = {"torch_muon": "refuses sharded (DTensor) parameters"}
+
 # AdamW defaults that match the AdamW group of the Muon-family optimizers (docs/algorithms.md, "AdamW group").
 _ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 

@@ -22,6 +22,7 @@ from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.dit.parallel import Parallelism
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS
+from dimuon.optim.build import ONE_PROCESS_ONLY
 from dimuon.train.optim_options import OPTION_SPECS, OptimOptions, accepted_parameters, options_from_dict
 
 __all__ = [
@@ -338,8 +339,8 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _require(
-        cfg.parallel.tp == 1 or cfg.optimizer != "torch_muon",
-        "--optimizer torch_muon runs in one process only; it cannot take --parallel.tp",
+        cfg.parallel.tp == 1 or cfg.optimizer not in ONE_PROCESS_ONLY,
+        f"--optimizer {cfg.optimizer} runs in one process only; it cannot take --parallel.tp",
     )
     _require(
         cfg.parallel.tp == 1 or cfg.optimizer != "adaptive_row_muon",
