@@ -321,3 +321,11 @@ def test_a_lagged_signal_reads_nothing_it_waits_for_and_resumes_exactly_from_a_s
     for a, b in zip(ours, twin):
         assert torch.equal(a, b)
     assert any(any(step) for step in straight) and not all(all(step) for step in straight)
+
+
+@pytest.mark.parametrize("bad", [2, -1, True, 0.5])
+def test_signal_lag_other_than_0_or_1_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"signal_lag must be 0 or 1"):
+        AdaptiveRowMuon(_params(), signal_lag=bad)
+    with pytest.raises(ValueError, match=r"signal_lag \(parameter group 0\) must be 0 or 1"):
+        AdaptiveRowMuon([{"params": _params(), "signal_lag": bad}])
