@@ -90,7 +90,7 @@ def test_every_layout_and_configuration_is_traced_on_every_rank(record):
         assert traced == set(census.VARIANTS), job["layout"]
         # AdaptiveRowMuon refuses matrices split by columns, with a reason.
         assert set(job["refused_optimizers"]) <= (
-            {"adaptive", "adaptive_skip"} if job["layout"] in ("tp", "fsdp_tp") else set()
+            {"adaptive", "adaptive_skip", "adaptive_lag"} if job["layout"] in ("tp", "fsdp_tp") else set()
         )
     for job, case in _cases(record):
         assert case["ranks_traced"] == WORLD, (job["layout"], case["label"])
@@ -162,8 +162,12 @@ def test_host_reads_per_step_stay_at_todays_bounds(record):
         if case["optimizer"] == "adamw":
             continue
         # "raise": the vote is read once per step (with the adaptive schedule's signals, where it reads them);
-        # "skip": never, the adaptive schedule's own read of its signals apart.
-        if case["optimizer"].endswith("_skip"):
+        # "skip": never, the adaptive schedule's own read of its signals apart; with signal_lag=1 that read is of
+        # the previous step's host copy, none at step 2 (no signal since step 1's refresh) and one at step 3.
+        if case["optimizer"] == "adaptive_lag":
+            lagged = census.signal_reads(case, census.LAGGED_SITE)
+            assert case["host_reads"] == lagged == (case["step"] == 3), (job["layout"], case["read_sites"])
+        elif case["optimizer"].endswith("_skip"):
             assert case["host_reads"] == census.signal_reads(case) <= 1, (
                 job["layout"],
                 case["label"],

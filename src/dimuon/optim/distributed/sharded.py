@@ -544,13 +544,17 @@ class ShardedEngine:
         def launch(bucket: tuple[Collectives, list[int]]):
             comm, idx = bucket
             dtype = self._payload_dtype(placed[idx[0]][0], config)
-            parts = []
-            for i in idx:
-                job, plc = placed[i]
-                padded = job.update.new_zeros(plc.pad, dtype=dtype)
-                padded[: job.update.numel()] = job.update.reshape(-1)
-                parts.append(padded)
-            send = torch.cat(parts)
+            pads = [placed[i][1].pad for i in idx]
+            send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
+            slots, pieces, offset = [], [], 0
+            for i, pad in zip(idx, pads):
+                piece = placed[i][0].update.reshape(-1)
+                if piece.numel():
+                    slots.append(send[offset : offset + piece.numel()])
+                    pieces.append(piece)
+                offset += pad
+            if pieces:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
+                torch._foreach_copy_(slots, pieces)
             recv = send.new_empty(comm.world * send.numel())
             return recv, comm.all_gather(recv, send, async_op=True)
 
@@ -564,7 +568,8 @@ class ShardedEngine:
             pieces, where, offset = [], [], 0
             for i in idx:
                 job, plc = placed[i]
-                full = self._full(job, plc, table[:, offset : offset + plc.pad])
+                # In the payload's dtype: Newton-Schulz casts to its own first (no fp32 copy of a bf16 payload).
+                full = self._full(job, plc, table[:, offset : offset + plc.pad], keep_dtype=True)
                 offset += plc.pad
                 for a, bnd, c, e in job.regions():
                     if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
@@ -663,11 +668,14 @@ class ShardedEngine:
             unscaled = scales is not None
             # The directions are written straight into the (matrices, W * pad) buffer they travel back in.
             back = torch.empty((len(owned), comm.world * pad), device=recv.device, dtype=back_dtype)
-            table = recv.view(comm.world, len(owned), pad)  # [source rank, owned matrix, slot]
+            # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
+            # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
+            # matrices lie evenly spaced, so Newton-Schulz takes them as one batch without a stack.
+            table = recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
             pieces, where, dirs = [], [], {}
             for t, i in enumerate(owned):
                 job, plc = placed[i]
-                full = self._full(job, plc, table[:, t], keep_dtype=True)
+                full = self._full(job, plc, table[t], keep_dtype=True)
                 dirs[i] = (
                     back[t, : job.rows * job.cols].view(job.rows, job.cols)
                     if plc.row_major
@@ -677,8 +685,8 @@ class ShardedEngine:
                     pieces.append(full[a:bnd, c:e])
                     where.append((i, a, bnd, c, e))
             maps = apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=not unscaled)
-            for (i, a, bnd, c, e), d in zip(where, maps):
-                dirs[i][a:bnd, c:e] = d
+            if maps:  # one list copy into the return buffer (and cast where it is narrower)
+                torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in where], maps)
             for t, i in enumerate(owned):  # other layouts: every member's piece to its slot, one scatter
                 if not placed[i][1].row_major:
                     index = self._assembly_index(placed[i][0], placed[i][1], back.device)
@@ -692,13 +700,17 @@ class ShardedEngine:
             returns.append((bucket, recv_back, work_back, scales))
         for bucket, recv_back, work, scales in returns:
             work.wait()
-            # Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each.
+            # Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each. Every
+            # piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket.
+            job = placed[bucket.jobs[0]][0]
+            n = job.update.numel()
+            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, :n]
+            wide = slots.to(_wide(job.update))
+            if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
+                (scale,) = {scales[i] for i in bucket.jobs}
+                wide.mul_(scale)
             for t, i in enumerate(bucket.jobs):
-                job = placed[i][0]
-                n = job.update.numel()
-                outs[i] = recv_back[t * bucket.pad : t * bucket.pad + n].view(job.update.shape).to(_wide(job.update))
-                if scales is not None:
-                    outs[i].mul_(scales[i])
+                outs[i] = wide[t].view(job.update.shape)
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
     def _return_dtype(
@@ -747,10 +759,7 @@ class ShardedEngine:
             pending.append((owned, _gather_segments(comm, placed, owned, mine, dtype)))
         for owned, (recv, pad, work) in pending:
             work.wait()
-            for r, jobs in enumerate(owned):
-                for i, part in zip(jobs, _segment_parts(recv, r, pad, placed, jobs)):
-                    job = placed[i][0]
-                    out[i] = part.view(job.update.shape).to(_wide(job.update))
+            out.update(_unpack_segments(recv, pad, placed, owned))
 
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
@@ -786,11 +795,8 @@ class ShardedEngine:
             pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
         for owned, scales, (recv, pad, work) in pending:
             work.wait()
-            for r, jobs in enumerate(owned):
-                for i, part in zip(jobs, _segment_parts(recv, r, pad, placed, jobs)):
-                    outs[i] = part.view(outs[i].shape).to(outs[i].dtype)
-                    if scales is not None:
-                        outs[i].mul_(scales[i])
+            for i, d in _unpack_segments(recv, pad, placed, owned, scales).items():
+                outs[i] = d
         return outs
 
 
@@ -817,6 +823,29 @@ def _segment_parts(recv: Tensor, rank: int, pad: int, placed: Sequence[Placed], 
     """Rank ``rank``'s segment of a :func:`_gather_segments` buffer, cut into its jobs' flat directions."""
     sizes = [placed[i][0].update.numel() for i in jobs]
     return list(recv[rank * pad : rank * pad + sum(sizes)].split(sizes)) if jobs else []
+
+
+def _unpack_segments(
+    recv: Tensor,
+    pad: int,
+    placed: Sequence[Placed],
+    owned: Sequence[Sequence[int]],
+    scales: dict[int, float] | None = None,
+) -> dict[int, Tensor]:
+    """Every job's direction from a :func:`_gather_segments` buffer, in its wide dtype, times its lr scale where
+    ``scales`` are given: one cast of the whole buffer where the jobs share a dtype and one list multiply, not two
+    ops per matrix."""
+    jobs = [i for rank_jobs in owned for i in rank_jobs]
+    wides = {_wide(placed[i][0].update) for i in jobs}
+    whole = recv.to(wides.pop()) if len(wides) == 1 else None
+    out: dict[int, Tensor] = {}
+    for r, rank_jobs in enumerate(owned):
+        for i, part in zip(rank_jobs, _segment_parts(recv if whole is None else whole, r, pad, placed, rank_jobs)):
+            update = placed[i][0].update
+            out[i] = part.view(update.shape) if whole is not None else part.view(update.shape).to(_wide(update))
+    if scales is not None and out:
+        torch._foreach_mul_(list(out.values()), [scales[i] for i in out])
+    return out
 
 
 def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
