@@ -63,7 +63,7 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     for algorithm in linalg.NS_ALGORITHMS:
         ns = record["ns_flop_rate"][algorithm]
         assert ns["gflop"] > 0 and ns["ns_ms"] > 0 and ns["bmm_ms"] > 0 and ns["ratio"] > 0
-    assert [t["value"] is not None for t in record["targets"]] == [True, True, True, True]
+    assert "targets" not in record  # the project's own targets: scripts/optimizer_targets.py
     # The RowNorm and block rows time steps of their kind only (their spectral first step is taken untimed).
     assert record["optimizers"]["rownorm_step"]["calls_per_sample"] == 1
     assert record["optimizers"]["block_step"]["label"] == "dimuon MuonBP, block steps only"
@@ -71,7 +71,7 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     assert machine["torch"] == torch.__version__ and machine["torch_threads"] == 1 and machine["cpu_model"]
     assert record["model"]["muon_matrices"] == 7  # qkv, proj, fc1, fc2, adaLN, t-MLP 2nd linear, final adaLN
     printed = capsys.readouterr().out
-    assert "dimuon Muon (Gram NS)" in printed and "Targets:" in printed
+    assert "dimuon Muon (Gram NS)" in printed and "Targets:" not in printed
     assert dtensor_muon["reason"] in printed and "bfloat16" in printed
     assert "| dimuon Muon (Gram NS) |" in (tmp_path / "o.md").read_text()
 
@@ -95,7 +95,7 @@ def test_skip_and_per_optimizer_repeats(tmp_path):
     record = json.loads(out.read_text())
     assert "torch_muon" not in record["optimizers"] and "adamw_fused" not in record["optimizers"]
     assert record["optimizers"]["muon"]["repeats"] == 2
-    assert record["ns_flop_rate"] is None and record["targets"][2]["met"] is None
+    assert record["ns_flop_rate"] is None
 
 
 def _peer(key: str, distribution: str, builder) -> Peer:

@@ -22,7 +22,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -43,27 +43,40 @@ from dimuon.bench.peers import (
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
 from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info
 from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
+from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
 from dimuon.optim import build, linalg, param_groups, per_head_splits
+from dimuon.optim.build import LABELS
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.reference import ReferenceMuon
 
-# Every optimizer of dimuon and the baselines, in table order, with its table label (the peers follow them).
-OPTIMIZERS: dict[str, str] = {
-    "adamw_foreach": "AdamW (foreach)",
-    "adamw_fused": "AdamW (fused)",
-    "reference_muon": "reference Muon (fp32, per tensor) + AdamW",
-    "muon": "dimuon Muon (standard NS)",
-    "muon_per_head": "dimuon Muon (standard NS, per head: qkv rows, proj columns)",
-    "muon_gram": "dimuon Muon (Gram NS)",
-    "muon_compiled": "dimuon Muon (standard NS, compiled)",
-    "muon_bf16": "dimuon Muon (standard NS in bf16)",
-    "periodic_row_muon": "dimuon PeriodicRowMuon",
-    "muon_bp": "dimuon MuonBP",
-    "rownorm_step": "dimuon PeriodicRowMuon, RowNorm steps only",
-    "block_step": "dimuon MuonBP, block steps only",
+# Every optimizer of dimuon and the baselines, in table order: its configuration (a ``dimuon.optim.build`` name and
+# options; ``reference`` for the fp32 per-tensor reference) and table label (the peers follow them). Options and
+# steps per sample that depend on the run's flags are filled in by :func:`variants`.
+VARIANTS: dict[str, Variant] = {
+    "adamw_foreach": Variant("AdamW (foreach)", "adamw", {"foreach": True}),
+    "adamw_fused": Variant("AdamW (fused)", "adamw", {"fused": True}),
+    "reference_muon": Variant("reference Muon (fp32, per tensor) + AdamW", "reference", {}),
+    "muon": Variant(f"dimuon {LABELS['muon']} (standard NS)", "muon", {}),
+    # every attention head its own matrix (dimuon.optim.per_head_splits)
+    "muon_per_head": Variant(
+        f"dimuon {LABELS['muon']} (standard NS, per head: qkv rows, proj columns)", "muon", {}, groups="per_head"
+    ),
+    "muon_gram": Variant(f"dimuon {LABELS['muon']} (Gram NS)", "muon", {"ns_algorithm": "gram"}),
+    # its first step compiles (reported apart as the first step)
+    "muon_compiled": Variant(f"dimuon {LABELS['muon']} (standard NS, compiled)", "muon", {"ns_compile": True}),
+    # the Newton-Schulz dtype the peers hard-code, for a like-for-like row
+    "muon_bf16": Variant(f"dimuon {LABELS['muon']} (standard NS in bf16)", "muon", {"ns_dtype": torch.bfloat16}),
+    "periodic_row_muon": Variant(f"dimuon {LABELS['periodic_row_muon']}", "periodic_row_muon", {}),
+    "muon_bp": Variant(f"dimuon {LABELS['muon_bp']}", "muon_bp", {}),
+    # the memory-bound steps alone, beside fused AdamW: the spectral first step taken untimed, never again
+    "rownorm_step": Variant(
+        f"dimuon {LABELS['periodic_row_muon']}, RowNorm steps only", "periodic_row_muon", {}, untimed_steps=1
+    ),
+    "block_step": Variant(f"dimuon {LABELS['muon_bp']}, block steps only", "muon_bp", {}, untimed_steps=1),
 }
+OPTIMIZERS: dict[str, str] = {key: v.label for key, v in VARIANTS.items()}
 # A schedule whose refresh never comes back after the first step (taken untimed): every timed step is of one kind.
 NEVER = 2**31 - 1
 BASELINE = "adamw_foreach"
@@ -180,48 +193,43 @@ def engine_batches(model: nn.Module) -> list[tuple[int, int, int]]:
     return batches
 
 
+def variants(cfg: Config) -> dict[str, Variant]:
+    """:data:`VARIANTS` with the options and steps per sample that this run's flags set (K, P, blocks)."""
+    flagged = {
+        "periodic_row_muon": ({"k": cfg.k}, cfg.k),
+        "muon_bp": ({"period": cfg.period, "blocks": cfg.bp_blocks}, cfg.period),
+        "rownorm_step": ({"k": NEVER}, 1),
+        "block_step": ({"period": NEVER, "blocks": cfg.bp_blocks}, 1),
+    }
+    out = dict(VARIANTS)
+    for key, (options, period) in flagged.items():
+        out[key] = replace(VARIANTS[key], options={**VARIANTS[key].options, **options}, period=period)
+    return out
+
+
 def make_steps(cfg: Config, model: nn.Module, names: Sequence[str]) -> dict[str, tuple[Callable[[], None], int]]:
     """For each of dimuon's optimizers and the baselines: a function taking one step, and how many steps
     make one sample."""
+    table = variants(cfg)
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise ValueError(f"unknown optimizer {unknown[0]!r}; choose from {list(OPTIMIZERS)}")
     muon_params, rest = muon_and_rest(model)
     steps: dict[str, tuple[Callable[[], None], int]] = {}
     for name in names:
-        if name == "adamw_foreach":
-            opt = build("adamw", model, lr=cfg.lr, foreach=True)
-            steps[name] = (opt.step, 1)
-        elif name == "adamw_fused":
-            opt = build("adamw", model, lr=cfg.lr, fused=True)
-            steps[name] = (opt.step, 1)
-        elif name == "reference_muon":
+        v = table[name]
+        if v.name == "reference":
             ref = ReferenceMuon(muon_params, lr=cfg.lr, lr_scale="match_rms_adamw")
-            steps[name] = (Paired(ref, adamw_for_rest(rest, cfg.lr)).step, 1)
-        elif name == "muon":
-            steps[name] = (build("muon", model, lr=cfg.lr).step, 1)
-        elif name == "muon_per_head":  # every attention head its own matrix (dimuon.optim.per_head_splits)
+            steps[name] = (Paired(ref, adamw_for_rest(rest, cfg.lr)).step, v.period)
+            continue
+        target: Any = model
+        if v.groups == "per_head":
             heads = per_head_splits(model)
-            groups = param_groups(model, rules=heads.rules, split_sizes=heads.split_sizes)
-            steps[name] = (build("muon", groups, lr=cfg.lr).step, 1)
-        elif name == "muon_gram":
-            steps[name] = (build("muon", model, lr=cfg.lr, ns_algorithm="gram").step, 1)
-        elif name == "muon_compiled":  # its first step compiles (reported apart as the first step)
-            steps[name] = (build("muon", model, lr=cfg.lr, ns_compile=True).step, 1)
-        elif name == "muon_bf16":  # the Newton-Schulz dtype the peers hard-code, for a like-for-like row
-            steps[name] = (build("muon", model, lr=cfg.lr, ns_dtype=torch.bfloat16).step, 1)
-        elif name == "periodic_row_muon":
-            steps[name] = (build("periodic_row_muon", model, lr=cfg.lr, k=cfg.k).step, cfg.k)
-        elif name == "muon_bp":
-            opt = build("muon_bp", model, lr=cfg.lr, period=cfg.period, blocks=cfg.bp_blocks)
-            steps[name] = (opt.step, cfg.period)
-        elif name in ("rownorm_step", "block_step"):  # the memory-bound steps alone, beside fused AdamW
-            opt = (
-                build("periodic_row_muon", model, lr=cfg.lr, k=NEVER)
-                if name == "rownorm_step"
-                else build("muon_bp", model, lr=cfg.lr, period=NEVER, blocks=cfg.bp_blocks)
-            )
-            opt.step()  # the spectral first step, untimed (the gradients are the snapshot's, put back before each)
-            steps[name] = (opt.step, 1)
-        else:
-            raise ValueError(f"unknown optimizer {name!r}; choose from {list(OPTIMIZERS)}")
+            target = param_groups(model, rules=heads.rules, split_sizes=heads.split_sizes)
+        opt = build(v.name, target, lr=cfg.lr, **v.options)
+        for _ in range(v.untimed_steps):  # the gradients are the snapshot's, put back before each sample
+            opt.step()
+        steps[name] = (opt.step, v.period)
     return steps
 
 
@@ -394,38 +402,12 @@ def summarize(
     return out
 
 
-def check_targets(optimizers: dict[str, dict[str, Any]], ns: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The speed targets on this CPU, each with its measured value (None where not measured)."""
-
-    def ratio(a: str, b: str) -> float | None:
-        if a in optimizers and b in optimizers:
-            return optimizers[a]["median_ms"] / optimizers[b]["median_ms"]
-        return None
-
-    rows = [
-        ("PeriodicRowMuon K=3 <= 0.40x dimuon Muon", ratio("periodic_row_muon", "muon"), 0.40, "<="),
-        ("dimuon Muon (Gram NS) <= 0.60x fp32 reference Muon", ratio("muon_gram", REFERENCE), 0.60, "<="),
-        ("NS5 FLOP rate >= 0.85x torch.bmm", ns["standard"]["ratio"] if ns else None, 0.85, ">="),
-        (
-            "PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound)",
-            ratio("rownorm_step", "adamw_fused"),
-            1.5,
-            "<=",
-        ),
-    ]
-    targets = []
-    for name, value, limit, op in rows:
-        met = None if value is None else (value <= limit if op == "<=" else value >= limit)
-        targets.append({"target": name, "value": value, "limit": limit, "met": met})
-    return targets
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def render(record: dict[str, Any], markdown: bool = False) -> str:
-    """The human-readable report (plain text, or Markdown for docs): step times, NS FLOP rate, targets."""
+    """The human-readable report (plain text, or Markdown for docs): step times and the NS FLOP rate."""
     table = format_markdown_table if markdown else format_table
     m, machine = record["model"], record["machine"]
     gpu = machine.get("gpu")
@@ -526,10 +508,6 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
                 right=[False, False, False, True, True, True, True, True],
             )
         )
-    lines += ["", "Targets:", ""]
-    for t in record["targets"]:
-        verdict = "n/a" if t["met"] is None else ("PASS" if t["met"] else "MISS")
-        lines.append(f"{'-' if markdown else ' '} [{verdict}] {t['target']}: measured {_fmt(t['value'], '.3f')}")
     return "\n".join(lines)
 
 
@@ -604,7 +582,6 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         },
         "optimizers": optimizers,
         "ns_flop_rate": ns,
-        "targets": check_targets(optimizers, ns),
     }
     write_json_atomic(cfg.out, record)
     return record

@@ -1,18 +1,23 @@
-"""One optimizer configuration of a benchmark, as ``bench comm`` and ``bench census`` tabulate them."""
+"""One optimizer configuration of a benchmark, as ``bench optimizer``, ``bench comm`` and ``bench census`` tabulate
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
 class Variant:
     """A table label, the ``dimuon.optim.build`` name and options, the steps after which its schedule repeats
-    (``bench comm`` averages over one such period) and the steps ``bench census`` records (1-based)."""
+    (``bench comm`` averages over one such period, ``bench optimizer`` times one per sample), the steps
+    ``bench census`` records (1-based), how the parameters are grouped (``per_head``: every attention head its own
+    matrix) and the steps ``bench optimizer`` takes untimed first (to time one step kind alone)."""
 
     label: str
     name: str
     options: dict[str, Any]
     period: int = 1
     steps: tuple[int, ...] = (1,)
+    groups: Literal["default", "per_head"] = "default"
+    untimed_steps: int = 0

@@ -1,0 +1,61 @@
+"""scripts/optimizer_targets.py: the project's speed targets read from ``dimuon bench optimizer`` records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "optimizer_targets.py"
+
+
+@pytest.fixture(scope="module")
+def targets():
+    spec = importlib.util.spec_from_file_location("optimizer_targets", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["optimizer_targets"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(**medians: float) -> dict:
+    return {"optimizers": {k: {"median_ms": v} for k, v in medians.items()}, "ns_flop_rate": None, "machine": {}}
+
+
+def test_ratios_are_judged_against_their_limits_and_unmeasured_ones_are_not(targets):
+    record = _record(periodic_row_muon=30.0, muon=100.0, muon_gram=70.0, reference_muon=100.0)
+    by_text = {t["target"]: t for t in targets.check(record)}
+    prm = by_text["PeriodicRowMuon K=3 <= 0.40x dimuon Muon"]
+    gram = by_text["dimuon Muon (Gram NS) <= 0.60x fp32 reference Muon"]
+    assert prm["value"] == pytest.approx(0.3) and prm["met"] is True
+    assert gram["value"] == pytest.approx(0.7) and gram["met"] is False
+    rownorm = by_text["PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound)"]
+    assert rownorm["value"] is None and rownorm["met"] is None  # neither row timed
+    record["ns_flop_rate"] = {"standard": {"ratio": 0.9}}
+    assert {t["target"]: t for t in targets.check(record)}["NS5 FLOP rate >= 0.85x torch.bmm"]["met"] is True
+
+
+def test_the_published_records_give_the_verdicts_they_were_published_with(targets):
+    """The records written while the targets were part of the benchmark carry their verdicts: the script's agree."""
+    for path in sorted((SCRIPT.parents[1] / "docs" / "results").glob("optimizer-*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if "targets" in record:
+            found = {t["target"]: (t["value"], t["met"]) for t in targets.check(record)}
+            for t in record["targets"]:
+                assert found[t["target"]] == (pytest.approx(t["value"]), t["met"]), (path.name, t["target"])
+
+
+def test_the_command_prints_a_verdict_per_target_and_refuses_other_records(targets, tmp_path, capsys):
+    good = tmp_path / "bench.json"
+    good.write_text(json.dumps(_record(rownorm_step=20.0, adamw_fused=10.0)))
+    assert targets.main([str(good), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "- [MISS] PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound): measured 2.000" in out
+    assert out.count("[n/a]") == 3
+    other = tmp_path / "census.json"
+    other.write_text(json.dumps({"jobs": []}))
+    assert targets.main([str(other)]) == 2
+    assert "no dimuon bench optimizer record" in capsys.readouterr().err
