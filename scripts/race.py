@@ -453,7 +453,8 @@ def rescore(
 ) -> dict[str, Any] | None:
     """``dimuon eval`` of a run's last checkpoint in ``features`` space with ``samples`` samples (and sampling
     seed ``seed``; None: eval's default), the race's sampler settings and every job's threads (one evaluation at
-    a time; one already scored is not scored again); its last scored entry, None where the evaluation failed."""
+    a time; one already scored is not scored again; samples already drawn for another feature space are reused);
+    its last scored entry, None where the evaluation failed."""
     steps = setting("--eval.sample-steps", args)
     cmd = [
         sys.executable,
@@ -471,6 +472,8 @@ def rescore(
         *(["--seed", str(seed)] if seed is not None else []),
         "--cache-dir",
         str(args.out / "feature_cache"),  # the race's feature classifier and real-set features, shared
+        "--samples-cache",
+        str(args.out / "sample_cache"),  # a checkpoint's samples drawn once for both feature spaces
         "--latest",
         "--threads",
         str(args.jobs * args.threads),

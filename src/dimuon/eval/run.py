@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval
 from dimuon.eval.compare import compare_runs
+from dimuon.eval.samples_cache import load_samples, samples_key, save_samples
 from dimuon.io import RunLayout, read_jsonl, unwritable_reason
 from dimuon.log import configure, get_logger, run_command
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
@@ -64,6 +65,10 @@ class Config(EvalSettings):
     """Output directory of --compare."""
     progress: bool = True
     """Progress bars."""
+    samples_cache: Path | None = None
+    """Keep each checkpoint's generated samples in this directory and reuse them when the same checkpoint is
+    scored with the same sampling settings again (another feature space, a rescore): the same images, sampled
+    once. Keyed by the checkpoint's bytes, the sampling settings, the device type and the torch version."""
 
 
 class NoCheckpointsError(FileNotFoundError):
@@ -94,12 +99,16 @@ def active_time_from_metrics(run: Path, step: int) -> float | None:
     return None if best is None else best[1]
 
 
-def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1, latest: bool = False) -> dict[str, Any]:
+def evaluate_checkpoints(
+    evaluation: RunEvaluation, every: int = 1, latest: bool = False, samples_cache: Path | None = None
+) -> dict[str, Any]:
     """Evaluate every `every`-th checkpoint of the run and the latest (with `latest`, the latest alone) into its
     series; counts and output paths.
 
     Checkpoints already in the series are skipped; one that fails to load is recorded as failed and
-    the others are evaluated. The evaluator is built from the first loadable checkpoint's data set.
+    the others are evaluated. The evaluator is built from the first loadable checkpoint's data set. With
+    `samples_cache`, each checkpoint's samples are kept there and reused when the same checkpoint is scored
+    with the same sampling settings again (:mod:`dimuon.eval.samples_cache`).
     """
     run = evaluation.run
     listed = list_checkpoints(run)
@@ -136,7 +145,16 @@ def evaluate_checkpoints(evaluation: RunEvaluation, every: int = 1, latest: bool
                 continue
         assert evaluation.evaluator is not None
         t0 = time.perf_counter()  # the one-off setup (classifier, real features) is not counted
-        row, images = evaluation.evaluator.evaluate_with_samples(model)
+        given = collect = key = None
+        if samples_cache is not None:
+            key = samples_key(path, evaluation.settings, evaluation.device)
+            given = load_samples(samples_cache, key)
+            collect = [] if given is None else None
+        row, images = evaluation.evaluator.evaluate_with_samples(model, given=given, collect=collect)
+        if collect:
+            save_samples(samples_cache, key, torch.cat(collect))
+        if samples_cache is not None:
+            row["samples_reused"] = given is not None
         active = info.get("active_time_s")
         if active is None:
             active = active_time_from_metrics(run, step)
@@ -190,6 +208,8 @@ def check_config(cfg: Config) -> None:
     _check_writable("--run", RunLayout(cfg.run).eval, "the results directory")
     if cfg.cache_dir is not None:
         _check_writable("--cache-dir", Path(cfg.cache_dir), "the feature cache")
+    if cfg.samples_cache is not None:
+        _check_writable("--samples-cache", Path(cfg.samples_cache), "the samples cache")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -222,7 +242,7 @@ def _run(cfg: Config) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     evaluation = RunEvaluation(cfg.run, cfg, cfg.device, cfg.progress)
-    summary = evaluate_checkpoints(evaluation, cfg.every, cfg.latest)
+    summary = evaluate_checkpoints(evaluation, cfg.every, cfg.latest, cfg.samples_cache)
     if evaluation.key is not None:
         print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
     print(

@@ -332,30 +332,47 @@ class GenerationEvaluator:
         return evaluate_features(self.real_feats, fake, feature_space=self.feature_space)
 
     def sample_features(
-        self, model: nn.Module, start: int = 0, stop: int | None = None, keep: int = 100
+        self,
+        model: nn.Module,
+        start: int = 0,
+        stop: int | None = None,
+        keep: int = 100,
+        given: Tensor | None = None,
+        collect: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, float]]:
         """Features `(n, D)` of samples `start..stop-1` (default: all), their first `keep` images, and seconds taken.
 
         Each batch goes to the feature extractor as soon as it is drawn, so only features and the kept
-        images (for a grid) are held, whatever `num_samples` is.
+        images (for a grid) are held, whatever `num_samples` is. `given`: those samples already drawn (the
+        same settings), scored instead of sampling; `collect`: a list that receives every batch (on the CPU).
         """
         model = model.to(self.device)
         kept: list[Tensor] = []
         sample_s = 0.0
+        stop = self.settings.num_samples if stop is None else stop
+        if given is not None and given.shape[0] != stop - start:
+            raise ValueError(f"given holds {given.shape[0]} samples, the range [{start}, {stop}) {stop - start}")
+
+        def drawn() -> Iterator[Tensor]:
+            if given is None:
+                yield from iter_samples(
+                    model,
+                    self.settings,
+                    self.image_shape,
+                    self.num_classes,
+                    self.batch_size,
+                    self.device,
+                    self.progress,
+                    start,
+                    stop,
+                )
+                return
+            for first in range(0, given.shape[0], self.batch_size):
+                yield given[first : first + self.batch_size].to(self.device)
 
         def batches() -> Iterator[Tensor]:
             nonlocal sample_s
-            it = iter_samples(
-                model,
-                self.settings,
-                self.image_shape,
-                self.num_classes,
-                self.batch_size,
-                self.device,
-                self.progress,
-                start,
-                stop,
-            )
+            it = drawn()
             while True:
                 t0 = time.perf_counter()
                 x = next(it, None)
@@ -365,6 +382,8 @@ class GenerationEvaluator:
                 room = keep - sum(k.shape[0] for k in kept)
                 if room > 0:
                     kept.append(x[:room].cpu())
+                if collect is not None:
+                    collect.append(x.cpu())
                 yield x
 
         t0 = time.perf_counter()
@@ -387,9 +406,16 @@ class GenerationEvaluator:
         )
         return row
 
-    def evaluate_with_samples(self, model: nn.Module, keep: int = 100) -> tuple[dict[str, Any], Tensor]:
-        """Generate and score, streaming: the metrics row (with settings and seconds taken) and the first samples."""
-        fake, images, timings = self.sample_features(model, keep=keep)
+    def evaluate_with_samples(
+        self,
+        model: nn.Module,
+        keep: int = 100,
+        given: Tensor | None = None,
+        collect: list[Tensor] | None = None,
+    ) -> tuple[dict[str, Any], Tensor]:
+        """Generate and score, streaming: the metrics row (with settings and seconds taken) and the first samples
+        (`given` and `collect`: as :meth:`sample_features`)."""
+        fake, images, timings = self.sample_features(model, keep=keep, given=given, collect=collect)
         return self.scores(fake, timings), images
 
     def evaluate(self, model: nn.Module) -> dict[str, Any]:
