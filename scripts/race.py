@@ -363,17 +363,30 @@ def link(link_path: Path, target: Path) -> None:
         os.symlink(target, link_path, target_is_directory=True)
 
 
+def base_lr(args: argparse.Namespace, base: str) -> float:
+    """The lr an ablation of ``base`` runs at: ``base``'s choice in the ``select`` record (its own runs finished,
+    whatever the other optimizers' state), else the sweep's best (:func:`best_lrs`)."""
+    record = _record(args.out / "select" / "results.json")
+    if record is None and (published_select := published(args, "select.json")) is not None:
+        record = _record(published_select)
+    if record is not None:
+        return selected_lrs(record, [base])[base]
+    return best_lrs(args)[base]
+
+
 def ablation(args: argparse.Namespace, part: str) -> int:
+    """One ablation at its optimizer's chosen lr, seeds 0 and 1; the variant that trains as the main race does is
+    linked to the ``select`` (or ``seeds``) runs at that lr, not trained again."""
     spec = ABLATIONS[part]
-    lr = best_lrs(args)[spec.base]
-    lrs = [lr, lr / 2] if part == "gamma" else [lr]  # does the best gamma move with the lr?
+    lr = base_lr(args, spec.base)
     names = [f"{spec.base}/{label}" for label in spec.variants]
-    if spec.main is not None:  # the variant the main race already trained: its seeds' runs, linked
+    if spec.main is not None:  # the variant the main race already trained: its runs, linked
         for seed in ABLATION_SEEDS:
-            link(
-                args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
-                args.out / "seeds" / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
-            )
+            for trained in ("select", "seeds"):
+                link(
+                    args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
+                    args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
+                )
     return bench(
         args,
         part,
@@ -381,7 +394,7 @@ def ablation(args: argparse.Namespace, part: str) -> int:
             "--optimizers",
             *names,
             "--lrs",
-            *(f"{x:g}" for x in lrs),
+            f"{lr:g}",
             "--seeds",
             *map(str, ABLATION_SEEDS),
             "--train-args-of",

@@ -94,8 +94,7 @@ def test_seeds_and_ablations_take_the_sweeps_best_lrs(race, tmp_path, capsys):
     ):
         linked = tmp_path / "gamma" / "runs" / f"periodic_row_muon-g0.15-lr0.02-s{seed}"
         assert linked.is_symlink() and linked.resolve() == target.resolve()
-    assert not (tmp_path / "gamma" / "runs" / "periodic_row_muon-g0.15-lr0.01-s0").exists()  # half the lr: trained
-    assert flags(gamma, "--lrs") == ["0.02", "0.01"] and flags(gamma, "--seeds") == ["0", "1"]
+    assert flags(gamma, "--lrs") == ["0.02"] and flags(gamma, "--seeds") == ["0", "1"]
     assert "periodic_row_muon/g0.05" in flags(gamma, "--optimizers")
     assert "periodic_row_muon/g1=--optim.gamma 1" in flags(gamma, "--train-args-of")
     assert race.main(["--part", "long", "--out", str(tmp_path)]) == 0
@@ -380,3 +379,29 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     assert set(json.loads((tmp_path / "fd.json").read_text())["optimizers"]) == {"muon", "adamw"}
     with pytest.raises(SystemExit, match="selection of muon_bp is not finished"):
         race.main(["--part", "fd", "--out", str(tmp_path), "--only", "muon_bp"])
+
+
+def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_finished(race, tmp_path):
+    """PeriodicRowMuon's K ablation at its selected lr while other optimizers still train; its K=3 variant is the
+    selection's own runs at that lr, linked."""
+    grid = [
+        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
+        for o in race.MAIN
+        for lr in race.SELECT_LRS
+        for s in race.SELECT_SEEDS
+        if not (o == "muon_bp" and s == 1)  # MuonBP's second seed still training
+    ]
+    summary = {o: {"lr": 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
+    (tmp_path / "select").mkdir()
+    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    for seed in race.SELECT_SEEDS:
+        (tmp_path / "select" / "runs" / f"periodic_row_muon-lr0.01-s{seed}").mkdir(parents=True)
+    assert race.main(["--part", "k", "--out", str(tmp_path)]) == 0
+    k = race.calls[-1]
+    assert flags(k, "--lrs") == ["0.01"] and flags(k, "--seeds") == ["0", "1"]
+    for seed in race.SELECT_SEEDS:
+        linked = tmp_path / "k" / "runs" / f"periodic_row_muon-k3-lr0.01-s{seed}"
+        target = tmp_path / "select" / "runs" / f"periodic_row_muon-lr0.01-s{seed}"
+        assert linked.is_symlink() and linked.resolve() == target.resolve()
+    with pytest.raises(SystemExit, match="selection of muon_bp is not finished"):
+        race.main(["--part", "bp", "--out", str(tmp_path)])
