@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dimuon.bench.quality_report import BASELINE
+from dimuon.bench.quality_report import BASELINE, EMA_LOSS_COLUMN
 from dimuon.io import RunLayout, save_figure_atomic
 from dimuon.metrics.plots import SAVE_KWARGS, error_bars, fd_axes
+from dimuon.metrics.registry import METRICS
 from dimuon.metrics.results import load_results, ok_entries, settings_key
 
 __all__ = [
@@ -369,7 +370,7 @@ def machine_label(machine: Mapping[str, Any]) -> str:
     return f"{machine.get('cpu_model') or machine.get('cuda') or '?'}, torch {machine.get('torch') or '?'}"
 
 
-ABLATION_METRICS = {"fd": "FD", "val_loss_ema": "EMA val loss"}
+ABLATION_METRICS = {"fd": METRICS["fd"].label, "val_loss_ema": EMA_LOSS_COLUMN}
 
 
 def relative_change(summary: Mapping[str, Any], before: str, after: str, lr: str, key: str = "fd") -> float | None:
@@ -392,7 +393,7 @@ def best_entries(summary: Mapping[str, Any]) -> dict[str, dict[str, str]]:
                 if (mean := by_lr.get(lr, {}).get(key, {}).get("mean")) is not None
             ]
             if means:
-                out.setdefault(lr, {})[key] = min(means, key=lambda m: m[0])[1]
+                out.setdefault(lr, {})[key] = METRICS[key].pick(means, key=lambda m: m[0])[1]
     return out
 
 
@@ -584,7 +585,7 @@ def plot_ablation(
             fd_axes(ax, every)
         else:
             ax.grid(True, alpha=0.3)
-        ax.set_ylabel(f"final {ABLATION_METRICS[key]} (lower is better)")
+        ax.set_ylabel(f"final {ABLATION_METRICS[key]} ({METRICS[key].axis_note})")
         if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=8)
     if title:

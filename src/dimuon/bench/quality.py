@@ -32,6 +32,7 @@ import tyro
 from dimuon.bench.quality_config import VARIANT_SEPARATOR, Config, RunSpec, base_optimizer
 from dimuon.bench.quality_report import (
     BASELINE,
+    SELECTION_METRICS,
     add_ratios,
     compare_best,
     eval_settings_of,
@@ -186,6 +187,7 @@ def check_config(cfg: Config) -> None:
     _check_optimizers(cfg.optimizers)
     _check_choice("--model", cfg.model, DIT_MODELS)
     _check_choice("--dataset", cfg.dataset, DATASETS)
+    _check_choice("--select-by", cfg.select_by, SELECTION_METRICS)
     if not cfg.lrs:
         raise FlagError("--lrs must name at least one learning rate")
     for lr in cfg.lrs:

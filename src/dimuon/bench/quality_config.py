@@ -14,10 +14,12 @@ from typing import Annotated, Literal
 
 import tyro
 
+from dimuon.metrics.registry import SELECTION
 from dimuon.optim import OPTIMIZERS
 from dimuon.train.config import EvalOptions, TrainConfig
 
 TRAIN_DEFAULTS = TrainConfig()
+SelectBy = Literal[SELECTION]  # type: ignore[valid-type]  # the --select-by choices, from the metrics registry
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Config:
     report_only: bool = False
     """Launch nothing: rebuild results.json/.md and the plots from the run directories as they are (a grid
     still running elsewhere, say); unfinished runs are listed as such."""
-    select_by: Literal["val_loss_ema", "fd"] = "val_loss_ema"
+    select_by: SelectBy = "val_loss_ema"
     """What chooses each optimizer's best lr: the lowest mean over seeds of the final EMA validation loss
     (default: its seed spread is below the gaps between lrs) or of the final FD."""
     keep_rows_of: Path | None = None

@@ -22,6 +22,8 @@ from dimuon.eval.compare import compare_runs
 from dimuon.io import RunLayout, read_jsonl, save_figure_atomic
 from dimuon.log import get_logger
 from dimuon.metrics.plots import SAVE_KWARGS, error_bars
+from dimuon.metrics.registry import METRICS as REGISTRY
+from dimuon.metrics.registry import SELECTION
 from dimuon.metrics.results import METRICS, describe_settings, summarize
 
 log = get_logger(__name__)
@@ -157,7 +159,17 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-SELECTION_METRICS = {"val_loss_ema": "EMA validation loss", "fd": "final FD"}
+FD = REGISTRY["fd"]
+FINAL_FD = f"final {FD.label}"
+BEST_FD = f"best {FD.label}"
+
+
+def _selection_label(name: str) -> str:
+    """A selection metric's name in reports: FD is the final one ("best FD" is another column)."""
+    return FINAL_FD if name == FD.name else REGISTRY[name].label
+
+
+SELECTION_METRICS = {name: _selection_label(name) for name in SELECTION}
 """What may choose a best lr (``--select-by``), with its name in reports."""
 
 
@@ -171,9 +183,10 @@ def by_lr(rows: Sequence[dict[str, Any]], key: str) -> dict[float, list[float]]:
 
 
 def best_lr(rows: Sequence[dict[str, Any]], key: str = "val_loss_ema") -> float | None:
-    """The learning rate whose finished runs reach the lowest ``key`` on average over their seeds."""
+    """The learning rate whose finished runs reach the best ``key`` (the lowest loss, say) on average over their
+    seeds."""
     values = by_lr(rows, key)
-    return min(values, key=lambda lr: statistics.fmean(values[lr])) if values else None
+    return REGISTRY[key].pick(values, key=lambda lr: statistics.fmean(values[lr])) if values else None
 
 
 def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -369,7 +382,7 @@ def _save_fd_axes(fig, ax, path: Path, title: str) -> Path:
     """Finish a plot of final FD on its y axis (label, title, grid, legend) and write it atomically."""
     import matplotlib.pyplot as plt
 
-    ax.set_ylabel("final FD (lower is better)")
+    ax.set_ylabel(f"{FINAL_FD} ({FD.axis_note})")
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -387,37 +400,39 @@ def _f(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+# Report column texts where they differ from the registry's headings (shorter, or per step).
+EMA_LOSS_COLUMN, OPT_MS_COLUMN, STEP_MS_COLUMN = "EMA val loss", "opt ms/step", "step ms"
+RATIO_COLUMN = "x AdamW"
+SCORES = tuple(m for m in METRICS if m != FD.name)  # the scores of a run's last evaluation beside its FD
+
 SUMMARY_HEADERS = [
     "optimizer",
     "best lr",
     "seeds",
-    "final FD",
-    "x AdamW",
-    "best FD",
-    "EMA val loss",
-    "spectral steps",
-    "opt ms/step",
-    "x AdamW",
-    "step ms",
-    "active time (s)",
-    "x AdamW",
-    "time to target (s)",
-    "x AdamW",
+    FINAL_FD,
+    RATIO_COLUMN,
+    BEST_FD,
+    EMA_LOSS_COLUMN,
+    REGISTRY["spectral_fraction"].heading,
+    OPT_MS_COLUMN,
+    RATIO_COLUMN,
+    STEP_MS_COLUMN,
+    REGISTRY["active_time_s"].heading,
+    RATIO_COLUMN,
+    REGISTRY["target_active_time_s"].heading,
+    RATIO_COLUMN,
 ]
 RUN_HEADERS = [
     "run",
     "status",
-    "EMA val loss",
-    "best FD (step)",
-    "final FD",
-    "precision",
-    "recall",
-    "density",
-    "coverage",
-    "spectral steps",
-    "opt ms/step",
-    "step ms",
-    "active time (s)",
+    EMA_LOSS_COLUMN,
+    f"{BEST_FD} (step)",
+    FINAL_FD,
+    *(REGISTRY[m].heading for m in SCORES),
+    REGISTRY["spectral_fraction"].heading,
+    OPT_MS_COLUMN,
+    STEP_MS_COLUMN,
+    REGISTRY["active_time_s"].heading,
 ]
 
 
@@ -465,7 +480,7 @@ def run_rows(record: dict[str, Any]) -> list[list[str]]:
                 _f(r["val_loss_ema"], ".4f"),
                 best,
                 final,
-                *(_f(r[m] if final != "-" else None) for m in ("precision", "recall", "density", "coverage")),
+                *(_f(r[m] if final != "-" else None) for m in SCORES),
                 _f(r["spectral_fraction"], ".3f"),
                 _f(r["opt_ms"], ".1f"),
                 _f(r["step_ms"], ".1f"),
@@ -521,8 +536,8 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     select_by = c.get("select_by", "fd")  # records before --select-by chose by FD
     lines += [
         "",
-        f"Per optimizer at its best lr (lowest {SELECTION_METRICS[select_by]}, mean over seeds); x AdamW: ratio to "
-        "AdamW at its best lr"
+        f"Per optimizer at its best lr ({REGISTRY[select_by].superlative} {SELECTION_METRICS[select_by]}, mean over "
+        f"seeds); {RATIO_COLUMN}: ratio to AdamW at its best lr"
         + (
             f"; target FD {target:.3f}: the best FD of the worst best-lr run, reached by every one of them."
             if target is not None

@@ -15,6 +15,7 @@ from dimuon.io import RunLayout, save_figure_atomic, write_json_atomic, write_te
 from dimuon.log import get_logger
 from dimuon.metrics.eval_settings import EvalSettings
 from dimuon.metrics.plots import SAVE_KWARGS, fd_axes
+from dimuon.metrics.registry import METRICS
 from dimuon.metrics.results import (
     RESULTS_FORMAT,
     describe_settings,
@@ -65,7 +66,8 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
     if len({r["series"]["settings"]["num_real"] for r in compared}) > 1:
         log.warning("the runs were scored against real sets of different sizes")
     # The FD every run reaches: the worst of the best. Time to reach it compares optimizers at equal quality.
-    target = max(min(e["fd"] for e in ok_entries(r["series"]["entries"])) for r in compared)
+    fd = METRICS["fd"]
+    target = fd.worst(fd.best(e["fd"] for e in ok_entries(r["series"]["entries"])) for r in compared)
     for r in compared:
         r["summary"] = summarize(r["series"]["entries"], target)
 

@@ -2,7 +2,8 @@
 
 What scores samples (``frechet``, ``prdc``, ``features``, ``evaluate``, ``generation``: the
 :class:`GenerationEvaluator`, ``eval_settings``) and the results store of a run's evaluations
-(``results``, ``series``, ``plots``), shared by ``dimuon eval`` and the training loop.
+(``results``, ``series``, ``plots``), shared by ``dimuon eval`` and the training loop, and the table of every
+metric's key, label and better direction (``registry``).
 
 Layering: a building block. It may import ``dimuon.data``, ``dimuon.dit``, ``dimuon.io`` and
 ``dimuon.log``; it must not import ``dimuon.optim`` or the commands (``train``, ``eval``, ``bench``).

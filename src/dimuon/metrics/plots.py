@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dimuon.io import save_figure_atomic
+from dimuon.metrics.registry import METRICS
 from dimuon.metrics.results import ok_entries
 
 __all__ = ["SAVE_KWARGS", "error_bars", "fd_axes", "plot_series"]
@@ -23,7 +24,8 @@ def error_bars(centres: Sequence[float], lows: Sequence[float], highs: Sequence[
 
 def fd_axes(ax: Any, fds: list[float]) -> None:
     """Label and grid an FD axis; a log scale (with plain tick labels) when the values span over 10x."""
-    ax.set_ylabel("FD (lower is better)")
+    fd = METRICS["fd"]
+    ax.set_ylabel(f"{fd.label} ({fd.axis_note})")
     ax.grid(True, alpha=0.3)
     pos = [f for f in fds if f > 0]
     if len(pos) == len(fds) and pos and max(pos) / min(pos) > 10:

@@ -16,6 +16,8 @@ from typing import Any
 
 from dimuon.io import RunLayout, remove_steps_after, write_json_atomic, write_text_atomic
 from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
+from dimuon.metrics.registry import GENERATION
+from dimuon.metrics.registry import METRICS as REGISTRY
 
 __all__ = [
     "METRICS",
@@ -33,7 +35,9 @@ __all__ = [
 ]
 
 RESULTS_FORMAT = 1
-METRICS = ("fd", "precision", "recall", "density", "coverage")
+METRICS = GENERATION
+"""The scores of every entry of a series, in table order."""
+FD = REGISTRY["fd"]
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -100,8 +104,8 @@ def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tupl
 def summarize(entries: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     """Best and last FD of a series, and the first step and active time at which FD <= target."""
     ok = ok_entries(entries)
-    best = min(ok, key=lambda e: e["fd"])
-    reach = next((e for e in ok if target is not None and e["fd"] <= target), None)
+    best = FD.pick(ok, key=lambda e: e["fd"])
+    reach = next((e for e in ok if target is not None and FD.reaches(e["fd"], target)), None)
     return {
         "best_fd": best["fd"],
         "best_step": best["step"],
@@ -151,12 +155,13 @@ def markdown(results: dict[str, Any], run_name: str) -> str:
         if ref:
             lines += [
                 f"Reference ({ref['n_fake']} training images against the same real set, i.e. a generator "
-                f"equal to the data at this sample count): FD {ref['fd']:.3f}, precision {ref['precision']:.3f}, "
-                f"recall {ref['recall']:.3f}, density {ref['density']:.3f}, coverage {ref['coverage']:.3f}.",
+                "equal to the data at this sample count): "
+                + ", ".join(f"{REGISTRY[m].label} {ref[m]:.3f}" for m in METRICS)
+                + ".",
                 "",
             ]
         lines += [
-            "| step | active time (s) | FD | precision | recall | density | coverage | eval (s) |",
+            "| " + " | ".join(["step", *(REGISTRY[k].heading for k in ("active_time_s", *METRICS, "eval_s"))]) + " |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for e in ev["entries"]:

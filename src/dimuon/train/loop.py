@@ -34,6 +34,7 @@ from dimuon.dit import EMA, TimestepDist, flow_loss, sample
 from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.dit.parallel import clip_grad_norm as clip_grad_norm_over_meshes
 from dimuon.io import read_jsonl, save_grid
+from dimuon.metrics.registry import GENERATION
 from dimuon.optim.core import local_tensor
 from dimuon.train import checkpoint as ckpt
 from dimuon.train.config import ConfigError, TrainConfig, check_patch_size
@@ -65,7 +66,7 @@ from dimuon.train.rundir import check_free_space, check_run_dir, check_same_star
 
 __all__ = ["Trainer", "train"]
 
-GEN_EVAL_KEYS = ("fd", "precision", "recall", "density", "coverage", "feature_space", "num_samples", "eval_s")
+GEN_EVAL_KEYS = (*GENERATION, "feature_space", "num_samples", "eval_s")
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict[str, Any]:
