@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -85,6 +86,11 @@ class Ablation:
     variants: dict[str, tuple[float | str, str, str]]
     log_x: bool = False
     main: str | None = None  # the variant that trains exactly as the main race does (its runs are linked)
+    lr_of: str | None = None  # whose chosen lr it runs at (default: base's)
+
+
+GAMMAS = (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)  # the gamma ablation's grid
+LR_GAMMA_GAMMAS = (0.025, *GAMMAS, 2.0)  # the lr x gamma grid's gammas: the gamma grid, one step past either end
 
 
 ABLATIONS = {
@@ -97,9 +103,25 @@ ABLATIONS = {
     "gamma": Ablation(
         "periodic_row_muon",
         "gamma: the RowNorm steps' scale (K=3)",
-        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)},
+        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in GAMMAS},
         log_x=True,
         main="g0.15",
+    ),
+    # The best gamma and the best lr are not independent: the gamma ablation's best and its two neighbours, at the
+    # chosen lr and a factor of 2 either side (a 3 x 3 grid; the chosen lr's row is the gamma ablation's own runs).
+    "lr_gamma": Ablation(
+        "periodic_row_muon",
+        "lr x gamma: the RowNorm steps' scale at three lrs (K=3)",
+        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in LR_GAMMA_GAMMAS},
+        log_x=True,
+        main="g0.15",
+    ),
+    # AdaptiveRowMuon's thresholds at PeriodicRowMuon's chosen lr: against the K ablation's fixed periods there.
+    "adaptive": Ablation(
+        "adaptive_row_muon",
+        "AdaptiveRowMuon's staleness threshold (gamma 0.15, k_min 1, k_max 8)",
+        {f"t{t:g}": (t, "", f"--optim.threshold {t:g}") for t in (0.25, 0.35, 0.5)},
+        lr_of="periodic_row_muon",
     ),
     "bp": Ablation(
         "muon_bp",
@@ -378,29 +400,64 @@ def ablation(args: argparse.Namespace, part: str) -> int:
     """One ablation at its optimizer's chosen lr, seeds 0 and 1; the variant that trains as the main race does is
     linked to the ``select`` (or ``seeds``) runs at that lr, not trained again."""
     spec = ABLATIONS[part]
-    lr = base_lr(args, spec.base)
-    names = [f"{spec.base}/{label}" for label in spec.variants]
-    if spec.main is not None:  # the variant the main race already trained: its runs, linked
-        for seed in ABLATION_SEEDS:
-            for trained in ("select", "seeds"):
-                link(
-                    args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
-                    args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
-                )
+    lr = base_lr(args, spec.lr_of or spec.base)
+    return train_ablation(args, part, list(spec.variants), [lr])
+
+
+def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], lrs: Sequence[float]) -> int:
+    """``labels`` of ablation ``part`` at ``lrs``, seeds 0 and 1; the main race's variant linked to the runs the
+    ``select`` (or ``seeds``) part trained at each lr."""
+    spec = ABLATIONS[part]
+    if spec.main in labels:  # the variant the main race already trained: its runs, linked
+        for lr in lrs:
+            for seed in ABLATION_SEEDS:
+                for trained in ("select", "seeds"):
+                    link(
+                        args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
+                        args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
+                    )
     return bench(
         args,
         part,
         [
             "--optimizers",
-            *names,
+            *(f"{spec.base}/{label}" for label in labels),
             "--lrs",
-            f"{lr:g}",
+            *(f"{lr:g}" for lr in lrs),
             "--seeds",
             *map(str, ABLATION_SEEDS),
             "--train-args-of",
-            *(f"{spec.base}/{label}={flags}" for label, (_, _, flags) in spec.variants.items()),
+            *(f"{spec.base}/{label}={spec.variants[label][2]}" for label in labels),
         ],
     )
+
+
+def lr_gamma(args: argparse.Namespace) -> int:
+    """The lr x gamma grid: the gamma ablation's best gamma (lowest mean EMA validation loss over its seeds) and
+    its two neighbours on :data:`LR_GAMMA_GAMMAS`, at PeriodicRowMuon's chosen lr and half and twice it; the chosen
+    lr's runs are the gamma ablation's, linked."""
+    lr = base_lr(args, "periodic_row_muon")
+    record = _record(args.out / "gamma" / "results.json")
+    expected = {f"periodic_row_muon-g{g:g}-lr{lr:g}-s{s}" for g in GAMMAS for s in ABLATION_SEEDS}
+    done = {r["name"]: r for r in (record or {}).get("runs", []) if r["status"] == "ok"}
+    if not expected <= set(done):
+        raise SystemExit(
+            f"race: the gamma ablation at lr {lr:g} is not finished ({len(expected & set(done))} of "
+            f"{len(expected)} runs): run --part gamma"
+        )
+    means = {
+        g: statistics.fmean(done[f"periodic_row_muon-g{g:g}-lr{lr:g}-s{s}"]["val_loss_ema"] for s in ABLATION_SEEDS)
+        for g in GAMMAS
+    }
+    best = min(means, key=means.__getitem__)
+    i = LR_GAMMA_GAMMAS.index(best)
+    gammas = LR_GAMMA_GAMMAS[i - 1 : i + 2]
+    print(f"race: lr x gamma around gamma {best:g} (mean EMA validation loss {means[best]:.4f} at lr {lr:g})")
+    for g in gammas:  # the chosen lr's row: the gamma ablation's runs
+        for seed in ABLATION_SEEDS:
+            name = f"periodic_row_muon-g{g:g}-lr{lr:g}-s{seed}"
+            link(args.out / "lr_gamma" / "runs" / name, args.out / "gamma" / "runs" / name)
+    return train_ablation(args, "lr_gamma", [f"g{g:g}" for g in gammas], [lr / 2, lr, lr * 2])
 
 
 def setting(name: str, args: argparse.Namespace) -> str:
@@ -979,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
             "inception": inception,
             "fd": fd_spread,
             "long": long,
+            "lr_gamma": lr_gamma,
             "report": report,
         }
         code = steps[part](args) if part in steps else ablation(args, part)

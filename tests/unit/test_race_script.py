@@ -118,6 +118,13 @@ def test_every_parts_command_passes_the_quality_benchs_flag_checks(race, tmp_pat
     """The commands are built here and checked there: a label or flag the bench rejects stops a part hours into
     a race, so every part's command goes through ``dimuon bench quality``'s own parsing and checks."""
     write_sweep(tmp_path, {name: (1e-2, [3e-3, 1e-2, 2e-2]) for name in race.MAIN})
+    gamma_runs = [  # lr_gamma starts from a finished gamma ablation
+        {"name": f"periodic_row_muon-g{g:g}-lr0.01-s{s}", "status": "ok", "val_loss_ema": 0.2 - 0.01 * g}
+        for g in race.GAMMAS
+        for s in race.ABLATION_SEEDS
+    ]
+    (tmp_path / "gamma").mkdir()
+    (tmp_path / "gamma" / "results.json").write_text(json.dumps({"runs": gamma_runs}))
     for part in ("sweep", "seeds", "long", *race.ABLATIONS):
         assert race.main(["--part", part, "--out", str(tmp_path)]) == 0
         cmd = race.calls[-1]
@@ -405,3 +412,66 @@ def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_f
         assert linked.is_symlink() and linked.resolve() == target.resolve()
     with pytest.raises(SystemExit, match="selection of muon_bp is not finished"):
         race.main(["--part", "bp", "--out", str(tmp_path)])
+
+
+def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
+    """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
+    chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""
+    summary = {o: {"lr": 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
+    grid = [
+        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
+        for o in race.MAIN
+        for lr in race.SELECT_LRS
+        for s in race.SELECT_SEEDS
+    ]
+    (tmp_path / "select").mkdir()
+    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    with pytest.raises(SystemExit, match=r"gamma ablation at lr 0\.01 is not finished"):
+        race.main(["--part", "lr_gamma", "--out", str(tmp_path)])
+    loss = {0.05: 0.20, 0.1: 0.19, 0.15: 0.18, 0.3: 0.175, 0.6: 0.172, 1.0: 0.174}  # best: 0.6
+    runs = [
+        {"name": f"periodic_row_muon-g{g:g}-lr0.01-s{s}", "status": "ok", "val_loss_ema": v + 0.001 * s}
+        for g, v in loss.items()
+        for s in (0, 1)
+    ]
+    (tmp_path / "gamma").mkdir()
+    (tmp_path / "gamma" / "results.json").write_text(json.dumps({"runs": runs}))
+    for g in (0.3, 0.6, 1.0):
+        for s in (0, 1):
+            (tmp_path / "gamma" / "runs" / f"periodic_row_muon-g{g:g}-lr0.01-s{s}").mkdir(parents=True)
+    assert race.main(["--part", "lr_gamma", "--out", str(tmp_path)]) == 0
+    cmd = race.calls[-1]
+    assert flags(cmd, "--optimizers") == [f"periodic_row_muon/g{g}" for g in ("0.3", "0.6", "1")]
+    assert flags(cmd, "--lrs") == ["0.005", "0.01", "0.02"] and flags(cmd, "--seeds") == ["0", "1"]
+    linked = tmp_path / "lr_gamma" / "runs" / "periodic_row_muon-g0.6-lr0.01-s1"
+    assert linked.is_symlink() and linked.resolve().parent == (tmp_path / "gamma" / "runs").resolve()
+    assert not (tmp_path / "lr_gamma" / "runs" / "periodic_row_muon-g0.6-lr0.02-s0").exists()  # trained
+    # at the grid's top the neighbour is one step past it
+    runs = [dict(r, val_loss_ema=0.1) if "-g1-" in r["name"] else r for r in runs]
+    (tmp_path / "gamma" / "results.json").write_text(json.dumps({"runs": runs}))
+    assert race.main(["--part", "lr_gamma", "--out", str(tmp_path)]) == 0
+    assert flags(race.calls[-1], "--optimizers")[-1] == "periodic_row_muon/g2"
+    assert "periodic_row_muon/g2=--optim.gamma 2" in flags(race.calls[-1], "--train-args-of")
+
+
+def test_the_adaptive_part_runs_at_periodic_row_muons_chosen_lr(race, tmp_path):
+    summary = {
+        o: {"lr": 5e-3 if o == "periodic_row_muon" else 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN
+    }
+    grid = [
+        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
+        for o in race.MAIN
+        for lr in race.SELECT_LRS
+        for s in race.SELECT_SEEDS
+    ]
+    (tmp_path / "select").mkdir()
+    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    assert race.main(["--part", "adaptive", "--out", str(tmp_path)]) == 0
+    cmd = race.calls[-1]
+    assert flags(cmd, "--lrs") == ["0.005"]
+    assert flags(cmd, "--optimizers") == [
+        "adaptive_row_muon/t0.25",
+        "adaptive_row_muon/t0.35",
+        "adaptive_row_muon/t0.5",
+    ]
+    assert "adaptive_row_muon/t0.25=--optim.threshold 0.25" in flags(cmd, "--train-args-of")
