@@ -542,7 +542,7 @@ class ShardedEngine:
         outs: list[Tensor | None] = [None] * len(placed)
 
         def launch(bucket: tuple[Collectives, list[int]]):
-            comm, idx = bucket
+            comm, idx = bucket[0], [i for members in _classes(placed, bucket[1]) for i in members]
             dtype = self._payload_dtype(placed[idx[0]][0], config)
             pads = [placed[i][1].pad for i in idx]
             send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
@@ -566,19 +566,31 @@ class ShardedEngine:
             work.wait()
             table = recv.view(comm.world, -1)
             pieces, where, offset = [], [], 0
-            for i in idx:
-                job, plc = placed[i]
-                # In the payload's dtype: Newton-Schulz casts to its own first (no fp32 copy of a bf16 payload).
-                full = self._full(job, plc, table[:, offset : offset + plc.pad], keep_dtype=True)
-                offset += plc.pad
-                for a, bnd, c, e in job.regions():
-                    if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
-                        pieces.append(full[a:bnd, c:e])
-                        where.append((i, a, bnd, c, e))
+            for members in _classes(placed, idx):  # the order launch() packed them in
+                n, pad = len(members), placed[members[0]][1].pad
+                # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
+                # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
+                # Newton-Schulz takes them as one batch without a stack.
+                block = table[:, offset : offset + n * pad].view(comm.world, n, pad)
+                by_matrix = block.transpose(0, 1).contiguous()
+                offset += n * pad
+                for t, i in enumerate(members):
+                    job, plc = placed[i]
+                    # In the payload's dtype: Newton-Schulz casts to its own first (no fp32 copy of a bf16 payload).
+                    full = self._full(job, plc, by_matrix[t], keep_dtype=True)
+                    for a, bnd, c, e in job.regions():
+                        if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
+                            pieces.append(full[a:bnd, c:e])
+                            where.append((i, a, bnd, c, e))
             for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+                job, plc = placed[i]
+                whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
+                if whole and (view := _rows_view(plc.mine, d)) is not None:
+                    outs[i] = view  # this rank's rows of the direction, as they are: nothing written
+                    continue
                 if outs[i] is None:
-                    outs[i] = _empty_direction(placed[i][0])
-                placed[i][1].mine.write(outs[i], d, a, bnd, c, e)
+                    outs[i] = _empty_direction(job)
+                plc.mine.write(outs[i], d, a, bnd, c, e)
         return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
 
     def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
@@ -846,6 +858,31 @@ def _unpack_segments(
     if scales is not None and out:
         torch._foreach_mul_(list(out.values()), [scales[i] for i in out])
     return out
+
+
+def _class_key(placed: Sequence[Placed], i: int) -> tuple:
+    """Matrices a gather bucket assembles alike: one shape, placement and dtype."""
+    job, plc = placed[i]
+    return (job.rows, job.cols, plc.pad, plc.members, plc.row_major, job.update.dtype)
+
+
+def _classes(placed: Sequence[Placed], idx: Sequence[int]) -> list[list[int]]:
+    """A bucket's jobs by class, in order of first appearance (the same order on every rank)."""
+    classes: dict[tuple, list[int]] = {}
+    for i in idx:
+        classes.setdefault(_class_key(placed, i), []).append(i)
+    return list(classes.values())
+
+
+def _rows_view(mine: Any, direction: Tensor) -> Tensor | None:
+    """This rank's piece of a whole ``(rows, cols)`` direction as a view, where the piece is one block of
+    consecutive rows with every column (None otherwise: it is written out)."""
+    if len(mine.rows) != 1 or len(mine.cols) != 1:
+        return None
+    r, c = mine.rows[0], mine.cols[0]
+    if c.start != 0 or c.size != direction.shape[1] or r.local != 0 or c.local != 0:
+        return None
+    return direction[r.start : r.stop]
 
 
 def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
