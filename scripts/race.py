@@ -93,6 +93,11 @@ GAMMAS = (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)  # the gamma ablation's grid
 LR_GAMMA_GAMMAS = (0.025, *GAMMAS, 2.0)  # the lr x gamma grid's gammas: the gamma grid, one step past either end
 
 
+def gamma_variants(gammas: Sequence[float]) -> dict[str, tuple[float | str, str, str]]:
+    """PeriodicRowMuon at each gamma, as an ablation's variants (label ``g<gamma>``)."""
+    return {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in gammas}
+
+
 ABLATIONS = {
     "k": Ablation(
         "periodic_row_muon",
@@ -103,7 +108,7 @@ ABLATIONS = {
     "gamma": Ablation(
         "periodic_row_muon",
         "gamma: the RowNorm steps' scale (K=3)",
-        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in GAMMAS},
+        gamma_variants(GAMMAS),
         log_x=True,
         main="g0.15",
     ),
@@ -112,7 +117,7 @@ ABLATIONS = {
     "lr_gamma": Ablation(
         "periodic_row_muon",
         "lr x gamma: the RowNorm steps' scale at three lrs (K=3)",
-        {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in LR_GAMMA_GAMMAS},
+        gamma_variants(LR_GAMMA_GAMMAS),
         log_x=True,
         main="g0.15",
     ),

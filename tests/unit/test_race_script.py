@@ -391,16 +391,7 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
 def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_finished(race, tmp_path):
     """PeriodicRowMuon's K ablation at its selected lr while other optimizers still train; its K=3 variant is the
     selection's own runs at that lr, linked."""
-    grid = [
-        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
-        for o in race.MAIN
-        for lr in race.SELECT_LRS
-        for s in race.SELECT_SEEDS
-        if not (o == "muon_bp" and s == 1)  # MuonBP's second seed still training
-    ]
-    summary = {o: {"lr": 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
-    (tmp_path / "select").mkdir()
-    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    write_select(race, tmp_path, {}, unfinished=lambda o, s: o == "muon_bp" and s == 1)  # MuonBP seed 1 training
     for seed in race.SELECT_SEEDS:
         (tmp_path / "select" / "runs" / f"periodic_row_muon-lr0.01-s{seed}").mkdir(parents=True)
     assert race.main(["--part", "k", "--out", str(tmp_path)]) == 0
@@ -417,15 +408,7 @@ def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_f
 def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
     """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
     chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""
-    summary = {o: {"lr": 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
-    grid = [
-        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
-        for o in race.MAIN
-        for lr in race.SELECT_LRS
-        for s in race.SELECT_SEEDS
-    ]
-    (tmp_path / "select").mkdir()
-    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    write_select(race, tmp_path, {})
     with pytest.raises(SystemExit, match=r"gamma ablation at lr 0\.01 is not finished"):
         race.main(["--part", "lr_gamma", "--out", str(tmp_path)])
     loss = {0.05: 0.20, 0.1: 0.19, 0.15: 0.18, 0.3: 0.175, 0.6: 0.172, 1.0: 0.174}  # best: 0.6
@@ -455,17 +438,7 @@ def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(rac
 
 
 def test_the_adaptive_part_runs_at_periodic_row_muons_chosen_lr(race, tmp_path):
-    summary = {
-        o: {"lr": 5e-3 if o == "periodic_row_muon" else 1e-2, "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN
-    }
-    grid = [
-        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
-        for o in race.MAIN
-        for lr in race.SELECT_LRS
-        for s in race.SELECT_SEEDS
-    ]
-    (tmp_path / "select").mkdir()
-    (tmp_path / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+    write_select(race, tmp_path, {"periodic_row_muon": 5e-3})
     assert race.main(["--part", "adaptive", "--out", str(tmp_path)]) == 0
     cmd = race.calls[-1]
     assert flags(cmd, "--lrs") == ["0.005"]
@@ -475,3 +448,18 @@ def test_the_adaptive_part_runs_at_periodic_row_muons_chosen_lr(race, tmp_path):
         "adaptive_row_muon/t0.5",
     ]
     assert "adaptive_row_muon/t0.25=--optim.threshold 0.25" in flags(cmd, "--train-args-of")
+
+
+def write_select(race, out: Path, lrs: dict[str, float], unfinished=lambda o, s: False) -> None:
+    """A ``select`` record at ``out``: every optimizer's grid and seeds finished (but where ``unfinished``) and
+    its chosen lr from ``lrs`` (1e-2 for an optimizer not named)."""
+    grid = [
+        {"name": f"{o}-lr{lr:g}-s{s}", "optimizer": o, "lr": lr, "seed": s, "status": "ok"}
+        for o in race.MAIN
+        for lr in race.SELECT_LRS
+        for s in race.SELECT_SEEDS
+        if not unfinished(o, s)
+    ]
+    summary = {o: {"lr": lrs.get(o, 1e-2), "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
+    (out / "select").mkdir(parents=True, exist_ok=True)
+    (out / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
