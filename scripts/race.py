@@ -31,9 +31,10 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
   at K=3, at PeriodicRowMuon's best lr and at half of it; ``bp``: MuonBP P in {2, 5, 10} x block lr ratio in
   {0.5, 1}; ``ns``: Muon with quintic 5 / 4 / 3 steps, Polar Express and Gram Newton-Schulz. All with seeds 0
-  and 1, at the best lr of their optimizer from ``sweep``. The variant that trains exactly as the main race
-  does (K=3, gamma 0.15 at the best lr, P=5 with ratio 1, quintic 5: the optimizers' defaults) is linked from
-  the ``seeds`` runs, not trained again.
+  and 1, at their optimizer's chosen lr (``select``, else ``sweep``). The variant that trains exactly as the main
+  race does (K=3, gamma 0.15, P=5 with ratio 1, quintic 5: the optimizers' defaults, no flag added) is linked
+  from the ``select`` (or ``seeds``) runs at that lr, or kept from their published records in a checkout without
+  them, not trained again.
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
   precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
   the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
@@ -89,20 +90,23 @@ class Ablation:
     lr_of: str | None = None  # whose chosen lr it runs at (default: base's)
 
 
+# The main race's variant of each ablation trains with exactly the main race's flags (PeriodicRowMuon's defaults
+# K=3, gamma 0.15; MuonBP's P=5, ratio 1 with the row blocks of 4 ranks), so its runs are the selection's.
+DEFAULT_K, DEFAULT_GAMMA = 3, 0.15
 GAMMAS = (0.05, 0.1, 0.15, 0.3, 0.6, 1.0)  # the gamma ablation's grid
 LR_GAMMA_GAMMAS = (0.025, *GAMMAS, 2.0)  # the lr x gamma grid's gammas: the gamma grid, one step past either end
 
 
 def gamma_variants(gammas: Sequence[float]) -> dict[str, tuple[float | str, str, str]]:
     """PeriodicRowMuon at each gamma, as an ablation's variants (label ``g<gamma>``)."""
-    return {f"g{g:g}": (g, "", f"--optim.gamma {g:g}") for g in gammas}
+    return {f"g{g:g}": (g, "", "" if g == DEFAULT_GAMMA else f"--optim.gamma {g:g}") for g in gammas}
 
 
 ABLATIONS = {
     "k": Ablation(
         "periodic_row_muon",
         "K: a Newton-Schulz step every K steps, RowNorm between",
-        {f"k{k}": (k, "", f"--optim.k {k}") for k in (1, 2, 3, 4, 6)},
+        {f"k{k}": (k, "", "" if k == DEFAULT_K else f"--optim.k {k}") for k in (1, 2, 3, 4, 6)},
         main="k3",
     ),
     "gamma": Ablation(
@@ -135,7 +139,8 @@ ABLATIONS = {
             f"p{p}_r{r:g}": (
                 p,
                 f"block lr ratio {r:g}",
-                f"--optim.blocks 4 --optim.period {p} --optim.block-lr-ratio {r:g}",
+                "--optim.blocks 4"
+                + ("" if (p, r) == (5, 1.0) else f" --optim.period {p} --optim.block-lr-ratio {r:g}"),
             )
             for p in (2, 5, 10)
             for r in (0.5, 1.0)
@@ -411,16 +416,27 @@ def ablation(args: argparse.Namespace, part: str) -> int:
 
 def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], lrs: Sequence[float]) -> int:
     """``labels`` of ablation ``part`` at ``lrs``, seeds 0 and 1; the main race's variant linked to the runs the
-    ``select`` (or ``seeds``) part trained at each lr."""
+    ``select`` (or ``seeds``) part trained at each lr, or, where those runs are not here, kept from their
+    published records (same command, renamed), not trained again."""
     spec = ABLATIONS[part]
-    if spec.main in labels:  # the variant the main race already trained: its runs, linked
+    main_rows: list[dict[str, Any]] = []
+    if spec.main in labels:  # the variant the main race already trained: its runs, linked or kept
         for lr in lrs:
             for seed in ABLATION_SEEDS:
+                name = f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}"
                 for trained in ("select", "seeds"):
-                    link(
-                        args.out / part / "runs" / f"{spec.base}-{spec.main}-lr{lr:g}-s{seed}",
-                        args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}",
-                    )
+                    link(args.out / part / "runs" / name, args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}")
+                if not (args.out / part / "runs" / name).exists():
+                    main_rows += published_rows(args, ("select", "seeds"), f"{spec.base}-lr{lr:g}-s{seed}", name)
+    keep = None
+    if main_rows:
+        from dimuon.io import write_json_atomic
+
+        own = _record(p) if (p := published(args, f"{part}.json")) else None
+        rows = {r["name"]: r for r in (own or {}).get("runs", []) if r.get("status") == "ok"}
+        rows.update({r["name"]: r for r in main_rows if r["name"] not in rows})
+        earlier = write_json_atomic(args.out / part / "earlier.json", {"runs": list(rows.values())})
+        keep = ["--keep-rows-of", str(earlier)]
     return bench(
         args,
         part,
@@ -431,10 +447,28 @@ def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], l
             *(f"{lr:g}" for lr in lrs),
             "--seeds",
             *map(str, ABLATION_SEEDS),
-            "--train-args-of",
-            *(f"{spec.base}/{label}={spec.variants[label][2]}" for label in labels),
+            *train_args_of(spec, labels),
         ],
+        keep_rows_of=keep,
     )
+
+
+def train_args_of(spec: Ablation, labels: Sequence[str]) -> list[str]:
+    """``--train-args-of`` for the variants ``labels`` that add flags to the main race's (none where none does)."""
+    pairs = [f"{spec.base}/{label}={spec.variants[label][2]}" for label in labels if spec.variants[label][2]]
+    return ["--train-args-of", *pairs] if pairs else []
+
+
+def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as_name: str) -> list[dict[str, Any]]:
+    """Run ``name``'s finished row from the first published record of ``parts`` that has it, renamed ``as_name``
+    (``trained_as`` keeps its name there), with the machine it trained on; empty where none has it."""
+    for part in parts:
+        record = _record(p) if (p := published(args, f"{part}.json")) else None
+        for r in (record or {}).get("runs", []):
+            if r["name"] == name and r.get("status") == "ok":
+                machine = r.get("machine") or record.get("machine")
+                return [{**r, "name": as_name, "trained_as": r.get("trained_as") or name, "machine": machine}]
+    return []
 
 
 def lr_gamma(args: argparse.Namespace) -> int:

@@ -462,6 +462,7 @@ def test_finished_rows_of_an_earlier_record_are_kept_where_their_runs_are_gone(t
     published = tmp_path / "published.json"
     earlier = {r["name"]: r for r in first["runs"]}
     earlier["adamw-lr0.001-s1"]["command"] += " --ema-decay 0.5"  # trained otherwise: not this grid's run
+    earlier["adamw-lr0.01-s0"]["optimizer"] = "adamw/as-published"  # a row is spelled as this grid spells it
     published.write_text(json.dumps({**first, "runs": list(earlier.values())}))
     fresh = tiny_config(tmp_path / "fresh", seeds=(0, 1), keep_rows_of=published)
     fabricate_run(fresh, RunSpec("muon", 1e-3, 0))  # here already: read from its directory
@@ -473,6 +474,7 @@ def test_finished_rows_of_an_earlier_record_are_kept_where_their_runs_are_gone(t
     rows = {r["name"]: r for r in record["runs"]}
     kept = rows["adamw-lr0.01-s0"]
     assert kept["action"] == "kept" and kept["kept_from"] == str(published) and kept["status"] == "ok"
+    assert kept["optimizer"] == "adamw"
     assert kept["machine"] == first["machine"] and "machine" not in rows["adamw-lr0.001-s1"]
     assert kept["fd"] == earlier["adamw-lr0.01-s0"]["fd"] and kept["run_dir"] == str(fresh.out / "runs" / kept["name"])
     assert rows["muon-lr0.001-s0"]["action"] == "skipped" and rows["muon-lr0.01-s1"]["status"] == "failed"

@@ -405,6 +405,30 @@ def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_f
         race.main(["--part", "bp", "--out", str(tmp_path)])
 
 
+def test_a_fresh_checkout_keeps_the_main_variant_from_the_published_selection(race, tmp_path):
+    """Without the selection's run directories, the K=3 variant's rows come from the published select.json (the
+    main race's command, no flags added), renamed to the ablation's names; the part's own published rows first."""
+    published = tmp_path / "published"
+    write_select(race, published, {})
+    select = json.loads((published / "select" / "results.json").read_text())
+    for r in select["runs"]:
+        r["val_loss_ema"] = 0.17 + r["seed"] / 1000
+    (published / "select.json").write_text(json.dumps(select))
+    own = {"name": "periodic_row_muon-k3-lr0.01-s1", "status": "ok", "val_loss_ema": 0.5}  # already published
+    (published / "k.json").write_text(json.dumps({"runs": [own]}))
+    out = tmp_path / "out"
+    assert race.main(["--part", "k", "--out", str(out), "--report-dir", str(published)]) == 0
+    cmd = race.calls[-1]
+    assert "periodic_row_muon/k3" in flags(cmd, "--optimizers")
+    assert not any(a.startswith("periodic_row_muon/k3=") for a in flags(cmd, "--train-args-of"))
+    kept = json.loads(Path(flags(cmd, "--keep-rows-of")[0]).read_text())["runs"]
+    by_name = {r["name"]: r for r in kept}
+    assert by_name["periodic_row_muon-k3-lr0.01-s0"]["trained_as"] == "periodic_row_muon-lr0.01-s0"
+    assert by_name["periodic_row_muon-k3-lr0.01-s0"]["val_loss_ema"] == 0.17
+    assert by_name["periodic_row_muon-k3-lr0.01-s1"]["val_loss_ema"] == 0.5
+    assert not (out / "k" / "runs" / "periodic_row_muon-k3-lr0.01-s0").exists()
+
+
 def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
     """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
     chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""

@@ -138,6 +138,8 @@ def kept_row(cfg: Config, spec: RunSpec, earlier: dict[str, Any], extra: Sequenc
     run_dir = run_directory(cfg, spec)
     return {
         **earlier,
+        "name": spec.name,
+        "optimizer": spec.optimizer,
         "action": "kept",
         "error": None,
         "kept_from": str(cfg.keep_rows_of),
