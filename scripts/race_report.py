@@ -15,18 +15,19 @@ from __future__ import annotations
 import statistics
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from dimuon.bench.quality_report import BASELINE, EMA_LOSS_COLUMN
-from dimuon.io import RunLayout, save_figure_atomic
+from dimuon.io import RunLayout, read_jsonl, save_figure_atomic
 from dimuon.metrics.plots import SAVE_KWARGS, error_bars, fd_axes
 from dimuon.metrics.registry import METRICS
 from dimuon.metrics.results import load_results, ok_entries, settings_key
 
 __all__ = [
     "ABLATION_METRICS",
+    "LEVEL_METRICS",
     "Curve",
     "ablation_summary",
     "dense_levels",
@@ -59,9 +60,15 @@ TIME_BASES = {
 }
 
 
+# The quality series a time to quality can be read from: the evaluations' FD and the EMA validation loss of the
+# run's validation passes (each lower is better); the key of a level's value.
+LEVEL_METRICS = {"fd": "FD", "val_loss_ema": "EMA val loss"}
+
+
 @dataclass(frozen=True)
 class Curve:
-    """One run's evaluated FD in step order, with what it costs per step."""
+    """One run's evaluated FD in step order, its EMA validation loss in step order (``loss_steps``, ``losses``;
+    empty where its metrics are gone), with what it costs per step."""
 
     name: str
     optimizer: str
@@ -72,6 +79,14 @@ class Curve:
     active_time_s: list[float | None]  # the run's summed step time at each evaluated step
     step_ms: float | None  # its step time: the run's median, or the optimizer's measured side by side
     grid: str | None  # the sample grid of its last evaluation, when the run directory has it
+    loss_steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def series(self, metric: str = "fd") -> tuple[list[int], list[float]]:
+        """The steps and values of one of :data:`LEVEL_METRICS`."""
+        if metric not in LEVEL_METRICS:
+            raise ValueError(f"metric must be one of {sorted(LEVEL_METRICS)}, got {metric!r}")
+        return (self.steps, self.fds) if metric == "fd" else (self.loss_steps, self.losses)
 
     def time_s(self, step: float) -> float | None:
         """Training time to ``step``: steps x the step time."""
@@ -101,6 +116,11 @@ def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path
         return None
     entries = sorted(entries, key=lambda e: e["step"])
     grid = layout.eval_grid(key, entries[-1]["step"])
+    val = sorted(
+        (e for e in (read_jsonl(layout.metrics) if layout.metrics.is_file() else []) if e.get("kind") == "val"),
+        key=lambda e: e["step"],
+    )
+    val = [e for e in val if e.get("val_loss_ema") is not None]
     return Curve(
         row["name"],
         row["optimizer"],
@@ -111,6 +131,8 @@ def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path
         [e.get("active_time_s") for e in entries],
         row.get("step_ms"),
         str(grid) if grid.is_file() else None,
+        [e["step"] for e in val],
+        [e["val_loss_ema"] for e in val],
     )
 
 
@@ -208,24 +230,25 @@ def target_fd(curves: Sequence[Curve]) -> float | None:
     return max(min(c.fds) for c in curves) if curves else None
 
 
-def reach(curve: Curve, target: float) -> dict[str, Any]:
-    """When a run first gets to FD <= ``target``: the first evaluated step that does, and the step estimated by
-    linear interpolation of FD between it and the evaluation before (``bounded``: the first evaluation was
-    already there, so the step is an upper bound); Nones when it never does."""
-    for i, (step, fd) in enumerate(zip(curve.steps, curve.fds)):
-        if fd <= target:
+def reach(curve: Curve, target: float, metric: str = "fd") -> dict[str, Any]:
+    """When a run first gets to ``metric`` (FD, or EMA validation loss) <= ``target``: the first evaluated step
+    that does, and the step estimated by linear interpolation between it and the evaluation before (``bounded``:
+    the first evaluation was already there, so the step is an upper bound); Nones when it never does."""
+    steps, values = curve.series(metric)
+    for i, (step, value) in enumerate(zip(steps, values)):
+        if value <= target:
             if i == 0:
                 est, bounded = float(step), True
             else:
-                s0, f0 = curve.steps[i - 1], curve.fds[i - 1]
-                est, bounded = s0 + (step - s0) * (f0 - target) / (f0 - fd), False
+                s0, v0 = steps[i - 1], values[i - 1]
+                est, bounded = s0 + (step - s0) * (v0 - target) / (v0 - value), False
             return {
                 "reached": True,
                 "eval_step": step,
                 "step": est,
                 "bounded": bounded,
                 "time_s": curve.time_s(est),
-                "active_time_s": curve.active_time_s[i],
+                "active_time_s": curve.active_time_s[i] if metric == "fd" else None,
             }
     return {"reached": False, "eval_step": None, "step": None, "bounded": False, "time_s": None, "active_time_s": None}
 
@@ -285,38 +308,49 @@ def ranking(summary: Mapping[str, Any]) -> list[str]:
     return [name for _, name in sorted(measured)]
 
 
-def quality_levels(curves: Sequence[Curve]) -> list[dict[str, float]]:
+def quality_levels(curves: Sequence[Curve], metric: str = "fd") -> list[dict[str, float]]:
     """The baseline's quality at each step it was evaluated at on every seed: the highest over its seeds of the
-    best FD so far (a quality every seed has reached by then). The last level is :func:`target_fd`."""
-    if not curves:
+    best ``metric`` so far (a quality every seed has reached by then), as ``{"step", metric}``. The last FD level is
+    :func:`target_fd`. Empty where a seed has no such series."""
+    series = [c.series(metric) for c in curves]
+    if not series or any(not steps for steps, _ in series):
         return []
-    steps = sorted(set.intersection(*(set(c.steps) for c in curves)))
-    return [{"step": s, "fd": max(min(f for st, f in zip(c.steps, c.fds) if st <= s) for c in curves)} for s in steps]
+    steps = sorted(set.intersection(*(set(st) for st, _ in series)))
+    return [
+        {"step": s, metric: max(min(v for st, v in zip(sts, vals) if st <= s) for sts, vals in series)} for s in steps
+    ]
 
 
-def dense_levels(levels: Sequence[Mapping[str, float]], n: int = 12) -> list[dict[str, float]]:
-    """``n`` FD levels spaced evenly in log FD from the first of ``levels`` to the last (for a smooth plot; the
-    crossings in between are interpolated as every crossing is)."""
+def dense_levels(levels: Sequence[Mapping[str, float]], n: int = 12, metric: str = "fd") -> list[dict[str, float]]:
+    """``n`` levels of ``metric`` spaced evenly in its log from the first of ``levels`` to the last (for a smooth
+    plot; the crossings in between are interpolated as every crossing is)."""
     if len(levels) < 2:
         return [dict(lv) for lv in levels]
-    hi, lo = levels[0]["fd"], levels[-1]["fd"]
-    return [{"step": None, "fd": hi * (lo / hi) ** (i / (n - 1))} for i in range(n)]
+    hi, lo = levels[0][metric], levels[-1][metric]
+    return [{"step": None, metric: hi * (lo / hi) ** (i / (n - 1))} for i in range(n)]
 
 
 def time_to_levels(
-    curves: Mapping[str, Sequence[Curve]], baseline: str = BASELINE, levels: Sequence[Mapping[str, Any]] | None = None
+    curves: Mapping[str, Sequence[Curve]],
+    baseline: str = BASELINE,
+    levels: Sequence[Mapping[str, Any]] | None = None,
+    metric: str = "fd",
 ) -> dict[str, Any]:
-    """Per optimizer, the time to each of the baseline's :func:`quality_levels` after its first evaluation (which
-    every run reaches by then at the latest, so it measures nothing): the spread over seeds, how many seeds got
-    there, how many only at their first evaluation (``bounded``: an upper bound), the ratio of the mean to the
-    baseline's own. Where along the way an optimizer is ahead, beyond the one level time to quality names.
-    ``levels`` (e.g. :func:`dense_levels`) replaces the evaluation levels."""
-    levels = list(quality_levels(curves.get(baseline, []))[1:] if levels is None else levels)
+    """Per optimizer, the time to each of the baseline's :func:`quality_levels` of ``metric`` (FD, or EMA
+    validation loss) after its first evaluation (which every run reaches by then at the latest, so it measures
+    nothing): the spread over seeds, how many seeds got there, how many only at their first evaluation
+    (``bounded``: an upper bound), the ratio of the mean to the baseline's own. Where along the way an optimizer is
+    ahead, beyond the one level time to quality names. ``levels`` (e.g. :func:`dense_levels`) replaces the
+    evaluation levels. An optimizer without the series (published curves made before losses were kept) is left
+    out."""
+    levels = list(quality_levels(curves.get(baseline, []), metric)[1:] if levels is None else levels)
     table: dict[str, list[dict[str, Any]]] = {}
     for name, cs in curves.items():
+        if any(not c.series(metric)[0] for c in cs):
+            continue
         table[name] = []
         for level in levels:
-            reached = [reach(c, level["fd"]) for c in cs]
+            reached = [reach(c, level[metric], metric) for c in cs]
             table[name].append(
                 {
                     **level,
@@ -331,7 +365,7 @@ def time_to_levels(
         for row, base in zip(rows, table.get(baseline, [])):
             b, v = base["time_s"]["mean"], row["time_s"]["mean"]
             row["ratio"] = v / b if v is not None and b and row["reached"] == row["seeds"] else None
-    return {"baseline": baseline, "levels": levels, "optimizers": table}
+    return {"baseline": baseline, "metric": metric, "levels": levels, "optimizers": table}
 
 
 def ablation_summary(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -504,13 +538,17 @@ def plot_time_to_levels(
     plt = _pyplot()
     if not levels["levels"]:
         return None
+    metric = levels.get("metric", "fd")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rows in levels["optimizers"].items():
         shown = [r for r in rows if r["reached"] == r["seeds"] and r["time_s"]["mean"] is not None]
         if shown:
-            ax.plot([r["fd"] for r in shown], [r["time_s"]["mean"] for r in shown], "o-", ms=3, label=name)
+            ax.plot([r[metric] for r in shown], [r["time_s"]["mean"] for r in shown], "o-", ms=3, label=name)
     ax.invert_xaxis()
-    ax.set_xlabel(f"FD to reach (lower is better), from {levels['baseline']}'s at its second evaluation to its best")
+    ax.set_xlabel(
+        f"{LEVEL_METRICS[metric]} to reach (lower is better), from {levels['baseline']}'s at its second "
+        "evaluation to its best"
+    )
     ax.set_ylabel("\n".join(textwrap.wrap(f"training time to it (s): {TIME_BASES[time_basis]}", 50)))
     ax.grid(True, alpha=0.3)
     _title(ax, title)
@@ -703,7 +741,15 @@ def render_levels(levels: Mapping[str, Any]) -> str:
     there, how many did."""
     from dimuon.bench.report import format_markdown_table
 
-    headers = ["optimizer", *(f"FD {lv['fd']:.2f} ({levels['baseline']} step {lv['step']})" for lv in levels["levels"])]
+    metric = levels.get("metric", "fd")
+    spec = ".2f" if metric == "fd" else ".4f"
+    headers = [
+        "optimizer",
+        *(
+            f"{LEVEL_METRICS[metric]} {lv[metric]:{spec}} ({levels['baseline']} step {lv['step']})"
+            for lv in levels["levels"]
+        ),
+    ]
     rows = []
     for name, cells in levels["optimizers"].items():
         row = [name]

@@ -40,11 +40,18 @@ def row(name: str, optimizer: str, lr: float, seed: int, fd: float | None, run_d
     }
 
 
-def write_run(root: Path, name: str, fds: list[float], grid: bool) -> Path:
+def write_run(root: Path, name: str, fds: list[float], grid: bool, losses: list[float] | None = None) -> Path:
     """``<root>/runs/<name>`` with an evaluation series every 500 steps (a failed entry among them, a series of
-    other settings beside them) and, with ``grid``, the last evaluation's sample grid."""
+    other settings beside them), with ``losses`` a validation pass every 250 steps in its metrics (EMA loss
+    ``losses[i]`` at step ``250 (i + 1)``, a training entry between) and, with ``grid``, the last evaluation's
+    sample grid."""
     layout = RunLayout(root / "runs" / name)
     layout.eval.mkdir(parents=True)
+    if losses is not None:
+        lines = [{"kind": "train", "step": 1, "loss": 1.0}] + [
+            {"kind": "val", "step": 250 * (i + 1), "val_loss": v + 0.1, "val_loss_ema": v} for i, v in enumerate(losses)
+        ]
+        layout.metrics.write_text("".join(json.dumps(e) + "\n" for e in lines))
     key = settings_key(SETTINGS)
     entries = [
         {"step": 500 * (i + 1), "status": "ok", "fd": fd, "active_time_s": 60.0 * (i + 1)} for i, fd in enumerate(fds)

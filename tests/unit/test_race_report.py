@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,7 @@ def test_ablation_summary_and_the_fd_cost_of_a_longer_period():
 
 
 def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):
-    write_run(tmp_path, "adamw-lr0.01-s0", [80, 50], grid=True)
+    write_run(tmp_path, "adamw-lr0.01-s0", [80, 50], grid=True, losses=[0.3, 0.25, 0.22, 0.2])
     write_run(tmp_path, "adamw-lr0.003-s0", [90, 70], grid=False)
     rows = [
         row("adamw-lr0.01-s0", "adamw", 0.01, 0, 50, run_dir="gone/elsewhere"),
@@ -150,6 +151,7 @@ def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):
     assert list(curves) == ["adamw"]
     (c,) = curves["adamw"]
     assert c.steps == [500, 1000] and c.fds == [80, 50] and c.active_time_s == [60.0, 120.0] and c.grid
+    assert c.series("val_loss_ema") == ([250, 500, 750, 1000], [0.3, 0.25, 0.22, 0.2])
     assert len(rr.load_curves(record(rows, opts), tmp_path, best_lr_only=False)["adamw"]) == 2
 
 
@@ -208,6 +210,49 @@ def test_time_to_each_of_adamws_quality_levels():
     dense = rr.dense_levels(got["levels"], n=3)
     assert [round(lv["fd"], 6) for lv in dense] == [70, round((70 * 42) ** 0.5, 6), 42]
     assert rr.time_to_levels(curves, levels=dense)["levels"] == dense
+    assert rr.time_to_levels(curves, metric="val_loss_ema")["optimizers"] == {}  # no losses: left out
+
+
+def with_losses(c, losses, steps=(250, 500, 750, 1000)):
+    return replace(c, loss_steps=list(steps), losses=list(losses))
+
+
+def test_time_to_each_of_adamws_loss_levels():
+    """The same levels read off the EMA validation loss (every validation pass, 250 steps apart): AdamW's worst
+    seed's loss so far at each step, the time to it interpolated between passes."""
+    curves = {
+        "adamw": [
+            with_losses(curve("adamw-s0"), (0.40, 0.30, 0.26, 0.24)),
+            with_losses(curve("adamw-s1", seed=1), (0.42, 0.32, 0.25, 0.23)),
+        ],
+        "muon": [
+            with_losses(curve("muon-s0", step_ms=100.0), (0.30, 0.25, 0.22, 0.21)),
+            with_losses(curve("muon-s1", step_ms=100.0, seed=1), (0.33, 0.27, 0.23, 0.22)),
+        ],
+    }
+    levels = rr.quality_levels(curves["adamw"], "val_loss_ema")
+    assert levels == [
+        {"step": 250, "val_loss_ema": 0.42},
+        {"step": 500, "val_loss_ema": 0.32},
+        {"step": 750, "val_loss_ema": 0.26},
+        {"step": 1000, "val_loss_ema": 0.24},
+    ]
+    got = rr.time_to_levels(curves, metric="val_loss_ema")
+    assert got["metric"] == "val_loss_ema" and [lv["step"] for lv in got["levels"]] == [500, 750, 1000]
+    muon = got["optimizers"]["muon"]
+    # 0.32: seed 0 at its first pass (bounded), seed 1 from 0.33 at 250 to 0.27 at 500: 250 + 250 / 6
+    assert muon[0]["bounded"] == 1 and muon[0]["steps"]["mean"] == pytest.approx((250 + 250 + 250 / 6) / 2)
+    # 0.24: seed 0 from 0.25 at 500 to 0.22 at 750, seed 1 from 0.27 at 500 to 0.23 at 750
+    assert muon[2]["steps"]["mean"] == pytest.approx((500 + 250 / 3 + 500 + 250 * 3 / 4) / 2)
+    assert muon[2]["ratio"] == pytest.approx(
+        muon[2]["time_s"]["mean"] / got["optimizers"]["adamw"][2]["time_s"]["mean"]
+    )
+    text = rr.render_levels(got)
+    assert "EMA val loss 0.3200 (adamw step 500)" in text
+    dense = rr.dense_levels(got["levels"], n=3, metric="val_loss_ema")
+    assert dense[0]["val_loss_ema"] == 0.32 and dense[-1]["val_loss_ema"] == pytest.approx(0.24)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        curves["adamw"][0].series("loss")
 
 
 def test_the_frontier_plot_takes_seeds_whose_mean_lands_an_ulp_outside_them(tmp_path):

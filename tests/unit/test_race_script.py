@@ -161,7 +161,8 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     for name, fds in {"adamw": [[80, 50], [85, 55]], "muon": [[50, 35], [55, 40]]}.items():
         for seed, curve in enumerate(fds):
             run = f"{name}-lr0.01-s{seed}"
-            write_run(seeds, run, curve, grid=True)
+            losses = [c / 200 for c in curve for _ in (0, 1)]  # a validation pass every 250 steps
+            write_run(seeds, run, curve, grid=True, losses=losses)
             rows.append(row(run, name, 0.01, seed, curve[-1]))
         optimizers[name] = {"lr": 0.01, "seeds": [0, 1], "runs": [f"{name}-lr0.01-s{s}" for s in (0, 1)]}
     main = {
@@ -221,6 +222,7 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
         "fd_vs_time.png",
         "time_to_quality.png",
         "time_to_levels.png",
+        "time_to_loss_levels.png",
         "samples.png",
         "fd_vs_k.png",
         "seeds.json",
@@ -232,6 +234,8 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     assert "measured side by side" in md and "`dimuon bench step --x`" in md
     assert "Lowest mean over seeds: lr 0.01: FD k2, EMA val loss k2." in md
     assert "### Time to each of AdamW's quality levels" in md and "| FD 55.00 (adamw step 1000) |" in md
+    assert "### Time to each of AdamW's EMA validation losses" in md
+    assert "| EMA val loss 0.2750 (adamw step 1000) |" in md and got["loss_levels"]["metric"] == "val_loss_ema"
     assert got["long"]["steps"] == 2000 and got["long"]["target_fd"] == 30 and (dest / "fd_vs_time_long.png").is_file()
     assert "at 1000 steps (main table) muon < adamw; at 2000 steps adamw < muon." in md
 
