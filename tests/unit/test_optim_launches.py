@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dimuon.optim import MuonBP, PeriodicRowMuon, StepKind, devices
+from dimuon.bench.census import _writes_tensor as writes_tensor
+from dimuon.optim import AdaptiveRowMuon, MuonBP, PeriodicRowMuon, StepKind, devices
 
 WIDTH = 16
 
@@ -23,11 +24,12 @@ class OpCounter(TorchDispatchMode):
         self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func.is_view:
             self.views += 1
-        else:
+        elif writes_tensor(func, out):  # not metadata only (promote_types): a kernel
             self.kernels[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def _layers(count: int, widths: tuple[int, ...] = (WIDTH,)) -> list[nn.Parameter]:
@@ -98,3 +100,32 @@ def test_the_cpu_form_of_a_step_computes_the_accelerator_form_bit_for_bit(cls, o
         runs.append([t.clone() for p in params for t in (p, opt.state[p]["momentum_buffer"])])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _adaptive_ops(params, nonfinite: str) -> list[int]:
+    """Ops of AdaptiveRowMuon's first two steps: every matrix refreshed (its reference and row sums written), then
+    every matrix's staleness measured and RowNorm taken (the threshold is out of reach)."""
+    opt = AdaptiveRowMuon(params, lr=0.02, weight_decay=0.01, k_min=1, threshold=1e9, nonfinite=nonfinite)
+    g = torch.Generator().manual_seed(1)
+    counts = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        with OpCounter() as counter:
+            opt.step()
+        counts.append(sum(counter.kernels.values()))
+    stats = opt.refresh_stats()  # the first step spectral for every matrix, the second RowNorm for every one
+    assert stats["spectral"] == len(params) and stats["steps"] == 2 * len(params)
+    return counts
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_adaptive_refresh_and_signal_ops_grow_with_distinct_shapes_not_with_parameters(nonfinite, accelerator_form):
+    """The reference directions, their row sums and the staleness sums are batched by shape like the update; only
+    the gradients' masking grows with the parameters (one ``where`` per gradient, the pass that replaces its cast:
+    AdaptiveRowMuon masks under ``raise`` too, reading the vote with its signals)."""
+    shallow = _adaptive_ops(_layers(4), nonfinite)
+    deep = _adaptive_ops(_layers(16), nonfinite)  # 4x the parameters, the same 4 shapes
+    per_gradient = 64 - 16  # more gradients, one where each
+    for a, b in zip(shallow, deep):
+        assert b - per_gradient < 1.25 * a, (shallow, deep)

@@ -33,7 +33,8 @@ from dimuon.optim.schedules import (
 from dimuon.optim.staleness import (
     REFERENCE_DTYPE,
     ROW_SUMS,
-    reference_row_sums,
+    batch_of,
+    reference_row_sums_many,
     staleness_from_sums,
     staleness_partial_sums_many,
 )
@@ -209,8 +210,7 @@ class AdaptiveRowSchedule(Schedule):
             )
 
         sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in items], partial)
-        per_matrix = staleness_from_sums(torch.cat(sums)).split([len(s) for s in sums])
-        stalest = torch.stack([s.max() for s in per_matrix])
+        stalest = _segment_max(staleness_from_sums(torch.cat(sums)), [len(s) for s in sums])
         agree = getattr(ctx.engine, "agree_max", None)
         return agree(stalest) if agree is not None else stalest
 
@@ -273,20 +273,46 @@ class AdaptiveRowSchedule(Schedule):
         slot's decisions say (the host cannot know the vote): a matrix whose refresh was skipped restarts its
         age with its older reference kept, so its next refresh may come up to ``k_max`` slots later (sooner where
         its staleness, measured against that older reference, passes the threshold from ``k_min`` on)."""
-        for p, job, kind, d in zip(work.params, work.jobs, kinds, directions):
+        refreshed = [i for i, kind in enumerate(kinds) if kind is StepKind.SPECTRAL]
+        refs = [
+            local_tensor(ctx.state[work.params[i]]["refresh_direction"]).view(work.jobs[i].update.shape)
+            for i in refreshed
+        ]
+        sums = [_row_sums_view(ctx.state[work.params[i]], work.jobs[i]) for i in refreshed]
+        updates = [work.jobs[i].update for i in refreshed]
+        col_splits = [work.jobs[i].col_splits for i in refreshed]
+        if refreshed:  # the new reference (its own rounding), then its row sums: a few list ops per shape
+            copy_by_shape_([directions[i] for i in refreshed], refs, mask)
+            copy_by_shape_(reference_row_sums_many(updates, refs, col_splits), sums, mask)
+        for p, kind in zip(work.params, kinds):
             state = ctx.state[p]
             if kind is StepKind.SPECTRAL:
-                ref = local_tensor(state["refresh_direction"]).view(job.update.shape)
-                sums = _row_sums_view(state, job)
-                if mask is None:
-                    ref.copy_(d)
-                    sums.copy_(reference_row_sums(job.update, ref, job.col_splits))
-                else:
-                    new = d.to(ref.dtype)  # the reference's own rounding, as copy_ makes it
-                    new_sums = reference_row_sums(job.update, new, job.col_splits)
-                    ref.copy_(torch.where(mask, new, ref))
-                    sums.copy_(torch.where(mask, new_sums, sums))
                 state["refresh_age"] = 1
                 state.pop("refresh_signal", None)  # measured against the older reference
             else:
                 state["refresh_age"] += 1
+
+
+def copy_by_shape_(sources: Sequence[Tensor], targets: Sequence[Tensor], mask: Tensor | None = None) -> None:
+    """``targets[i] <- sources[i]`` (cast to the target's dtype), or ``where(mask, sources[i], targets[i])`` under a
+    0-d ``mask`` (a failed vote leaves the targets bitwise as they were): per shape and dtypes one cast, one
+    ``where`` over the shape's batch and one list copy, not an op per tensor."""
+    classes: dict[tuple, list[int]] = {}
+    for i, (src, dst) in enumerate(zip(sources, targets)):
+        classes.setdefault((tuple(dst.shape), src.dtype, dst.dtype, dst.device), []).append(i)
+    for idx in classes.values():
+        dsts = [targets[i] for i in idx]
+        new = batch_of([sources[i].reshape(dsts[0].shape) for i in idx]).to(dsts[0].dtype)  # (B, *shape)
+        if mask is not None:
+            new = torch.where(mask, new, torch.stack(dsts))
+        torch._foreach_copy_(dsts, list(new.unbind(0)))
+
+
+def _segment_max(values: Tensor, lengths: Sequence[int]) -> Tensor:
+    """The maximum of each run of ``lengths`` consecutive ``values`` (a fused parameter's stalest logical matrix):
+    no op where every run is one value, one where all are equally long, one per run otherwise."""
+    if all(n == 1 for n in lengths):
+        return values
+    if len(set(lengths)) == 1:
+        return values.view(len(lengths), lengths[0]).amax(dim=1)
+    return torch.stack([v.max() for v in values.split(list(lengths))])

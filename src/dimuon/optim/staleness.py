@@ -33,16 +33,63 @@ SIGNAL_SUMS = 4  # per logical matrix: U_t . O_s, |U_t|^2, U_s . O_s, |U_s|^2
 def reference_row_sums(update: Tensor, direction: Tensor, col_ranges: Sequence[RowRange] = ()) -> Tensor:
     """``(rows, 2)`` fp32: per row, ``U_s . O_s`` and ``|U_s|^2`` (``direction`` as stored, e.g. bf16); with column
     ranges ``(rows, 2 * len(col_ranges))``, the two sums over each range's columns, range after range."""
-    u, o = update.float(), direction.float()
-    if not col_ranges:
-        return torch.stack(((u * o).sum(dim=1), u.square().sum(dim=1)), dim=1)
-    return torch.stack(
-        [
-            torch.stack(((u[:, c:d] * o[:, c:d]).sum(dim=1), u[:, c:d].square().sum(dim=1)), dim=1)
-            for c, d in col_ranges
-        ],
-        dim=1,
-    ).reshape(u.shape[0], ROW_SUMS * len(col_ranges))
+    return reference_row_sums_many([update], [direction], [col_ranges])[0]
+
+
+def reference_row_sums_many(
+    updates: Sequence[Tensor], directions: Sequence[Tensor], col_ranges: Sequence[Sequence[RowRange]] | None = None
+) -> list[Tensor]:
+    """:func:`reference_row_sums` of many matrices: those of one shape without column ranges batched (two row dot
+    products per shape, not per matrix)."""
+    col_ranges = col_ranges if col_ranges is not None else [()] * len(updates)
+    out: list[Tensor | None] = [None] * len(updates)
+    for idx in _shape_classes(updates, directions, col_ranges, out):
+        u, o = batch_of([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
+        sums = torch.stack((torch.linalg.vecdot(u, o), torch.linalg.vecdot(u, u)), dim=2)  # (B, m, 2)
+        for i, one in zip(idx, sums.unbind(0)):
+            out[i] = one
+    for i, cols in enumerate(col_ranges):
+        if out[i] is None:  # per column range
+            u, o = updates[i].float(), directions[i].float()
+            out[i] = torch.stack(
+                [
+                    torch.stack(
+                        (torch.linalg.vecdot(u[:, c:d], o[:, c:d]), torch.linalg.vecdot(u[:, c:d], u[:, c:d])), 1
+                    )
+                    for c, d in cols
+                ],
+                dim=1,
+            ).reshape(u.shape[0], ROW_SUMS * len(cols))
+    return out  # type: ignore[return-value]
+
+
+def batch_of(matrices: Sequence[Tensor]) -> Tensor:
+    """``(B, rows, cols)`` of same-shape matrices: a view where they are consecutive contiguous matrices of one
+    buffer (the Nesterov momenta of one shape are), else a stacked copy."""
+    first = matrices[0]
+    size = first.numel()
+    if all(m.is_contiguous() for m in matrices):
+        ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+        if all(
+            m.untyped_storage().data_ptr() == ptr and m.storage_offset() == offset + k * size
+            for k, m in enumerate(matrices)
+        ):
+            return first.as_strided((len(matrices), *first.shape), (size, *first.stride()), offset)
+    return torch.stack(list(matrices))
+
+
+def _shape_classes(
+    updates: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    col_ranges: Sequence[Sequence[RowRange]],
+    out: Sequence[Tensor | None],
+) -> list[list[int]]:
+    """The indices of the 2-D matrices without column ranges, by shape, dtypes and device (each batched as one)."""
+    classes: dict[tuple, list[int]] = {}
+    for i, (u, o, cols) in enumerate(zip(updates, directions, col_ranges)):
+        if not cols and u.dim() == 2 and out[i] is None:
+            classes.setdefault((tuple(u.shape), u.dtype, o.dtype, u.device), []).append(i)
+    return list(classes.values())
 
 
 def staleness_partial_sums(
@@ -67,30 +114,40 @@ def staleness_partial_sums_many(
     local_ranges: Sequence[Sequence[RowRange | None]],
     col_ranges: Sequence[Sequence[RowRange]] | None = None,
 ) -> list[Tensor]:
-    """:func:`staleness_partial_sums` of many matrices: per matrix two row dot products and one segmented sum
-    over its logical matrices (a few kernels per matrix, none per logical matrix; matrices are not stacked,
-    which would copy what the dot products only read)."""
-    out = []
+    """:func:`staleness_partial_sums` of many matrices: those of one shape without column ranges batched (two row
+    dot products and one segmented sum over all their logical matrices per shape, not per matrix; the updates
+    read in place where they lie in one buffer), the others a few kernels each."""
     col_ranges = col_ranges if col_ranges is not None else [()] * len(updates)
-    for u, o, rs, ranges, cols in zip(updates, directions, row_sums, local_ranges, col_ranges):
+    out: list[Tensor | None] = [None] * len(updates)
+    for idx in _shape_classes(updates, directions, col_ranges, out):
+        u, o = batch_of([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
+        then = torch.stack([row_sums[i] for i in idx]).float()  # (B, m, 2)
+        rows = torch.cat(
+            (torch.linalg.vecdot(u, o).unsqueeze(2), torch.linalg.vecdot(u, u).unsqueeze(2), then), dim=2
+        )  # (B, m, 4)
+        ranges = [tuple(local_ranges[i]) for i in idx]
+        seg, starts = _segments_many(u.shape[1], ranges, u.device)
+        sums = rows.new_zeros(starts[-1], SIGNAL_SUMS).index_add_(0, seg, rows.reshape(-1, SIGNAL_SUMS))
+        for i, start, held in zip(idx, starts, ranges):
+            out[i] = sums[start : start + len(held)]
+    for i, (u, o, rs, ranges, cols) in enumerate(zip(updates, directions, row_sums, local_ranges, col_ranges)):
+        if out[i] is not None:
+            continue
         u, o = u.float(), o.float()
-        if not cols:
-            rows = torch.cat(
-                (torch.linalg.vecdot(u, o).unsqueeze(1), torch.linalg.vecdot(u, u).unsqueeze(1), rs.float()), dim=1
-            )  # (m, 4)
-        else:  # per row and column range: (m, C, 4), flattened so one segmented sum takes every range
-            now = torch.stack([torch.linalg.vecdot(u[:, c:d], o[:, c:d]) for c, d in cols], dim=1)
-            norm = torch.stack([torch.linalg.vecdot(u[:, c:d], u[:, c:d]) for c, d in cols], dim=1)
-            then = rs.float().view(u.shape[0], len(cols), ROW_SUMS)
-            rows = torch.cat((now.unsqueeze(2), norm.unsqueeze(2), then), dim=2).reshape(u.shape[0], -1)
+        # per row and column range: (m, C, 4), flattened so one segmented sum takes every range
+        now = torch.stack([torch.linalg.vecdot(u[:, c:d], o[:, c:d]) for c, d in cols], dim=1)
+        norm = torch.stack([torch.linalg.vecdot(u[:, c:d], u[:, c:d]) for c, d in cols], dim=1)
+        then = rs.float().view(u.shape[0], len(cols), ROW_SUMS)
+        rows = torch.cat((now.unsqueeze(2), norm.unsqueeze(2), then), dim=2).reshape(u.shape[0], -1)
         ranges = tuple(ranges)
         sums = rows.new_zeros(len(ranges) + 1, rows.shape[1])  # the last slot takes rows in no range
         total = sums.index_add_(0, _segments(u.shape[0], ranges, u.device), rows)[: len(ranges)]
-        out.append(total.reshape(-1, SIGNAL_SUMS))
-    return out
+        out[i] = total.reshape(-1, SIGNAL_SUMS)
+    return out  # type: ignore[return-value]
 
 
 _SEGMENTS: dict[tuple, Tensor] = {}
+_SEGMENTS_MANY: dict[tuple, tuple[Tensor, list[int]]] = {}
 
 
 def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.device) -> Tensor:
@@ -104,6 +161,29 @@ def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.devi
                 seg[held[0] : held[1]] = i
         _SEGMENTS[key] = seg
     return seg
+
+
+def _segments_many(
+    rows: int, ranges: Sequence[tuple[RowRange | None, ...]], device: torch.device
+) -> tuple[Tensor, list[int]]:
+    """:func:`_segments` of ``len(ranges)`` matrices of ``rows`` rows one after another: matrix ``j``'s ranges at
+    slots ``starts[j]..``, one more slot after them for its rows in none; and ``starts`` (the total last). Built
+    on the host once per layout and copied to the device once."""
+    key = (rows, tuple(ranges), device)
+    hit = _SEGMENTS_MANY.get(key)
+    if hit is None:
+        seg, starts = [], [0]
+        for held in ranges:
+            base = starts[-1]
+            per_row = [base + len(held)] * rows
+            for r, span in enumerate(held):
+                if span is not None:
+                    per_row[span[0] : span[1]] = [base + r] * (span[1] - span[0])
+            seg += per_row
+            starts.append(base + len(held) + 1)
+        hit = (torch.tensor(seg, dtype=torch.long).to(device), starts)
+        _SEGMENTS_MANY[key] = hit
+    return hit
 
 
 def staleness_from_sums(sums: Tensor) -> Tensor:
