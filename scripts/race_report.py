@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dimuon.bench.quality_report import BASELINE, EMA_LOSS_COLUMN
+from dimuon.bench.quality_report import BASELINE, EMA_LOSS_COLUMN, latest_by_step
 from dimuon.io import RunLayout, read_jsonl, save_figure_atomic
 from dimuon.metrics.plots import SAVE_KWARGS, error_bars, fd_axes
 from dimuon.metrics.registry import METRICS
@@ -105,22 +105,17 @@ def _run_dir(row: Mapping[str, Any], record_dir: Path | None) -> Path:
 
 
 def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path | None) -> Curve | None:
-    """The run's series with the record's evaluation settings, or None when its directory or series is gone."""
+    """The run's series with the record's evaluation settings, or, where its directory is gone, the curve its
+    row carries (``dimuon bench quality`` records one); None without either."""
     layout = RunLayout(_run_dir(row, record_dir))
-    if not layout.results.is_file():
-        return None
     key = settings_key(dict(settings))
-    series = load_results(layout.results)["evaluations"].get(key)
-    entries = ok_entries(series["entries"]) if series else []
+    series = load_results(layout.results)["evaluations"].get(key) if layout.results.is_file() else None
+    entries = sorted(ok_entries(series["entries"]), key=lambda e: e["step"]) if series else []
     if not entries:
-        return None
-    entries = sorted(entries, key=lambda e: e["step"])
+        return _published_curve(row)
     grid = layout.eval_grid(key, entries[-1]["step"])
-    val = sorted(
-        (e for e in (read_jsonl(layout.metrics) if layout.metrics.is_file() else []) if e.get("kind") == "val"),
-        key=lambda e: e["step"],
-    )
-    val = [e for e in val if e.get("val_loss_ema") is not None]
+    records = read_jsonl(layout.metrics) if layout.metrics.is_file() else []
+    val = [e for e in latest_by_step(records, "val") if e.get("val_loss_ema") is not None]
     return Curve(
         row["name"],
         row["optimizer"],
@@ -136,6 +131,26 @@ def _curve(row: Mapping[str, Any], settings: Mapping[str, Any], record_dir: Path
     )
 
 
+def _published_curve(row: Mapping[str, Any]) -> Curve | None:
+    """The curve a record's row carries (its evaluations and validation passes), or None where it has none."""
+    c = row.get("curve")
+    if not c or not c.get("steps"):
+        return None
+    return Curve(
+        row["name"],
+        row["optimizer"],
+        row["lr"],
+        row["seed"],
+        list(c["steps"]),
+        list(c["fd"]),
+        list(c["active_time_s"]),
+        row.get("step_ms"),
+        None,
+        list(c.get("loss_steps", [])),
+        list(c.get("val_loss_ema", [])),
+    )
+
+
 def finished_rows(record: Mapping[str, Any], name: str, lr: float | None = None) -> list[dict[str, Any]]:
     """The finished runs of one optimizer of a record (at ``lr`` where given)."""
     return [
@@ -147,7 +162,8 @@ def load_curves(
     record: Mapping[str, Any], record_dir: Path | None = None, best_lr_only: bool = True
 ) -> dict[str, list[Curve]]:
     """Per optimizer of a ``dimuon bench quality`` record, the FD curves of its finished runs (at its best lr
-    unless ``best_lr_only`` is False), in seed order. Runs whose directory is gone are left out."""
+    unless ``best_lr_only`` is False), in seed order. Runs whose directory is gone take the curve their row
+    carries; runs without either are left out."""
     settings = record.get("eval_settings")
     curves: dict[str, list[Curve]] = {}
     if not settings:

@@ -403,6 +403,10 @@ def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path,
     err = capsys.readouterr().err
     assert "run muon-lr0.01-s1 failed: dimuon train exited with status 2" in err and "error: boom" in err
     assert all(r["status"] == "ok" for name, r in rows.items() if name != "muon-lr0.01-s1")
+    curve = rows["adamw-lr0.01-s0"]["curve"]  # published with the row: a checkout without the run rebuilds it
+    assert curve["steps"] == [2, 4] and curve["fd"] == [60.0, 40.0]
+    assert curve["loss_steps"] == [4] and curve["val_loss_ema"] == [0.4] and len(curve["active_time_s"]) == 2
+    assert failed["curve"]["steps"] == []
 
     adamw, muon = record["optimizers"]["adamw"], record["optimizers"]["muon"]
     assert (adamw["lr"], adamw["fd"], adamw["seeds"]) == (1e-2, 41.0, [0, 1])

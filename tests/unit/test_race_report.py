@@ -144,11 +144,22 @@ def test_load_curves_reads_the_records_series_at_the_best_lr(tmp_path):
     rows = [
         row("adamw-lr0.01-s0", "adamw", 0.01, 0, 50, run_dir="gone/elsewhere"),
         row("adamw-lr0.003-s0", "adamw", 0.003, 0, 70, run_dir="gone/elsewhere"),
-        row("muon-lr0.01-s0", "muon", 0.01, 0, 40, run_dir="gone/elsewhere"),
-    ]  # no directory: left out
-    opts = {"adamw": {"lr": 0.01}, "muon": {"lr": 0.01}}
+        row("muon-lr0.01-s0", "muon", 0.01, 0, 40, run_dir="gone/elsewhere"),  # no directory, no curve: left out
+        row(
+            "prm-lr0.01-s0",
+            "prm",
+            0.01,
+            0,
+            40,
+            run_dir="gone/elsewhere",
+            curve={"steps": [500], "fd": [40], "active_time_s": [9.0], "loss_steps": [250], "val_loss_ema": [0.3]},
+        ),  # no directory: the curve its row carries
+    ]
+    opts = {"adamw": {"lr": 0.01}, "muon": {"lr": 0.01}, "prm": {"lr": 0.01}}
     curves = rr.load_curves(record(rows, opts), tmp_path)
-    assert list(curves) == ["adamw"]
+    assert list(curves) == ["adamw", "prm"]
+    (published,) = curves["prm"]
+    assert published.fds == [40] and published.series("val_loss_ema") == ([250], [0.3]) and published.grid is None
     (c,) = curves["adamw"]
     assert c.steps == [500, 1000] and c.fds == [80, 50] and c.active_time_s == [60.0, 120.0] and c.grid
     assert c.series("val_loss_ema") == ([250, 500, 750, 1000], [0.3, 0.25, 0.22, 0.2])

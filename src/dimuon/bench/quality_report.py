@@ -107,11 +107,27 @@ def quality_summary(series: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def quality_curve(series: dict[str, Any] | None, records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The run's quality over training, small enough to publish with its row (a checkout without the run's
+    directory rebuilds its curves from it): each evaluation's step, FD and active time, each validation pass's
+    step and EMA loss."""
+    ok = series_entries(series)
+    val = [r for r in latest_by_step(records, "val") if r.get("val_loss_ema") is not None]
+    return {
+        "steps": [e["step"] for e in ok],
+        "fd": [e["fd"] for e in ok],
+        "active_time_s": [e.get("active_time_s") for e in ok],
+        "loss_steps": [r["step"] for r in val],
+        "val_loss_ema": [r["val_loss_ema"] for r in val],
+    }
+
+
 def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, Any]:
-    """One run of the table: grid point, status, what it reached, what it cost, its commands."""
+    """One run of the table: grid point, status, what it reached, what it cost, its curve, its commands."""
     spec = outcome.spec
     run_dir = run_directory(cfg, spec)
     series = find_series(run_dir, cfg.eval) if outcome.action != "refused" else None
+    records = read_jsonl(RunLayout(run_dir).metrics) if outcome.action != "refused" else []
     quality = quality_summary(series)
     status = "ok" if quality["eval_step"] == cfg.steps and not outcome.error else "failed"
     return {
@@ -122,8 +138,9 @@ def run_row(cfg: Config, outcome: Outcome, extra: Sequence[str]) -> dict[str, An
         "status": status,
         "action": outcome.action,
         "error": outcome.error,
-        **cost_summary(read_jsonl(RunLayout(run_dir).metrics) if outcome.action != "refused" else []),
+        **cost_summary(records),
         **quality,
+        "curve": quality_curve(series, records),
         "train_s": round(outcome.seconds, 2),
         "run_dir": str(run_dir),
         "log": str(run_dir / LOG_NAME),
