@@ -12,8 +12,9 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   where a neighbour's seed range overlaps the best's. The runs ``sweep`` and ``seeds`` already trained there are
   linked (or kept from their published records), not trained again. Once it exists, every later part takes its
   best lrs from here rather than from the sweep's final FD of one seed.
-- ``seeds``: every optimizer at its best lr (``select``, else ``sweep``) with seeds 0, 1, 2 (seed 0's runs are the
-  sweep's, linked, not retrained).
+- ``seeds``: every optimizer (``--only``: those named) at its best lr with seeds 0, 1, 2: at ``select``'s chosen
+  lrs with seeds 0 and 1 its runs (linked, or kept from its published record), or before it at the sweep's bests
+  with seed 0 the sweep's run; only the others are trained.
 - ``step``: each optimizer's training-step time on the race's model and batch, measured side by side in one
   ``dimuon bench step`` (one process, ``--threads`` threads, three runs each taken in rounds, nothing else
   training): the time basis of the
@@ -343,27 +344,42 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def seeds(args: argparse.Namespace) -> int:
-    lrs = best_lrs(args)
+    """Every optimizer (``--only``: those named) at its best lr with seeds 0, 1, 2. Once the selection exists: at
+    its chosen lrs, seeds 0 and 1 its runs there (linked, or kept from its published record), seed 2 trained;
+    before it, at the sweep's bests, seed 0 the sweep's run (linked)."""
+    names = list(args.only or MAIN)
+    selection = _record(args.out / "select" / "results.json")
+    if selection is None and (published_select := published(args, "select.json")) is not None:
+        selection = _record(published_select)
+    if selection is not None:
+        lrs, reused, reused_seeds = selected_lrs(selection, names), "select", SELECT_SEEDS
+    else:
+        best = best_lrs(args)
+        lrs, reused, reused_seeds = {name: best[name] for name in names}, "sweep", (0,)
     runs = args.out / "seeds" / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    for name, lr in lrs.items():  # seed 0 is the sweep's run: linked, not trained again
-        run = f"{name}-lr{lr:g}-s0"
-        link(runs / run, args.out / "sweep" / "runs" / run)
+    kept: list[dict[str, Any]] = []
+    for name, lr in lrs.items():
+        for seed in reused_seeds:
+            run = f"{name}-lr{lr:g}-s{seed}"
+            link(runs / run, args.out / reused / "runs" / run)
+            if not (runs / run).exists():
+                kept += published_rows(args, (reused,), run, run)
     return bench(
         args,
         "seeds",
         [
             "--optimizers",
-            *MAIN,
+            *names,
             "--lr-grid",
             *(f"{n}={lr:g}" for n, lr in lrs.items()),
             "--seeds",
             "0",
             "1",
             "2",
-            "--train-args-of",
-            MUON_BP_BLOCKS,
+            *(["--train-args-of", MUON_BP_BLOCKS] if "muon_bp" in names else []),
         ],
+        keep_rows_of=keep_rows(args, "seeds", kept),
     )
 
 
@@ -428,15 +444,6 @@ def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], l
                     link(args.out / part / "runs" / name, args.out / trained / "runs" / f"{spec.base}-lr{lr:g}-s{seed}")
                 if not (args.out / part / "runs" / name).exists():
                     main_rows += published_rows(args, ("select", "seeds"), f"{spec.base}-lr{lr:g}-s{seed}", name)
-    keep = None
-    if main_rows:
-        from dimuon.io import write_json_atomic
-
-        own = _record(p) if (p := published(args, f"{part}.json")) else None
-        rows = {r["name"]: r for r in (own or {}).get("runs", []) if r.get("status") == "ok"}
-        rows.update({r["name"]: r for r in main_rows if r["name"] not in rows})
-        earlier = write_json_atomic(args.out / part / "earlier.json", {"runs": list(rows.values())})
-        keep = ["--keep-rows-of", str(earlier)]
     return bench(
         args,
         part,
@@ -449,8 +456,26 @@ def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], l
             *map(str, ABLATION_SEEDS),
             *train_args_of(spec, labels),
         ],
-        keep_rows_of=keep,
+        keep_rows_of=keep_rows(args, part, main_rows),
     )
+
+
+def keep_rows(args: argparse.Namespace, part: str, rows: Sequence[dict[str, Any]]) -> list[str] | None:
+    """``--keep-rows-of`` a merged record, ``<out>/<part>/earlier.json``: the part's own published finished rows,
+    then ``rows`` (another part's, taken as this part's) under names it has not; None without ``rows`` (the part's
+    published record is kept as it is)."""
+    if not rows:
+        return None
+    from dimuon.io import write_json_atomic
+
+    own = _record(p) if (p := published(args, f"{part}.json")) else None
+    merged = {
+        r["name"]: {**r, "machine": r.get("machine") or own.get("machine")}
+        for r in (own or {}).get("runs", [])
+        if r.get("status") == "ok"
+    }
+    merged.update({r["name"]: r for r in rows if r["name"] not in merged})
+    return ["--keep-rows-of", str(write_json_atomic(args.out / part / "earlier.json", {"runs": list(merged.values())}))]
 
 
 def train_args_of(spec: Ablation, labels: Sequence[str]) -> list[str]:
@@ -467,7 +492,8 @@ def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as
         for r in (record or {}).get("runs", []):
             if r["name"] == name and r.get("status") == "ok":
                 machine = r.get("machine") or record.get("machine")
-                return [{**r, "name": as_name, "trained_as": r.get("trained_as") or name, "machine": machine}]
+                renamed = {"trained_as": r.get("trained_as") or name} if as_name != name else {}
+                return [{**r, "name": as_name, **renamed, "machine": machine}]
     return []
 
 

@@ -433,6 +433,26 @@ def test_a_fresh_checkout_keeps_the_main_variant_from_the_published_selection(ra
     assert not (out / "k" / "runs" / "periodic_row_muon-k3-lr0.01-s0").exists()
 
 
+def test_seeds_at_the_selected_lrs_keep_the_selections_two_seeds_and_train_the_third(race, tmp_path):
+    """Once the selection exists, ``seeds`` runs at its chosen lrs (``--only`` those optimizers whose selection is
+    finished): seeds 0 and 1 linked from its runs, or kept from its published record where they are gone."""
+    published = tmp_path / "published"
+    write_select(race, published, {"adamw": 5e-3}, unfinished=lambda o, s: o == "muon_bp")
+    (published / "select.json").write_text((published / "select" / "results.json").read_text())
+    out = tmp_path / "out"
+    (out / "select" / "runs" / "adamw-lr0.005-s0").mkdir(parents=True)  # here: linked
+    argv = ["--part", "seeds", "--out", str(out), "--report-dir", str(published)]
+    with pytest.raises(SystemExit, match="selection of muon_bp is not finished"):
+        race.main(argv)
+    assert race.main([*argv, "--only", "adamw", "muon"]) == 0
+    cmd = race.calls[-1]
+    assert flags(cmd, "--optimizers") == ["adamw", "muon"] and flags(cmd, "--seeds") == ["0", "1", "2"]
+    assert flags(cmd, "--lr-grid") == ["adamw=0.005", "muon=0.01"] and "--train-args-of" not in cmd
+    assert (out / "seeds" / "runs" / "adamw-lr0.005-s0").is_symlink()
+    kept = {r["name"] for r in json.loads(Path(flags(cmd, "--keep-rows-of")[0]).read_text())["runs"]}
+    assert kept == {"adamw-lr0.005-s1", "muon-lr0.01-s0", "muon-lr0.01-s1"}
+
+
 def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
     """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
     chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""
