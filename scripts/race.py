@@ -36,6 +36,10 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   race does (K=3, gamma 0.15, P=5 with ratio 1, quintic 5: the optimizers' defaults, no flag added) is linked
   from the ``select`` (or ``seeds``) runs at that lr, or kept from their published records in a checkout without
   them, not trained again.
+- ``scale``: does PeriodicRowMuon's loss gap to Muon shrink with the model? Both at DiT-T/4, DiT-XS/4 (the
+  race's model: the selection's runs, linked or kept) and DiT-S/4 over lrs 5e-3, 1e-2, 2e-2 with seeds 0 and 1,
+  each optimizer's lr chosen per size by the mean EMA validation loss; ``<out>/scale.json`` and
+  ``gap_vs_params.png`` (the gap against the parameters, whiskers over the seed pairings).
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
   precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
   the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
@@ -162,8 +166,14 @@ ABLATIONS = {
     ),
 }
 ABLATION_SEEDS = (0, 1)
+# Does PeriodicRowMuon's loss gap to Muon shrink with the model? Each size its own lr choice (mean EMA validation
+# loss over 2 seeds) on a grid of factors of 2 around the race's choice; the race's model is the selection's runs.
+SCALE_OPTIMIZERS = ("periodic_row_muon", "muon")
+SCALE_MODELS = ("DiT-T/4", "DiT-XS/4", "DiT-S/4")
+SCALE_LRS = (5e-3, 1e-2, 2e-2)
+DATA_SHAPES = {"mnist": ((1, 28, 28), 10), "digits": ((1, 8, 8), 10)}  # (channels, height, width), classes
 LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
-PARTS = ("sweep", "select", "seeds", "step", "inception", "fd", "long", *ABLATIONS, "report")
+PARTS = ("sweep", "select", "seeds", "step", "inception", "fd", "long", *ABLATIONS, "scale", "report")
 FULL = [
     "--model",
     "DiT-XS/4",
@@ -207,13 +217,20 @@ def published(args: argparse.Namespace, name: str) -> Path | None:
 
 
 def bench(
-    args: argparse.Namespace, part: str, flags: list[str], steps_factor: int = 1, keep_rows_of: list[str] | None = None
+    args: argparse.Namespace,
+    part: str,
+    flags: list[str],
+    steps_factor: int = 1,
+    keep_rows_of: list[str] | None = None,
+    model: str | None = None,
 ) -> int:
-    """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``), its output
-    streamed; the finished runs of the part's published record (``<report-dir>/<part>.json``) whose directories
-    are not here are kept from it, not trained again."""
+    """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``; ``model`` in place
+    of the race's), its output streamed; the finished runs of the part's published record
+    (``<report-dir>/<part>.json``) whose directories are not here are kept from it, not trained again."""
     settings = list(QUICK if args.quick else FULL)
     settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
+    if model is not None:
+        settings[settings.index("--model") + 1] = model
     earlier = published(args, f"{part}.json")
     keep = keep_rows_of if keep_rows_of is not None else ["--keep-rows-of", str(earlier)] if earlier else []
     cmd = [
@@ -525,6 +542,128 @@ def lr_gamma(args: argparse.Namespace) -> int:
     return train_ablation(args, "lr_gamma", [f"g{g:g}" for g in gammas], [lr / 2, lr, lr * 2])
 
 
+def scale_models(args: argparse.Namespace) -> tuple[str, ...]:
+    """The model sizes of the ``scale`` part: :data:`SCALE_MODELS`, or with ``--quick`` the quick race's model and
+    one other."""
+    return ("DiT-T/2", "DiT-T/4") if args.quick else SCALE_MODELS
+
+
+def scale_part(model: str) -> str:
+    """The part name (out directory, published record) of one size of the ``scale`` part: ``scale-dit-xs4``."""
+    return "scale-" + model.lower().replace("/", "")
+
+
+def scale(args: argparse.Namespace) -> int:
+    """PeriodicRowMuon and Muon at each size of :func:`scale_models` over :data:`SCALE_LRS`, seeds 0 and 1, each
+    optimizer's lr chosen per size by the mean EMA validation loss; the race's own model takes the selection's
+    runs there (linked, or kept from its published record), not trained again. Then ``<out>/scale.json`` and
+    ``gap_vs_params.png``: the loss gap against the model's parameters."""
+    race_model = setting("--model", args)
+    for model in scale_models(args):
+        part = scale_part(model)
+        kept: list[dict[str, Any]] = []
+        if model == race_model:
+            runs = args.out / part / "runs"
+            runs.mkdir(parents=True, exist_ok=True)
+            for name in SCALE_OPTIMIZERS:
+                for lr in SCALE_LRS:
+                    for seed in SELECT_SEEDS:
+                        run = f"{name}-lr{lr:g}-s{seed}"
+                        link(runs / run, args.out / "select" / "runs" / run)
+                        if not (runs / run).exists():
+                            kept += published_rows(args, ("select",), run, run)
+        code = bench(
+            args,
+            part,
+            [
+                "--optimizers",
+                *SCALE_OPTIMIZERS,
+                "--lrs",
+                *(f"{lr:g}" for lr in SCALE_LRS),
+                "--seeds",
+                *map(str, SELECT_SEEDS),
+                "--select-by",
+                "val_loss_ema",
+            ],
+            keep_rows_of=keep_rows(args, part, kept),
+            model=model,
+        )
+        if code != 0:
+            return code
+    return scale_report(args)
+
+
+def model_params(model: str, dataset: str) -> int:
+    """Parameters of a registry DiT on one of the race's data sets, as ``dimuon train`` builds it."""
+    from dimuon.train.plan import ModelSpec
+
+    shape, classes = DATA_SHAPES[dataset]
+    return sum(p.numel() for p in ModelSpec(model, 0.1).build(shape, classes).parameters())
+
+
+def scale_report(args: argparse.Namespace) -> int:
+    """``<out>/scale.json`` (per size: parameters, each optimizer's chosen lr and its EMA validation loss over the
+    seeds, the gap PeriodicRowMuon - Muon with its range over seed pairs) and ``gap_vs_params.png``, from the
+    sizes whose selections are finished."""
+    from dimuon.io import write_json_atomic
+
+    dataset = setting("--dataset", args)
+    sizes = []
+    for model in scale_models(args):
+        record = _record(args.out / scale_part(model) / "results.json")
+        if record is None:
+            continue
+        summary = record["optimizers"]
+        done = {
+            name: [r for r in record["runs"] if r["optimizer"] == name and r["status"] == "ok"]
+            for name in SCALE_OPTIMIZERS
+        }
+        if any(len(done[n]) < len(SCALE_LRS) * len(SELECT_SEEDS) for n in SCALE_OPTIMIZERS):
+            print(f"race: scale: {model}'s selection is not finished; left out of scale.json", flush=True)
+            continue
+        per = {}
+        for name in SCALE_OPTIMIZERS:
+            lr = summary[name]["lr"]
+            losses = [r["val_loss_ema"] for r in done[name] if r["lr"] == lr]
+            per[name] = {
+                "lr": lr,
+                "on_edge": summary[name]["selection"]["on_edge"],
+                "val_loss_ema": statistics.fmean(losses),
+                "min": min(losses),
+                "max": max(losses),
+            }
+        for name, chosen in per.items():
+            if chosen["on_edge"]:
+                print(
+                    f"race: warning: scale: {name}'s lr {chosen['lr']:g} at {model} is on the edge of its grid "
+                    f"{list(SCALE_LRS)}: widen it",
+                    flush=True,
+                )
+        prm, muon = per["periodic_row_muon"], per["muon"]
+        sizes.append(
+            {
+                "model": model,
+                "params": model_params(model, dataset),
+                "optimizers": per,
+                "gap": prm["val_loss_ema"] / muon["val_loss_ema"] - 1,
+                "gap_min": prm["min"] / muon["max"] - 1,
+                "gap_max": prm["max"] / muon["min"] - 1,
+                "machine": record.get("machine"),
+            }
+        )
+    out = {"benchmark": "race scale", "dataset": dataset, "steps": setting("--steps", args), "sizes": sizes}
+    write_json_atomic(args.out / "scale.json", out)
+    plot = _race_report().plot_gap_vs_params(sizes, args.out / "gap_vs_params.png", dataset)
+    for size in sizes:
+        print(
+            f"race: scale: {size['model']} ({size['params'] / 1e6:.2f}M parameters): PeriodicRowMuon - Muon "
+            f"{100 * size['gap']:+.2f}% ({100 * size['gap_min']:+.2f}..{100 * size['gap_max']:+.2f}%)",
+            flush=True,
+        )
+    print(f"wrote {args.out / 'scale.json'}" + (f", {plot}" if plot else ""), flush=True)
+    return 0
+
+
 def setting(name: str, args: argparse.Namespace) -> str:
     """The value of one of the race's ``dimuon train`` settings (``--model``, ``--batch-size``, ...)."""
     settings = QUICK if args.quick else FULL
@@ -788,7 +927,7 @@ def report(args: argparse.Namespace) -> int:
     dest = args.report_dir or args.out / "report"
     previous = _record(dest / "race.json") or {}
     records, carried = {}, []
-    for part in ("sweep", "select", "seeds", "long", *ABLATIONS):
+    for part in ("sweep", "select", "seeds", "long", *ABLATIONS, *map(scale_part, scale_models(args))):
         rec = _record(args.out / part / "results.json")
         if rec is None and (rec := _record(dest / f"{part}.json")) is not None:
             carried.append(f"{part}.json")
@@ -916,6 +1055,10 @@ def report(args: argparse.Namespace) -> int:
                     }
     for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
+    for name in ("scale.json", "gap_vs_params.png"):  # the scale part's summary and plot, as it made them
+        if (args.out / name).is_file() and args.out.resolve() != dest.resolve():
+            outputs.append(dest / name)
+            (dest / name).write_bytes((args.out / name).read_bytes())
     result = {
         "benchmark": "race",
         "task": task,
@@ -1101,7 +1244,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=MAIN,
         default=None,
         help="--part select: train these optimizers' runs first (their record alone; a later run "
-        "without --only completes the part and its record); --part fd: score these optimizers alone",
+        "without --only completes the part and its record); --part fd: score these optimizers alone; --part seeds: "
+        "these optimizers alone (their selection finished)",
     )
     parser.add_argument(
         "--report-dir", type=Path, default=None, help="where --part report writes (default: <out>/report)"
@@ -1117,6 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
             "fd": fd_spread,
             "long": long,
             "lr_gamma": lr_gamma,
+            "scale": scale,
             "report": report,
         }
         code = steps[part](args) if part in steps else ablation(args, part)

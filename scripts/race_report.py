@@ -38,6 +38,7 @@ __all__ = [
     "optimizer_summary",
     "plot_ablation",
     "plot_fd_vs_time",
+    "plot_gap_vs_params",
     "plot_sample_grids",
     "plot_time_to_levels",
     "plot_time_to_quality",
@@ -569,6 +570,38 @@ def plot_time_to_levels(
     ax.grid(True, alpha=0.3)
     _title(ax, title)
     ax.legend(fontsize=8)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def plot_gap_vs_params(sizes: Sequence[Mapping[str, Any]], path: Path, dataset: str = "") -> Path | None:
+    """PeriodicRowMuon's EMA validation loss gap to Muon (each at its own chosen lr) against the model's
+    parameters, whiskers from the best to the worst pairing of their seeds; None without a size."""
+    if not sizes:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [s["params"] for s in sizes]
+    ys = [100 * s["gap"] for s in sizes]
+    lo = [max(0.0, y - 100 * s["gap_min"]) for y, s in zip(ys, sizes)]
+    hi = [max(0.0, 100 * s["gap_max"] - y) for y, s in zip(ys, sizes)]
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=4)
+    for x, y, s in zip(xs, ys, sizes):
+        ax.annotate(s["model"], (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.axhline(0.5, color="gray", lw=0.8, ls="--", label='the paper\'s "within 0.5%" (FD, 1.3B-4B)')
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:.3g}M"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(xs)
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("EMA validation loss, PeriodicRowMuon over Muon (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _title(ax, f"Does the gap shrink with scale? {dataset}, each optimizer at its own lr, 2 seeds")
     save_figure_atomic(fig, path, **SAVE_KWARGS)
     plt.close(fig)
     return path

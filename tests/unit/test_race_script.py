@@ -453,6 +453,40 @@ def test_seeds_at_the_selected_lrs_keep_the_selections_two_seeds_and_train_the_t
     assert kept == {"adamw-lr0.005-s1", "muon-lr0.01-s0", "muon-lr0.01-s1"}
 
 
+def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_path, capsys):
+    """Each size its own invocation (the race's model reusing the selection's runs), then the gap of the chosen
+    lrs' mean losses with its range over seed pairings, per size whose selection is finished."""
+    pytest.importorskip("matplotlib")
+    write_select(race, tmp_path, {})
+    for seed in race.SELECT_SEEDS:
+        (tmp_path / "select" / "runs" / f"muon-lr0.01-s{seed}").mkdir(parents=True)
+    loss = {"periodic_row_muon": {"DiT-T/4": 0.30, "DiT-XS/4": 0.20}, "muon": {"DiT-T/4": 0.25, "DiT-XS/4": 0.19}}
+    for model in ("DiT-T/4", "DiT-XS/4"):
+        runs, summary = [], {}
+        for name in race.SCALE_OPTIMIZERS:
+            for lr in race.SCALE_LRS:
+                for seed in race.SELECT_SEEDS:
+                    value = loss[name][model] * (1 + abs(lr - 1e-2) * 10) + 0.002 * seed
+                    runs.append(row(f"{name}-lr{lr:g}-s{seed}", name, lr, seed, 20.0, val_loss_ema=value))
+            summary[name] = {"lr": 1e-2, "selection": {"on_edge": False}}
+        part = tmp_path / race.scale_part(model)
+        part.mkdir(parents=True, exist_ok=True)
+        (part / "results.json").write_text(json.dumps({"runs": runs, "optimizers": summary, "machine": {}}))
+    assert race.main(["--part", "scale", "--out", str(tmp_path)]) == 0
+    calls = race.calls[-3:]
+    assert [c[c.index("--model") + 1] for c in calls] == list(race.SCALE_MODELS)
+    assert all(flags(c, "--select-by") == ["val_loss_ema"] for c in calls)
+    xs = tmp_path / "scale-dit-xs4" / "runs" / "muon-lr0.01-s1"
+    assert xs.is_symlink() and not (tmp_path / "scale-dit-t4" / "runs").exists()  # the race's model: linked
+    got = json.loads((tmp_path / "scale.json").read_text())
+    assert [s["model"] for s in got["sizes"]] == ["DiT-T/4", "DiT-XS/4"]  # DiT-S/4 has no record yet
+    t4, xs4 = got["sizes"]
+    assert t4["params"] < xs4["params"] == 1869072  # the race's model as dimuon train builds it
+    assert xs4["gap"] == pytest.approx(0.201 / 0.191 - 1) and xs4["gap_min"] == pytest.approx(0.200 / 0.192 - 1)
+    assert (tmp_path / "gap_vs_params.png").is_file()
+    assert "DiT-XS/4 (1.87M parameters): PeriodicRowMuon - Muon +5.24%" in capsys.readouterr().out
+
+
 def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
     """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
     chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.core import local_tensor, matrix_shape
-from dimuon.optim.distributed.engine import MatrixJob, RowRange, col_split_sizes_to_ranges
+from dimuon.optim.distributed.engine import MatrixJob, RowRange, as_batch, col_split_sizes_to_ranges
 from dimuon.optim.distributed.layout import is_dtensor
 from dimuon.optim.schedules import (
     GAMMA_DOC,
@@ -33,7 +33,6 @@ from dimuon.optim.schedules import (
 from dimuon.optim.staleness import (
     REFERENCE_DTYPE,
     ROW_SUMS,
-    batch_of,
     reference_row_sums_many,
     staleness_from_sums,
     staleness_partial_sums_many,
@@ -302,7 +301,7 @@ def copy_by_shape_(sources: Sequence[Tensor], targets: Sequence[Tensor], mask: T
         classes.setdefault((tuple(dst.shape), src.dtype, dst.dtype, dst.device), []).append(i)
     for idx in classes.values():
         dsts = [targets[i] for i in idx]
-        new = batch_of([sources[i].reshape(dsts[0].shape) for i in idx]).to(dsts[0].dtype)  # (B, *shape)
+        new = as_batch([sources[i].reshape(dsts[0].shape) for i in idx]).to(dsts[0].dtype)  # (B, *shape)
         if mask is not None:
             new = torch.where(mask, new, torch.stack(dsts))
         torch._foreach_copy_(dsts, list(new.unbind(0)))

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dimuon.optim.distributed.engine import as_batch
+
 RowRange = tuple[int, int]
 
 # The reference direction is kept in bf16: half the memory of an fp32 copy. The row sums are taken against
@@ -44,7 +46,7 @@ def reference_row_sums_many(
     col_ranges = col_ranges if col_ranges is not None else [()] * len(updates)
     out: list[Tensor | None] = [None] * len(updates)
     for idx in _shape_classes(updates, directions, col_ranges, out):
-        u, o = batch_of([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
+        u, o = as_batch([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
         sums = torch.stack((torch.linalg.vecdot(u, o), torch.linalg.vecdot(u, u)), dim=2)  # (B, m, 2)
         for i, one in zip(idx, sums.unbind(0)):
             out[i] = one
@@ -61,21 +63,6 @@ def reference_row_sums_many(
                 dim=1,
             ).reshape(u.shape[0], ROW_SUMS * len(cols))
     return out  # type: ignore[return-value]
-
-
-def batch_of(matrices: Sequence[Tensor]) -> Tensor:
-    """``(B, rows, cols)`` of same-shape matrices: a view where they are consecutive contiguous matrices of one
-    buffer (the Nesterov momenta of one shape are), else a stacked copy."""
-    first = matrices[0]
-    size = first.numel()
-    if all(m.is_contiguous() for m in matrices):
-        ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-        if all(
-            m.untyped_storage().data_ptr() == ptr and m.storage_offset() == offset + k * size
-            for k, m in enumerate(matrices)
-        ):
-            return first.as_strided((len(matrices), *first.shape), (size, *first.stride()), offset)
-    return torch.stack(list(matrices))
 
 
 def _shape_classes(
@@ -120,7 +107,7 @@ def staleness_partial_sums_many(
     col_ranges = col_ranges if col_ranges is not None else [()] * len(updates)
     out: list[Tensor | None] = [None] * len(updates)
     for idx in _shape_classes(updates, directions, col_ranges, out):
-        u, o = batch_of([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
+        u, o = as_batch([updates[i] for i in idx]).float(), torch.stack([directions[i] for i in idx]).float()
         then = torch.stack([row_sums[i] for i in idx]).float()  # (B, m, 2)
         rows = torch.cat(
             (torch.linalg.vecdot(u, o).unsqueeze(2), torch.linalg.vecdot(u, u).unsqueeze(2), then), dim=2
