@@ -26,7 +26,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   with 2000 samples (4x the race's; the real side is the whole held-out split, 500 images on the demo set) in both
   feature spaces, two sampling seeds each; per optimizer the mean, the
   training seeds' and the sampling seeds' half ranges, and per pair whether the gap exceeds the training seeds'
-  ranges (``<out>/fd.json``).
+  ranges (``<out>/fd.json``, each score kept as it is measured and not measured again, across checkouts from
+  the published copy; chosen runs whose checkpoints are gone are trained again first).
 - ``long``: every optimizer at its best lr for twice the steps (4000), seed 0: has FD flattened at 2000 steps,
   and does the ranking there hold with a longer budget (cosine schedule stretched to it)?
 - ``k``: PeriodicRowMuon K in {1, 2, 3, 4, 6} at gamma 0.15; ``gamma``: gamma in {0.05, 0.1, 0.15, 0.3, 0.6, 1}
@@ -813,32 +814,70 @@ def fd_spread(args: argparse.Namespace) -> int:
     """FD that can resolve: the last checkpoint of every ``select`` run at its optimizer's chosen lr (2 training
     seeds) scored with more samples than the race's (``FD_SAMPLES``), in both feature spaces, with 2 sampling seeds
     each; per optimizer and space the mean, the training seeds' range and the sampling seeds' range, and per pair
-    of optimizers whether the gap between the means is larger than both ranges (``<out>/fd.json``). Resumable:
-    an evaluation already in a run's results is not made again. With ``--only``, those optimizers alone, once
-    their own selection is finished (the rest of the part may still be training)."""
-    record = _record(args.out / "select" / "results.json")
-    if record is None:
-        raise SystemExit(f"race: {args.out / 'select' / 'results.json'} is missing: run --part select first")
-    lrs = best_lrs(args) if not args.only else selected_lrs(record, args.only)
-    samples = FD_SAMPLES[args.quick]
-    table: dict[str, dict[str, Any]] = {}
-    for r in record["runs"]:
-        if r["status"] != "ok" or r["optimizer"] not in lrs or r["lr"] != lrs[r["optimizer"]]:
-            continue
-        for space in FD_SPACES:
-            for seed in FD_SAMPLE_SEEDS:
-                last = rescore(args, args.out / "select" / "runs" / r["name"], space, samples, seed)
-                if last is None:
-                    return 1
-                row = {"run": r["name"], "train_seed": r["seed"], "sample_seed": seed, "step": last["step"]}
-                table.setdefault(r["optimizer"], {}).setdefault(space, []).append({**row, "fd": last["fd"]})
-    result = {"samples": int(samples), "sample_seeds": list(FD_SAMPLE_SEEDS), "lrs": lrs, "optimizers": {}}
-    for name, spaces in table.items():
-        result["optimizers"][name] = {space: fd_summary(rows) for space, rows in spaces.items()}
-    result["gaps"] = fd_gaps(result["optimizers"])
-    from dimuon.io import write_json_atomic
+    of optimizers whether the gap between the means is larger than both ranges (``<out>/fd.json``). With
+    ``--only``, those optimizers alone, once their own selection is finished (the rest may still be training).
 
-    write_json_atomic(args.out / "fd.json", result)
+    Resumable across checkouts: each score is written to ``fd.json``'s rows as it is measured, and a row of the
+    local or the published (``<report-dir>/fd.json``) record is not measured again. A chosen run whose checkpoints
+    are not here (a fresh checkout has the selection's rows, not its runs) is trained again first, with the same
+    command, under ``<out>/fd/runs``."""
+    selection = _record(args.out / "select" / "results.json")
+    if selection is None and (published_select := published(args, "select.json")) is not None:
+        selection = _record(published_select)
+    if selection is None:
+        raise SystemExit(f"race: {args.out / 'select' / 'results.json'} is missing: run --part select first")
+    names = list(args.only or MAIN)
+    lrs = selected_lrs(selection, names)
+    samples = FD_SAMPLES[args.quick]
+    earlier = _record(args.out / "fd.json") or (_record(p) if (p := published(args, "fd.json")) else None) or {}
+    rows = {
+        (r["run"], r["space"], r["sample_seed"]): r
+        for r in earlier.get("rows", [])
+        if earlier.get("samples") == int(samples)
+    }
+    chosen = {f"{name}-lr{lr:g}-s{seed}": (name, lr, seed) for name, lr in lrs.items() for seed in SELECT_SEEDS}
+    wanted = [(run, space, s) for run in chosen for space in FD_SPACES for s in FD_SAMPLE_SEEDS]
+    todo = [key for key in wanted if key not in rows]
+    where = {run: args.out / "select" / "runs" / run for run, _, _ in todo}
+    gone = sorted({run for run, path in where.items() if not _has_checkpoint(path)})
+    if gone:
+        retrain = sorted({chosen[run][0] for run in gone})
+        print(f"race: fd: training again the chosen runs not here: {', '.join(gone)}", flush=True)
+        code = bench(
+            args,
+            "fd",
+            [
+                "--optimizers",
+                *retrain,
+                "--lr-grid",
+                *(f"{n}={lrs[n]:g}" for n in retrain),
+                "--seeds",
+                *map(str, SELECT_SEEDS),
+                *(["--train-args-of", MUON_BP_BLOCKS] if "muon_bp" in retrain else []),
+            ],
+            keep_rows_of=[],  # their checkpoints are what is scored: trained here, never kept
+        )
+        if code != 0:
+            return code
+        where.update({run: args.out / "fd" / "runs" / run for run in gone})
+    for run, space, seed in todo:
+        last = rescore(args, where[run], space, samples, seed)
+        if last is None:
+            return 1
+        name, lr, train_seed = chosen[run]
+        rows[(run, space, seed)] = {
+            "run": run,
+            "optimizer": name,
+            "lr": lr,
+            "train_seed": train_seed,
+            "sample_seed": seed,
+            "space": space,
+            "step": last["step"],
+            "fd": last["fd"],
+            "scored_from": str(where[run]),
+        }
+        write_fd(args, samples, rows, lrs)
+    result = write_fd(args, samples, rows, lrs)
     for name, spaces in result["optimizers"].items():
         for space, t in spaces.items():
             print(
@@ -846,6 +885,36 @@ def fd_spread(args: argparse.Namespace) -> int:
                 f"sampling seeds +-{t['sample_half_range']:.2f})"
             )
     return 0
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether a run directory holds a checkpoint to score."""
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
+def write_fd(
+    args: argparse.Namespace, samples: str, rows: dict[tuple, dict[str, Any]], lrs: dict[str, float]
+) -> dict[str, Any]:
+    """``<out>/fd.json`` from every score so far: its rows, and per optimizer (every one scored, the chosen lrs of
+    those scored now) and space the summary, and the gaps between them."""
+    chosen = {**{r["optimizer"]: r["lr"] for r in rows.values()}, **lrs}
+    table: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for row in rows.values():
+        if row["lr"] == chosen[row["optimizer"]]:  # a row of an lr no longer chosen is kept, not summarized
+            table.setdefault(row["optimizer"], {}).setdefault(row["space"], []).append(row)
+    result: dict[str, Any] = {
+        "samples": int(samples),
+        "sample_seeds": list(FD_SAMPLE_SEEDS),
+        "lrs": chosen,
+        "optimizers": {n: {space: fd_summary(rs) for space, rs in spaces.items()} for n, spaces in table.items()},
+        "rows": sorted(rows.values(), key=lambda r: (r["optimizer"], r["train_seed"], r["space"], r["sample_seed"])),
+    }
+    result["gaps"] = fd_gaps(result["optimizers"])
+    from dimuon.io import write_json_atomic
+
+    write_json_atomic(args.out / "fd.json", result)
+    return result
 
 
 def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1055,7 +1124,7 @@ def report(args: argparse.Namespace) -> int:
                     }
     for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
-    for name in ("scale.json", "gap_vs_params.png"):  # the scale part's summary and plot, as it made them
+    for name in ("scale.json", "gap_vs_params.png", "fd.json"):  # the scale and fd parts' records, as they are
         if (args.out / name).is_file() and args.out.resolve() != dest.resolve():
             outputs.append(dest / name)
             (dest / name).write_bytes((args.out / name).read_bytes())

@@ -370,9 +370,33 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
         path.write_text(json.dumps({"evaluations": evals}))
         return Done()
 
-    monkeypatch.setattr(race.subprocess, "run", fake_eval)
+    trained = []
+
+    def fake_subprocess(cmd, check=False):
+        if "bench" in cmd:  # the chosen runs not here, trained again under <out>/fd/runs
+            trained.append(cmd)
+            for name, lr in (f.split("=") for f in flags(cmd, "--lr-grid")):
+                for seed in flags(cmd, "--seeds"):
+                    (tmp_path / "fd" / "runs" / f"{name}-lr{lr}-s{seed}" / "checkpoints" / "step_2000").mkdir(
+                        parents=True
+                    )
+            return Done()
+        return fake_eval(cmd, check)
+
+    for o in race.MAIN:
+        if o != "muon_bp":  # MuonBP's chosen runs are not here: trained again
+            for seed in race.SELECT_SEEDS:
+                (tmp_path / "select" / "runs" / f"{o}-lr0.01-s{seed}" / "checkpoints" / "step_2000").mkdir(parents=True)
+    monkeypatch.setattr(race.subprocess, "run", fake_subprocess)
     assert race.main(["--part", "fd", "--out", str(tmp_path)]) == 0
+    (bench,) = trained
+    assert flags(bench, "--optimizers") == ["muon_bp"] and flags(bench, "--lr-grid") == ["muon_bp=0.01"]
+    assert "--keep-rows-of" not in bench and "muon_bp=--optim.blocks 4" in flags(bench, "--train-args-of")
     result = json.loads((tmp_path / "fd.json").read_text())
+    assert len(result["rows"]) == 5 * 2 * 2 * 2
+    assert {r["scored_from"] for r in result["rows"] if r["optimizer"] == "muon_bp"} == {
+        str(tmp_path / "fd" / "runs" / f"muon_bp-lr0.01-s{s}") for s in race.SELECT_SEEDS
+    }
     assert result["samples"] == 2000 and set(result["optimizers"]) == set(race.MAIN)
     muon = result["optimizers"]["muon"]["classifier"]
     assert muon["mean"] == pytest.approx(20.5 + 0.5 + 0.125)
@@ -381,7 +405,19 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     gaps = {(g["space"], g["a"], g["b"]): g for g in result["gaps"]}
     assert not gaps[("classifier", "muon", "torch_muon")]["resolved"]  # 0.5 apart, ranges 0.5 + 0.5
     assert gaps[("inception", "adamw", "muon")]["resolved"]  # 19 apart
+    # a score already in the record is not measured again: a fresh checkout resumes from the published fd.json
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "fd.json").write_text((tmp_path / "fd.json").read_text())
+    (tmp_path / "fd.json").unlink()
+    (published / "select.json").write_text((tmp_path / "select" / "results.json").read_text())
+    fresh = tmp_path / "fresh"
+    scored = []
+    monkeypatch.setattr(race.subprocess, "run", lambda cmd, check=False: scored.append(cmd) or Done())
+    assert race.main(["--part", "fd", "--out", str(fresh), "--report-dir", str(published)]) == 0
+    assert scored == [] and json.loads((fresh / "fd.json").read_text())["rows"] == result["rows"]
     # --only: these optimizers alone, once their own selection is finished (MuonBP's still training here)
+    monkeypatch.setattr(race.subprocess, "run", fake_subprocess)
     record_path = tmp_path / "select" / "results.json"
     partial = json.loads(record_path.read_text())
     partial["runs"] = [r for r in partial["runs"] if not (r["optimizer"] == "muon_bp" and r["seed"] == 1)]
