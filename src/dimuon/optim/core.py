@@ -171,6 +171,33 @@ def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
     return 1, p.shape[0], math.prod(p.shape[1:])
 
 
+# Below this many elements a gradient's masking is launch-bound on an accelerator (a launch costs more than the
+# four extra passes of stacking it with its momentum): such gradients of one shape are masked in one ``where``.
+MASK_BATCH_NUMEL = 1 << 20
+
+
+def masked_gradients(mask: Tensor, grads: Sequence[Tensor], bufs: Sequence[Tensor]) -> list[Tensor]:
+    """``where(mask, G, M)`` of each gradient and its momentum (in the momentum's dtype): one pass per gradient,
+    which replaces the cast of a narrower one; on an accelerator, the small gradients of one shape and dtype
+    stacked and masked together (one ``where`` per shape rather than per gradient: a sharded model's pieces are
+    small and many). Exact either way: the same values, bit for bit."""
+    out: list[Tensor | None] = [None] * len(grads)
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for i, (g, m) in enumerate(zip(grads, bufs)):
+        if devices.cpu_path(g.device) or g.numel() > MASK_BATCH_NUMEL:
+            out[i] = torch.where(mask, g, m)
+        else:
+            classes.setdefault((tuple(g.shape), g.dtype, m.dtype, g.device), []).append(i)
+    for idx in classes.values():
+        if len(idx) == 1:
+            out[idx[0]] = torch.where(mask, grads[idx[0]], bufs[idx[0]])
+            continue
+        chosen = torch.where(mask, torch.stack([grads[i] for i in idx]), torch.stack([bufs[i] for i in idx]))
+        for i, t in zip(idx, chosen.unbind(0)):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
 def _matrix_view(weight: Tensor, update: Tensor) -> Tensor | None:
     """The (local) weight as a view of its matrix's shape (that of its update), or None where no view is."""
     if weight.shape == update.shape:
@@ -853,10 +880,10 @@ class MuonFamily(torch.optim.Optimizer):
     def _muon_work(self, gi: int, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> _MuonWork:
         """Momentum update of Muon group ``gi`` and its matrix jobs (the Nesterov momenta), ready for the engine.
 
-        With a ``mask`` (the vote, a 0-d bool) each gradient is taken as ``where(mask, G, M)``: one pass per
-        gradient (it replaces the cast of a narrower gradient), after which a failed vote leaves ``M`` bitwise
-        unchanged (``lerp(M, M, w) = M``) and ``U = M`` finite, and a passed one computes what the unmasked step
-        does, bit for bit. A NaN never reaches a kernel whose result is kept."""
+        With a ``mask`` (the vote, a 0-d bool) each gradient is taken as ``where(mask, G, M)``
+        (:func:`masked_gradients`), after which a failed vote leaves ``M`` bitwise unchanged (``lerp(M, M, w) = M``)
+        and ``U = M`` finite, and a passed one computes what the unmasked step does, bit for bit. A NaN never
+        reaches a kernel whose result is kept."""
         beta = group["momentum"]
         names = group.get("param_names")
         index = {id(p): i for i, p in enumerate(group["params"])}
@@ -867,8 +894,10 @@ class MuonFamily(torch.optim.Optimizer):
                 state = self._param_state(p, group)
             buf = local_tensor(state["momentum_buffer"])
             grad = local_tensor(p.grad)
-            grads.append(grad.to(buf.dtype) if mask is None else torch.where(mask, grad, buf))
+            grads.append(grad.to(buf.dtype) if mask is None else grad)
             bufs.append(buf)
+        if mask is not None:
+            grads = masked_gradients(mask, grads, bufs)
         # M <- beta*M + (1-beta)*G  (EMA form)
         torch._foreach_lerp_(bufs, grads, 1.0 - beta)
         updates = self._nesterov_updates(gi, grads, bufs, beta, group["nesterov"])
