@@ -168,7 +168,7 @@ def _segments_many(
                     per_row[span[0] : span[1]] = [base + r] * (span[1] - span[0])
             seg += per_row
             starts.append(base + len(held) + 1)
-        hit = (torch.tensor(seg, dtype=torch.long).to(device), starts)
+        hit = (torch.tensor(seg, dtype=torch.long, device=device), starts)
         _SEGMENTS_MANY[key] = hit
     return hit
 
