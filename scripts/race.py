@@ -379,10 +379,7 @@ def seeds(args: argparse.Namespace) -> int:
     kept: list[dict[str, Any]] = []
     for name, lr in lrs.items():
         for seed in reused_seeds:
-            run = f"{name}-lr{lr:g}-s{seed}"
-            link(runs / run, args.out / reused / "runs" / run)
-            if not (runs / run).exists():
-                kept += published_rows(args, (reused,), run, run)
+            kept += link_or_keep(args, runs, reused, f"{name}-lr{lr:g}-s{seed}")
     return bench(
         args,
         "seeds",
@@ -419,6 +416,13 @@ def long(args: argparse.Namespace) -> int:
         ],
         steps_factor=LONG_FACTOR,
     )
+
+
+def link_or_keep(args: argparse.Namespace, runs: Path, source: str, run: str) -> list[dict[str, Any]]:
+    """Reuse ``source``'s run ``run`` in ``runs``: linked when its directory is here, else its rows from the
+    published ``source`` record (none when neither exists, and the run is trained)."""
+    link(runs / run, args.out / source / "runs" / run)
+    return [] if (runs / run).exists() else published_rows(args, (source,), run, run)
 
 
 def link(link_path: Path, target: Path) -> None:
@@ -569,10 +573,7 @@ def scale(args: argparse.Namespace) -> int:
             for name in SCALE_OPTIMIZERS:
                 for lr in SCALE_LRS:
                     for seed in SELECT_SEEDS:
-                        run = f"{name}-lr{lr:g}-s{seed}"
-                        link(runs / run, args.out / "select" / "runs" / run)
-                        if not (runs / run).exists():
-                            kept += published_rows(args, ("select",), run, run)
+                        kept += link_or_keep(args, runs, "select", f"{name}-lr{lr:g}-s{seed}")
         code = bench(
             args,
             part,
@@ -1209,26 +1210,22 @@ def render(result: dict) -> str:
         "",
         rr.render_main(main, result["inception"]),
     ]
-    if result.get("levels", {}).get("levels"):
-        lines += [
-            "",
-            "### Time to each of AdamW's quality levels",
-            "",
+    for key, title, intro in (
+        (
+            "levels",
+            "Time to each of AdamW's quality levels",
             "The FD AdamW has reached on every seed by each of its evaluations (the last is the target above); "
             "per optimizer the mean time to it and the ratio to AdamW's own, where every seed got there.",
-            "",
-            rr.render_levels(result["levels"]),
-        ]
-    if result.get("loss_levels", {}).get("levels"):
-        lines += [
-            "",
-            "### Time to each of AdamW's EMA validation losses",
-            "",
+        ),
+        (
+            "loss_levels",
+            "Time to each of AdamW's EMA validation losses",
             "The same by the EMA validation loss (a validation pass every 250 steps), whose seed spread is far below "
             "FD's: the loss AdamW has reached on every seed by each pass.",
-            "",
-            rr.render_levels(result["loss_levels"]),
-        ]
+        ),
+    ):
+        if result.get(key, {}).get("levels"):
+            lines += ["", f"### {title}", "", intro, "", rr.render_levels(result[key])]
     if result.get("long"):
         longer = result["long"]
         lines += [
