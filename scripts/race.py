@@ -64,7 +64,7 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -494,7 +494,7 @@ def keep_rows(args: argparse.Namespace, part: str, rows: Sequence[dict[str, Any]
     merged = {
         r["name"]: {**r, "machine": r.get("machine") or own.get("machine")}
         for r in (own or {}).get("runs", [])
-        if r.get("status") == "ok"
+        if r.get("status") == "ok" and (has_curve(r) or not args.curves)
     }
     merged.update({r["name"]: r for r in rows if r["name"] not in merged})
     return ["--keep-rows-of", str(write_json_atomic(args.out / part / "earlier.json", {"runs": list(merged.values())}))]
@@ -506,13 +506,18 @@ def train_args_of(spec: Ablation, labels: Sequence[str]) -> list[str]:
     return ["--train-args-of", *pairs] if pairs else []
 
 
+def has_curve(row: Mapping[str, Any]) -> bool:
+    """Whether a published run row carries its per-evaluation curve (FD and EMA validation loss by step)."""
+    return bool(row.get("curve"))
+
+
 def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as_name: str) -> list[dict[str, Any]]:
     """Run ``name``'s finished row from the first published record of ``parts`` that has it, renamed ``as_name``
     (``trained_as`` keeps its name there), with the machine it trained on; empty where none has it."""
     for part in parts:
         record = _record(p) if (p := published(args, f"{part}.json")) else None
         for r in (record or {}).get("runs", []):
-            if r["name"] == name and r.get("status") == "ok":
+            if r["name"] == name and r.get("status") == "ok" and (has_curve(r) or not args.curves):
                 machine = r.get("machine") or record.get("machine")
                 renamed = {"trained_as": r.get("trained_as") or name} if as_name != name else {}
                 return [{**r, "name": as_name, **renamed, "machine": machine}]
@@ -1019,7 +1024,9 @@ def report(args: argparse.Namespace) -> int:
     main = rr.optimizer_summary(main_record, curves, side_by_side=times if basis == "side by side" else None)
     inception = _record(args.out / "inception.json")
     if inception is None and (inception := previous.get("inception")) is not None:
-        carried.append("race.json's Inception FDs")
+        inception = rr.inception_of_runs(inception, {r["name"] for r in main_record["runs"] if r["status"] == "ok"})
+        if inception:
+            carried.append("race.json's Inception FDs")
     ablations = {part: rr.ablation_summary(rec) for part, rec in records.items() if part in ABLATIONS}
     c = main_record["config"]
     task = f"{c['model']} on {c['dataset']}, batch {c['batch_size']}, {c['steps']} steps"
@@ -1298,6 +1305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="training processes at a time (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (default: 1)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: the plumbing in minutes")
+    parser.add_argument(
+        "--curves",
+        action="store_true",
+        help="train again the runs whose published rows carry no per-evaluation curve (kept from records made "
+        "before curves were kept) rather than keep them: the time-to-quality tables need every seed's curve",
+    )
     parser.add_argument(
         "--report-only",
         action="store_true",

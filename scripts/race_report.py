@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -304,6 +304,7 @@ def optimizer_summary(
             "time_to_target_s": spread([r["time_s"] for r in reached.values()]),
             "steps_to_target": spread([r["step"] for r in reached.values()]),
             "reached_target": sum(r["reached"] for r in reached.values()),
+            "curves": len(curves.get(name, [])),
             "reach": reached,
         }
     base = table.get(baseline, {})
@@ -510,6 +511,27 @@ def plot_fd_vs_time(
     return path
 
 
+def inception_of_runs(table: Mapping[str, Any], names: Collection[str]) -> dict[str, Any]:
+    """A published Inception FD table (per optimizer: mean, lowest, highest and its runs) cut to the runs ``names``
+    (those of the main record now: a run of an earlier lr is not one of the chosen lr's), the spreads taken again;
+    optimizers with none of them left out."""
+    out: dict[str, Any] = {}
+    for name, entry in table.items():
+        runs = [r for r in entry["runs"] if r["run"] in names]
+        if runs:
+            fds = [r["fd"] for r in runs]
+            out[name] = {"fd_mean": statistics.fmean(fds), "fd_min": min(fds), "fd_max": max(fds), "runs": runs}
+    return out
+
+
+def reached_cell(entry: Mapping[str, Any]) -> str:
+    """How many of an :func:`optimizer_summary` entry's seeds never got to the target, and how many have no curve
+    here to tell (rows kept from a record made before curves were kept): not reached is not the same as not known."""
+    seeds, curves = len(entry["seeds"]), entry.get("curves", len(entry["seeds"]))
+    never = f"; {curves - entry['reached_target']} never" if entry["reached_target"] < curves else ""
+    return never + (f"; {curves} of {seeds} seeds' curves here" if curves < seeds else "")
+
+
 def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = "") -> Path | None:
     """One bar per optimizer: mean time to the target FD over seeds, whiskers from the fastest to the slowest
     seed, the ratio to AdamW written beside it; an optimizer some seed of which never got there is marked."""
@@ -520,7 +542,7 @@ def plot_time_to_quality(summary: Mapping[str, Any], path: Path, title: str = ""
     fig, ax = plt.subplots(figsize=(7, 0.55 * len(rows) + 1.5))
     for i, (_, s) in enumerate(rows):
         t = s["time_to_target_s"]
-        seeds = len(s["seeds"])
+        seeds = s.get("curves", len(s["seeds"]))
         if t["mean"] is None:
             ax.text(0, i, "  not reached", va="center", fontsize=8)
             continue
@@ -760,7 +782,7 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
             )
         )
         seeds = len(s["seeds"])
-        reached = "" if s["reached_target"] == seeds else f"; {seeds - s['reached_target']} never"
+        reached = reached_cell(s)
         change = s["fd_last_change"]
         rows.append(
             [

@@ -84,6 +84,35 @@ def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
     assert "1 never" in text and "45.00 (30.00..60.00)" in text
 
 
+def test_a_seed_without_a_curve_is_not_counted_as_never_reaching_the_target():
+    """A row kept from a record made before curves were kept has no curve: the table says how many curves it has,
+    and counts only those as never getting there."""
+    curves = {"adamw": [curve("adamw-s0", fds=(90, 60, 50, 40))], "muon": [curve("muon-s0", fds=(60, 45, 38, 35))]}
+    rows = [row(f"{n}-s{s}", n, 0.01, s, 40) for n in ("adamw", "muon") for s in (0, 1, 2)]
+    opts = {n: {"lr": 0.01, "seeds": [0, 1, 2], "runs": [f"{n}-s{s}" for s in (0, 1, 2)]} for n in ("adamw", "muon")}
+    got = rr.optimizer_summary(record(rows, opts), curves)
+    adamw, muon = got["optimizers"]["adamw"], got["optimizers"]["muon"]
+    assert adamw["curves"] == 1 and rr.reached_cell(adamw) == "; 1 of 3 seeds' curves here"
+    assert muon["reached_target"] == 1 and rr.reached_cell(muon) == "; 1 of 3 seeds' curves here"
+    curves["muon"][0] = curve("muon-s0", fds=(60, 50, 45, 42))
+    muon = rr.optimizer_summary(record(rows, opts), curves)["optimizers"]["muon"]
+    assert rr.reached_cell(muon) == "; 1 never; 1 of 3 seeds' curves here"
+
+
+def test_published_inception_fds_are_cut_to_the_runs_of_the_main_table():
+    table = {
+        "muon": {
+            "fd_mean": 0,
+            "fd_min": 0,
+            "fd_max": 0,
+            "runs": [{"run": "m-s0", "fd": 8.0}, {"run": "old", "fd": 50}],
+        },
+        "adamw": {"fd_mean": 70, "fd_min": 70, "fd_max": 70, "runs": [{"run": "old-a", "fd": 70.0}]},
+    }
+    got = rr.inception_of_runs(table, {"m-s0", "m-s1"})
+    assert got == {"muon": {"fd_mean": 8.0, "fd_min": 8.0, "fd_max": 8.0, "runs": [{"run": "m-s0", "fd": 8.0}]}}
+
+
 def test_side_by_side_step_times_replace_the_runs_own_when_they_cover_every_optimizer():
     step_record = {
         "rows": [

@@ -195,7 +195,16 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
         )
     )
     (tmp_path / "inception.json").write_text(
-        json.dumps({"muon": {"fd_mean": 9.0, "fd_min": 8.0, "fd_max": 10.0, "runs": [{}, {}]}})
+        json.dumps(
+            {
+                "muon": {
+                    "fd_mean": 9.0,
+                    "fd_min": 8.0,
+                    "fd_max": 10.0,
+                    "runs": [{"run": f"muon-lr0.01-s{s}", "fd": fd} for s, fd in ((0, 8.0), (1, 10.0))],
+                }
+            }
+        )
     )
     (tmp_path / "step").mkdir()
     (tmp_path / "step" / "results.json").write_text(
@@ -274,6 +283,10 @@ def test_a_fresh_checkout_resumes_and_republishes_from_the_published_records(rac
             }
         )
     )
+    stale = json.loads((dest / "race.json").read_text())  # Inception FDs of runs no longer in the main table
+    stale["inception"]["muon"]["runs"].append({"run": "muon-lr0.003-s0", "fd": 50.0})
+    stale["inception"]["adamw"] = {"fd_mean": 70.0, "fd_min": 70.0, "fd_max": 70.0, "runs": [{"run": "x", "fd": 70}]}
+    (dest / "race.json").write_text(json.dumps(stale))
     capsys.readouterr()
     assert race.main(["--part", "report", "--out", str(fresh), "--report-dir", str(dest)]) == 0
     out = capsys.readouterr().out
@@ -487,6 +500,37 @@ def test_seeds_at_the_selected_lrs_keep_the_selections_two_seeds_and_train_the_t
     assert (out / "seeds" / "runs" / "adamw-lr0.005-s0").is_symlink()
     kept = {r["name"] for r in json.loads(Path(flags(cmd, "--keep-rows-of")[0]).read_text())["runs"]}
     assert kept == {"adamw-lr0.005-s1", "muon-lr0.01-s0", "muon-lr0.01-s1"}
+
+
+def test_curves_trains_again_the_kept_runs_that_carry_no_curve(race, tmp_path):
+    """``--curves``: a published row without its per-evaluation curve (the time-to-quality tables need it) is
+    trained again rather than kept, from the other part's record and the part's own; rows with one stay kept."""
+    published = tmp_path / "published"
+    write_select(race, published, {"adamw": 5e-3})
+    select = json.loads((published / "select" / "results.json").read_text())
+    for r in select["runs"]:
+        if r["name"] == "muon-lr0.01-s1":
+            r["curve"] = {"steps": [500], "fd": [30.0]}
+    (published / "select.json").write_text(json.dumps(select))
+    own = [{"name": "adamw-lr0.005-s2", "status": "ok"}, {"name": "muon-lr0.01-s2", "status": "ok", "curve": {"x": 1}}]
+    (published / "seeds.json").write_text(json.dumps({"runs": own}))
+    argv = [
+        "--part",
+        "seeds",
+        "--out",
+        str(tmp_path / "out"),
+        "--report-dir",
+        str(published),
+        "--only",
+        "adamw",
+        "muon",
+    ]
+    assert race.main(argv) == 0
+    kept = {r["name"] for r in json.loads(Path(flags(race.calls[-1], "--keep-rows-of")[0]).read_text())["runs"]}
+    assert {"adamw-lr0.005-s0", "adamw-lr0.005-s2", "muon-lr0.01-s1", "muon-lr0.01-s2"} <= kept
+    assert race.main([*argv, "--curves"]) == 0
+    kept = {r["name"] for r in json.loads(Path(flags(race.calls[-1], "--keep-rows-of")[0]).read_text())["runs"]}
+    assert kept == {"muon-lr0.01-s1", "muon-lr0.01-s2"}
 
 
 def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_path, capsys):
