@@ -12,6 +12,7 @@ from dimuon.optim.distributed.engine import (
     chunk_ranges,
     col_split_sizes_to_ranges,
     materialize,
+    shape_classes,
     split_sizes_to_ranges,
 )
 from dimuon.optim.reference import reference_direction
@@ -77,3 +78,24 @@ def test_row_directions_fold_the_factor_where_one_covers_the_matrix(rows, cols, 
     if folds:
         assert got.update is u and got.factor.shape in ((rows, 1), (1, cols))
     torch.testing.assert_close(materialize(got), expect, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.sampled_from([(2, 3), (3, 2), (6,)]), st.sampled_from([torch.float32, torch.bfloat16])),
+        max_size=8,
+    ),
+    include=st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_shape_classes_partition_the_included_pairs_by_shape_and_dtypes(pairs, include):
+    """Every included pair in exactly one class, in first-seen order; one class holds one shape and dtype pair."""
+    firsts = [torch.zeros(shape) for shape, _ in pairs]
+    seconds = [torch.zeros(1, dtype=dtype) for _, dtype in pairs]
+    got = shape_classes(firsts, seconds, include[: len(pairs)])
+    assert sorted(i for c in got for i in c) == [i for i in range(len(pairs)) if include[i]]
+    assert [c[0] for c in got] == sorted(c[0] for c in got) and all(c == sorted(c) for c in got)
+    for c in got:
+        assert len({(firsts[i].shape, seconds[i].dtype) for i in c}) == 1
+    keys = [(firsts[c[0]].shape, seconds[c[0]].dtype) for c in got]
+    assert len(set(keys)) == len(keys)

@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.core import local_tensor, matrix_shape
-from dimuon.optim.distributed.engine import MatrixJob, RowRange, as_batch, col_split_sizes_to_ranges
+from dimuon.optim.distributed.engine import (
+    MatrixJob,
+    RowRange,
+    as_batch,
+    col_split_sizes_to_ranges,
+    shape_classes,
+)
 from dimuon.optim.distributed.layout import is_dtensor
 from dimuon.optim.schedules import (
     GAMMA_DOC,
@@ -296,10 +302,7 @@ def copy_by_shape_(sources: Sequence[Tensor], targets: Sequence[Tensor], mask: T
     """``targets[i] <- sources[i]`` (cast to the target's dtype), or ``where(mask, sources[i], targets[i])`` under a
     0-d ``mask`` (a failed vote leaves the targets bitwise as they were): per shape and dtypes one cast, one
     ``where`` over the shape's batch and one list copy, not an op per tensor."""
-    classes: dict[tuple, list[int]] = {}
-    for i, (src, dst) in enumerate(zip(sources, targets)):
-        classes.setdefault((tuple(dst.shape), src.dtype, dst.dtype, dst.device), []).append(i)
-    for idx in classes.values():
+    for idx in shape_classes(targets, sources):
         dsts = [targets[i] for i in idx]
         new = as_batch([sources[i].reshape(dsts[0].shape) for i in idx]).to(dsts[0].dtype)  # (B, *shape)
         if mask is not None:

@@ -39,6 +39,7 @@ from dimuon.optim.distributed.engine import (
     RowScaled,
     block_grid,
     col_split_sizes_to_ranges,
+    shape_classes,
     split_sizes_to_ranges,
     stacked_ranges,
 )
@@ -182,13 +183,10 @@ def masked_gradients(mask: Tensor, grads: Sequence[Tensor], bufs: Sequence[Tenso
     stacked and masked together (one ``where`` per shape rather than per gradient: a sharded model's pieces are
     small and many). Exact either way: the same values, bit for bit."""
     out: list[Tensor | None] = [None] * len(grads)
-    classes: dict[tuple[Any, ...], list[int]] = {}
-    for i, (g, m) in enumerate(zip(grads, bufs)):
-        if devices.cpu_path(g.device) or g.numel() > MASK_BATCH_NUMEL:
-            out[i] = torch.where(mask, g, m)
-        else:
-            classes.setdefault((tuple(g.shape), g.dtype, m.dtype, g.device), []).append(i)
-    for idx in classes.values():
+    alone = [devices.cpu_path(g.device) or g.numel() > MASK_BATCH_NUMEL for g in grads]
+    for i in (i for i, a in enumerate(alone) if a):
+        out[i] = torch.where(mask, grads[i], bufs[i])
+    for idx in shape_classes(grads, bufs, [not a for a in alone]):
         if len(idx) == 1:
             out[idx[0]] = torch.where(mask, grads[idx[0]], bufs[idx[0]])
             continue

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dimuon.optim.distributed.engine import as_batch
+from dimuon.optim.distributed.engine import as_batch, shape_classes
 
 RowRange = tuple[int, int]
 
@@ -72,11 +72,8 @@ def _shape_classes(
     out: Sequence[Tensor | None],
 ) -> list[list[int]]:
     """The indices of the 2-D matrices without column ranges, by shape, dtypes and device (each batched as one)."""
-    classes: dict[tuple, list[int]] = {}
-    for i, (u, o, cols) in enumerate(zip(updates, directions, col_ranges)):
-        if not cols and u.dim() == 2 and out[i] is None:
-            classes.setdefault((tuple(u.shape), u.dtype, o.dtype, u.device), []).append(i)
-    return list(classes.values())
+    include = [not cols and u.dim() == 2 and o is None for u, cols, o in zip(updates, col_ranges, out)]
+    return shape_classes(updates, directions, include)
 
 
 def staleness_partial_sums(

@@ -245,6 +245,18 @@ def as_batch(matrices: Sequence[Tensor]) -> Tensor:
     return view if view is not None else torch.stack(list(matrices))
 
 
+def shape_classes(
+    firsts: Sequence[Tensor], seconds: Sequence[Tensor], include: Sequence[bool] | None = None
+) -> list[list[int]]:
+    """The indices of the pairs ``(firsts[i], seconds[i])`` (those with ``include[i]``), grouped by the first's
+    shape, dtype and device and the second's dtype, in first-seen order: the pairs one batched op can take."""
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for i, (a, b) in enumerate(zip(firsts, seconds)):
+        if include is None or include[i]:
+            classes.setdefault((tuple(a.shape), a.dtype, b.dtype, a.device), []).append(i)
+    return list(classes.values())
+
+
 def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
