@@ -452,12 +452,18 @@ def ablation(args: argparse.Namespace, part: str) -> int:
     return train_ablation(args, part, list(spec.variants), [lr])
 
 
-def train_ablation(args: argparse.Namespace, part: str, labels: Sequence[str], lrs: Sequence[float]) -> int:
+def train_ablation(
+    args: argparse.Namespace,
+    part: str,
+    labels: Sequence[str],
+    lrs: Sequence[float],
+    kept: Sequence[dict[str, Any]] = (),
+) -> int:
     """``labels`` of ablation ``part`` at ``lrs``, seeds 0 and 1; the main race's variant linked to the runs the
     ``select`` (or ``seeds``) part trained at each lr, or, where those runs are not here, kept from their
-    published records (same command, renamed), not trained again."""
+    published records (same command, renamed), not trained again; ``kept``: other rows taken as this part's."""
     spec = ABLATIONS[part]
-    main_rows: list[dict[str, Any]] = []
+    main_rows: list[dict[str, Any]] = list(kept)
     if spec.main in labels:  # the variant the main race already trained: its runs, linked or kept
         for lr in lrs:
             for seed in ABLATION_SEEDS:
@@ -527,9 +533,11 @@ def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as
 def lr_gamma(args: argparse.Namespace) -> int:
     """The lr x gamma grid: the gamma ablation's best gamma (lowest mean EMA validation loss over its seeds) and
     its two neighbours on :data:`LR_GAMMA_GAMMAS`, at PeriodicRowMuon's chosen lr and half and twice it; the chosen
-    lr's runs are the gamma ablation's, linked."""
+    lr's runs are the gamma ablation's, linked (or kept from its published record, gamma.json)."""
     lr = base_lr(args, "periodic_row_muon")
     record = _record(args.out / "gamma" / "results.json")
+    if record is None and (published_gamma := published(args, "gamma.json")) is not None:
+        record = _record(published_gamma)
     expected = {f"periodic_row_muon-g{g:g}-lr{lr:g}-s{s}" for g in GAMMAS for s in ABLATION_SEEDS}
     done = {r["name"]: r for r in (record or {}).get("runs", []) if r["status"] == "ok"}
     if not expected <= set(done):
@@ -545,11 +553,13 @@ def lr_gamma(args: argparse.Namespace) -> int:
     i = LR_GAMMA_GAMMAS.index(best)
     gammas = LR_GAMMA_GAMMAS[i - 1 : i + 2]
     print(f"race: lr x gamma around gamma {best:g} (mean EMA validation loss {means[best]:.4f} at lr {lr:g})")
-    for g in gammas:  # the chosen lr's row: the gamma ablation's runs
+    kept: list[dict[str, Any]] = []
+    for g in gammas:  # the chosen lr's row: the gamma ablation's runs, linked or kept from its published record
         for seed in ABLATION_SEEDS:
-            name = f"periodic_row_muon-g{g:g}-lr{lr:g}-s{seed}"
-            link(args.out / "lr_gamma" / "runs" / name, args.out / "gamma" / "runs" / name)
-    return train_ablation(args, "lr_gamma", [f"g{g:g}" for g in gammas], [lr / 2, lr, lr * 2])
+            kept += link_or_keep(
+                args, args.out / "lr_gamma" / "runs", "gamma", f"periodic_row_muon-g{g:g}-lr{lr:g}-s{seed}"
+            )
+    return train_ablation(args, "lr_gamma", [f"g{g:g}" for g in gammas], [lr / 2, lr, lr * 2], kept)
 
 
 def scale_models(args: argparse.Namespace) -> tuple[str, ...]:

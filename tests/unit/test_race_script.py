@@ -599,6 +599,27 @@ def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(rac
     assert "periodic_row_muon/g2=--optim.gamma 2" in flags(race.calls[-1], "--train-args-of")
 
 
+def test_lr_gamma_in_a_fresh_checkout_keeps_the_published_gamma_ablations_rows(race, tmp_path):
+    """Only the published records here: the best gamma from gamma.json, its chosen lr's rows kept, not trained."""
+    published = tmp_path / "published"
+    write_select(race, published, {})
+    (published / "select.json").write_text((published / "select" / "results.json").read_text())
+    loss = {0.05: 0.20, 0.1: 0.19, 0.15: 0.18, 0.3: 0.175, 0.6: 0.172, 1.0: 0.174}
+    runs = [
+        {"name": f"periodic_row_muon-g{g:g}-lr0.01-s{s}", "status": "ok", "val_loss_ema": v + 0.001 * s}
+        for g, v in loss.items()
+        for s in (0, 1)
+    ]
+    (published / "gamma.json").write_text(json.dumps({"runs": runs}))
+    out = tmp_path / "out"
+    assert race.main(["--part", "lr_gamma", "--out", str(out), "--report-dir", str(published)]) == 0
+    cmd = race.calls[-1]
+    assert flags(cmd, "--optimizers") == [f"periodic_row_muon/g{g}" for g in ("0.3", "0.6", "1")]
+    kept = {r["name"] for r in json.loads(Path(flags(cmd, "--keep-rows-of")[0]).read_text())["runs"]}
+    assert {f"periodic_row_muon-g{g}-lr0.01-s{s}" for g in ("0.3", "0.6", "1") for s in (0, 1)} <= kept
+    assert all("-lr0.01-" in name for name in kept)  # half and twice the lr: trained
+
+
 def test_the_adaptive_part_runs_at_periodic_row_muons_chosen_lr(race, tmp_path):
     write_select(race, tmp_path, {"periodic_row_muon": 5e-3})
     assert race.main(["--part", "adaptive", "--out", str(tmp_path)]) == 0
