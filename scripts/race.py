@@ -500,7 +500,7 @@ def keep_rows(args: argparse.Namespace, part: str, rows: Sequence[dict[str, Any]
     merged = {
         r["name"]: {**r, "machine": r.get("machine") or own.get("machine")}
         for r in (own or {}).get("runs", [])
-        if r.get("status") == "ok" and (has_curve(r) or not args.curves)
+        if keepable(args, r)
     }
     merged.update({r["name"]: r for r in rows if r["name"] not in merged})
     return ["--keep-rows-of", str(write_json_atomic(args.out / part / "earlier.json", {"runs": list(merged.values())}))]
@@ -512,9 +512,10 @@ def train_args_of(spec: Ablation, labels: Sequence[str]) -> list[str]:
     return ["--train-args-of", *pairs] if pairs else []
 
 
-def has_curve(row: Mapping[str, Any]) -> bool:
-    """Whether a published run row carries its per-evaluation curve (FD and EMA validation loss by step)."""
-    return bool(row.get("curve"))
+def keepable(args: argparse.Namespace, row: Mapping[str, Any]) -> bool:
+    """Whether a published run row is kept rather than trained again: finished, and with ``--curves`` carrying its
+    per-evaluation curve (FD and EMA validation loss by step)."""
+    return row.get("status") == "ok" and (bool(row.get("curve")) or not args.curves)
 
 
 def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as_name: str) -> list[dict[str, Any]]:
@@ -523,7 +524,7 @@ def published_rows(args: argparse.Namespace, parts: Sequence[str], name: str, as
     for part in parts:
         record = _record(p) if (p := published(args, f"{part}.json")) else None
         for r in (record or {}).get("runs", []):
-            if r["name"] == name and r.get("status") == "ok" and (has_curve(r) or not args.curves):
+            if r["name"] == name and keepable(args, r):
                 machine = r.get("machine") or record.get("machine")
                 renamed = {"trained_as": r.get("trained_as") or name} if as_name != name else {}
                 return [{**r, "name": as_name, **renamed, "machine": machine}]
