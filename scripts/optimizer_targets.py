@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class Target:
-    """A ratio of two optimizers' median step times (``numerator`` / ``denominator``), or Newton-Schulz's FLOP rate
-    against bare ``torch.bmm`` (``numerator`` ``ns_rate``), held to ``limit`` by ``op``."""
+    """A ratio of two optimizers' median step times (``numerator`` / ``denominator``; ``denominator``
+    :data:`FASTEST_PEER`: the fastest peer row whose Newton-Schulz computes in the numerator's dtype), or
+    Newton-Schulz's FLOP rate against bare ``torch.bmm`` (``numerator`` ``ns_rate``), held to ``limit`` by ``op``."""
 
     text: str
     numerator: str
@@ -29,12 +30,20 @@ class Target:
     op: Literal["<=", ">="]
 
 
+FASTEST_PEER = "fastest_peer"
 TARGETS = (
     Target("PeriodicRowMuon K=3 <= 0.40x dimuon Muon", "periodic_row_muon", "muon", 0.40, "<="),
     Target("dimuon Muon (Gram NS) <= 0.60x fp32 reference Muon", "muon_gram", "reference_muon", 0.60, "<="),
     Target("NS5 FLOP rate >= 0.85x torch.bmm", "ns_rate", None, 0.85, ">="),
     Target(
         "PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound)", "rownorm_step", "adamw_fused", 1.5, "<="
+    ),
+    Target(
+        "dimuon Muon (Gram NS in bf16) <= 0.90x the fastest peer at equal precision",
+        "muon_gram_bf16",
+        FASTEST_PEER,
+        0.90,
+        "<=",
     ),
 )
 
@@ -45,6 +54,10 @@ def measured(target: Target, record: dict[str, Any]) -> float | None:
         ns = record.get("ns_flop_rate")
         return ns["standard"]["ratio"] if ns else None
     optimizers = record["optimizers"]
+    if target.denominator == FASTEST_PEER and target.numerator in optimizers:
+        dtype = optimizers[target.numerator].get("ns_dtype")
+        peers = [r["median_ms"] for k, r in optimizers.items() if r.get("peer") and r.get("ns_dtype") == dtype]
+        return optimizers[target.numerator]["median_ms"] / min(peers) if peers else None
     if target.numerator in optimizers and target.denominator in optimizers:
         return optimizers[target.numerator]["median_ms"] / optimizers[target.denominator]["median_ms"]
     return None

@@ -14,7 +14,12 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.parametrize(
     ("refresh", "col_split"),
-    [("gather", (6, 10)), ("owner", None), ("owner", 2), ("owner", (6, 10))],
+    [
+        ("gather", (6, 10)),
+        ("owner", None),
+        pytest.param("owner", 2, marks=pytest.mark.slow),  # between the two others: one scale, columns split
+        ("owner", (6, 10)),
+    ],
     ids=["gather", "owner_one_scale", "owner_even_columns", "owner_uneven_columns"],
 )
 def test_bf16_payloads_give_the_fp32_payloads_directions_for_half_the_bytes(refresh, col_split):

@@ -117,6 +117,7 @@ def test_a_missing_peer_and_a_failing_peer_are_rows_and_the_others_still_run(tmp
         "muon_gram",
         "muon_compiled",
         "muon_bf16",
+        "muon_gram_bf16",
         "muon_bp",
         "periodic_row_muon",
         "reference_muon",

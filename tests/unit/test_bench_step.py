@@ -85,6 +85,7 @@ def test_one_process_rows_come_from_the_runs_metrics(tmp_path: Path, capsys: pyt
     assert text in capsys.readouterr().out
 
 
+@pytest.mark.slow  # six training processes (40 s); the one-run rows are covered by the tests above
 def test_repeats_run_in_rounds_and_give_medians(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert (

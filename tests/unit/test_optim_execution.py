@@ -89,11 +89,13 @@ def test_ns_compile_steps_like_eager():
     ("name", "schedule", "adamw_fused"),
     [
         ("periodic_row_muon", {"k": 2}, None),
-        ("periodic_row_muon", {"k": 2}, False),
-        (
+        # compiling is the cost (15-25 s each): the default path (fused AdamW) runs always, the others with -m slow
+        pytest.param("periodic_row_muon", {"k": 2}, False, marks=pytest.mark.slow),
+        pytest.param(
             "adaptive_row_muon",
             {"threshold": 0.5, "k_min": 1, "k_max": 3},
             None,
+            marks=pytest.mark.slow,
         ),  # the drifts' host read breaks the graph
     ],
     ids=["fused", "foreach", "adaptive"],

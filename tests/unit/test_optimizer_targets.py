@@ -38,6 +38,23 @@ def test_ratios_are_judged_against_their_limits_and_unmeasured_ones_are_not(targ
     assert {t["target"]: t for t in targets.check(record)}["NS5 FLOP rate >= 0.85x torch.bmm"]["met"] is True
 
 
+def test_the_peer_target_takes_the_fastest_peer_of_the_same_newton_schulz_dtype(targets):
+    record = _record(muon_gram_bf16=80.0, torch_muon=100.0, heavyball=95.0, muon_fsdp2=50.0)
+    rows = record["optimizers"]
+    rows["muon_gram_bf16"]["ns_dtype"] = "bfloat16"
+    rows["torch_muon"].update(peer=True, ns_dtype="bfloat16")
+    rows["heavyball"].update(peer=True, ns_dtype="bfloat16")
+    rows["muon_fsdp2"].update(peer=True, ns_dtype="float32")  # another precision: not compared
+    text = "dimuon Muon (Gram NS in bf16) <= 0.90x the fastest peer at equal precision"
+    peer = {t["target"]: t for t in targets.check(record)}[text]
+    assert peer["value"] == pytest.approx(80.0 / 95.0) and peer["met"] is True
+    rows["heavyball"]["median_ms"] = 85.0
+    peer = {t["target"]: t for t in targets.check(record)}[text]
+    assert peer["value"] == pytest.approx(80.0 / 85.0) and peer["met"] is False
+    del rows["torch_muon"], rows["heavyball"]
+    assert {t["target"]: t for t in targets.check(record)}[text]["met"] is None  # no peer of that dtype timed
+
+
 def test_the_published_records_give_the_verdicts_they_were_published_with(targets):
     """The records written while the targets were part of the benchmark carry their verdicts: the script's agree."""
     for path in sorted((SCRIPT.parents[1] / "docs" / "results").glob("optimizer-*.json")):
@@ -54,7 +71,7 @@ def test_the_command_prints_a_verdict_per_target_and_refuses_other_records(targe
     assert targets.main([str(good), "--markdown"]) == 0
     out = capsys.readouterr().out
     assert "- [MISS] PeriodicRowMuon RowNorm step <= 1.5x fused AdamW (both memory-bound): measured 2.000" in out
-    assert out.count("[n/a]") == 3
+    assert out.count("[n/a]") == 4
     other = tmp_path / "census.json"
     other.write_text(json.dumps({"jobs": []}))
     assert targets.main([str(other)]) == 2

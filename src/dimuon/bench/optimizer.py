@@ -68,6 +68,10 @@ VARIANTS: dict[str, Variant] = {
     "muon_compiled": Variant(f"dimuon {LABELS['muon']} (standard NS, compiled)", "muon", {"ns_compile": True}),
     # the Newton-Schulz dtype the peers hard-code, for a like-for-like row
     "muon_bf16": Variant(f"dimuon {LABELS['muon']} (standard NS in bf16)", "muon", {"ns_dtype": torch.bfloat16}),
+    # what runs on a GPU (bf16) with the faster algorithm: the row held against the fastest peer
+    "muon_gram_bf16": Variant(
+        f"dimuon {LABELS['muon']} (Gram NS in bf16)", "muon", {"ns_algorithm": "gram", "ns_dtype": torch.bfloat16}
+    ),
     "periodic_row_muon": Variant(f"dimuon {LABELS['periodic_row_muon']}", "periodic_row_muon", {}),
     "muon_bp": Variant(f"dimuon {LABELS['muon_bp']}", "muon_bp", {}),
     # the memory-bound steps alone, beside fused AdamW: the spectral first step taken untimed, never again
@@ -254,7 +258,7 @@ def identity(name: str, device: torch.device | str = "cpu") -> tuple[str, str]:
         return f"torch {torch.__version__}", "-"
     if name == REFERENCE:
         return f"dimuon {dimuon.__version__}", "float32"
-    if name == "muon_bf16":
+    if name in ("muon_bf16", "muon_gram_bf16"):
         return f"dimuon {dimuon.__version__}", "bfloat16"
     return f"dimuon {dimuon.__version__}", str(linalg.default_ns_dtype(torch.device(device))).removeprefix("torch.")
 
