@@ -72,6 +72,20 @@ def test_batched_equals_per_matrix_and_input_untouched():
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("shape", [(3, 12, 40), (3, 40, 12)], ids=["wide", "tall"])
+@pytest.mark.parametrize("given", [torch.float32, torch.bfloat16], ids=["cast", "bf16_input"])
+def test_bf16_iteration_normalizes_its_own_cast_in_place_and_never_writes_the_input(shape, given):
+    """In bf16 the first iterate is the normalized input: written over the cast copy where the function made one
+    (wide, from fp32), into a new tensor otherwise; the input is never written and the result is the same."""
+    torch.manual_seed(5)
+    x = torch.randn(*shape).to(given)
+    before = x.clone()
+    out = linalg.newton_schulz(x, dtype=torch.bfloat16)
+    assert torch.equal(x, before)
+    copy = x.to(torch.bfloat16).clone()  # a copy the function cannot own: the out-of-place normalization
+    assert torch.equal(out, linalg.newton_schulz(copy, dtype=torch.bfloat16))
+
+
 def test_zero_matrix_stays_zero_and_finite():
     y = linalg.newton_schulz(torch.zeros(8, 16), dtype=torch.float32)
     assert torch.equal(y, torch.zeros(8, 16))

@@ -127,19 +127,23 @@ def _norm_divisor(frob_sq: Tensor, coefficients: str) -> Tensor:
     return norm.clamp(min=_EPS)
 
 
-def _first_gram(x: Tensor, coefficients: str) -> tuple[Tensor, Tensor, Tensor | None]:
+def _first_gram(x: Tensor, coefficients: str, owned: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(x, R, s)``: the Gram matrix ``R`` of the normalized ``x`` and the factor ``s`` still owed to ``x``.
 
     In fp32/fp64, ``||X||_F^2`` is the trace of ``X X^T``, so the Gram matrix of the raw input gives
     the norm for free and ``s^2 X X^T`` is the Gram matrix of ``s X``: the iterations fold ``s`` into
     the first ``(r, r)`` factor they apply to ``x`` instead of writing a normalized copy of it. Half
     precision (where the raw ``X X^T`` can overflow fp16 and every extra rounding shows) returns a
-    normalized copy of ``x`` and ``s = None``.
+    normalized ``x`` and ``s = None``: divided in place where ``x`` is the caller's own contiguous copy
+    (``owned``: the cast of a wider input), else into a new contiguous tensor (the same values either way).
     """
     if not _is_wide_float(x.dtype):
         frob_sq = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
         divisor = _norm_divisor(frob_sq, coefficients).to(x.dtype)
-        x = torch.div(x, divisor, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # contiguous
+        if owned and x.is_contiguous():
+            x = x.div_(divisor)
+        else:
+            x = torch.div(x, divisor, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # contiguous
         return x, x @ x.mT, None
     gram = x @ x.mT  # (B, r, r)
     frob_sq = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -299,9 +303,10 @@ def newton_schulz(
     compute_dtype = dtype if dtype is not None else default_ns_dtype(x.device)
     tall = x.shape[-2] > x.shape[-1]
     y = x.to(compute_dtype)  # may be ``x`` itself: the iterations only read it
+    cast = y is not x  # a copy of this function's own, which the half-precision path may normalize in place
     if tall:
         y = y.mT  # a view: the products read it transposed, nothing is copied
-    y, gram, scale = _first_gram(y, coefficients)
+    y, gram, scale = _first_gram(y, coefficients, owned=cast)
     if uses_gram(algorithm, y.shape[-2], y.shape[-1]):
         y = _gram_iteration(y, gram, scale, schedule, gram_restart_every, tall_out=tall)
     else:
