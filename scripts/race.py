@@ -1141,6 +1141,16 @@ def report(args: argparse.Namespace) -> int:
                         key: rr.relative_change(summary, f"{spec.base}/k{a}", f"{spec.base}/k{b}", lr, key)
                         for key in rr.ABLATION_METRICS
                     }
+    frontier = refresh_frontier(ablations)
+    if frontier:
+        outputs.append(
+            rr.plot_frontier(
+                frontier,
+                dest / "loss_vs_refresh.png",
+                f"{task}: EMA validation loss against the share of Newton-Schulz steps, fixed K against "
+                "AdaptiveRowMuon's thresholds at the same lr",
+            )
+        )
     for part, rec in {**records, **({"step": step_record} if step_record else {})}.items():
         outputs.append(write_json_atomic(dest / f"{part}.json", rec))
     for name in ("scale.json", "gap_vs_params.png", "fd.json"):  # the scale and fd parts' records, as they are
@@ -1182,6 +1192,7 @@ def report(args: argparse.Namespace) -> int:
         "ablations": ablations,
         "ablation_machines": {part: rr.run_machines(records[part]) for part in ablations},
         "k_costs": k_costs,
+        "refresh_frontier": frontier,
         "step_command": step_record["command"] if step_record and basis == "side by side" else None,
     }
     outputs += [dest / "race.json", dest / "race.md"]
@@ -1196,6 +1207,26 @@ def report(args: argparse.Namespace) -> int:
         )
     print("wrote " + ", ".join(result["outputs"]), flush=True)
     return 0
+
+
+# The schedules of the refresh frontier: the fixed periods first (the line the adaptive settings are held against).
+FRONTIER = {"k": ("PeriodicRowMuon (fixed K)", "K={x:g}"), "adaptive": ("AdaptiveRowMuon", "threshold {x:g}")}
+
+
+def refresh_frontier(ablations: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
+    """AdaptiveRowMuon's thresholds against PeriodicRowMuon's fixed periods at the lrs both ran at (EMA validation
+    loss against the share of Newton-Schulz steps); None until both ablations have rows."""
+    if not set(FRONTIER) <= set(ablations):
+        return None
+    settings = {
+        f"{ABLATIONS[part].base}/{label}": fmt.format(x=x)
+        for part, (_, fmt) in FRONTIER.items()
+        for label, (x, _, _) in ABLATIONS[part].variants.items()
+    }
+    frontier = _race_report().refresh_frontier(
+        {schedule: ablations[part] for part, (schedule, _) in FRONTIER.items()}, settings
+    )
+    return frontier if any(frontier.values()) else None
 
 
 def render(result: dict) -> str:
@@ -1297,6 +1328,17 @@ def render(result: dict) -> str:
             )
             lines += [f"Measured on {where}, not the main race's machine.", ""]
         lines += [rr.render_ablation(summary), "", f"Lowest mean over seeds: {best}."]
+    if result.get("refresh_frontier"):
+        lines += [
+            "",
+            "## AdaptiveRowMuon against fixed K (the same lr)",
+            "",
+            "Each threshold's EMA validation loss beside the fixed periods' at the same share of Newton-Schulz steps "
+            "(linear between the two neighbouring K; range from their seeds' lowest and highest). Below or above: the "
+            "seed ranges are apart; else the loss cannot tell the schedules apart at that share.",
+            "",
+            rr.render_frontier(result["refresh_frontier"]),
+        ]
     for lr, costs in result["k_costs"].items():
         cells = "; ".join(
             f"{k}: "

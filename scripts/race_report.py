@@ -12,6 +12,7 @@ it is kept in the records but not used.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import textwrap
 from collections.abc import Collection, Mapping, Sequence
@@ -624,6 +625,127 @@ def plot_gap_vs_params(sizes: Sequence[Mapping[str, Any]], path: Path, dataset: 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     _title(ax, f"Does the gap shrink with scale? {dataset}, each optimizer at its own lr, 2 seeds")
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def refresh_frontier(
+    summaries: Mapping[str, Mapping[str, Any]], settings: Mapping[str, str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Per lr that every schedule of ``summaries`` (schedule name -> an :func:`ablation_summary`) ran at, each entry
+    with its share of Newton-Schulz steps and EMA validation loss (spreads over seeds), ``settings`` naming each
+    entry's setting (``K=3``, ``threshold 0.35``); an adaptive entry (any schedule but the first, the fixed one)
+    also gets ``fixed``: the first schedule's loss interpolated at its share, where that lies between two fixed
+    entries, and ``verdict``: below/above it beyond both seed ranges, or inside them."""
+    names = list(summaries)
+    lrs = set.intersection(*(set(lr for by_lr in summ.values() for lr in by_lr) for summ in summaries.values()))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for lr in sorted(lrs, key=float):
+        rows = [
+            {
+                "schedule": schedule,
+                "entry": entry,
+                "setting": settings.get(entry, entry.split("/")[-1]),
+                "spectral_fraction": by_lr[lr]["spectral_fraction"],
+                "val_loss_ema": by_lr[lr]["val_loss_ema"],
+            }
+            for schedule, summ in summaries.items()
+            for entry, by_lr in summ.items()
+            if lr in by_lr
+            and by_lr[lr]["spectral_fraction"]["mean"] is not None
+            and by_lr[lr]["val_loss_ema"]["mean"] is not None
+        ]
+        fixed = sorted((r for r in rows if r["schedule"] == names[0]), key=lambda r: r["spectral_fraction"]["mean"])
+        for r in rows:
+            if r["schedule"] != names[0]:
+                r["fixed"] = _interpolated(fixed, r["spectral_fraction"]["mean"])
+                r["verdict"] = _frontier_verdict(r["val_loss_ema"], r["fixed"])
+        out[lr] = rows
+    return out
+
+
+def _interpolated(fixed: Sequence[Mapping[str, Any]], share: float) -> dict[str, float] | None:
+    """The fixed schedules' EMA validation loss (mean, lowest, highest) linearly interpolated at ``share`` between
+    the two neighbouring entries; None outside their span."""
+    for a, b in itertools.pairwise(fixed):
+        x0, x1 = a["spectral_fraction"]["mean"], b["spectral_fraction"]["mean"]
+        if x0 <= share <= x1:
+            w = 0.0 if x1 == x0 else (share - x0) / (x1 - x0)
+            return {k: (1 - w) * a["val_loss_ema"][k] + w * b["val_loss_ema"][k] for k in ("mean", "min", "max")}
+    return None
+
+
+def _frontier_verdict(loss: Mapping[str, Any], fixed: Mapping[str, float] | None) -> str:
+    """``below`` (better) or ``above`` the fixed schedules at the same share of Newton-Schulz steps, where the seed
+    ranges are apart; ``inside the seed ranges`` where they overlap; ``outside the fixed span`` without a
+    comparison."""
+    if fixed is None:
+        return "outside the fixed span"
+    if loss["max"] < fixed["min"]:
+        return "below"
+    if loss["min"] > fixed["max"]:
+        return "above"
+    return "inside the seed ranges"
+
+
+def render_frontier(frontier: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The refresh frontier as one Markdown table: per lr and entry its share of Newton-Schulz steps, its loss and,
+    for the adaptive entries, the fixed schedules' loss at that share and the verdict."""
+    from dimuon.bench.report import format_markdown_table
+
+    headers = ["lr", "schedule", "setting", "spectral steps", "EMA val loss", "fixed K at that share", "verdict"]
+    rows = [
+        [
+            lr,
+            r["schedule"],
+            r["setting"],
+            _pm(r["spectral_fraction"], ".3f"),
+            _pm(r["val_loss_ema"], ".4f"),
+            "-" if r.get("fixed") is None else _pm({**r["fixed"], "n": 2}, ".4f"),
+            r.get("verdict", "-"),
+        ]
+        for lr, entries in frontier.items()
+        for r in entries
+    ]
+    return format_markdown_table(headers, rows, [i in (3, 4, 5) for i in range(len(headers))])
+
+
+def plot_frontier(frontier: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str = "") -> Path | None:
+    """EMA validation loss against the share of Newton-Schulz steps, one line per schedule and lr (fixed periods
+    joined, adaptive settings as points), whiskers over seeds; None without a point."""
+    if not any(frontier.values()):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for lr, entries in frontier.items():
+        for schedule in dict.fromkeys(r["schedule"] for r in entries):
+            mine = sorted(
+                (r for r in entries if r["schedule"] == schedule), key=lambda r: r["spectral_fraction"]["mean"]
+            )
+            xs = [r["spectral_fraction"]["mean"] for r in mine]
+            means = [r["val_loss_ema"]["mean"] for r in mine]
+            fixed = schedule == entries[0]["schedule"]
+            label = schedule + (f", lr {lr}" if len(frontier) > 1 else "")
+            (line,) = ax.plot(xs, means, "o-" if fixed else "s", label=label)
+            ax.errorbar(
+                xs,
+                means,
+                yerr=error_bars(
+                    means, [r["val_loss_ema"]["min"] for r in mine], [r["val_loss_ema"]["max"] for r in mine]
+                ),
+                fmt="none",
+                color=line.get_color(),
+                capsize=3,
+                alpha=0.6,
+            )
+            for x, y, r in zip(xs, means, mine):
+                ax.annotate(r["setting"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set_xlabel("share of Newton-Schulz (spectral) steps")
+    ax.set_ylabel(f"final {EMA_LOSS_COLUMN} (mean, whiskers over seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _title(ax, title)
     save_figure_atomic(fig, path, **SAVE_KWARGS)
     plt.close(fig)
     return path

@@ -339,3 +339,46 @@ def test_time_to_quality_bars_take_seeds_timed_alike(tmp_path):
         },
     }
     assert rr.plot_time_to_quality(summary, tmp_path / "t.png").is_file()
+
+
+def test_adaptive_settings_are_held_against_the_fixed_periods_at_their_share_of_newton_schulz_steps(tmp_path):
+    def rows(entry, share, losses, lr=0.01):
+        return [
+            row(f"{entry}-s{s}", entry, lr, s, 30.0, val_loss_ema=v, spectral_fraction=share)
+            for s, v in enumerate(losses)
+        ]
+
+    fixed = rr.ablation_summary(
+        record(
+            rows("prm/k1", 1.0, (0.170, 0.172))
+            + rows("prm/k2", 0.5, (0.172, 0.174))
+            + rows("prm/k4", 0.25, (0.176, 0.178))
+            + rows("prm/k4", 0.25, (0.19,), lr=0.005),  # an lr the other schedule did not run at: left out
+            {"prm/k1": {}, "prm/k2": {}, "prm/k4": {}},
+        )
+    )
+    adaptive = rr.ablation_summary(
+        record(
+            rows("ada/t0.2", 0.75, (0.168, 0.169))  # fixed at 0.75: 0.172 (0.171..0.173): below
+            + rows("ada/t0.3", 0.375, (0.173, 0.176))  # fixed: 0.175 (0.174..0.176): inside
+            + rows("ada/t0.5", 0.3, (0.180, 0.181))  # fixed: 0.1762 (0.1752..0.1772): above
+            + rows("ada/t0.9", 0.1, (0.2, 0.2)),  # below the fixed span
+            {"ada/t0.2": {}, "ada/t0.3": {}, "ada/t0.5": {}, "ada/t0.9": {}},
+        )
+    )
+    frontier = rr.refresh_frontier({"fixed": fixed, "adaptive": adaptive}, {"prm/k2": "K=2", "ada/t0.2": "t 0.2"})
+    assert list(frontier) == ["0.01"]
+    by_entry = {r["entry"]: r for r in frontier["0.01"]}
+    assert by_entry["prm/k2"]["setting"] == "K=2" and "verdict" not in by_entry["prm/k2"]
+    assert by_entry["ada/t0.2"]["fixed"]["mean"] == pytest.approx(0.172)
+    assert [by_entry[f"ada/t{t}"]["verdict"] for t in ("0.2", "0.3", "0.5", "0.9")] == [
+        "below",
+        "inside the seed ranges",
+        "above",
+        "outside the fixed span",
+    ]
+    assert by_entry["ada/t0.9"]["fixed"] is None
+    table = rr.render_frontier(frontier)
+    assert "| 0.01 | adaptive | t 0.2 | 0.750 (0.750..0.750) | 0.1685 (0.1680..0.1690) |" in table
+    assert rr.plot_frontier(frontier, tmp_path / "f.png").is_file()
+    assert rr.plot_frontier({"0.01": []}, tmp_path / "none.png") is None

@@ -172,13 +172,21 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
     }
     (seeds / "results.json").write_text(json.dumps(main))
     k_rows = [
-        row(f"k{k}-s{s}", f"periodic_row_muon/k{k}", 0.01, s, fd)
+        row(f"k{k}-s{s}", f"periodic_row_muon/k{k}", 0.01, s, fd, spectral_fraction=1 / k)
         for k, fds in {2: (30, 32), 3: (33, 33), 4: (36, 36)}.items()
         for s, fd in enumerate(fds)
     ]
     (tmp_path / "k").mkdir()
     (tmp_path / "k" / "results.json").write_text(
         json.dumps(record(k_rows, {f"periodic_row_muon/k{k}": {} for k in (2, 3, 4)}))
+    )
+    adaptive_rows = [  # a threshold that refreshes 40% of its steps at a lower loss than K=2 and K=3 there
+        row(f"t0.35-s{s}", "adaptive_row_muon/t0.35", 0.01, s, 31, val_loss_ema=0.19, spectral_fraction=0.4)
+        for s in (0, 1)
+    ]
+    (tmp_path / "adaptive").mkdir()
+    (tmp_path / "adaptive" / "results.json").write_text(
+        json.dumps(record(adaptive_rows, {"adaptive_row_muon/t0.35": {}}))
     )
     long_rows = []
     for name, curve in {"adamw": [60, 45, 40, 30], "muon": [40, 38, 36, 35]}.items():
@@ -234,11 +242,17 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
         "time_to_loss_levels.png",
         "samples.png",
         "fd_vs_k.png",
+        "loss_vs_refresh.png",
         "seeds.json",
         "k.json",
+        "adaptive.json",
     ):
         assert (dest / name).is_file(), name
+    (threshold,) = [r for r in got["refresh_frontier"]["0.01"] if r["schedule"] == "AdaptiveRowMuon"]
+    assert threshold["setting"] == "threshold 0.35" and threshold["verdict"] == "below"
     md = (dest / "race.md").read_text()
+    assert "## AdaptiveRowMuon against fixed K (the same lr)" in md
+    assert "| 0.01 | PeriodicRowMuon (fixed K) | K=3 | 0.333 (0.333..0.333) | 0.2000 (0.2000..0.2000) | - | - |" in md
     assert "9.00 (8.00..10.00)" in md and "K=2->3: FD +6.5%, EMA val loss +0.0%" in md
     assert "measured side by side" in md and "`dimuon bench step --x`" in md
     assert "Lowest mean over seeds: lr 0.01: FD k2, EMA val loss k2." in md
