@@ -489,10 +489,10 @@ def train_ablation(
 
 
 def keep_rows(args: argparse.Namespace, part: str, rows: Sequence[dict[str, Any]]) -> list[str] | None:
-    """``--keep-rows-of`` a merged record, ``<out>/<part>/earlier.json``: the part's own published finished rows,
-    then ``rows`` (another part's, taken as this part's) under names it has not; None without ``rows`` (the part's
-    published record is kept as it is)."""
-    if not rows:
+    """``--keep-rows-of`` a merged record, ``<out>/<part>/earlier.json``: the part's own published finished rows
+    (with ``--curves`` those carrying their curve), then ``rows`` (another part's, taken as this part's) under names
+    it has not; None without ``rows`` and without ``--curves`` (the part's published record is kept as it is)."""
+    if not rows and not args.curves:
         return None
     from dimuon.io import write_json_atomic
 

@@ -545,6 +545,13 @@ def test_curves_trains_again_the_kept_runs_that_carry_no_curve(race, tmp_path):
     assert race.main([*argv, "--curves"]) == 0
     kept = {r["name"] for r in json.loads(Path(flags(race.calls[-1], "--keep-rows-of")[0]).read_text())["runs"]}
     assert kept == {"muon-lr0.01-s1", "muon-lr0.01-s2"}
+    # No other part's row is taken (the selection's runs all here, linked): the part's own published rows are
+    # still sifted, not handed over whole with the ones that carry no curve.
+    for name in ("adamw-lr0.005-s0", "adamw-lr0.005-s1", "muon-lr0.01-s0", "muon-lr0.01-s1"):
+        (tmp_path / "out" / "select" / "runs" / name).mkdir(parents=True)
+    assert race.main([*argv, "--curves"]) == 0
+    kept = {r["name"] for r in json.loads(Path(flags(race.calls[-1], "--keep-rows-of")[0]).read_text())["runs"]}
+    assert kept == {"muon-lr0.01-s2"}
 
 
 def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_path, capsys):
