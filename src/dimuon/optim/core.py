@@ -54,6 +54,7 @@ from dimuon.optim.linalg import (
 )
 from dimuon.optim.schedules import Schedule, StepKind
 from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
+from dimuon.optim.workspace import Workspace
 
 ALGORITHMS = ("muon", "adamw")
 Nonfinite = Literal["raise", "skip"]
@@ -334,6 +335,8 @@ class MuonFamily(torch.optim.Optimizer):
         self._last_vote: Tensor | None = None
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
+        # The CPU's Newton-Schulz temporaries and directions, lent within a step and kept between steps.
+        self._map_buffers: Workspace | None = Workspace()
         self._schedule_scratch: dict[str, Any] = {}  # what the schedule keeps from one step to the next (not saved)
         super().__init__(params, defaults)
         self._constructing = False
@@ -620,6 +623,7 @@ class MuonFamily(torch.optim.Optimizer):
             "_pending_skips": None,
             "_last_vote": None,
             "_workspace": {},
+            "_map_buffers": Workspace(),
             "_schedule_scratch": {},
         }
         for key, value in runtime.items():
@@ -843,6 +847,8 @@ class MuonFamily(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_sparse()
+        if self._map_buffers is not None:
+            self._map_buffers.release()  # the last step's directions and temporaries are done with
         local, verdicts = self._local_grads_finite()
         ok = self._get_engine().all_true(local)
         # "raise" and a schedule that reads nothing to decide: the one read now, then the plain kernels. Otherwise
@@ -920,6 +926,9 @@ class MuonFamily(torch.optim.Optimizer):
                     matrix_rows=rows if stacked else None,
                 )
             )
+        # The CPU keeps the maps' large buffers from step to step (a fresh one is paged in again at every step);
+        # accelerators' allocators cache them already, and a compiled step allocates inside its graph.
+        cpu = bool(bufs) and devices.cpu_path(bufs[0].device) and not torch.compiler.is_compiling()
         config = MapConfig(
             ns_steps=group["ns_steps"],
             ns_coefficients=group["ns_coefficients"],
@@ -927,6 +936,7 @@ class MuonFamily(torch.optim.Optimizer):
             ns_dtype=group["ns_dtype"],
             lr_scale=group["lr_scale"],
             ns_compile=self.ns_compile,
+            workspace=self._map_buffers if cpu else None,
         )
         return _MuonWork(group, params, jobs, config, keys)
 

@@ -3,7 +3,8 @@
 On an accelerator every op is a kernel launch and the allocator caches memory, so the step is a few list
 (``torch._foreach_*``) and batched ops. On the CPU an op launches nothing, but every pass over memory and every
 fresh large allocation (paged in again at each step) costs; there the step takes one pass per tensor where two list
-ops would take two, chunks its squares, and keeps its Nesterov buffers from step to step. Both forms compute the
+ops would take two, chunks its squares, and keeps its Nesterov buffers and the maps' temporaries and directions
+(:mod:`dimuon.optim.workspace`) from step to step. Both forms compute the
 same values (tests hold them together); the op census sets the switch off to count what an accelerator dispatches.
 """
 

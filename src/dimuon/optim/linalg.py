@@ -16,7 +16,7 @@ import functools
 import math
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ __all__ = [
     "GRAM_RESTART_EVERY",
     "LR_SCALES",
     "NS_ALGORITHMS",
+    "Buffers",
     "CompiledNewtonSchulz",
     "LrScale",
     "NsAlgorithm",
@@ -98,6 +99,23 @@ def coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, floa
     raise ValueError(f"ns_coefficients must be one of {COEFFICIENT_SETS}, got {name!r}")
 
 
+class Buffers(Protocol):
+    """Where :func:`newton_schulz` takes its large temporaries from instead of allocating them
+    (:class:`dimuon.optim.workspace.Workspace`): contiguous buffers by shape, dtype and device, given back when the
+    iteration is done with them."""
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor: ...
+
+    def give_back(self, *buffers: Tensor) -> None: ...
+
+
+Allocate = Callable[[Sequence[int], torch.dtype, torch.device], Tensor]
+
+
+def _allocate(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
 def default_ns_dtype(device: torch.device) -> torch.dtype:
     """bf16 on accelerators (CUDA tensor cores and the like), fp32 on CPU (bf16 matmul is far slower there)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -127,7 +145,9 @@ def _norm_divisor(frob_sq: Tensor, coefficients: str) -> Tensor:
     return norm.clamp(min=_EPS)
 
 
-def _first_gram(x: Tensor, coefficients: str, owned: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+def _first_gram(
+    x: Tensor, coefficients: str, owned: bool = False, empty: Allocate = _allocate
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(x, R, s)``: the Gram matrix ``R`` of the normalized ``x`` and the factor ``s`` still owed to ``x``.
 
     In fp32/fp64, ``||X||_F^2`` is the trace of ``X X^T``, so the Gram matrix of the raw input gives
@@ -135,17 +155,19 @@ def _first_gram(x: Tensor, coefficients: str, owned: bool = False) -> tuple[Tens
     the first ``(r, r)`` factor they apply to ``x`` instead of writing a normalized copy of it. Half
     precision (where the raw ``X X^T`` can overflow fp16 and every extra rounding shows) returns a
     normalized ``x`` and ``s = None``: divided in place where ``x`` is the caller's own contiguous copy
-    (``owned``: the cast of a wider input), else into a new contiguous tensor (the same values either way).
+    (``owned``: the cast of a wider input), else into a new contiguous tensor (the same values either way). New
+    tensors come from ``empty``.
     """
+    batch, rows, _ = x.shape
     if not _is_wide_float(x.dtype):
         frob_sq = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
         divisor = _norm_divisor(frob_sq, coefficients).to(x.dtype)
         if owned and x.is_contiguous():
             x = x.div_(divisor)
         else:
-            x = torch.div(x, divisor, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # contiguous
-        return x, x @ x.mT, None
-    gram = x @ x.mT  # (B, r, r)
+            x = torch.div(x, divisor, out=empty(x.shape, x.dtype, x.device))  # contiguous
+        return x, torch.bmm(x, x.mT, out=empty((batch, rows, rows), x.dtype, x.device)), None
+    gram = torch.bmm(x, x.mT, out=empty((batch, rows, rows), x.dtype, x.device))  # (B, r, r)
     frob_sq = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
     scale = 1.0 / _norm_divisor(frob_sq, coefficients)[:, None, None]  # (B, 1, 1)
     gram.mul_(scale * scale)
@@ -180,6 +202,7 @@ def _standard_iteration(
     scale: Tensor | None,
     schedule: Sequence[tuple[float, float, float]],
     tall_out: bool = False,
+    empty: Allocate = _allocate,
 ) -> Tensor:
     """``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` on a wide batch ``(B, r, c)``.
 
@@ -191,9 +214,10 @@ def _standard_iteration(
     in bf16. Two ``(B, r, c)`` buffers alternate and every product writes with ``out=``: no large
     tensor is allocated per step (on CPU each fresh one costs page faults). With ``tall_out`` the
     last step writes the transpose, ``(B, c, r)`` contiguous, so callers with tall matrices get
-    their own layout back instead of a strided view (elementwise work on those is 3x slower).
+    their own layout back instead of a strided view (elementwise work on those is 3x slower). Buffers come from
+    ``empty``.
     """
-    poly = torch.empty_like(gram)
+    poly = empty(gram.shape, gram.dtype, gram.device)
     x_is_owned = scale is None  # the half-precision path hands over its normalized copy
     spare: Tensor | None = None
     last = len(schedule) - 1
@@ -201,7 +225,7 @@ def _standard_iteration(
         if i > 0:
             torch.bmm(x, x.mT, out=gram)  # A = X X^T  (B, r, r)
         if spare is None:
-            spare = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            spare = empty(x.shape, x.dtype, x.device)
         transpose = tall_out and i == last
         if scale is not None:
             _polynomial(gram, (a, b, c), out=poly)  # a I + b A + c A^2
@@ -226,6 +250,7 @@ def _gram_iteration(
     schedule: Sequence[tuple[float, float, float]],
     restart_every: int,
     tall_out: bool = False,
+    empty: Allocate = _allocate,
 ) -> Tensor:
     """The same polynomial iteration run on the small ``(r, r)`` Gram matrix; ``x`` is only read.
 
@@ -234,10 +259,10 @@ def _gram_iteration(
     ``P_k = a I + b R_k + c R_k^2``. ``Q`` is applied to the wide matrix only at a restart (which
     also recomputes ``R`` from the true iterate, flushing accumulated rounding) and at the end;
     the normalization ``scale`` owed to ``x`` rides along in the first ``Q`` applied. Products
-    write into preallocated buffers (``out=``) that change roles between steps. ``tall_out`` as in
+    write into preallocated buffers (``out=``, from ``empty``) that change roles between steps. ``tall_out`` as in
     :func:`_standard_iteration`.
     """
-    free = [torch.empty_like(gram) for _ in range(3)]
+    free = [empty(gram.shape, gram.dtype, gram.device) for _ in range(3)]
     p, scratch = free.pop(), free.pop()
     owned: list[Tensor] = []  # (B, r, c) buffers of this function not holding the current iterate
     x_is_owned = scale is None  # the half-precision path hands over its normalized copy
@@ -256,7 +281,7 @@ def _gram_iteration(
             if scale is not None:
                 q.mul_(scale)
                 scale = None
-            new = owned.pop() if owned else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            new = owned.pop() if owned else empty(x.shape, x.dtype, x.device)
             torch.bmm(q, x, out=new)  # X <- Q X  (B, r, c)
             if x_is_owned:
                 owned.append(x)
@@ -271,7 +296,7 @@ def _gram_iteration(
     assert q is not None  # the last step always leaves a Q to apply
     if scale is not None:
         q.mul_(scale)
-    out = owned.pop() if owned else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = owned.pop() if owned else empty(x.shape, x.dtype, x.device)
     return _product(q, x, out, tall_out)
 
 
@@ -282,13 +307,16 @@ def newton_schulz(
     algorithm: str = "standard",
     dtype: torch.dtype | None = None,
     gram_restart_every: int = GRAM_RESTART_EVERY,
+    buffers: Buffers | None = None,
 ) -> Tensor:
     """Approximate polar factor ``U V^T`` of each matrix in ``x`` (``(r, c)`` or ``(B, r, c)``).
 
     Tall matrices are iterated as their (wide) transpose and come back tall and contiguous. ``dtype`` is the compute
     dtype (default: bf16 on accelerators, fp32 on CPU); the result comes back in that dtype. ``algorithm="gram"`` uses
     the Gram-matrix form when ``c >= 2r`` and the standard form otherwise (same polynomial);
-    ``gram_restart_every`` steps between its restarts (0: never). ``x`` is never written.
+    ``gram_restart_every`` steps between its restarts (0: never). ``x`` is never written. With ``buffers`` every
+    temporary is taken from there and given back before returning, but the one the result lies in (the caller gives
+    that back); the values are the same.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a (rows, cols) or (batch, rows, cols) tensor, got {tuple(x.shape)}")
@@ -302,15 +330,26 @@ def newton_schulz(
         x = x.unsqueeze(0)
     compute_dtype = dtype if dtype is not None else default_ns_dtype(x.device)
     tall = x.shape[-2] > x.shape[-1]
-    y = x.to(compute_dtype)  # may be ``x`` itself: the iterations only read it
-    cast = y is not x  # a copy of this function's own, which the half-precision path may normalize in place
+    taken: list[Tensor] = []
+
+    def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        if buffers is None:
+            return _allocate(shape, dtype, device)
+        taken.append(buffers.empty(shape, dtype, device))
+        return taken[-1]
+
+    cast = x.dtype != compute_dtype  # a copy of this function's own, which the half-precision path may normalize
+    y = empty(x.shape, compute_dtype, x.device).copy_(x) if cast else x  # else ``x`` itself: only read
     if tall:
         y = y.mT  # a view: the products read it transposed, nothing is copied
-    y, gram, scale = _first_gram(y, coefficients, owned=cast)
+    y, gram, scale = _first_gram(y, coefficients, owned=cast, empty=empty)
     if uses_gram(algorithm, y.shape[-2], y.shape[-1]):
-        y = _gram_iteration(y, gram, scale, schedule, gram_restart_every, tall_out=tall)
+        y = _gram_iteration(y, gram, scale, schedule, gram_restart_every, tall_out=tall, empty=empty)
     else:
-        y = _standard_iteration(y, gram, scale, schedule, tall_out=tall)
+        y = _standard_iteration(y, gram, scale, schedule, tall_out=tall, empty=empty)
+    if buffers is not None:
+        kept = y.untyped_storage().data_ptr()
+        buffers.give_back(*(t for t in taken if t.untyped_storage().data_ptr() != kept))
     return y.squeeze(0) if squeeze else y
 
 

@@ -27,6 +27,7 @@ from dimuon.optim.linalg import (
     row_normalize,
 )
 from dimuon.optim.schedules import StepKind
+from dimuon.optim.workspace import Workspace
 
 RowRange = tuple[int, int]
 Region = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
@@ -59,6 +60,8 @@ class MapConfig:
     ns_dtype: torch.dtype | None = None
     lr_scale: str = "match_rms_adamw"
     ns_compile: bool = False  # run Newton-Schulz through torch.compile
+    # Where the maps take their large temporaries (the CPU form of the step, dimuon.optim.workspace); not an option
+    workspace: Workspace | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -238,11 +241,18 @@ def batch_view(matrices: Sequence[Tensor]) -> Tensor | None:
     return None
 
 
-def as_batch(matrices: Sequence[Tensor]) -> Tensor:
+def as_batch(matrices: Sequence[Tensor], workspace: Workspace | None = None) -> Tensor:
     """``torch.stack(matrices)``, without the copy when they already lie back to back in one buffer
-    (:func:`batch_view`): the usual case costs nothing here."""
+    (:func:`batch_view`): the usual case costs nothing here. A stack goes into a ``workspace`` buffer where one is
+    given (the caller gives it back)."""
     view = batch_view(matrices)
-    return view if view is not None else torch.stack(list(matrices))
+    if view is not None:
+        return view
+    if workspace is None:
+        return torch.stack(list(matrices))
+    first = matrices[0]
+    out = workspace.empty((len(matrices), *first.shape), first.dtype, first.device)
+    return torch.stack(list(matrices), out=out)
 
 
 def shape_classes(
@@ -270,8 +280,11 @@ def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfi
     for i, piece in enumerate(pieces):
         by_shape[tuple(piece.shape)].append(i)
     orthogonalize = compiled_newton_schulz() if config.ns_compile else newton_schulz
+    ws = None if config.ns_compile else config.workspace  # a compiled graph allocates its own
+    extra = {"buffers": ws} if ws is not None else {}
     for (rows, cols), idx in by_shape.items():
-        batch = as_batch([pieces[i] for i in idx])
+        view = batch_view([pieces[i] for i in idx])
+        batch = view if view is not None else as_batch([pieces[i] for i in idx], ws)
         scale = lr_scale_factor(config.lr_scale, rows, cols)
         if kind is StepKind.ROWNORM:
             result = row_normalize(batch, scale=scale)
@@ -282,9 +295,19 @@ def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfi
                 coefficients=config.ns_coefficients,
                 algorithm=config.ns_algorithm,
                 dtype=config.ns_dtype,
+                **extra,
             )
-            if scaled:
-                result = result.to(torch.promote_types(result.dtype, torch.float32)).mul_(scale)
+            wide = torch.promote_types(result.dtype, torch.float32)
+            if scaled and result.dtype != wide:  # the direction in fp32: a copy, then the scale in place
+                narrow = result
+                result = ws.empty(narrow.shape, wide, narrow.device) if ws else torch.empty_like(narrow, dtype=wide)
+                result.copy_(narrow).mul_(scale)
+                if ws is not None:
+                    ws.give_back(narrow)
+            elif scaled:
+                result.mul_(scale)
+        if ws is not None and view is None:
+            ws.give_back(batch)  # the stack of this call's own
         for i, res in zip(idx, result.unbind(0)):
             out[i] = res
     return out  # type: ignore[return-value]
