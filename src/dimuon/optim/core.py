@@ -847,7 +847,7 @@ class MuonFamily(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_sparse()
-        if self._map_buffers is not None:
+        if self._map_buffers is not None and not torch.compiler.is_compiling():  # a compiled step borrows nothing
             self._map_buffers.release()  # the last step's directions and temporaries are done with
         local, verdicts = self._local_grads_finite()
         ok = self._get_engine().all_true(local)
