@@ -299,10 +299,11 @@ def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfi
             )
             wide = torch.promote_types(result.dtype, torch.float32)
             if scaled and result.dtype != wide:  # the direction in fp32: a copy, then the scale in place
-                narrow = result
-                result = ws.empty(narrow.shape, wide, narrow.device) if ws else torch.empty_like(narrow, dtype=wide)
-                result.copy_(narrow).mul_(scale)
-                if ws is not None:
+                if ws is None:
+                    result = result.to(wide).mul_(scale)
+                else:
+                    narrow, result = result, ws.empty(result.shape, wide, result.device)
+                    result.copy_(narrow).mul_(scale)
                     ws.give_back(narrow)
             elif scaled:
                 result.mul_(scale)
