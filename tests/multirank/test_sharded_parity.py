@@ -199,6 +199,29 @@ def test_replicated_parameters_split_the_work(optimizer):
         assert set(results[0]["stats"][1]) <= {"all_reduce[check]"}  # RowNorm is local
 
 
+def test_more_ranks_than_matrices_take_one_broadcast_per_owner_not_a_padded_all_gather():
+    """On 4 ranks the split group's one (48, 16) matrix has one owner: a padded all-gather would move 4 times its
+    bytes to every rank, so its owner broadcasts it; the other group's 5 matrices spread over the 4 ranks keep the
+    all-gather. The weights are the one-process run's."""
+    world = 4
+    results = run_gloo(sc.replicated, world, "muon", {}, timeout_s=300)
+    expect = sc.reference("odd", "muon", {})
+    for r in results:
+        for name, ref in expect.items():
+            assert (r["params"][name] - ref).abs().max() <= 1e-5, name
+    shapes = [(13, 12), (40, 13), (16, 40), (16, 16), (3, 48)]
+    owners = assign_owners(shapes, world)
+    pad = max(sum(m * n for (m, n), o in zip(shapes, owners) if o == r) for r in range(world))
+    assert world * pad <= 2 * sum(m * n for m, n in shapes)  # padding within the limit: the all-gather
+    for rank, r in enumerate(results):
+        first = r["stats"][0]
+        assert set(first) - {"all_reduce[check]"} == {"all_gather", "broadcast"}
+        assert first["all_gather"]["calls"] == 1 and first["all_gather"]["bytes"] == 4 * pad * (world - 1)
+        owner = assign_owners([(48, 16)], world)[0]
+        assert first["broadcast"]["calls"] == 1  # one owner: one broadcast, its real bytes to the others
+        assert first["broadcast"]["bytes"] == (0 if rank == owner else 4 * 48 * 16)
+
+
 def test_replicate_placement_dtensors():
     from torch import nn
 

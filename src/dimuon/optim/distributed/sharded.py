@@ -19,9 +19,11 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
 - Replicas (mesh dimensions that replicate, e.g. HSDP's replicate dimension):
   ``replica_refresh="repeat"`` lets every replica repeat the refresh (no bytes across replicas);
   ``"split"`` gives each matrix to one replica (balanced by FLOPs), whose shard group refreshes it,
-  and broadcasts the refreshed pieces over the replicate dimension.
+  and the replicas exchange the refreshed pieces over the replicate dimension.
 - Parameters held whole (``Replicate()`` everywhere, or plain tensors under DDP with
-  ``process_group=``): owners orthogonalize their share and broadcast it; RowNorm and block steps are local.
+  ``process_group=``): owners orthogonalize their share and exchange it; RowNorm and block steps are local.
+- Both exchanges send every owner's segment to every rank: one all-gather of the segments padded to the largest,
+  or, where that would move more than twice their bytes (more ranks than matrices), one broadcast per owner.
 - Stacked parameters (``stacked=True``, ``(E, m, n)``) sharded by their leading dimension: every rank holds
   whole matrices, so every map runs on the local ones as in one process, with no communication.
 - Column splits (``col_split_sizes``): every region of rows x columns is its own matrix; gather and owner
@@ -38,7 +40,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -769,9 +771,9 @@ class ShardedEngine:
             owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
             mine = [out[i].reshape(-1) for i in owned[comm.rank]]
             pending.append((owned, _gather_segments(comm, placed, owned, mine, dtype)))
-        for owned, (recv, pad, work) in pending:
-            work.wait()
-            out.update(_unpack_segments(recv, pad, placed, owned))
+        for owned, segments in pending:
+            segments.wait()
+            out.update(_unpack_segments(segments, placed, owned))
 
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
@@ -805,11 +807,29 @@ class ShardedEngine:
                     for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
                 ]
             pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
-        for owned, scales, (recv, pad, work) in pending:
-            work.wait()
-            for i, d in _unpack_segments(recv, pad, placed, owned, scales).items():
+        for owned, scales, segments in pending:
+            segments.wait()
+            for i, d in _unpack_segments(segments, placed, owned, scales).items():
                 outs[i] = d
         return outs
+
+
+# The padded all-gather of :func:`_gather_segments` moves W times the largest segment; past this many times the
+# segments' real bytes (more ranks than matrices, at large W) the owners broadcast their segments instead.
+PADDED_GATHER_LIMIT = 2.0
+
+
+@dataclass
+class _Segments:
+    """Every rank's segment of one exchange, in flight: rank ``r``'s at ``recv[offsets[r]:]``."""
+
+    recv: Tensor
+    offsets: list[int]
+    works: list[Any]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _gather_segments(
@@ -818,41 +838,57 @@ def _gather_segments(
     owned: Sequence[Sequence[int]],
     mine: Sequence[Tensor],
     dtype: torch.dtype,
-) -> tuple[Tensor, int, object]:
-    """Async all-gather of every rank's segment (the flat tensors ``mine`` of the jobs it owns, ``owned[rank]``),
-    each padded to the largest segment: ``(recv, pad, work)``, rank ``r``'s segment at ``recv[r * pad:]``."""
-    pad = max(sum(placed[i][0].update.numel() for i in jobs) for jobs in owned)
+) -> _Segments:
+    """Every rank's segment (the flat tensors ``mine`` of the jobs it owns, ``owned[rank]``) to every rank, async.
+
+    One all-gather of the segments padded to the largest, while that moves at most :data:`PADDED_GATHER_LIMIT`
+    times their real bytes; else (more ranks than matrices: most segments empty) one broadcast per rank that
+    owns something, each of its real bytes, into one buffer holding the segments back to back."""
+    sizes = [sum(placed[i][0].update.numel() for i in jobs) for jobs in owned]
+    pad, total = max(sizes), sum(sizes)
     first = next(i for jobs in owned for i in jobs)  # every job of the group is owned by some rank
-    send = torch.zeros(pad, dtype=dtype, device=placed[first][0].update.device)
+    device = placed[first][0].update.device
+    if comm.world * pad <= PADDED_GATHER_LIMIT * total:
+        send = torch.zeros(pad, dtype=dtype, device=device)
+        if mine:
+            flat = torch.cat(list(mine))
+            send[: flat.numel()] = flat
+        recv = send.new_empty(comm.world * pad)
+        return _Segments(recv, [r * pad for r in range(comm.world)], [comm.all_gather(recv, send, async_op=True)])
+    offsets = [sum(sizes[:r]) for r in range(comm.world)]
+    recv = torch.empty(total, dtype=dtype, device=device)
     if mine:
-        flat = torch.cat(list(mine))
-        send[: flat.numel()] = flat
-    recv = send.new_empty(comm.world * pad)
-    return recv, pad, comm.all_gather(recv, send, async_op=True)
+        torch.cat(list(mine), out=recv[offsets[comm.rank] : offsets[comm.rank] + sizes[comm.rank]])
+    works = [
+        comm.broadcast(recv[offsets[r] : offsets[r] + sizes[r]], src=r, async_op=True)
+        for r in range(comm.world)
+        if sizes[r]
+    ]
+    return _Segments(recv, offsets, works)
 
 
-def _segment_parts(recv: Tensor, rank: int, pad: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
-    """Rank ``rank``'s segment of a :func:`_gather_segments` buffer, cut into its jobs' flat directions."""
+def _segment_parts(segments: _Segments, rank: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
+    """Rank ``rank``'s segment of a :func:`_gather_segments` exchange, cut into its jobs' flat directions."""
     sizes = [placed[i][0].update.numel() for i in jobs]
-    return list(recv[rank * pad : rank * pad + sum(sizes)].split(sizes)) if jobs else []
+    start = segments.offsets[rank]
+    return list(segments.recv[start : start + sum(sizes)].split(sizes)) if jobs else []
 
 
 def _unpack_segments(
-    recv: Tensor,
-    pad: int,
+    segments: _Segments,
     placed: Sequence[Placed],
     owned: Sequence[Sequence[int]],
     scales: dict[int, float] | None = None,
 ) -> dict[int, Tensor]:
-    """Every job's direction from a :func:`_gather_segments` buffer, in its wide dtype, times its lr scale where
+    """Every job's direction from a :func:`_gather_segments` exchange, in its wide dtype, times its lr scale where
     ``scales`` are given: one cast of the whole buffer where the jobs share a dtype and one list multiply, not two
     ops per matrix."""
     jobs = [i for rank_jobs in owned for i in rank_jobs]
     wides = {_wide(placed[i][0].update) for i in jobs}
-    whole = recv.to(wides.pop()) if len(wides) == 1 else None
+    whole = replace(segments, recv=segments.recv.to(wides.pop())) if len(wides) == 1 else None
     out: dict[int, Tensor] = {}
     for r, rank_jobs in enumerate(owned):
-        for i, part in zip(rank_jobs, _segment_parts(recv if whole is None else whole, r, pad, placed, rank_jobs)):
+        for i, part in zip(rank_jobs, _segment_parts(segments if whole is None else whole, r, placed, rank_jobs)):
             update = placed[i][0].update
             out[i] = part.view(update.shape) if whole is not None else part.view(update.shape).to(_wide(update))
     if scales is not None and out:
