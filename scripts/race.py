@@ -40,7 +40,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
 - ``scale``: does PeriodicRowMuon's loss gap to Muon shrink with the model? Both at DiT-T/4, DiT-XS/4 (the
   race's model: the selection's runs, linked or kept) and DiT-S/4 over lrs 5e-3, 1e-2, 2e-2 with seeds 0 and 1,
   each optimizer's lr chosen per size by the mean EMA validation loss; ``<out>/scale.json`` and
-  ``gap_vs_params.png`` (the gap against the parameters, whiskers over the seed pairings).
+  ``gap_vs_params.png`` (the gap against the parameters, whiskers over the seed pairings). ``--scale-models``
+  names the sizes to train now (DiT-S/4's runs take hours each on a CPU: the small sizes first).
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
   precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
   the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
@@ -564,8 +565,10 @@ def lr_gamma(args: argparse.Namespace) -> int:
 
 
 def scale_models(args: argparse.Namespace) -> tuple[str, ...]:
-    """The model sizes of the ``scale`` part: :data:`SCALE_MODELS`, or with ``--quick`` the quick race's model and
-    one other."""
+    """The model sizes of the ``scale`` part: ``--scale-models``, else :data:`SCALE_MODELS`, or with ``--quick`` the
+    quick race's model and one other."""
+    if getattr(args, "scale_models", None):
+        return tuple(args.scale_models)
     return ("DiT-T/2", "DiT-T/4") if args.quick else SCALE_MODELS
 
 
@@ -1382,7 +1385,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-dir", type=Path, default=None, help="where --part report writes (default: <out>/report)"
     )
+    parser.add_argument(
+        "--scale-models",
+        nargs="+",
+        default=None,
+        metavar="MODEL",
+        help=f"--part scale (and report): these registry DiTs, smallest first (default: {' '.join(SCALE_MODELS)}); "
+        "a size left out now keeps its finished runs for a later invocation",
+    )
     args = parser.parse_args(argv)
+    if args.scale_models:
+        from dimuon.dit.model import DIT_MODELS
+
+        unknown = [m for m in args.scale_models if m not in DIT_MODELS]
+        if unknown:
+            parser.error(f"--scale-models: unknown model {unknown[0]!r}; choose from {' '.join(DIT_MODELS)}")
     for part in PARTS if args.part == "all" else (args.part,):
         steps = {
             "sweep": sweep,

@@ -588,6 +588,19 @@ def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_
     assert "DiT-XS/4 (1.87M parameters): PeriodicRowMuon - Muon +5.24%" in capsys.readouterr().out
 
 
+def test_scale_models_flag_runs_the_sizes_named_and_rejects_unknown_ones(race, tmp_path, capsys):
+    """``--scale-models`` trains only the sizes named (a larger one left for a later invocation); a name not in the
+    registry stops the script at start-up, naming the flag and the choices."""
+    write_select(race, tmp_path, {})
+    race.main(["--part", "scale", "--out", str(tmp_path), "--scale-models", "DiT-T/4", "DiT-XS/4"])
+    calls = [c for c in race.calls if "--model" in c]
+    assert [c[c.index("--model") + 1] for c in calls] == ["DiT-T/4", "DiT-XS/4"]
+    with pytest.raises(SystemExit):
+        race.main(["--part", "scale", "--out", str(tmp_path), "--scale-models", "DiT-Q/4"])
+    err = capsys.readouterr().err
+    assert "--scale-models: unknown model 'DiT-Q/4'" in err and "DiT-S/4" in err
+
+
 def test_lr_gamma_takes_the_gamma_ablations_best_and_neighbours_at_three_lrs(race, tmp_path):
     """A 3 x 3 grid around the best gamma (by mean EMA validation loss): half, once and twice the chosen lr; the
     chosen lr's row is linked to the gamma ablation's runs, gamma 0.15 at the other lrs to the selection's."""
