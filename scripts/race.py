@@ -39,7 +39,8 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   them, not trained again.
 - ``scale``: does PeriodicRowMuon's loss gap to Muon shrink with the model? Both at DiT-T/4, DiT-XS/4 (the
   race's model: the selection's runs, linked or kept) and DiT-S/4 over lrs 5e-3, 1e-2, 2e-2 with seeds 0 and 1,
-  each optimizer's lr chosen per size by the mean EMA validation loss; ``<out>/scale.json`` and
+  each optimizer's lr chosen per size by the mean EMA validation loss (a best on the grid's edge gets the next
+  factor of 2 past it, for that optimizer alone, up to twice per size); ``<out>/scale.json`` and
   ``gap_vs_params.png`` (the gap against the parameters, whiskers over the seed pairings). ``--scale-models``
   names the sizes to train now (DiT-S/4's runs take hours each on a CPU: the small sizes first).
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -173,6 +175,9 @@ ABLATION_SEEDS = (0, 1)
 SCALE_OPTIMIZERS = ("periodic_row_muon", "muon")
 SCALE_MODELS = ("DiT-T/4", "DiT-XS/4", "DiT-S/4")
 SCALE_LRS = (5e-3, 1e-2, 2e-2)
+# An optimizer whose best lr at a size sits on an edge of its grid gets the next factor of 2 past that edge, and is
+# chosen again, at most this many times per size (the best strictly inside the grid, as the selection rule asks).
+SCALE_WIDENINGS = 2
 DATA_SHAPES = {"mnist": ((1, 28, 28), 10), "digits": ((1, 8, 8), 10)}  # (channels, height, width), classes
 LONG_FACTOR = 2  # the ``long`` part trains this many times the race's steps
 PARTS = ("sweep", "select", "seeds", "step", "inception", "fd", "long", *ABLATIONS, "scale", "report")
@@ -579,39 +584,75 @@ def scale_part(model: str) -> str:
 
 def scale(args: argparse.Namespace) -> int:
     """PeriodicRowMuon and Muon at each size of :func:`scale_models` over :data:`SCALE_LRS`, seeds 0 and 1, each
-    optimizer's lr chosen per size by the mean EMA validation loss; the race's own model takes the selection's
-    runs there (linked, or kept from its published record), not trained again. Then ``<out>/scale.json`` and
-    ``gap_vs_params.png``: the loss gap against the model's parameters."""
+    optimizer's lr chosen per size by the mean EMA validation loss, its grid widened by a factor of 2 past the
+    edge where its best sits (:func:`widened`, at most :data:`SCALE_WIDENINGS` times); the race's own model takes
+    the selection's runs there (linked, or kept from its published record), not trained again. Then
+    ``<out>/scale.json`` and ``gap_vs_params.png``: the loss gap against the model's parameters."""
     race_model = setting("--model", args)
     for model in scale_models(args):
         part = scale_part(model)
-        kept: list[dict[str, Any]] = []
-        if model == race_model:
-            runs = args.out / part / "runs"
-            runs.mkdir(parents=True, exist_ok=True)
-            for name in SCALE_OPTIMIZERS:
-                for lr in SCALE_LRS:
-                    for seed in SELECT_SEEDS:
-                        kept += link_or_keep(args, runs, "select", f"{name}-lr{lr:g}-s{seed}")
-        code = bench(
-            args,
-            part,
-            [
-                "--optimizers",
-                *SCALE_OPTIMIZERS,
-                "--lrs",
-                *(f"{lr:g}" for lr in SCALE_LRS),
-                "--seeds",
-                *map(str, SELECT_SEEDS),
-                "--select-by",
-                "val_loss_ema",
-            ],
-            keep_rows_of=keep_rows(args, part, kept),
-            model=model,
-        )
-        if code != 0:
-            return code
+        grids = {name: tuple(SCALE_LRS) for name in SCALE_OPTIMIZERS}
+        for widening in range(SCALE_WIDENINGS + 1):
+            grids = widened(_record(args.out / part / "results.json"), grids) if widening else grids
+            if widening and grids is None:
+                break
+            kept: list[dict[str, Any]] = []
+            if model == race_model:
+                runs = args.out / part / "runs"
+                runs.mkdir(parents=True, exist_ok=True)
+                for name, grid in grids.items():
+                    for lr in grid:
+                        for seed in SELECT_SEEDS:
+                            kept += link_or_keep(args, runs, "select", f"{name}-lr{lr:g}-s{seed}")
+            own = [f"{name}={','.join(f'{lr:g}' for lr in grid)}" for name, grid in grids.items() if grid != SCALE_LRS]
+            code = bench(
+                args,
+                part,
+                [
+                    "--optimizers",
+                    *SCALE_OPTIMIZERS,
+                    "--lrs",
+                    *(f"{lr:g}" for lr in SCALE_LRS),
+                    *(["--lr-grid", *own] if own else []),
+                    "--seeds",
+                    *map(str, SELECT_SEEDS),
+                    "--select-by",
+                    "val_loss_ema",
+                ],
+                keep_rows_of=keep_rows(args, part, kept),
+                model=model,
+            )
+            if code != 0:
+                return code
+            if args.report_only:
+                break
     return scale_report(args)
+
+
+Grids = Mapping[str, tuple[float, ...]]  # optimizer -> its lrs
+
+
+def widened(record: dict[str, Any] | None, grids: Grids) -> dict[str, tuple[float, ...]] | None:
+    """``grids`` with, for each optimizer whose best lr in ``record`` (mean EMA validation loss over its finished
+    runs in its grid) sits on an edge, the next factor of 2 past that edge; None where none needs it (every best
+    inside, or its next point already tried: a run that did not finish)."""
+    if record is None:
+        return None
+    from dimuon.bench.quality_report import selection
+
+    out, grew = dict(grids), False
+    for name, grid in grids.items():
+        rows = [r for r in record.get("runs", []) if r.get("optimizer") == name and r.get("status") == "ok"]
+        chosen = selection([r for r in rows if any(math.isclose(r["lr"], lr) for lr in grid)], "val_loss_ema")
+        best = chosen["best"]
+        if best is None or not chosen["on_edge"]:
+            continue
+        step = 2.0 if math.isclose(best, max(grid)) else 0.5
+        nxt = float(f"{best * step:g}")
+        if any(math.isclose(nxt, lr) for lr in grid):
+            continue
+        out[name], grew = tuple(sorted((*grid, nxt))), True
+    return out if grew else None
 
 
 def model_params(model: str, dataset: str) -> int:
@@ -649,15 +690,18 @@ def scale_report(args: argparse.Namespace) -> int:
             per[name] = {
                 "lr": lr,
                 "on_edge": summary[name]["selection"]["on_edge"],
+                "flat_with": summary[name]["selection"].get("flat_with", []),
+                "lrs": summary[name]["selection"].get("lrs", {}),  # per lr tried: mean, min, max over the seeds
                 "val_loss_ema": statistics.fmean(losses),
                 "min": min(losses),
                 "max": max(losses),
             }
         for name, chosen in per.items():
             if chosen["on_edge"]:
+                tried = sorted({r["lr"] for r in done[name]})
                 print(
                     f"race: warning: scale: {name}'s lr {chosen['lr']:g} at {model} is on the edge of its grid "
-                    f"{list(SCALE_LRS)}: widen it",
+                    f"{[float(f'{lr:g}') for lr in tried]} after {SCALE_WIDENINGS} widenings: an upper bound",
                     flush=True,
                 )
         prm, muon = per["periodic_row_muon"], per["muon"]

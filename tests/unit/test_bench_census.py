@@ -79,6 +79,16 @@ def test_newton_schulz_is_stubbed_and_its_work_counted_per_rank(record):
     assert gather["ns_dtypes"] == ["bfloat16"] and gather["ns_flops_rank0"] > 0
 
 
+def test_the_replicated_refresh_broadcasts_go_out_as_one_group_launch(record):
+    # 16 ranks, fewer matrices: one broadcast per owner, grouped as NCCL groups them (one launch for the lot).
+    for _, case in _cases(record, "muon_owner", "replicated"):
+        broadcasts = sum(c["calls"] for c in case["collectives"] if c["kind"] == "broadcast")
+        assert broadcasts > 1 and case["launches"] == case["calls"] - broadcasts + 1
+        assert "launches: grouped" in census.collective_words(case)
+    for _, case in _cases(record, "muon_owner", "fsdp"):  # all-to-alls, one each: nothing grouped
+        assert case["launches"] == case["calls"]
+
+
 def test_host_reads_are_counted_with_their_sites(record):
     for job, case in _cases(record, "adaptive"):
         if case["step"] == 2:  # the vote read with the staleness signals: one read

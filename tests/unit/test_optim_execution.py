@@ -169,3 +169,27 @@ def test_deepcopy_of_a_compiled_options_optimizer_keeps_them():
     opt = Muon([nn.Parameter(torch.randn(4, 4))], ns_compile=True, adamw_fused=False)
     twin = copy.deepcopy(opt)
     assert (twin.ns_compile, twin.adamw_fused) == (True, False)
+
+
+def test_broadcasts_go_out_as_one_group_launch_where_the_backend_groups(monkeypatch):
+    # torch's fake backend groups as NCCL does (gloo cannot): three owners' broadcasts, one launch, each its bytes.
+    import torch.distributed as dist
+
+    from dimuon.bench.census import fake_rank
+    from dimuon.optim.distributed import collectives
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    pieces = [(torch.zeros(3), 0), (torch.zeros(5), 1), (torch.zeros(2), 4)]
+    with fake_rank(1, 8):
+        assert collectives.groups_launches(None, torch.device("cpu"))
+        counter = CommCounter()
+        comm = collectives.Collectives(None, counter)
+        comm.broadcasts(pieces).wait()
+        grouped = counter.stats()["broadcast"]
+        monkeypatch.setattr(collectives, "groups_launches", lambda group, device: False)
+        counter.reset()
+        comm.broadcasts(pieces).wait()
+        one_each = counter.stats()["broadcast"]
+    assert (grouped["calls"], grouped["launches"], grouped["bytes"]) == (3, 1, 4 * (3 + 2))  # rank 1 sends the 5
+    assert (one_each["calls"], one_each["launches"], one_each["bytes"]) == (3, 3, 4 * (3 + 2))

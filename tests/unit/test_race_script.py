@@ -588,6 +588,53 @@ def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_
     assert "DiT-XS/4 (1.87M parameters): PeriodicRowMuon - Muon +5.24%" in capsys.readouterr().out
 
 
+def test_scale_widens_a_grid_past_the_edge_its_best_lr_sits_on_until_the_best_is_inside(race, tmp_path, monkeypatch):
+    """PeriodicRowMuon's best at DiT-T/4 is the grid's top (2e-2): it alone gets 4e-2 (``--lr-grid``), and once
+    4e-2 is worse the choice is inside and nothing more is trained; Muon's best, inside, keeps its grid."""
+    from dimuon.bench.quality_report import selection
+
+    write_select(race, tmp_path, {})
+    part = tmp_path / race.scale_part("DiT-T/4")
+    part.mkdir(parents=True)
+    loss = {"periodic_row_muon": {5e-3: 0.24, 1e-2: 0.22, 2e-2: 0.21, 4e-2: 0.23}, "muon": {5e-3: 0.21, 1e-2: 0.20}}
+    loss["muon"].update({2e-2: 0.22, 4e-2: 0.30})
+
+    def write(lrs_of):
+        runs = [
+            row(f"{n}-lr{lr:g}-s{s}", n, lr, s, 20.0, val_loss_ema=loss[n][lr] + 0.001 * s)
+            for n, lrs in lrs_of.items()
+            for lr in lrs
+            for s in race.SELECT_SEEDS
+        ]
+        summary = {
+            n: {
+                "lr": (sel := selection([r for r in runs if r["optimizer"] == n], "val_loss_ema"))["best"],
+                "selection": sel,
+            }
+            for n in lrs_of
+        }
+        (part / "results.json").write_text(json.dumps({"runs": runs, "optimizers": summary, "machine": {}}))
+
+    def bench(cmd, check=False):  # what the quality bench would leave: every run of its grid finished
+        race.calls.append(cmd)
+        grid = {n: list(race.SCALE_LRS) for n in race.SCALE_OPTIMIZERS}
+        for item in flags(cmd, "--lr-grid") if "--lr-grid" in cmd else []:
+            name, lrs = item.split("=")
+            grid[name] = [float(x) for x in lrs.split(",")]
+        write(grid)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(race.subprocess, "run", bench)
+    write({n: list(race.SCALE_LRS) for n in race.SCALE_OPTIMIZERS})
+    assert race.main(["--part", "scale", "--out", str(tmp_path), "--scale-models", "DiT-T/4"]) == 0
+    assert len(race.calls) == 2 and "--lr-grid" not in race.calls[0]
+    assert flags(race.calls[1], "--lr-grid") == ["periodic_row_muon=0.005,0.01,0.02,0.04"]
+    size = json.loads((tmp_path / "scale.json").read_text())["sizes"][0]
+    prm = size["optimizers"]["periodic_row_muon"]
+    assert (prm["lr"], prm["on_edge"], sorted(prm["lrs"])) == (0.02, False, ["0.005", "0.01", "0.02", "0.04"])
+    assert size["optimizers"]["muon"]["lr"] == 0.01 and len(size["optimizers"]["muon"]["lrs"]) == 3
+
+
 def test_scale_models_flag_runs_the_sizes_named_and_rejects_unknown_ones(race, tmp_path, capsys):
     """``--scale-models`` trains only the sizes named (a larger one left for a later invocation); a name not in the
     registry stops the script at start-up, naming the flag and the choices."""

@@ -5,7 +5,9 @@ for one step of every optimizer configuration on every layout the census records
 
 - the collectives, by kind, process group (mesh dimension), payload dtype, calls and logical bytes, counted at
   the ``torch.distributed`` call boundary (:func:`dimuon.bench.peers.count_collectives`, the count of
-  ``dimuon bench comm``), in the order the rank issued them, so the ranks' sequences can be compared;
+  ``dimuon bench comm``), in the order the rank issued them, so the ranks' sequences can be compared; and the
+  launches, where several collectives go out as one group launch (NCCL's grouped calls, which the fake backend
+  takes too; gloo has none);
 - host reads, each a pipeline stall on a GPU: ``aten._local_scalar_dense`` (``item()``, ``bool(t)``,
   ``float(t)``) seen by a ``TorchDispatchMode``, and calls of ``Tensor.tolist``, ``Tensor.cpu`` and
   ``Tensor.numpy`` (patched on the class for the step: a CPU ``tolist`` does not dispatch), each with where
@@ -365,6 +367,7 @@ class Tally:
     read_sites: Counter = field(default_factory=Counter)  # "kind at site" -> count
     ns_batches: list[tuple[int, int, int, str, float]] = field(default_factory=list)  # (B, r, c, dtype, FLOPs)
     collectives: list[CallRecord] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)  # collectives per group launch (NCCL's grouped calls)
 
     def read(self, kind: str) -> None:
         self.host_reads[kind] += 1
@@ -400,6 +403,19 @@ class _OpCounter(TorchDispatchMode):
         else:
             tally.ops += 1
         return out
+
+
+def _grouping_probe(tally: Tally, counter: CallCounter, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``dist._coalescing_manager`` that books how many collectives each group launch carried."""
+
+    @contextlib.contextmanager
+    def grouped(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        before = len(counter.log)
+        with original(*args, **kwargs) as manager:
+            yield manager
+        tally.groups.append(len(counter.log) - before)
+
+    return grouped
 
 
 def _writes_tensor(func: Any, out: Any) -> bool:
@@ -568,6 +584,8 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             for name in ("tolist", "cpu", "numpy"):
                 stack.enter_context(_patched(torch.Tensor, name, _host_method(tally, name)))
             stack.enter_context(_OpCounter(tally))
+        grouping = _grouping_probe(tally, counter, dist._coalescing_manager)
+        stack.enter_context(_patched(dist, "_coalescing_manager", grouping))
         yield tally
     tally.collectives = list(counter.log)
 
@@ -701,6 +719,8 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
         "kind": kind,
         "spectral": None if refresh is None else [refresh["spectral"], refresh["steps"]],
         "collectives": [[c.group, c.kind, c.dtype, c.world, c.bytes, c.buffer_bytes] for c in tally.collectives],
+        # a group launch of n collectives is one launch (NCCL's grouped calls): calls less what rode along
+        "launches": len(tally.collectives) - sum(n - 1 for n in tally.groups if n),
         "own": {
             dim: {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in kinds.items()} for dim, kinds in own.items()
         },
@@ -972,6 +992,7 @@ def summarize_case(
         "spectral": full["spectral"],
         "collectives": [{"group": g, "kind": k, "dtype": d, **v} for (g, k, d), v in by_group.items()],
         "calls": len(full["collectives"]),
+        "launches": full.get("launches", len(full["collectives"])),
         "bytes": sum(c[4] for c in full["collectives"]),
         "payload_dtypes": payload,
         "own": full["own"],
@@ -1051,7 +1072,9 @@ def collective_words(case: dict[str, Any]) -> str:
         per_group.setdefault(c["group"], []).append(
             f"{SHORT.get(c['kind'], c['kind'])} {c['calls']} {DTYPE_SHORT.get(c['dtype'], c['dtype'])}"
         )
-    return "; ".join(f"{g}: {', '.join(v)}" for g, v in per_group.items()) or "-"
+    words = "; ".join(f"{g}: {', '.join(v)}" for g, v in per_group.items()) or "-"
+    launches = case.get("launches", case["calls"])
+    return words if launches == case["calls"] else f"{words} ({launches} launches: grouped)"
 
 
 def _gflops(value: float) -> str:

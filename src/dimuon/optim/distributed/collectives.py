@@ -30,12 +30,12 @@ Key = tuple[str, str]  # (mesh dimension label, collective kind)
 
 
 def _empty_entry() -> dict[str, Any]:
-    return {"calls": 0, "bytes": 0, "exposed_s": 0.0}
+    return {"calls": 0, "bytes": 0, "exposed_s": 0.0, "launches": 0}
 
 
 class CommCounter:
-    """Per mesh dimension and collective kind since the last reset: calls, logical bytes, and seconds this
-    rank sat blocked.
+    """Per mesh dimension and collective kind since the last reset: calls, logical bytes, seconds this rank sat
+    blocked, and launches (calls, with the collectives issued as one group launch counted once).
 
     ``exposed_s`` is the communication time not hidden behind computation: the whole duration of a
     blocking call, and only the time spent in ``wait()`` for an asynchronous one (host time on CPU,
@@ -52,6 +52,11 @@ class CommCounter:
         entry = self._stats[key]
         entry["calls"] += 1
         entry["bytes"] += int(logical_bytes)
+        entry["launches"] += 1
+
+    def record_group(self, key: Key, calls: int) -> None:
+        """The last ``calls`` collectives of ``key`` went out as one group launch."""
+        self._stats[key]["launches"] -= calls - 1
 
     def add_exposed(self, key: Key, seconds: float) -> None:
         self._stats[key]["exposed_s"] += seconds
@@ -83,7 +88,7 @@ class CommCounter:
             self._pending.popleft()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """``{kind: {"calls", "bytes", "exposed_s"}}`` summed over mesh dimensions."""
+        """``{kind: {"calls", "bytes", "exposed_s", "launches"}}`` summed over mesh dimensions."""
         out: dict[str, dict[str, Any]] = defaultdict(_empty_entry)
         for (_, kind), value in self._read().items():
             for field, amount in value.items():
@@ -91,7 +96,7 @@ class CommCounter:
         return dict(out)
 
     def stats_by_mesh_dim(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """``{mesh dimension: {kind: {"calls", "bytes", "exposed_s"}}}``."""
+        """``{mesh dimension: {kind: {"calls", "bytes", "exposed_s", "launches"}}}``."""
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for (dim, kind), value in self._read().items():
             out.setdefault(dim, {})[kind] = dict(value)
@@ -130,6 +135,31 @@ def _timed(counter: CommCounter, key: Key, async_op: bool, tensors: tuple[Tensor
         return _TimedWork(call(), counter, key, tensors)
     with counter.exposed(key, tensors[0].device):
         return call()
+
+
+class _AllWork:
+    """Several async handles as one: ``wait()`` waits for each in turn."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+# The backends whose ``_start_coalescing``/``_end_coalescing`` group any collective into one launch (NCCL's group
+# calls; torch's fake backend accepts the same calls, so a traced mesh counts the launches a cluster would see).
+GROUPING_BACKENDS = frozenset({"ProcessGroupNCCL", "FakeProcessGroup"})
+
+
+def groups_launches(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` can issue several collectives as one group launch."""
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(device)
+    except (RuntimeError, ValueError):
+        return False
+    return type(backend).__name__ in GROUPING_BACKENDS
 
 
 class Collectives:
@@ -213,6 +243,26 @@ class Collectives:
                 output, send, list(output_splits), list(input_splits), group=self.group, async_op=async_op
             ),
         )
+
+    def broadcasts(self, pieces: Sequence[tuple[Tensor, int]]) -> Any:
+        """Each ``(tensor, src)`` broadcast from group rank ``src``, async; one handle whose ``wait()`` waits for all.
+
+        On a backend that groups collectives (NCCL, and torch's fake backend that traces it) they go out as one
+        group launch (``ncclGroupStart``/``End``): one launch and one completion for the lot, not one per owner,
+        each still carrying its own bytes. Elsewhere (gloo has no grouping) one async broadcast each."""
+        if not pieces:
+            return _AllWork([])
+        device = pieces[0][0].device
+        if not groups_launches(self.group, device):
+            return _AllWork([self.broadcast(tensor, src, async_op=True) for tensor, src in pieces])
+        key = self._key("broadcast")
+        with dist._coalescing_manager(self.group, device, async_ops=True) as grouped:
+            for tensor, src in pieces:
+                self.counter.record(key, _nbytes(tensor) if self.rank != src else 0)
+                global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+                dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)  # its handle: the group's
+        self.counter.record_group(key, len(pieces))
+        return _TimedWork(grouped, self.counter, key, tuple(tensor for tensor, _ in pieces))
 
     def broadcast(self, tensor: Tensor, src: int, async_op: bool = False):
         """``tensor`` from group rank ``src`` to every rank."""

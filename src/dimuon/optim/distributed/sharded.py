@@ -23,7 +23,8 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
 - Parameters held whole (``Replicate()`` everywhere, or plain tensors under DDP with
   ``process_group=``): owners orthogonalize their share and exchange it; RowNorm and block steps are local.
 - Both exchanges send every owner's segment to every rank: one all-gather of the segments padded to the largest,
-  or, where that would move more than twice their bytes (more ranks than matrices), one broadcast per owner.
+  or, where that would move more than twice their bytes (more ranks than matrices), one broadcast per owner,
+  issued as one group launch where the backend groups (NCCL).
 - Stacked parameters (``stacked=True``, ``(E, m, n)``) sharded by their leading dimension: every rank holds
   whole matrices, so every map runs on the local ones as in one process, with no communication.
 - Column splits (``col_split_sizes``): every region of rows x columns is its own matrix; gather and owner
@@ -843,7 +844,8 @@ def _gather_segments(
 
     One all-gather of the segments padded to the largest, while that moves at most :data:`PADDED_GATHER_LIMIT`
     times their real bytes; else (more ranks than matrices: most segments empty) one broadcast per rank that
-    owns something, each of its real bytes, into one buffer holding the segments back to back."""
+    owns something, each of its real bytes, into one buffer holding the segments back to back: one group launch
+    on NCCL (:meth:`Collectives.broadcasts`)."""
     sizes = [sum(placed[i][0].update.numel() for i in jobs) for jobs in owned]
     pad, total = max(sizes), sum(sizes)
     first = next(i for jobs in owned for i in jobs)  # every job of the group is owned by some rank
@@ -859,12 +861,8 @@ def _gather_segments(
     recv = torch.empty(total, dtype=dtype, device=device)
     if mine:
         torch.cat(list(mine), out=recv[offsets[comm.rank] : offsets[comm.rank] + sizes[comm.rank]])
-    works = [
-        comm.broadcast(recv[offsets[r] : offsets[r] + sizes[r]], src=r, async_op=True)
-        for r in range(comm.world)
-        if sizes[r]
-    ]
-    return _Segments(recv, offsets, works)
+    pieces = [(recv[offsets[r] : offsets[r] + sizes[r]], r) for r in range(comm.world) if sizes[r]]
+    return _Segments(recv, offsets, [comm.broadcasts(pieces)])
 
 
 def _segment_parts(segments: _Segments, rank: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
