@@ -882,9 +882,10 @@ def fd_spread(args: argparse.Namespace) -> int:
     ``--only``, those optimizers alone, once their own selection is finished (the rest may still be training).
 
     Resumable across checkouts: each score is written to ``fd.json``'s rows as it is measured, and a row of the
-    local or the published (``<report-dir>/fd.json``) record is not measured again. A chosen run whose checkpoints
-    are not here (a fresh checkout has the selection's rows, not its runs) is trained again first, with the same
-    command, under ``<out>/fd/runs``."""
+    local or the published (``<report-dir>/fd.json``) record is not measured again. A chosen run is scored from
+    ``<out>/select/runs``, else from ``<out>/seeds/runs`` (the same command, trained again there for its curve);
+    one whose checkpoints are in neither (a fresh checkout has the selection's rows, not its runs) is trained again
+    first, with the same command, under ``<out>/fd/runs``."""
     selection = _record(args.out / "select" / "results.json")
     if selection is None and (published_select := published(args, "select.json")) is not None:
         selection = _record(published_select)
@@ -902,7 +903,14 @@ def fd_spread(args: argparse.Namespace) -> int:
     chosen = {f"{name}-lr{lr:g}-s{seed}": (name, lr, seed) for name, lr in lrs.items() for seed in SELECT_SEEDS}
     wanted = [(run, space, s) for run in chosen for space in FD_SPACES for s in FD_SAMPLE_SEEDS]
     todo = [key for key in wanted if key not in rows]
-    where = {run: args.out / "select" / "runs" / run for run, _, _ in todo}
+    # the selection's run, else the seeds part's of the same command (it trained seeds 0 and 1 again for curves)
+    where = {
+        run: next(
+            (path for part in ("select", "seeds") if _has_checkpoint(path := args.out / part / "runs" / run)),
+            args.out / "select" / "runs" / run,
+        )
+        for run, _, _ in todo
+    }
     gone = sorted({run for run, path in where.items() if not _has_checkpoint(path)})
     if gone:
         retrain = sorted({chosen[run][0] for run in gone})

@@ -411,9 +411,10 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
         return fake_eval(cmd, check)
 
     for o in race.MAIN:
-        if o != "muon_bp":  # MuonBP's chosen runs are not here: trained again
+        if o != "muon_bp":  # MuonBP's chosen runs are not here: trained again; AdamW's are the seeds part's
             for seed in race.SELECT_SEEDS:
-                (tmp_path / "select" / "runs" / f"{o}-lr0.01-s{seed}" / "checkpoints" / "step_2000").mkdir(parents=True)
+                part = "seeds" if o == "adamw" else "select"
+                (tmp_path / part / "runs" / f"{o}-lr0.01-s{seed}" / "checkpoints" / "step_2000").mkdir(parents=True)
     monkeypatch.setattr(race.subprocess, "run", fake_subprocess)
     assert race.main(["--part", "fd", "--out", str(tmp_path)]) == 0
     (bench,) = trained
@@ -421,9 +422,10 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     assert "--keep-rows-of" not in bench and "muon_bp=--optim.blocks 4" in flags(bench, "--train-args-of")
     result = json.loads((tmp_path / "fd.json").read_text())
     assert len(result["rows"]) == 5 * 2 * 2 * 2
-    assert {r["scored_from"] for r in result["rows"] if r["optimizer"] == "muon_bp"} == {
-        str(tmp_path / "fd" / "runs" / f"muon_bp-lr0.01-s{s}") for s in race.SELECT_SEEDS
-    }
+    for o, part in (("muon_bp", "fd"), ("adamw", "seeds"), ("muon", "select")):
+        assert {r["scored_from"] for r in result["rows"] if r["optimizer"] == o} == {
+            str(tmp_path / part / "runs" / f"{o}-lr0.01-s{s}") for s in race.SELECT_SEEDS
+        }
     assert result["samples"] == 2000 and set(result["optimizers"]) == set(race.MAIN)
     muon = result["optimizers"]["muon"]["classifier"]
     assert muon["mean"] == pytest.approx(20.5 + 0.5 + 0.125)
