@@ -385,6 +385,24 @@ ONE_PROCESS_CASES = [
 ]
 
 
+def grouped_broadcasts(rank: int, world: int, device: str) -> dict:
+    """Three broadcasts from rank 0 through the engine's :meth:`Collectives.broadcasts` on ``device``'s backend:
+    the values each rank ends with, whether the backend groups them, and the counted calls and launches."""
+    from dimuon.optim.distributed.collectives import Collectives, CommCounter, groups_launches
+
+    counter = CommCounter()
+    comm = Collectives(None, counter)
+    pieces = [(torch.full((n,), float(rank == 0) * (n + 1), device=device), 0) for n in (3, 5, 2)]
+    comm.broadcasts(pieces).wait()
+    stats = counter.stats()["broadcast"]
+    return {
+        "values": [t.cpu().tolist() for t, _ in pieces],
+        "grouped": groups_launches(None, torch.device(device)),
+        "calls": stats["calls"],
+        "launches": stats["launches"],
+    }
+
+
 def one_process_sharded(rank: int, world: int, device: str) -> dict:
     """Each case sharded (or replicated) against the same optimizer in one process, on ``device``: the gap,
     where every state tensor lives, and the exposed communication time."""

@@ -28,3 +28,13 @@ def test_sharded_paths_in_one_process(device):
         assert r["misplaced"] == [], key
         assert all(math.isfinite(s) and s >= 0 for s in r["exposed"]), key
         assert "all_reduce[check]" in r["kinds"], key  # the non-finite vote runs on the device's backend
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_owner_broadcasts_are_one_group_launch_on_nccl_and_one_each_on_gloo(device):
+    backend = "nccl" if device == "cuda" else "gloo"
+    world = 1 if device == "cuda" else 2  # one GPU here: NCCL takes one rank per device
+    for r in run_gloo(sc.grouped_broadcasts, world, device, backend=backend, timeout_s=300):
+        assert r["values"] == [[4.0] * 3, [6.0] * 5, [3.0] * 2]  # rank 0's on every rank
+        assert r["grouped"] == (device == "cuda") and r["calls"] == 3
+        assert r["launches"] == (1 if device == "cuda" else 3)
