@@ -901,7 +901,9 @@ def fd_spread(args: argparse.Namespace) -> int:
         if earlier.get("samples") == int(samples)
     }
     chosen = {f"{name}-lr{lr:g}-s{seed}": (name, lr, seed) for name, lr in lrs.items() for seed in SELECT_SEEDS}
-    wanted = [(run, space, s) for run in chosen for space in FD_SPACES for s in FD_SAMPLE_SEEDS]
+    # sampling seed by sampling seed, so that a part stopped half way has every run scored once (the training seeds'
+    # spread for every optimizer) before any run is scored twice; a checkpoint's samples serve both spaces
+    wanted = [(run, space, s) for s in FD_SAMPLE_SEEDS for run in chosen for space in FD_SPACES]
     todo = [key for key in wanted if key not in rows]
     # the selection's run, else the seeds part's of the same command (it trained seeds 0 and 1 again for curves)
     where = {

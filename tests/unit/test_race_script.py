@@ -387,6 +387,7 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
         run = Path(flags(cmd, "--run")[0])
         space, samples, seed = flags(cmd, "--features")[0], flags(cmd, "--num-samples")[0], flags(cmd, "--seed")[0]
         optimizer, train_seed = run.name.split("-lr")[0], int(run.name[-1])
+        order.append((int(seed), run.name, space))
         fd = base[optimizer] * (2 if space == "inception" else 1) + train_seed + 0.25 * int(seed)
         path = run / "eval" / "results.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +398,7 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
         path.write_text(json.dumps({"evaluations": evals}))
         return Done()
 
-    trained = []
+    trained, order = [], []
 
     def fake_subprocess(cmd, check=False):
         if "bench" in cmd:  # the chosen runs not here, trained again under <out>/fd/runs
@@ -422,6 +423,11 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     assert "--keep-rows-of" not in bench and "muon_bp=--optim.blocks 4" in flags(bench, "--train-args-of")
     result = json.loads((tmp_path / "fd.json").read_text())
     assert len(result["rows"]) == 5 * 2 * 2 * 2
+    # every run scored with sampling seed 0 (both spaces, one after the other) before any with seed 1
+    assert [o[0] for o in order] == sorted(o[0] for o in order) and order[0][2:] + order[1][2:] == (
+        "classifier",
+        "inception",
+    )
     for o, part in (("muon_bp", "fd"), ("adamw", "seeds"), ("muon", "select")):
         assert {r["scored_from"] for r in result["rows"] if r["optimizer"] == o} == {
             str(tmp_path / part / "runs" / f"{o}-lr0.01-s{s}") for s in race.SELECT_SEEDS
