@@ -118,7 +118,14 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, str, dict]]) -> di
         model, opt = make(model_name, optimizer, opts, world)
         refreshes: list = []
         stats = train(model, opt, model_name, 0, STEPS, refreshes if optimizer in REFRESH_STATS else None)
-        results[key] = {"params": full_params(model), "stats": stats, "kinds": None, "refreshes": refreshes}
+        tables = getattr(opt, "_tables", None)  # the fused kernels' address tables: made by their launches only
+        results[key] = {
+            "params": full_params(model),
+            "stats": stats,
+            "kinds": None,
+            "refreshes": refreshes,
+            "fused_tables": len(tables._kept) if tables is not None else 0,
+        }
     dist.barrier()
     return results
 

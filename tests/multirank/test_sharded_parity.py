@@ -5,6 +5,7 @@ import torch
 
 from dimuon.bench.launch import run_gloo
 from dimuon.optim.distributed.sharded import assign_owners, make_buckets, owner_buckets
+from dimuon.optim.fused import triton_available
 
 from . import scenarios as sc
 
@@ -35,6 +36,13 @@ CASES = [
         {"threshold": 0.55, "k_min": 1, "k_max": 3, "bucket_mb": 0.05, "refresh": "gather"},
     ),
 ]
+# The fused step kernels (Triton's interpreter on these CPU ranks) on local shards, held to the eager reference.
+FUSED = [
+    ("prm_k3_fused", "odd", "periodic_row_muon", {"k": 3, "gamma": 0.5, "kernels": "triton"}),
+    ("muon_bp_p5_fused", "odd", "muon_bp", {"period": 5, "block_lr_ratio": 0.8, "kernels": "triton"}),
+]
+CASES += FUSED if triton_available() else []
+NEEDS_TRITON = pytest.mark.skipif(not triton_available(), reason="needs triton")
 ADAPTIVE = ["arm", "arm_owner", "bytes_arm"]
 
 
@@ -54,6 +62,7 @@ def _reference(key, world, refreshes=None):
         return sc.reference(model, "adamw", opts)  # the family's AdamW group is torch's AdamW
     opts.pop("refresh", None)
     opts.pop("bucket_mb", None)
+    opts.pop("kernels", None)  # the reference takes the eager ops
     return sc.reference(model, optimizer, opts, refreshes=refreshes)
 
 
@@ -65,6 +74,7 @@ def _reference(key, world, refreshes=None):
         "prm_k3",
         "prm_k3_owner",
         "muon_bp_p5",
+        *[pytest.param(key, marks=NEEDS_TRITON) for key, *_ in FUSED],
         "adamw",
         "muon_adamw_only",
         "arm",
@@ -80,6 +90,15 @@ def test_parameters_match_single_process(sharded, key):
         for name, ref in expect.items():
             diff = (got[name] - ref).abs().max().item()
             assert diff <= 1e-5, (key, name, diff)
+
+
+@NEEDS_TRITON
+def test_fused_cases_launched_their_kernels_on_the_shards(sharded):
+    _, results = sharded
+    for rank_result in results:
+        for key, *_ in FUSED:
+            assert rank_result[key]["fused_tables"] > 0, key
+        assert rank_result["prm_k3"]["fused_tables"] == 0  # "auto" on a CPU: the eager ops
 
 
 def _bytes(stats):

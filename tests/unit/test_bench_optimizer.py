@@ -44,7 +44,8 @@ def test_end_to_end_tiny_dit_writes_every_optimizer(tmp_path, capsys):
     assert bench.main([*TINY, *PEERS_HERE, "--out", str(out), "--markdown", str(tmp_path / "o.md")]) == 0
     assert torch.get_num_threads() == threads  # --threads holds for the run only
     record = json.loads(out.read_text())
-    assert set(record["optimizers"]) == {*bench.OPTIMIZERS, "torch_muon"}
+    # the eager-kernel rows differ from the others only on CUDA: left out here
+    assert set(record["optimizers"]) == {*bench.OPTIMIZERS, "torch_muon"} - set(bench.FUSED_ONLY)
     torch_muon, dtensor_muon = record["peers"]["torch_muon"], record["peers"]["dtensor_muon"]
     assert torch_muon["runnable"] and torch_muon["version"] == torch.__version__
     assert record["optimizers"]["torch_muon"]["ns_dtype"] == "bfloat16" and record["optimizers"]["torch_muon"]["peer"]

@@ -56,6 +56,7 @@ CHANGED_OPTIM = {
     "bucket_mb": 4.0,
     "comm_dtype": "bfloat16",
     "ns_compile": True,
+    "kernels": "torch",
     "k": 7,
     "gamma": 0.5,
     "period": 3,
@@ -83,7 +84,7 @@ CHANGED_FROZEN = {
 }
 OPTIMIZERS = ("adamw", "muon", "periodic_row_muon", "muon_bp", "torch_muon")
 GROUP_COUNTERS = {"params", "param_names", "step", "skipped_steps", "initial_lr"}
-RUNTIME = ("nonfinite", "ns_compile", "adamw_fused", "engine_options")
+RUNTIME = ("nonfinite", "ns_compile", "adamw_fused", "kernels", "engine_options")
 
 
 def tiny(out: Path, **overrides: Any) -> TrainConfig:

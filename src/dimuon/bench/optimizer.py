@@ -79,7 +79,20 @@ VARIANTS: dict[str, Variant] = {
         f"dimuon {LABELS['periodic_row_muon']}, RowNorm steps only", "periodic_row_muon", {}, untimed_steps=1
     ),
     "block_step": Variant(f"dimuon {LABELS['muon_bp']}, block steps only", "muon_bp", {}, untimed_steps=1),
+    # the same steps in torch's eager list ops: beside the rows above on CUDA, where those take the fused kernels
+    # (dimuon.optim.fused); on a CPU both rows run the eager form, so these are left out there
+    "rownorm_step_eager": Variant(
+        f"dimuon {LABELS['periodic_row_muon']}, RowNorm steps only, eager kernels",
+        "periodic_row_muon",
+        {"kernels": "torch"},
+        untimed_steps=1,
+    ),
+    "block_step_eager": Variant(
+        f"dimuon {LABELS['muon_bp']}, block steps only, eager kernels", "muon_bp", {"kernels": "torch"}, untimed_steps=1
+    ),
 }
+# Rows that differ from another only where the fused kernels run (CUDA).
+FUSED_ONLY = ("rownorm_step_eager", "block_step_eager")
 OPTIMIZERS: dict[str, str] = {key: v.label for key, v in VARIANTS.items()}
 # A schedule whose refresh never comes back after the first step (taken untimed): every timed step is of one kind.
 NEVER = 2**31 - 1
@@ -204,6 +217,8 @@ def variants(cfg: Config) -> dict[str, Variant]:
         "muon_bp": ({"period": cfg.period, "blocks": cfg.bp_blocks}, cfg.period),
         "rownorm_step": ({"k": NEVER}, 1),
         "block_step": ({"period": NEVER, "blocks": cfg.bp_blocks}, 1),
+        "rownorm_step_eager": ({"k": NEVER}, 1),
+        "block_step_eager": ({"period": NEVER, "blocks": cfg.bp_blocks}, 1),
     }
     out = dict(VARIANTS)
     for key, (options, period) in flagged.items():
@@ -545,7 +560,7 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     check_config(cfg)
     repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of")
     warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
-    names = [n for n in OPTIMIZERS if n not in cfg.skip]
+    names = [n for n in OPTIMIZERS if n not in cfg.skip and (cfg.device == "cuda" or n not in FUSED_ONLY)]
     peer_names = [] if cfg.no_peers else [n for n in cfg.peers if n not in cfg.skip]
     machine = machine_info(argv)
     load_at_start = load_average()

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from dimuon.optim import devices
+from dimuon.optim import devices, fused
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
@@ -36,6 +36,7 @@ from dimuon.optim.distributed.engine import (
     MatrixJob,
     Refresh,
     ReplicaRefresh,
+    RowDirection,
     RowScaled,
     block_grid,
     col_split_sizes_to_ranges,
@@ -72,7 +73,7 @@ _MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
 
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
-_RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None}
+_RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None, "kernels": "auto"}
 _ENGINE_DEFAULTS: dict[str, Any] = {
     "refresh": DEFAULT_REFRESH,
     "bucket_mb": DEFAULT_BUCKET_MB,
@@ -235,6 +236,7 @@ class MuonOptions(TypedDict, total=False):
     process_group: Any
     ns_compile: bool
     adamw_fused: bool | None
+    kernels: fused.Kernels
     replica_refresh: ReplicaRefresh
     engine: DirectionEngine | None
 
@@ -274,6 +276,7 @@ class MuonFamily(torch.optim.Optimizer):
         process_group: Any = None,
         ns_compile: bool = False,
         adamw_fused: bool | None = None,
+        kernels: fused.Kernels = "auto",
         replica_refresh: ReplicaRefresh = "repeat",
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
@@ -314,9 +317,12 @@ class MuonFamily(torch.optim.Optimizer):
             raise TypeError(f"ns_compile must be a bool, got {ns_compile!r}")
         if adamw_fused is not None and not isinstance(adamw_fused, bool):
             raise TypeError(f"adamw_fused must be None, True or False, got {adamw_fused!r}")
+        fused.check_kernels(kernels)
         self.nonfinite = nonfinite
         self.ns_compile = ns_compile
         self.adamw_fused = adamw_fused
+        self.kernels = kernels
+        self._tables = fused.Tables()  # the fused kernels' address tables, kept on the device between steps
         self.engine_options = {
             "refresh": refresh,
             "bucket_mb": bucket_mb,
@@ -623,6 +629,7 @@ class MuonFamily(torch.optim.Optimizer):
             "_pending_skips": None,
             "_last_vote": None,
             "_workspace": {},
+            "_tables": fused.Tables(),
             "_map_buffers": Workspace(),
             "_schedule_scratch": {},
         }
@@ -896,15 +903,21 @@ class MuonFamily(torch.optim.Optimizer):
             state = self.state[p]
             if group["step"] == 0 or "momentum_buffer" not in state:  # made, or remade after a move, before step 1
                 state = self._param_state(p, group)
-            buf = local_tensor(state["momentum_buffer"])
-            grad = local_tensor(p.grad)
-            grads.append(grad.to(buf.dtype) if mask is None else grad)
-            bufs.append(buf)
-        if mask is not None:
-            grads = masked_gradients(mask, grads, bufs)
-        # M <- beta*M + (1-beta)*G  (EMA form)
-        torch._foreach_lerp_(bufs, grads, 1.0 - beta)
-        updates = self._nesterov_updates(gi, grads, bufs, beta, group["nesterov"])
+            bufs.append(local_tensor(state["momentum_buffer"]))
+            grads.append(local_tensor(p.grad))
+        if bufs and fused.fuses(self.kernels, bufs[0].device) and fused.launchable(*grads, *bufs):
+            # One launch: M <- lerp(M, G, 1 - beta) and U <- lerp(G, M, beta), G masked by the vote in the kernel.
+            flat = [b.view(b.shape[0], math.prod(b.shape[1:])) for b in bufs]
+            slots = self._nesterov_slots(gi, flat) if group["nesterov"] else None
+            fused.momentum_(self._tables, grads, bufs, slots, beta, mask)
+            updates = slots if slots is not None else flat
+        else:
+            grads = [g.to(b.dtype) for g, b in zip(grads, bufs)] if mask is None else grads
+            if mask is not None:
+                grads = masked_gradients(mask, grads, bufs)
+            # M <- beta*M + (1-beta)*G  (EMA form)
+            torch._foreach_lerp_(bufs, grads, 1.0 - beta)
+            updates = self._nesterov_updates(gi, grads, bufs, beta, group["nesterov"])
         stacked = group["stacked"]
         for p, u in zip(params, updates):
             count, rows, cols = matrix_shape(p, stacked)
@@ -969,11 +982,14 @@ class MuonFamily(torch.optim.Optimizer):
                 if isinstance(d, RowScaled):
                     row_scaled[i] = d
                 directions[i] = d
-        if wd != 0 and weights:
+        done = self._fused_apply(work, weights, directions, chosen_by_kind, mask)
+        if done:  # the rest take the eager form below
+            chosen_by_kind = {k: [i for i in c if i not in done] for k, c in chosen_by_kind.items()}
+        if wd != 0 and len(done) < len(weights):
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
             if mask is not None:
                 decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
-            torch._foreach_mul_(weights, decay)
+            torch._foreach_mul_([w for i, w in enumerate(weights) if i not in done], decay)
         for kind, chosen in chosen_by_kind.items():
             step_size = lr * self.schedule.multiplier(kind, group)
             scaled = [i for i in chosen if i in row_scaled]
@@ -1002,6 +1018,46 @@ class MuonFamily(torch.optim.Optimizer):
         self._count_kinds(work, kinds)
         self.schedule.after_step(work, kinds, directions, mask, ctx)
 
+    def _fused_apply(
+        self,
+        work: _MuonWork,
+        weights: Sequence[Tensor],
+        directions: Sequence[RowDirection | None],
+        chosen_by_kind: dict[StepKind, list[int]],
+        mask: Tensor | None,
+    ) -> set[int]:
+        """Weight decay and update of every weight the fused kernel takes, one launch per kind (and dtype pair):
+        ``W <- (1 - lr wd) W - step D f``; returns the indices it moved (none where the step does not fuse)."""
+        group = work.group
+        lr, wd = group["lr"], group["weight_decay"]
+        if not weights or not fused.fuses(self.kernels, weights[0].device):
+            return set()
+        if isinstance(lr, Tensor):
+            if wd != 0:  # the decay would be a device number too: the eager form takes it
+                return set()
+            if lr.device.type == "cpu" and weights[0].device.type != "cpu":
+                lr = float(lr)  # a host number: no device read
+        done: set[int] = set()
+        for kind, chosen in chosen_by_kind.items():
+            ws, ds, fs, idx = [], [], [], []
+            for i in chosen:
+                d = directions[i]
+                if isinstance(d, RowScaled):
+                    w, u, f = _matrix_view(weights[i], d.update), d.update, d.factor
+                    if w is None or f.dtype != torch.float32 or not f.is_contiguous():
+                        continue
+                else:
+                    w, u, f = weights[i], d, None  # type: ignore[assignment]
+                    if u is None or u.numel() != w.numel():
+                        continue
+                if fused.launchable(w, u):
+                    ws.append(w), ds.append(u), fs.append(f), idx.append(i)
+            if idx:
+                step = lr * self.schedule.multiplier(kind, group)
+                fused.update_(self._tables, ws, ds, fs, step, 1.0 - float(lr) * wd if wd else 1.0, mask)
+                done.update(idx)
+        return done
+
     def _nesterov_updates(
         self, gi: int, grads: list[Tensor], bufs: list[Tensor], beta: float, nesterov: bool
     ) -> list[Tensor]:
@@ -1015,6 +1071,19 @@ class MuonFamily(torch.optim.Optimizer):
         flat = [b.reshape(b.shape[0], math.prod(b.shape[1:])) for b in bufs]  # the local piece
         if not nesterov:
             return flat  # U = M
+        out = self._nesterov_slots(gi, flat)
+        gs = [g.reshape(u.shape) for g, u in zip(grads, out)]
+        if devices.cpu_path(flat[0].device):  # one pass per parameter: U <- lerp(G, M, beta), read twice, written once
+            for g, m, u in zip(gs, flat, out):
+                torch.lerp(g, m, beta, out=u)
+        else:  # two list ops (few launches): U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
+            torch._foreach_copy_(out, gs)
+            torch._foreach_lerp_(out, flat, beta)
+        return out
+
+    def _nesterov_slots(self, gi: int, flat: Sequence[Tensor]) -> list[Tensor]:
+        """Where the Nesterov momenta of group ``gi`` go: per parameter a row of one ``(B, r, c)`` buffer per shape
+        of its 2-D momentum view in ``flat`` (kept from step to step on the CPU)."""
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, b in enumerate(flat):
             by_shape.setdefault(tuple(b.shape), []).append(i)
@@ -1029,13 +1098,6 @@ class MuonFamily(torch.optim.Optimizer):
                     self._workspace[key] = batch
             for i, row in zip(idx, batch.unbind(0)):
                 out[i] = row
-        gs = [g.reshape(u.shape) for g, u in zip(grads, out)]
-        if devices.cpu_path(flat[0].device):  # one pass per parameter: U <- lerp(G, M, beta), read twice, written once
-            for g, m, u in zip(gs, flat, out):
-                torch.lerp(g, m, beta, out=u)
-        else:  # two list ops (few launches): U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
-            torch._foreach_copy_(out, gs)
-            torch._foreach_lerp_(out, flat, beta)
         return out
 
     @staticmethod

@@ -44,6 +44,10 @@ CORE_OPTIONS: dict[str, str] = {
     "seconds each; same results within rounding).",
     "adamw_fused": "the AdamW groups' kernel: ``True`` fused, ``False`` foreach, ``None`` (default) fused wherever "
     "torch has a fused AdamW for the parameters' device and dtype.",
+    "kernels": 'the momentum and weight-update passes: ``"auto"`` (default) one fused Triton launch per pass on CUDA '
+    "where Triton imports (a RowNorm step reads and writes each element 9 times rather than 15), "
+    '``"torch"`` the eager list ops everywhere, ``"triton"`` the fused kernels always (on CPU tensors through '
+    "Triton's interpreter: slow, for checking them).",
     "replica_refresh": 'spectral steps of parameters that mesh dimensions replicate (HSDP): ``"repeat"`` (every '
     'replica refreshes every matrix; no bytes across replicas) or ``"split"`` (each matrix refreshed by one '
     "replica, its pieces broadcast to the others).",
