@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "dimuon.bench.gpu",
     "step": "dimuon.bench.step",
     "census": "dimuon.bench.census",
+    "traffic": "dimuon.bench.traffic",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -39,6 +40,7 @@ commands:
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid
   bench step         training-step time per optimizer (forward/backward vs optimizer), one process and FSDP2
   bench census       what one optimizer step costs at 4-256 ranks: collectives, host reads, ops, NS FLOPs per rank
+  bench traffic      bytes one memory-bound step moves (RowNorm eager and fused, fused AdamW), counted per op
   bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
 'dimuon <command> --help' lists each command's options."""

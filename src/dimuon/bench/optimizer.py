@@ -41,7 +41,7 @@ from dimuon.bench.peers import (
     start_peer,
 )
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
-from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info
+from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info, print_report
 from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
 from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
@@ -616,12 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dimuon bench optimizer: {err}", file=sys.stderr)
         return 2
     record = run(cfg, args)
-    print(render(record))
-    print(f"\nwrote {cfg.out}")
-    if cfg.markdown is not None:
-        cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
-        cfg.markdown.write_text(render(record, markdown=True) + "\n", encoding="utf-8")
-        print(f"wrote {cfg.markdown}")
+    print_report(record, render, cfg.out, cfg.markdown)
     return 0
 
 

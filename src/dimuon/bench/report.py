@@ -203,3 +203,14 @@ def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Ca
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
     return cfg
+
+
+def print_report(record: dict[str, Any], render: Callable[..., str], out: Path, markdown: Path | None) -> None:
+    """A benchmark's table on stdout, where its JSON record went, and the same table as Markdown to ``markdown``
+    (for docs) where one is given."""
+    print(render(record))
+    print(f"\nwrote {out}")
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(render(record, markdown=True) + "\n", encoding="utf-8")
+        print(f"wrote {markdown}")

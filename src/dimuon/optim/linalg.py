@@ -453,8 +453,10 @@ def row_factors(x: Tensor, eps: float = _EPS, scale: float = 1.0) -> Tensor:
     wide = torch.promote_types(x.dtype, torch.float32)
     if x.shape[-2] <= x.shape[-1]:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=wide)
-    else:
+    elif _cpu_chunk_rows(x) is not None:
         norm = square_sums(x if x.dtype == wide else x.to(wide), dim=-2).sqrt_()
+    else:  # one read of x (squares summed by a separate op would be written and read again: 3 passes)
+        norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True, dtype=wide)
     return scale / norm.clamp(min=eps)
 
 
@@ -463,14 +465,23 @@ def row_factors(x: Tensor, eps: float = _EPS, scale: float = 1.0) -> Tensor:
 _CPU_SQUARE_CHUNK = 1 << 16
 
 
-def square_sums(x: Tensor, dim: int) -> Tensor:
-    """Sums of squares of a ``(r, c)`` or ``(B, r, c)`` tensor along ``dim`` (-1: per row, -2: per column), the
-    reduced dimension kept. One reduction on accelerators; on the CPU in chunks of rows (see ``_CPU_SQUARE_CHUNK``),
-    which runs several times faster than one square of the whole and than ``vector_norm(dim=-2)``."""
+def _cpu_chunk_rows(x: Tensor) -> int | None:
+    """Rows per chunk where ``x``'s squares are summed in chunks (on the CPU, a matrix larger than one chunk);
+    None where one reduction takes it."""
     rows = x.shape[-2]
     per = max(1, _CPU_SQUARE_CHUNK // max(1, x.numel() // max(rows, 1)))
-    if not devices.cpu_path(x.device) or per >= rows:
-        return x.square().sum(dim=dim, keepdim=True)
+    return per if devices.cpu_path(x.device) and per < rows else None
+
+
+def square_sums(x: Tensor, dim: int) -> Tensor:
+    """Sums of squares of a ``(r, c)`` or ``(B, r, c)`` tensor along ``dim`` (-1: per row, -2: per column), the
+    reduced dimension kept. One reduction (the norm, squared) on accelerators: one read of ``x``, where squaring
+    and summing would write the squares and read them again; on the CPU in chunks of rows (see
+    ``_CPU_SQUARE_CHUNK``), which runs several times faster than one square of the whole and than
+    ``vector_norm(dim=-2)``."""
+    per = _cpu_chunk_rows(x)
+    if per is None:
+        return torch.linalg.vector_norm(x, dim=dim, keepdim=True).square_()
     chunks = [c.square().sum(dim=dim, keepdim=True) for c in x.split(per, dim=-2)]
     if dim in (-1, x.ndim - 1):
         return torch.cat(chunks, dim=-2)
