@@ -17,6 +17,7 @@ a launch cannot take (not contiguous, an unsupported dtype, a factor wider than 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -100,13 +101,15 @@ class Tables:
         return table
 
 
-def _launch(kernel: Any, grid: tuple[int, int]) -> Callable[..., None]:
-    """``kernel[grid]``, whose call names the way out where Triton cannot compile or launch it here."""
+def _launch(kernel: Any, grid: tuple[int, int], device: torch.device) -> Callable[..., None]:
+    """``kernel[grid]`` launched on ``device`` (Triton launches on the current CUDA device, which need not be the
+    tensors'), whose call names the way out where Triton cannot compile or launch it here."""
     launcher = kernel[grid]
 
     def call(*args: Any, **kwargs: Any) -> None:
         try:
-            launcher(*args, **kwargs)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                launcher(*args, **kwargs)
         except Exception as e:  # a compiler or driver error
             raise RuntimeError(
                 f"dimuon's fused step kernel {getattr(kernel, '__name__', 'kernel')} failed on this device ({e}); "
@@ -147,7 +150,7 @@ def momentum_(
     for (g_dtype, m_dtype), idx in _dtype_pairs(grads, bufs):
         sizes = [bufs[i].numel() for i in idx]
         u = [outs[i].data_ptr() for i in idx] if outs is not None else [0] * len(idx)
-        _launch(kernel, _grid(sizes))(
+        _launch(kernel, _grid(sizes), device)(
             tables.get([grads[i].data_ptr() for i in idx], device),
             tables.get([bufs[i].data_ptr() for i in idx], device),
             tables.get(u, device),
@@ -196,7 +199,7 @@ def update_(
                 modes.append(mod.FACTOR_PER_ROW if f.shape[-1] == 1 else mod.FACTOR_PER_COL)
                 widths.append(d.shape[-1])
                 fptrs.append(f.data_ptr())
-        _launch(kernel, _grid(sizes))(
+        _launch(kernel, _grid(sizes), device)(
             tables.get([weights[i].data_ptr() for i in idx], device),
             tables.get([directions[i].data_ptr() for i in idx], device),
             tables.get(fptrs, device),
