@@ -511,17 +511,18 @@ class ShardedEngine:
             out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
         return out
 
-    def _full(self, job: MatrixJob, plc: _Placement, table: Tensor, keep_dtype: bool = False) -> Tensor:
-        """The whole matrix from the gathered pieces: ``table`` row ``g`` holds group rank ``g``'s piece. Layouts
-        that are not consecutive row blocks (strided, column-split) are assembled by one gather through an index
-        precomputed per layout, not one slice copy per piece. In the momentum's dtype, or with ``keep_dtype`` in
-        the payload's (Newton-Schulz casts to its own first: the same values without the round trip)."""
-        if plc.row_major:  # consecutive row blocks: the gathered buffer already is the padded matrix
-            full = table.reshape(-1, job.cols)[: job.rows]
-        else:
-            index = self._assembly_index(job, plc, table.device)
-            full = table.reshape(-1).index_select(0, index).view(job.rows, job.cols)
-        return full if keep_dtype else full.to(job.update.dtype)
+    def _fulls(self, job: MatrixJob, plc: _Placement, tables: Tensor) -> Tensor:
+        """The whole matrices of one class (``job``'s shape and placement) from their gathered pieces, ``(n, rows,
+        cols)``: ``tables[t]`` holds matrix ``t``'s pieces, group rank ``g``'s in its ``g``-th slot. Layouts that
+        are not consecutive row blocks (strided, column-split) are assembled by one gather for the whole class
+        through an index precomputed per layout, not one per matrix or per piece. In the payload's dtype
+        (Newton-Schulz casts to its own first: the same values without a round trip)."""
+        n = tables.shape[0]
+        flat = tables.reshape(n, -1)
+        if plc.row_major:  # consecutive row blocks: each gathered row already is the padded matrix
+            return flat[:, : job.rows * job.cols].view(n, job.rows, job.cols)
+        index = self._assembly_index(job, plc, tables.device)
+        return flat.index_select(1, index).view(n, job.rows, job.cols)
 
     def _assembly_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
         """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
@@ -577,10 +578,9 @@ class ShardedEngine:
                 block = table[:, offset : offset + n * pad].view(comm.world, n, pad)
                 by_matrix = block.transpose(0, 1).contiguous()
                 offset += n * pad
-                for t, i in enumerate(members):
+                fulls = self._fulls(*placed[members[0]], by_matrix)  # in the payload's dtype
+                for full, i in zip(fulls, members):
                     job, plc = placed[i]
-                    # In the payload's dtype: Newton-Schulz casts to its own first (no fp32 copy of a bf16 payload).
-                    full = self._full(job, plc, by_matrix[t], keep_dtype=True)
                     for a, bnd, c, e in job.regions():
                         if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
                             pieces.append(full[a:bnd, c:e])
@@ -688,9 +688,10 @@ class ShardedEngine:
             # matrices lie evenly spaced, so Newton-Schulz takes them as one batch without a stack.
             table = recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
             pieces, where, dirs = [], [], {}
+            fulls = self._fulls(*placed[owned[0]], table) if owned else table  # one class per bucket
             for t, i in enumerate(owned):
                 job, plc = placed[i]
-                full = self._full(job, plc, table[t], keep_dtype=True)
+                full = fulls[t]
                 dirs[i] = (
                     back[t, : job.rows * job.cols].view(job.rows, job.cols)
                     if plc.row_major
