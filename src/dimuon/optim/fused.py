@@ -33,6 +33,7 @@ KERNEL_CHOICES: tuple[str, ...] = get_args(Kernels)
 
 _BLOCK = 1024  # elements per program: a few KiB per tensor read, enough to hide the loads' latency
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_NUMEL = 2**31
 _MAX_TENSORS = 65535  # a launch's tensors lie on the grid's second axis, which CUDA caps here
 _TABLE_CACHE = 64  # address tables kept on the device (parameters and state keep their addresses step to step)
 
@@ -70,9 +71,12 @@ def _module() -> ModuleType:
 
 
 def launchable(*tensors: Tensor) -> bool:
-    """Whether a launch can take these tensors: contiguous, of a dtype the kernels load, on one device."""
+    """Whether a launch can take these tensors: contiguous, of a dtype the kernels load, on one device, each under
+    2^31 elements (the update kernel indexes a matrix's rows and columns in 32 bits)."""
     device = tensors[0].device
-    return all(t.is_contiguous() and t.dtype in _DTYPES and t.device == device for t in tensors)
+    return all(
+        t.is_contiguous() and t.dtype in _DTYPES and t.device == device and t.numel() < _MAX_NUMEL for t in tensors
+    )
 
 
 def _tl_type(dtype: torch.dtype) -> object:

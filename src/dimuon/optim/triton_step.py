@@ -96,8 +96,10 @@ def _update(
     d = tl.load(d_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     mode = tl.load(modes + t)
     if mode != 0:
-        width = tl.load(cols + t)
-        index = tl.where(mode == 1, offs // width, offs % width)
+        width = tl.load(cols + t).to(tl.int32)
+        local = offs.to(tl.int32)  # a matrix of under 2^31 elements (fused.launchable): 32-bit division
+        row = local // width
+        index = tl.where(mode == 1, row, local - row * width)
         f_ptr = tl.load(f_ptrs + t).to(tl.pointer_type(tl.float32))
         d = d * tl.load(f_ptr + index, mask=inside, other=0.0)
     s = tl.load(step_ptr).to(tl.float32) if STEP_IS_TENSOR else step
