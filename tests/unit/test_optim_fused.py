@@ -193,6 +193,23 @@ def test_a_weight_no_launch_takes_steps_in_the_eager_form_beside_the_rest(launch
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_one_row_and_one_column_matrices_index_their_single_factor(launches):
+    """A (16, 1) matrix's RowNorm factor is its one column's, a (1, 16) one's its one row's: both (1, 1)."""
+    runs = []
+    for kernels in ("torch", "triton"):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(16, 1)), nn.Parameter(torch.randn(1, 16)), nn.Parameter(torch.randn(4, 8))]
+        opt = build("periodic_row_muon", [{"params": params}], lr=0.02, weight_decay=0.1, kernels=kernels)
+        for t in range(4):
+            for p in params:
+                p.grad = randn(p.shape, "cpu", seed=t)
+            opt.step()
+        runs.append(params)
+    assert launches["update"].launches == 4
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_auto_takes_the_eager_ops_on_the_cpu(launches):
     model = model_on("cpu")
     train(model, build("muon", model, lr=0.02), 2)

@@ -200,7 +200,9 @@ def update_(
                 widths.append(1)
                 fptrs.append(0)
             else:
-                modes.append(mod.FACTOR_PER_ROW if f.shape[-1] == 1 else mod.FACTOR_PER_COL)
+                # (rows, 1): per row; (1, cols): per column (a (1, 1) factor of a one-row matrix is per row)
+                per_row = f.shape[-1] == 1 and f.shape[-2] == d.shape[-2]
+                modes.append(mod.FACTOR_PER_ROW if per_row else mod.FACTOR_PER_COL)
                 widths.append(d.shape[-1])
                 fptrs.append(f.data_ptr())
         _launch(kernel, _grid(sizes), device)(
