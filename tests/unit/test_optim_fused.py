@@ -216,6 +216,14 @@ def test_auto_takes_the_eager_ops_on_the_cpu(launches):
     assert launches["momentum"].launches == launches["update"].launches == 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_fuses_on_cuda(launches):
+    model = model_on("cuda")
+    train(model, build("periodic_row_muon", model, lr=0.02, weight_decay=0.1), 3)
+    assert launches["momentum"].launches == 3 and launches["update"].launches == 3
+
+
 def test_kernels_option_is_checked_at_construction(monkeypatch):
     model = model_on("cpu")
     with pytest.raises(ValueError, match=r"kernels must be one of 'auto', 'torch', 'triton', got 'cuda'"):
