@@ -885,7 +885,7 @@ def fd_spread(args: argparse.Namespace) -> int:
     local or the published (``<report-dir>/fd.json``) record is not measured again. A chosen run is scored from
     ``<out>/select/runs``, else from ``<out>/seeds/runs`` (the same command, trained again there for its curve);
     one whose checkpoints are in neither (a fresh checkout has the selection's rows, not its runs) is trained again
-    first, with the same command, under ``<out>/fd/runs``."""
+    first, with the same command, under ``<out>/fd/runs``, where a later call finds it."""
     selection = _record(args.out / "select" / "results.json")
     if selection is None and (published_select := published(args, "select.json")) is not None:
         selection = _record(published_select)
@@ -905,10 +905,11 @@ def fd_spread(args: argparse.Namespace) -> int:
     # spread for every optimizer) before any run is scored twice; a checkpoint's samples serve both spaces
     wanted = [(run, space, s) for s in FD_SAMPLE_SEEDS for run in chosen for space in FD_SPACES]
     todo = [key for key in wanted if key not in rows]
-    # the selection's run, else the seeds part's of the same command (it trained seeds 0 and 1 again for curves)
+    # the selection's run, else the seeds part's of the same command (it trained seeds 0 and 1 again for curves),
+    # else this part's own, trained again by an earlier call
     where = {
         run: next(
-            (path for part in ("select", "seeds") if _has_checkpoint(path := args.out / part / "runs" / run)),
+            (path for part in ("select", "seeds", "fd") if _has_checkpoint(path := args.out / part / "runs" / run)),
             args.out / "select" / "runs" / run,
         )
         for run, _, _ in todo

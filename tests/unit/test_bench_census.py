@@ -105,6 +105,24 @@ def test_host_reads_are_counted_with_their_sites(record):
     )
 
 
+def _gather_ops(tmp_path, depth: int) -> tuple[int, int]:
+    """Ops and Newton-Schulz calls of Muon's gather refresh on FSDP x TP (column-split pieces) at ``depth``."""
+    out = tmp_path / f"depth{depth}"
+    flags = [*TINY[: TINY.index("--optimizers")], "--optimizers", "muon_gather", "--layouts", "fsdp_tp"]
+    flags[flags.index("--fake-depth") + 1] = str(depth)
+    assert census.main([*flags, "--out", str(out)]) == 0
+    (case,) = [c for j in json.loads((out / "census.json").read_text())["jobs"] for c in j["cases"]]
+    return case["ops"], case["ns_ops"]
+
+
+def test_the_gather_refresh_cuts_column_split_pieces_per_class_not_per_matrix(tmp_path):
+    # Four times the blocks: four times the matrices of each class, the same classes and buckets. Assembling the
+    # whole matrices and cutting this rank's pieces back out are one index op per class, so nothing grows.
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    assert _gather_ops(tmp_path, 4) == _gather_ops(tmp_path, 1)
+
+
 def test_a_world_size_gets_the_meshes_of_a_cluster():
     assert census.mesh_words(census.layout_degrees("hsdp", 256)) == "32x8 (dp_replicate x dp_shard)"
     assert census.mesh_words(census.layout_degrees("fsdp_tp", 64)) == "8x8 (dp_shard x tp)"

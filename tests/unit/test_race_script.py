@@ -440,6 +440,11 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     gaps = {(g["space"], g["a"], g["b"]): g for g in result["gaps"]}
     assert not gaps[("classifier", "muon", "torch_muon")]["resolved"]  # 0.5 apart, ranges 0.5 + 0.5
     assert gaps[("inception", "adamw", "muon")]["resolved"]  # 19 apart
+    # scored again from scratch, the runs trained again by the first call are found under <out>/fd/runs
+    (tmp_path / "fd.json").unlink()
+    trained.clear()
+    assert race.main(["--part", "fd", "--out", str(tmp_path)]) == 0
+    assert trained == [] and json.loads((tmp_path / "fd.json").read_text())["rows"] == result["rows"]
     # a score already in the record is not measured again: a fresh checkout resumes from the published fd.json
     published = tmp_path / "published"
     published.mkdir()

@@ -241,7 +241,7 @@ class ShardedEngine:
         self._comms: dict[int, Collectives] = {}
         self._flat_meshes: dict[int, object] = {}
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
-        self._assembly: dict[tuple, Tensor] = {}  # (rows, cols, pad, members, device) -> gather index
+        self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
         self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
         self._local = LocalEngine()
@@ -540,6 +540,36 @@ class ShardedEngine:
             index = self._assembly[key] = full.reshape(-1)
         return index
 
+    def _cut_pieces(
+        self, placed: Sequence[Placed], members: Sequence[int], directions: Sequence[Tensor], outs: list
+    ) -> None:
+        """This rank's piece of each whole direction of one class (one shape, placement and dtype), ``outs[i]``:
+        one gather through an index precomputed per layout for the whole class where the directions lie as one
+        batch (they come from one batched Newton-Schulz), not a copy per span of every matrix."""
+        job, plc = placed[members[0]]
+        batch = batch_view(directions)
+        wide = _wide(job.update)
+        if batch is None or batch.dtype != wide:  # not one batch: each written out as the general path does
+            for i, d in zip(members, directions):
+                outs[i] = _empty_direction(placed[i][0])
+                plc.mine.write(outs[i], d, 0, job.rows, 0, job.cols)
+            return
+        index = self._piece_index(job, plc, batch.device)
+        taken = batch.reshape(len(members), -1).index_select(1, index)  # (n, piece elements), this rank's order
+        for i, piece in zip(members, taken):
+            outs[i] = piece.view(plc.mine.shape)
+
+    def _piece_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
+        """For every element of this rank's piece (local order), its position in the flat ``(rows, cols)``
+        matrix; built once per layout and shape, int32 where it fits."""
+        key = ("piece", job.rows, job.cols, plc.mine, device)
+        index = self._assembly.get(key)
+        if index is None:
+            dtype = torch.int32 if job.rows * job.cols < 2**31 else torch.int64
+            positions = torch.arange(job.rows * job.cols, dtype=dtype, device=device).view(job.rows, job.cols)
+            index = self._assembly[key] = plc.mine.take(positions).reshape(-1)
+        return index
+
     def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
         buckets = self._buckets(placed, config)
@@ -570,6 +600,7 @@ class ShardedEngine:
             work.wait()
             table = recv.view(comm.world, -1)
             pieces, where, offset = [], [], 0
+            cut: list[tuple[list[int], int]] = []  # classes whose pieces are cut out of their batch by one gather
             for members in _classes(placed, idx):  # the order launch() packed them in
                 n, pad = len(members), placed[members[0]][1].pad
                 # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
@@ -579,13 +610,25 @@ class ShardedEngine:
                 by_matrix = block.transpose(0, 1).contiguous()
                 offset += n * pad
                 fulls = self._fulls(*placed[members[0]], by_matrix)  # in the payload's dtype
+                job, plc = placed[members[0]]
+                if _cut_by_index(job, plc):
+                    cut.append((members, len(pieces)))
+                    pieces += list(fulls)
+                    where += [None] * n
+                    continue
                 for full, i in zip(fulls, members):
                     job, plc = placed[i]
                     for a, bnd, c, e in job.regions():
                         if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
                             pieces.append(full[a:bnd, c:e])
                             where.append((i, a, bnd, c, e))
-            for (i, a, bnd, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config)):
+            directions = apply_map_batched(pieces, StepKind.SPECTRAL, config)
+            for members, start in cut:
+                self._cut_pieces(placed, members, directions[start : start + len(members)], outs)
+            for entry, d in zip(where, directions):
+                if entry is None:  # cut with its class
+                    continue
+                i, a, bnd, c, e = entry
                 job, plc = placed[i]
                 whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
                 if whole and (view := _rows_view(plc.mine, d)) is not None:
@@ -918,6 +961,14 @@ def _rows_view(mine: Any, direction: Tensor) -> Tensor | None:
     if c.start != 0 or c.size != direction.shape[1] or r.local != 0 or c.local != 0:
         return None
     return direction[r.start : r.stop]
+
+
+def _cut_by_index(job: MatrixJob, plc: _Placement) -> bool:
+    """Whether the gather refresh cuts this class's pieces out of its directions with one index: one logical
+    matrix each (no fused splits), a piece here that is not one block of whole rows (those are views)."""
+    whole = job.regions() == [(0, job.rows, 0, job.cols)]
+    rows_block = len(plc.mine.rows) == 1 and len(plc.mine.cols) == 1 and plc.mine.cols[0].size == job.cols
+    return whole and plc.mine.numel > 0 and not rows_block
 
 
 def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
