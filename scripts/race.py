@@ -1215,6 +1215,16 @@ def report(args: argparse.Namespace) -> int:
         if (args.out / name).is_file() and args.out.resolve() != dest.resolve():
             outputs.append(dest / name)
             (dest / name).write_bytes((args.out / name).read_bytes())
+    fd_record = _record(dest / "fd.json") or _record(args.out / "fd.json")
+    if fd_record and fd_record.get("rows"):
+        outputs.append(
+            rr.plot_fd_spread(
+                fd_record,
+                dest / "fd_spread.png",
+                f"{task}: FD of each optimizer's chosen runs, final checkpoint, {fd_record['samples']} samples; a "
+                "point per training and sampling seed",
+            )
+        )
     result = {
         "benchmark": "race",
         "task": task,
@@ -1252,6 +1262,7 @@ def report(args: argparse.Namespace) -> int:
         "k_costs": k_costs,
         "refresh_frontier": frontier,
         "step_command": step_record["command"] if step_record and basis == "side by side" else None,
+        "fd_spread": fd_record if fd_record and fd_record.get("rows") else None,
     }
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
@@ -1396,6 +1407,18 @@ def render(result: dict) -> str:
             "seed ranges are apart; else the loss cannot tell the schedules apart at that share.",
             "",
             rr.render_frontier(result["refresh_frontier"]),
+        ]
+    if result.get("fd_spread"):
+        record = result["fd_spread"]
+        lines += [
+            "",
+            f"## FD that can resolve (fd: final checkpoints, {record['samples']} samples, both feature spaces)",
+            "",
+            "Each optimizer's chosen runs (its selected lr, training seeds 0 and 1), scored with sampling seeds "
+            f"{', '.join(map(str, record['sample_seeds']))} where done. A gap resolves where it is larger than the two "
+            "training-seed half ranges summed.",
+            "",
+            rr.render_fd_spread(record),
         ]
     for lr, costs in result["k_costs"].items():
         cells = "; ".join(

@@ -630,6 +630,73 @@ def plot_gap_vs_params(sizes: Sequence[Mapping[str, Any]], path: Path, dataset: 
     return path
 
 
+def plot_fd_spread(record: Mapping[str, Any], path: Path, title: str = "") -> Path | None:
+    """One panel per feature space of the ``fd`` part's record: every score of each optimizer's chosen runs (a
+    point per checkpoint and sampling seed, a marker per training seed) and their mean, so that the spread over
+    training seeds stands beside the gaps between optimizers; None without a row."""
+    spaces = [space for space in ("classifier", "inception") if any(r["space"] == space for r in record["rows"])]
+    if not spaces:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(spaces), figsize=(5.5 * len(spaces), 4), squeeze=False)
+    names = sorted({n for n, by_space in record["optimizers"].items() if set(spaces) & set(by_space)})
+    markers = "os^Dv"
+    for ax, space in zip(axes[0], spaces):
+        for x, name in enumerate(names):
+            summary = record["optimizers"][name].get(space)
+            if summary is None:
+                continue
+            ax.hlines(summary["mean"], x - 0.3, x + 0.3, color="black", lw=1.5)
+            for row in summary["rows"]:
+                offset = 0.12 * (row["sample_seed"] - 0.5)
+                marker = markers[row["train_seed"] % len(markers)]
+                ax.plot(x + offset, row["fd"], marker, color=f"C{row['train_seed']}", ms=6, alpha=0.8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([f"{n}\nlr {record['lrs'][n]:g}" for n in names], fontsize=7)
+        ax.set_ylabel(f"FD ({space} features, {record['samples']} samples)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_title(space, fontsize=9)
+    from matplotlib.lines import Line2D
+
+    seeds = sorted({r["train_seed"] for r in record["rows"]})
+    handles = [
+        Line2D([], [], marker=markers[s % len(markers)], color=f"C{s}", ls="", label=f"training seed {s}")
+        for s in seeds
+    ]
+    handles.append(Line2D([], [], color="black", lw=1.5, label="mean"))
+    axes[0][-1].legend(handles=handles, fontsize=7)
+    if title:
+        fig.suptitle(textwrap.fill(title, 110), fontsize=9)
+    save_figure_atomic(fig, path, **SAVE_KWARGS)
+    plt.close(fig)
+    return path
+
+
+def render_fd_spread(record: Mapping[str, Any]) -> str:
+    """Markdown of the ``fd`` part's record: per optimizer and space the mean FD with its training seeds' and
+    sampling seeds' half ranges, then every gap with whether it exceeds the two training-seed half ranges."""
+    lines = [
+        "| optimizer | lr | space | scores | mean FD | training seeds +- | sampling seeds +- |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, by_space in sorted(record["optimizers"].items()):
+        for space, t in by_space.items():
+            lines.append(
+                f"| {name} | {record['lrs'][name]:g} | {space} | {len(t['rows'])} | {t['mean']:.2f} | "
+                f"{t['train_half_range']:.2f} ({100 * t['train_half_range'] / t['mean']:.0f}%) | "
+                f"{t['sample_half_range']:.2f} |"
+            )
+    if record.get("gaps"):
+        lines += ["", "| space | a | b | gap (b - a) | training-seed half ranges, summed | resolved |"]
+        lines.append("| --- | --- | --- | ---: | ---: | --- |")
+        for g in record["gaps"]:
+            lines.append(
+                f"| {g['space']} | {g['a']} | {g['b']} | {g['gap']:+.2f} | {g['noise']:.2f} | "
+                f"{'yes' if g['resolved'] else 'no'} |"
+            )
+    return "\n".join(lines)
+
+
 def refresh_frontier(
     summaries: Mapping[str, Mapping[str, Any]], settings: Mapping[str, str]
 ) -> dict[str, list[dict[str, Any]]]:

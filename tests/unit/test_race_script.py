@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import shlex
@@ -226,10 +227,33 @@ def test_report_builds_the_tables_and_plots_from_the_parts_done(race, tmp_path):
             }
         )
     )
+    fd_rows = {
+        (f"{name}-lr0.01-s{t}", space, s): {
+            "run": f"{name}-lr0.01-s{t}",
+            "optimizer": name,
+            "lr": 0.01,
+            "train_seed": t,
+            "sample_seed": s,
+            "space": space,
+            "step": 1000,
+            "fd": base + t + 0.5 * s,
+            "scored_from": "x",
+        }
+        for name, base in (("adamw", 30.0), ("muon", 20.0))
+        for t in (0, 1)
+        for space in ("classifier", "inception")
+        for s in (0, 1)
+    }
+    race.write_fd(argparse.Namespace(out=tmp_path), "2000", fd_rows, {"adamw": 0.01, "muon": 0.01})
     dest = tmp_path / "published"
     assert race.main(["--part", "report", "--out", str(tmp_path), "--report-dir", str(dest)]) == 0
     got = json.loads((dest / "race.json").read_text())
     assert got["main"]["time_basis"] == "side by side" and (dest / "step.json").is_file()
+    assert (dest / "fd.json").is_file() and (dest / "fd_spread.png").is_file()
+    fd_md = (dest / "race.md").read_text()
+    assert "## FD that can resolve (fd: final checkpoints, 2000 samples, both feature spaces)" in fd_md
+    assert "| muon | 0.01 | classifier | 4 | 20.75 | 0.50 (2%) | 0.25 |" in fd_md
+    assert "| classifier | adamw | muon | -10.00 | 1.00 | yes |" in fd_md
     assert got["curves"]["muon"][0]["step_ms"] == 120.0
     assert got["main_part"] == "seeds" and got["sweep"] is None and got["main"]["target_fd"] == 55
     assert got["k_costs"]["0.01"]["K=2->3"]["fd"] == pytest.approx(33 / 31 - 1)
