@@ -1215,8 +1215,10 @@ def report(args: argparse.Namespace) -> int:
         if (args.out / name).is_file() and args.out.resolve() != dest.resolve():
             outputs.append(dest / name)
             (dest / name).write_bytes((args.out / name).read_bytes())
-    fd_record = _record(dest / "fd.json") or _record(args.out / "fd.json")
-    if fd_record and fd_record.get("rows"):
+    fd_record = _record(dest / "fd.json")  # the run's own, copied just above, else the published one
+    if fd_record is not None and not fd_record.get("rows"):
+        fd_record = None
+    if fd_record is not None:
         outputs.append(
             rr.plot_fd_spread(
                 fd_record,
@@ -1262,7 +1264,7 @@ def report(args: argparse.Namespace) -> int:
         "k_costs": k_costs,
         "refresh_frontier": frontier,
         "step_command": step_record["command"] if step_record and basis == "side by side" else None,
-        "fd_spread": fd_record if fd_record and fd_record.get("rows") else None,
+        "fd_spread": fd_record,
     }
     outputs += [dest / "race.json", dest / "race.md"]
     result["outputs"] = [str(p) for p in outputs if p is not None]
