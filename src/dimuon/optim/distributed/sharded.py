@@ -531,10 +531,8 @@ class ShardedEngine:
         key = (job.rows, job.cols, plc.pad, plc.members, device)
         index = self._assembly.get(key)
         if index is None:
-            count = len(plc.members) * plc.pad
-            dtype = torch.int32 if count < 2**31 else torch.int64
-            positions = torch.arange(count, dtype=dtype, device=device).view(len(plc.members), plc.pad)
-            full = torch.empty((job.rows, job.cols), dtype=dtype, device=device)
+            positions = _positions(len(plc.members) * plc.pad, device).view(len(plc.members), plc.pad)
+            full = torch.empty((job.rows, job.cols), dtype=positions.dtype, device=device)
             for g, member in enumerate(plc.members):
                 member.place(full, positions[g, : member.numel].view(member.shape))
             index = self._assembly[key] = full.reshape(-1)
@@ -565,8 +563,7 @@ class ShardedEngine:
         key = ("piece", job.rows, job.cols, plc.mine, device)
         index = self._assembly.get(key)
         if index is None:
-            dtype = torch.int32 if job.rows * job.cols < 2**31 else torch.int64
-            positions = torch.arange(job.rows * job.cols, dtype=dtype, device=device).view(job.rows, job.cols)
+            positions = _positions(job.rows * job.cols, device).view(job.rows, job.cols)
             index = self._assembly[key] = plc.mine.take(positions).reshape(-1)
         return index
 
@@ -961,6 +958,11 @@ def _rows_view(mine: Any, direction: Tensor) -> Tensor | None:
     if c.start != 0 or c.size != direction.shape[1] or r.local != 0 or c.local != 0:
         return None
     return direction[r.start : r.stop]
+
+
+def _positions(count: int, device: torch.device) -> Tensor:
+    """``0 .. count-1`` as a gather index: int32 where it fits (half the index bytes), else int64."""
+    return torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=device)
 
 
 def _cut_by_index(job: MatrixJob, plc: _Placement) -> bool:
