@@ -40,7 +40,12 @@ def test_the_dry_run_runs_every_part_and_records_it(tmp_path: Path, capsys: pyte
     code, record = dry_run(tmp_path)
     assert code == 0, {name: (p["status"], p["tail"]) for name, p in record["parts"].items()}
     parts = record["parts"]
-    assert {name: p["status"] for name, p in parts.items()} == {"tests": "ok", "bench": "ok", "train": "ok"}
+    assert {name: p["status"] for name, p in parts.items()} == {
+        "tests": "ok",
+        "bench": "ok",
+        "peers": "ok",
+        "train": "ok",
+    }
     assert all(0 < p["seconds"] <= p["budget_s"] for p in parts.values())
     tests = parts["tests"]["results"]  # the CUDA-marked tests were collected and skip themselves here
     assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == tests["passed"] == 0
@@ -48,6 +53,8 @@ def test_the_dry_run_runs_every_part_and_records_it(tmp_path: Path, capsys: pyte
     # compiling: CPU only; the eager-kernel rows: CUDA only (where the others fuse)
     assert set(bench["optimizers"]) == {*OPTIMIZERS, "torch_muon"} - {"muon_compiled", *FUSED_ONLY}
     assert bench["config"]["device"] == "cpu" and bench["ns_flop_rate"]["dtype"] == "float32"
+    peers = parts["peers"]["results"]  # dimuon's Muon rows beside the peers (torch's alone in a dry run)
+    assert set(peers["optimizers"]) == {*gpu.PEER_PART_ROWS, "torch_muon"} and peers["ns_flop_rate"] is None
     train = parts["train"]["results"]
     assert train["steps"] == 4 and train["device"] == "cpu" and train["steps_per_s"] > 0
     assert 0 < train["opt_ms"] < train["step_ms"] and 0 < train["fwd_bwd_ms"] < train["step_ms"]
@@ -56,14 +63,16 @@ def test_the_dry_run_runs_every_part_and_records_it(tmp_path: Path, capsys: pyte
     printed = capsys.readouterr().out
     assert record["readme"] in printed and "| dimuon PeriodicRowMuon K=3 (per step) |" in printed
     assert "| training (demo task, bf16 autocast) |" in printed and "CUDA-marked tests: ok" in printed
+    assert "Other Muon packages, optimizer step, DiT-S/2 parameter shapes" in printed
 
 
 def test_a_part_over_its_budget_is_recorded_and_the_others_still_run(tmp_path: Path, capsys) -> None:
     code, record = dry_run(tmp_path, "--parts", "tests", "train", "--tests-budget-s", "0.5")
     parts = record["parts"]
     assert code == 1
-    assert (parts["tests"]["status"], parts["bench"]["status"], parts["train"]["status"]) == (
+    assert (parts["tests"]["status"], parts["bench"]["status"], parts["peers"]["status"], parts["train"]["status"]) == (
         "timeout",
+        "not run",
         "not run",
         "ok",
     )

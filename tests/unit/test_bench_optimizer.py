@@ -204,6 +204,34 @@ def test_interleave_takes_samples_round_robin():
     assert timings["b"].to_dict()["calls_per_sample"] == 3
 
 
+def test_interleave_hands_over_every_round_so_a_stopped_run_keeps_its_rows():
+    rounds: list[dict[str, int]] = []
+    cands = [
+        Candidate("a", lambda: None, repeats=3, warmup=1),
+        Candidate("b", lambda: None, repeats=1, warmup=1),
+    ]
+    interleave(cands, progress=False, on_round=lambda done: rounds.append({k: len(t.samples) for k, t in done.items()}))
+    assert rounds == [{"a": 1, "b": 1}, {"a": 2, "b": 1}, {"a": 3, "b": 1}]
+
+
+def test_the_benchmark_writes_its_rows_after_every_round_and_marks_them_partial(tmp_path, monkeypatch):
+    """What a time limit leaves in --out: the record of the rounds done, ``partial`` until the run completes."""
+    out = tmp_path / "r.json"
+    seen: list[tuple[bool, int]] = []
+    real_write = bench.write_json_atomic
+
+    def spy(path, record):
+        seen.append((record["partial"], len(record["optimizers"])))
+        return real_write(path, record)
+
+    monkeypatch.setattr(bench, "write_json_atomic", spy)
+    flags = ["--depth", "1", "--hidden-size", "64", "--num-heads", "2", "--input-size", "8", "--num-classes", "10"]
+    only = ["--skip", *(n for n in bench.OPTIMIZERS if n not in ("adamw_foreach", "muon")), "--no-peers"]
+    assert bench.main([*flags, *only, "--repeats", "2", "--warmup", "0", "--no-ns-rate", "--out", str(out)]) == 0
+    assert seen == [(True, 2), (True, 2), (False, 2)]
+    assert json.loads(out.read_text())["partial"] is False
+
+
 def test_report_helpers(tmp_path):
     path = write_json_atomic(tmp_path / "x" / "r.json", {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}

@@ -164,9 +164,9 @@ def test_the_skip_count_stays_on_the_device_until_read_and_loads_from_a_number()
     for t in range(4):
         backward(model, t, bad=t % 2 == 1)
         opt.step()
-    assert isinstance(opt._pending_skips, torch.Tensor)  # counted, not read
+    assert isinstance(opt._votes["pending_skips"], torch.Tensor)  # counted, not read
     saved = copy.deepcopy(opt.state_dict())  # saving reads it
-    assert opt._pending_skips is None and [g["skipped_steps"] for g in saved["param_groups"]] == [2, 2]
+    assert opt._votes["pending_skips"] is None and [g["skipped_steps"] for g in saved["param_groups"]] == [2, 2]
     assert opt.skipped_steps == 2
     backward(model, 4, bad=True)
     opt.step()

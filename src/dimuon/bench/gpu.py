@@ -1,23 +1,27 @@
 """``dimuon bench gpu`` (``scripts/gpu-check``): the GPU check of dimuon in one command.
 
-Three parts, each a process of its own with its own time budget, so that a failure or an overrun in one
+Four parts, each a process of its own with its own time budget, so that a failure or an overrun in one
 is recorded and the others still run:
 
 1. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU);
 2. ``bench``: ``dimuon bench optimizer --device cuda`` on DiT-XL/2 parameter shapes (every optimizer
-   row, compiled Newton-Schulz with its compile time apart, the Newton-Schulz FLOP rate against
-   ``torch.bmm`` in bf16 on the same shapes);
-3. ``train``: ``dimuon train`` on the demo task under bf16 autocast for a few hundred steps: steps per
+   row beside ``torch.optim.Muon``, compiled Newton-Schulz with its compile time apart, the Newton-Schulz
+   FLOP rate against ``torch.bmm`` in bf16 on the same shapes);
+3. ``peers``: the other Muon packages (heavyball) on the same shapes beside dimuon's Muon and
+   ``torch.optim.Muon``, in one run of their own: heavyball compiles its step with inductor's GEMM autotuning
+   (its default mode), about 30 s per matrix product shape on a first run, which would leave the ``bench``
+   part no time for its own rows;
+4. ``train``: ``dimuon train`` on the demo task under bf16 autocast for a few hundred steps: steps per
    second and where a step's time goes (data, forward/backward, optimizer);
 
 then one JSON record (GPU, driver, torch, CUDA, cuDNN and NCCL versions, CPU, each part's status, time
 and results) under ``docs/results/``, and the README rows printed.
 
-The budgets (180 + 200 + 70 s) keep the check within 8 minutes on one GPU. A part that overruns its budget
-keeps what it finished: every test's outcome as it ends (and each test has a time limit of its own,
-``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows written so far, the training run's
-records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so kernels the
-tests compiled are not compiled again by the benchmark or the training run, nor by the next check.
+The budgets (120 + 170 + 240 + 50 s) keep the check within 10 minutes on one GPU. A part that overruns its
+budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its own,
+``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
+training run's records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so
+kernels the tests compiled are not compiled again by the benchmark or the training run, nor by the next check.
 ``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
 working.
 
@@ -49,7 +53,9 @@ from dimuon.bench.report import (
 )
 from dimuon.io import write_json_atomic
 
-PARTS = ("tests", "bench", "train")
+PARTS = ("tests", "bench", "peers", "train")
+# dimuon's rows that the peers part times beside the other packages: the baselines of its ratio columns and Muon
+PEER_PART_ROWS = ("adamw_foreach", "muon", "muon_bf16", "muon_gram_bf16")
 TRAIN_STEPS = 300
 
 
@@ -61,7 +67,7 @@ class Config:
     """Where the benchmark and the training run go (cpu: a dry run of the whole check, with --quick)."""
     quick: bool = False
     """Tiny sizes and few steps everywhere (a dry run: every part runs, no figure means anything)."""
-    parts: tuple[Literal["tests", "bench", "train"], ...] = PARTS
+    parts: tuple[Literal["tests", "bench", "peers", "train"], ...] = PARTS
     """Which parts to run (the others are recorded as not run)."""
     out: Path = Path("docs/results/gpu-check.json")
     """The JSON record (written atomically)."""
@@ -69,11 +75,13 @@ class Config:
     """Each part's log and outputs (the benchmark's JSON, the training run)."""
     tests: Path = Path("tests")
     """The test directory that pytest -m cuda collects."""
-    tests_budget_s: float = 180.0
+    tests_budget_s: float = 120.0
     """Seconds the tests part may take before it is stopped."""
-    bench_budget_s: float = 200.0
+    bench_budget_s: float = 170.0
     """Seconds the benchmark part may take before it is stopped."""
-    train_budget_s: float = 70.0
+    peers_budget_s: float = 240.0
+    """Seconds the peers part may take before it is stopped (a first run compiles heavyball's step)."""
+    train_budget_s: float = 50.0
     """Seconds the training part may take before it is stopped."""
     test_timeout_s: float = 60.0
     """Seconds one CUDA test may take before it fails (the others still run)."""
@@ -98,7 +106,7 @@ class Part:
 
 def check_config(cfg: Config) -> None:
     """One clear error per bad flag, before anything runs."""
-    for name in ("tests_budget_s", "bench_budget_s", "train_budget_s", "test_timeout_s"):
+    for name in ("tests_budget_s", "bench_budget_s", "peers_budget_s", "train_budget_s", "test_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(cfg, name)}")
     if cfg.train_steps < 1:
@@ -125,8 +133,16 @@ def tests_command(cfg: Config, junit: Path) -> list[str]:
     ]
 
 
-def bench_command(cfg: Config, out: Path) -> list[str]:
+def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
+    """The optimizer benchmark: dimuon's rows beside ``torch.optim.Muon``, or (``peers``) every other Muon package
+    beside dimuon's Muon rows and ``torch.optim.Muon``."""
+    from dimuon.bench.optimizer import OPTIMIZERS, PEERS
+
     cmd = [sys.executable, "-m", "dimuon.bench.optimizer", "--device", cfg.device, "--out", str(out), "--no-progress"]
+    if peers:
+        cmd += ["--no-ns-rate", "--peers", *PEERS, "--skip", *(n for n in OPTIMIZERS if n not in PEER_PART_ROWS)]
+    else:
+        cmd += ["--peers", "torch_muon"]
     if cfg.quick:  # one block of width 64; the compiled row compiles for longer than the rest runs on a CPU
         cmd += [
             "--depth",
@@ -145,12 +161,12 @@ def bench_command(cfg: Config, out: Path) -> list[str]:
             "1",
             "--ns-repeats",
             "1",
-            "--peers",
-            "torch_muon",
             "--threads",
             "1",
         ]
-        if cfg.device == "cpu":
+        if peers:  # torch's only: another package's first (compiling) step outlasts a dry run
+            cmd[cmd.index("--peers") + 1 : cmd.index("--skip")] = ["torch_muon"]
+        elif cfg.device == "cpu":
             cmd += ["--skip", "muon_compiled"]
     else:
         cmd += [
@@ -298,6 +314,41 @@ def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
 # ------------------------------------------------------------------------------------ the record
 
 
+def optimizer_rows(r: dict[str, Any], title: str, on_gpu: bool) -> list[str]:
+    """The Markdown lines of one optimizer benchmark record: its rows and, where measured, the Newton-Schulz FLOP
+    rate."""
+    lines: list[str] = []
+    rows = [
+        [
+            o["label"],
+            f"{o['median_ms']:.2f}",
+            f"{o['ratio_to_adamw']:.2f}" if o["ratio_to_adamw"] else "-",
+            f"{o['ratio_to_muon']:.2f}" if o.get("ratio_to_muon") else "-",
+            "-" if o.get("first_ms") is None else f"{o['first_ms']:.0f}",
+        ]
+        for o in r["optimizers"].values()
+    ]
+    m = r["model"]
+    lines += [
+        f"{title}, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
+        f"{m['muon_matrices']} Muon matrices)"
+        + (" (partial: the rows done within its budget)" if r.get("partial") else "")
+        + ":",
+        "",
+        format_markdown_table(["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"], rows),
+        "",
+    ]
+    ns = r.get("ns_flop_rate")
+    if ns:
+        unit, scale = ("TFLOP/s", 1e-3) if on_gpu else ("GFLOP/s", 1.0)
+        rates = ", ".join(
+            f"{alg} {res['ns_gflops'] * scale:.1f} {unit} ({res['ratio']:.2f}x bmm's {res['bmm_gflops'] * scale:.1f})"
+            for alg, res in ns_algorithms(ns).items()
+        )
+        lines += [f"Newton-Schulz in {ns['dtype']} on the stacked Muon shapes: {rates}.", ""]
+    return lines
+
+
 def readme_rows(record: dict[str, Any]) -> str:
     """The Markdown the README takes from this check: the optimizer rows, the FLOP rate, the training speed."""
     parts = record["parts"]
@@ -321,40 +372,9 @@ def readme_rows(record: dict[str, Any]) -> str:
         """A part that finished, or one that overran its budget with some results to show (marked partial)."""
         return part["status"] == "ok" or (part["results"].get("partial", False) and key in part["results"])
 
-    bench = parts["bench"]
-    if shown(bench, "optimizers"):
-        r = bench["results"]
-        rows = [
-            [
-                o["label"],
-                f"{o['median_ms']:.2f}",
-                f"{o['ratio_to_adamw']:.2f}" if o["ratio_to_adamw"] else "-",
-                f"{o['ratio_to_muon']:.2f}" if o.get("ratio_to_muon") else "-",
-                "-" if o.get("first_ms") is None else f"{o['first_ms']:.0f}",
-            ]
-            for o in r["optimizers"].values()
-        ]
-        m = r["model"]
-        lines += [
-            f"Optimizer step, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
-            f"{m['muon_matrices']} Muon matrices)"
-            + (" (partial: the rows done within its budget)" if r.get("partial") else "")
-            + ":",
-            "",
-            format_markdown_table(
-                ["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"], rows
-            ),
-            "",
-        ]
-        ns = r.get("ns_flop_rate")
-        if ns:
-            unit, scale = ("TFLOP/s", 1e-3) if gpu else ("GFLOP/s", 1.0)
-            rates = ", ".join(
-                f"{alg} {res['ns_gflops'] * scale:.1f} {unit} ({res['ratio']:.2f}x bmm's "
-                f"{res['bmm_gflops'] * scale:.1f})"
-                for alg, res in ns_algorithms(ns).items()
-            )
-            lines += [f"Newton-Schulz in {ns['dtype']} on the stacked Muon shapes: {rates}.", ""]
+    for name, title in (("bench", "Optimizer step"), ("peers", "Other Muon packages, optimizer step")):
+        if shown(parts[name], "optimizers"):
+            lines += optimizer_rows(parts[name]["results"], title, bool(gpu))
     train = parts["train"]
     if shown(train, "steps"):
         r = train["results"]
@@ -387,9 +407,17 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     bench_out, run_dir, junit = work / "optimizer.json", work / "train", work / "tests.xml"
+    peers_out = work / "peers.json"
     test_log = work / "tests.jsonl"
     cache = (work / "compile-cache").resolve()
-    shared = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+    # torch.compile's default mode everywhere: an environment that turns on inductor's GEMM autotuning makes the
+    # compiled row autotune every Newton-Schulz product shape (about 30 s each) and time what users do not run
+    shared = {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCHINDUCTOR_MAX_AUTOTUNE": "0",
+        "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "0",
+    }
     plans = {
         "tests": Plan(
             tests_command(cfg, junit),
@@ -401,6 +429,13 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
         ),
         "bench": Plan(
             bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out, shared
+        ),
+        "peers": Plan(
+            bench_command(cfg, peers_out, peers=True),
+            cfg.peers_budget_s,
+            lambda: bench_results(peers_out),
+            peers_out,
+            shared,
         ),
         "train": Plan(
             train_command(cfg, run_dir),

@@ -579,29 +579,40 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         )
         for name, (fn, calls) in {**steps, **peer_steps}.items()
     ]
-    timings = interleave(candidates, progress=cfg.progress, desc="optimizer steps", sync=synchronizer(cfg.device))
     muon_params, _ = muon_and_rest(model)
     batches = engine_batches(model)
-    optimizers = summarize(cfg, timings, peers, machine["cpu_flags"])
-    ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed, cfg.device) if cfg.ns_rate else None
     arch = dit_arch(cfg.model)
-    record: dict[str, Any] = {
-        "benchmark": "optimizer",
-        "machine": {**machine_info(argv), "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
-        "peers": {name: status.to_dict() for name, status in peers.items()},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "model": {
-            "name": cfg.model,
-            "depth": cfg.depth if cfg.depth is not None else arch["depth"],
-            "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
-            "params": sum(p.numel() for p in model.parameters()),
-            "muon_params": sum(p.numel() for p in muon_params),
-            "muon_matrices": len(muon_params),
-            "ns_batches": [list(b) for b in batches],
-        },
-        "optimizers": optimizers,
-        "ns_flop_rate": ns,
-    }
+
+    def record_of(timings: dict[str, Timing], ns: dict[str, Any] | None, partial: bool) -> dict[str, Any]:
+        return {
+            "benchmark": "optimizer",
+            "partial": partial,
+            "machine": {**machine, "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
+            "peers": {name: status.to_dict() for name, status in peers.items()},
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "model": {
+                "name": cfg.model,
+                "depth": cfg.depth if cfg.depth is not None else arch["depth"],
+                "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
+                "params": sum(p.numel() for p in model.parameters()),
+                "muon_params": sum(p.numel() for p in muon_params),
+                "muon_matrices": len(muon_params),
+                "ns_batches": [list(b) for b in batches],
+            },
+            "optimizers": summarize(cfg, timings, peers, machine["cpu_flags"]),
+            "ns_flop_rate": ns,
+        }
+
+    # every round's rows written as they are measured (marked partial): a run stopped at a time limit keeps them
+    timings = interleave(
+        candidates,
+        progress=cfg.progress,
+        desc="optimizer steps",
+        sync=synchronizer(cfg.device),
+        on_round=lambda done: write_json_atomic(cfg.out, record_of(done, None, True)),
+    )
+    ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed, cfg.device) if cfg.ns_rate else None
+    record = record_of(timings, ns, False)
     write_json_atomic(cfg.out, record)
     return record
 

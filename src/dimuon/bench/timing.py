@@ -92,13 +92,19 @@ def time_calls(fn: Callable[[], Any], calls: int = 1, sync: Callable[[], None] |
 
 
 def interleave(
-    candidates: Sequence[Candidate], progress: bool = True, desc: str = "timing", sync: Callable[[], None] | None = None
+    candidates: Sequence[Candidate],
+    progress: bool = True,
+    desc: str = "timing",
+    sync: Callable[[], None] | None = None,
+    on_round: Callable[[dict[str, Timing]], None] | None = None,
 ) -> dict[str, Timing]:
     """Warm every candidate up, then sample them round-robin; returns a :class:`Timing` per name.
 
     Candidates with fewer repeats than others take their samples in the first rounds. ``sync`` waits for
     the device before and after every sample (see :func:`synchronizer`). The first warm-up sample is kept
-    apart (``Timing.first``): it holds one-off costs such as state allocation and compilation.
+    apart (``Timing.first``): it holds one-off costs such as state allocation and compilation. ``on_round``
+    gets the timings of the candidates sampled so far after every round (a caller that must not lose them
+    to a time limit writes them out).
     """
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
@@ -126,4 +132,6 @@ def interleave(
                         c.setup()
                     results[c.name].samples.append(time_calls(c.fn, c.calls, sync))
                     bar.update(c.calls)
+            if on_round is not None:
+                on_round({name: t for name, t in results.items() if t.samples})
     return results

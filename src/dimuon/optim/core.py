@@ -337,8 +337,9 @@ class MuonFamily(torch.optim.Optimizer):
         self._flattened: list[str] = []
         self._foreign_keys: set[str] = set()
         self._refresh_counts: dict[str, list[int]] = {}  # parameter name -> [spectral steps, steps]
-        self._pending_skips: Tensor | None = None  # steps skipped since the last read, counted on the device
-        self._last_vote: Tensor | None = None
+        # the last step's vote and the steps skipped since the last read, counted on the device; a dict that
+        # ``step`` fills, not attributes it sets (dynamo compiles item stores into an optimizer's dicts everywhere)
+        self._votes: dict[str, Tensor | None] = {"last": None, "pending_skips": None}
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
         # The CPU's Newton-Schulz temporaries and directions, lent within a step and kept between steps.
@@ -437,7 +438,7 @@ class MuonFamily(torch.optim.Optimizer):
                 f"parameter-group option(s) {matrix_only} shape a 'muon' group's matrices; this group's "
                 "algorithm is 'adamw' (set 'algorithm': 'muon' to orthogonalize its parameters)"
             )
-        if getattr(self, "_pending_skips", None) is not None:
+        if getattr(self, "_votes", {}).get("pending_skips") is not None:
             self._fold_skips()  # the skips so far are the existing groups'
         super().add_param_group(param_group)
         try:
@@ -593,11 +594,11 @@ class MuonFamily(torch.optim.Optimizer):
         """The last ``step()``'s non-finite vote: a 0-d bool tensor on the parameters' device, true where the step
         was taken (None before the first step). A trainer can mask its own updates with it (an EMA, say) without a
         host read; reading it on the host waits for the device."""
-        return self._last_vote
+        return self._votes["last"]
 
     def _fold_skips(self) -> None:
         """The device count of skipped steps since the last fold, added to every group's number (one host read)."""
-        pending, self._pending_skips = self._pending_skips, None
+        pending, self._votes["pending_skips"] = self._votes["pending_skips"], None
         if pending is not None:
             count = int(pending)
             for group in self.param_groups:
@@ -626,8 +627,7 @@ class MuonFamily(torch.optim.Optimizer):
             "_foreign_keys": set(),
             "_engine_params": (),
             "_refresh_counts": {},
-            "_pending_skips": None,
-            "_last_vote": None,
+            "_votes": {"last": None, "pending_skips": None},
             "_workspace": {},
             "_tables": fused.Tables(),
             "_map_buffers": Workspace(),
@@ -649,7 +649,7 @@ class MuonFamily(torch.optim.Optimizer):
         grouping or parameter shapes, and keeping the matrix state in its saved dtypes (torch casts every
         floating state tensor to its parameter's dtype: momenta and row sums stay wide, references bf16)."""
         saved: list[tuple[Tensor, str, Tensor]] = []  # (parameter, key, the state tensor as loaded)
-        self._pending_skips = None  # the loaded counts replace this run's
+        self._votes["pending_skips"] = None  # the loaded counts replace this run's
 
         def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
             self._check_loadable(loaded)
@@ -756,11 +756,13 @@ class MuonFamily(torch.optim.Optimizer):
     def _prepare_engine(self) -> None:
         """The sharded engine built now, with every Muon parameter's layout and the process groups it talks over
         (host reads of the meshes, communicators made by every rank together): start-up work, not a step's. Plain
-        parameters (a wrapper may shard them later) leave the engine to the first step."""
+        parameters get the local engine now too, so that a compiled ``step`` finds it built (a wrapper that shards
+        them later makes the first step build the sharded one)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        if self._engine_given or not (
-            self.engine_options["process_group"] is not None or any(is_dtensor(p) for p in params)
-        ):
+        if self._engine_given:
+            return
+        if not (self.engine_options["process_group"] is not None or any(is_dtensor(p) for p in params)):
+            self._get_engine()
             return
         prepare = getattr(self._get_engine(), "prepare", None)
         if prepare is None:
@@ -864,10 +866,11 @@ class MuonFamily(torch.optim.Optimizer):
         if read_now:  # the vote and this rank's verdicts, one host read
             self._check_vote(self._vote_values(ok, verdicts).tolist(), verdicts)
         mask = None if read_now else ok
-        self._last_vote = ok
+        self._votes["last"] = ok
         if self.nonfinite == "skip":
             skipped = (~ok).to(torch.int64)  # a device counter: read when skipped_steps is read or the state saved
-            self._pending_skips = skipped if self._pending_skips is None else self._pending_skips + skipped
+            pending = self._votes["pending_skips"]
+            self._votes["pending_skips"] = skipped if pending is None else pending + skipped
         stepped, works = [], []
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]

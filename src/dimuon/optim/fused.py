@@ -97,7 +97,7 @@ class Tables:
         key = (device, tuple(values))
         table = self._kept.pop(key, None)  # kept most recently used last: a gradient's fresh table each step
         if table is None:  # evicts the oldest, not the parameters' tables used every step
-            host = torch.tensor(key[1], dtype=torch.int64)
+            host = torch.tensor(key[1], dtype=torch.int64, device="cpu")  # pinned, whatever the default device
             table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
             if len(self._kept) >= _TABLE_CACHE:
                 self._kept.pop(next(iter(self._kept)))
