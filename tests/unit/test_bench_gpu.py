@@ -171,3 +171,23 @@ def test_the_script_is_the_command(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "dimuon bench gpu" in done.stdout and "--quick" in done.stdout
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_the_peers_part_keeps_gemms_on_cublas_unless_asked(tmp_path: Path, monkeypatch, autotune: bool) -> None:
+    """heavyball asks inductor to autotune every matrix product shape (minutes for DiT-XL/2 on a first run): the
+    peers part takes cuBLAS for them unless --peers-gemm-autotune, and no part autotunes dimuon's own."""
+    envs: dict[str, dict[str, str]] = {}
+
+    def fake_launch(command, log, threads, timeout_s, env_extra):
+        name = "peers" if "--no-ns-rate" in command else "bench"
+        envs[name] = dict(env_extra)
+        return 1
+
+    monkeypatch.setattr(gpu, "launch", fake_launch)
+    flags = ["--peers-gemm-autotune"] if autotune else []
+    out, work = str(tmp_path / "r.json"), str(tmp_path / "work")
+    gpu.main(["--device", "cpu", "--quick", "--parts", "bench", "peers", "--out", out, "--work", work, *flags])
+    assert envs["bench"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == envs["peers"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "0"
+    assert "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS" not in envs["bench"]
+    assert envs["peers"].get("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS") == (None if autotune else "ATEN")

@@ -81,6 +81,10 @@ class Config:
     """Seconds the benchmark part may take before it is stopped."""
     peers_budget_s: float = 240.0
     """Seconds the peers part may take before it is stopped (a first run compiles heavyball's step)."""
+    peers_gemm_autotune: bool = False
+    """Let a peer's compiled step autotune its matrix products as it asks (heavyball: every shape, about 25 s each
+    on an H200, minutes for DiT-XL/2's shapes); off, inductor takes cuBLAS (ATen) for them, as dimuon and
+    torch.optim.Muon use."""
     train_budget_s: float = 50.0
     """Seconds the training part may take before it is stopped."""
     test_timeout_s: float = 60.0
@@ -435,7 +439,7 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
             cfg.peers_budget_s,
             lambda: bench_results(peers_out),
             peers_out,
-            shared,
+            {**shared, **({} if cfg.peers_gemm_autotune else {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS": "ATEN"})},
         ),
         "train": Plan(
             train_command(cfg, run_dir),
