@@ -957,7 +957,7 @@ def fd_spread(args: argparse.Namespace) -> int:
         for space, t in spaces.items():
             print(
                 f"{name:20s} {space:10s} FD {t['mean']:.2f} (training seeds +-{t['train_half_range']:.2f}, "
-                f"sampling seeds +-{t['sample_half_range']:.2f})"
+                f"sampling seeds +-{_fmt_range(t['sample_half_range'])})"
             )
     return 0
 
@@ -992,9 +992,14 @@ def write_fd(
     return result
 
 
+def _fmt_range(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean FD of an optimizer's checkpoints; half the range over training seeds (of the means over sampling
-    seeds) and the largest half range over sampling seeds of one checkpoint."""
+    seeds) and the largest half range over sampling seeds of one checkpoint (None while no checkpoint has been
+    scored with two: a part stopped half way has no sampling spread to show, not a zero one)."""
     by_train: dict[int, list[float]] = {}
     for row in rows:
         by_train.setdefault(row["train_seed"], []).append(row["fd"])
@@ -1002,7 +1007,7 @@ def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "mean": sum(r["fd"] for r in rows) / len(rows),
         "train_half_range": (max(means) - min(means)) / 2,
-        "sample_half_range": max((max(v) - min(v)) / 2 for v in by_train.values()),
+        "sample_half_range": max(((max(v) - min(v)) / 2 for v in by_train.values() if len(v) > 1), default=None),
         "rows": rows,
     }
 

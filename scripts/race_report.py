@@ -684,7 +684,7 @@ def render_fd_spread(record: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {name} | {record['lrs'][name]:g} | {space} | {len(t['rows'])} | {t['mean']:.2f} | "
                 f"{t['train_half_range']:.2f} ({100 * t['train_half_range'] / t['mean']:.0f}%) | "
-                f"{t['sample_half_range']:.2f} |"
+                f"{'-' if t['sample_half_range'] is None else format(t['sample_half_range'], '.2f')} |"
             )
     if record.get("gaps"):
         lines += ["", "| space | a | b | gap (b - a) | training-seed half ranges, summed | resolved |"]

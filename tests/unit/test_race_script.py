@@ -492,6 +492,16 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
         race.main(["--part", "fd", "--out", str(tmp_path), "--only", "muon_bp"])
 
 
+def test_an_fd_part_stopped_after_one_sampling_seed_shows_no_sampling_spread_rather_than_zero(race):
+    rows = [{"train_seed": t, "fd": 20.0 + t, "sample_seed": 0} for t in race.SELECT_SEEDS]
+    summary = race.fd_summary(rows)
+    assert summary["sample_half_range"] is None and summary["train_half_range"] == pytest.approx(0.5)
+    record = {"optimizers": {"muon": {"classifier": summary}}, "lrs": {"muon": 0.01}, "gaps": []}
+    assert race._race_report().render_fd_spread(record).splitlines()[-1].endswith("| 0.50 (2%) | - |")
+    rows.append({"train_seed": 0, "fd": 21.0, "sample_seed": 1})
+    assert race.fd_summary(rows)["sample_half_range"] == pytest.approx(0.5)
+
+
 def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_finished(race, tmp_path):
     """PeriodicRowMuon's K ablation at its selected lr while other optimizers still train; its K=3 variant is the
     selection's own runs at that lr, linked."""
