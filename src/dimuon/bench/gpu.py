@@ -143,8 +143,9 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
     from dimuon.bench.optimizer import OPTIMIZERS, PEERS
 
     cmd = [sys.executable, "-m", "dimuon.bench.optimizer", "--device", cfg.device, "--out", str(out), "--no-progress"]
-    if peers:
-        cmd += ["--no-ns-rate", "--peers", *PEERS, "--skip", *(n for n in OPTIMIZERS if n not in PEER_PART_ROWS)]
+    if peers:  # a dry run times torch's alone: another package's first (compiling) step outlasts it
+        others = ["torch_muon"] if cfg.quick else list(PEERS)
+        cmd += ["--no-ns-rate", "--peers", *others, "--skip", *(n for n in OPTIMIZERS if n not in PEER_PART_ROWS)]
     else:
         cmd += ["--peers", "torch_muon"]
     if cfg.quick:  # one block of width 64; the compiled row compiles for longer than the rest runs on a CPU
@@ -168,9 +169,7 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
             "--threads",
             "1",
         ]
-        if peers:  # torch's only: another package's first (compiling) step outlasts a dry run
-            cmd[cmd.index("--peers") + 1 : cmd.index("--skip")] = ["torch_muon"]
-        elif cfg.device == "cpu":
+        if not peers and cfg.device == "cpu":
             cmd += ["--skip", "muon_compiled"]
     else:
         cmd += [

@@ -583,25 +583,25 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     batches = engine_batches(model)
     arch = dit_arch(cfg.model)
 
+    fixed = {  # what every write of the record shares, gathered once
+        "benchmark": "optimizer",
+        "machine": {**machine, "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
+        "peers": {name: status.to_dict() for name, status in peers.items()},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": {
+            "name": cfg.model,
+            "depth": cfg.depth if cfg.depth is not None else arch["depth"],
+            "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "muon_params": sum(p.numel() for p in muon_params),
+            "muon_matrices": len(muon_params),
+            "ns_batches": [list(b) for b in batches],
+        },
+    }
+
     def record_of(timings: dict[str, Timing], ns: dict[str, Any] | None, partial: bool) -> dict[str, Any]:
-        return {
-            "benchmark": "optimizer",
-            "partial": partial,
-            "machine": {**machine, "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
-            "peers": {name: status.to_dict() for name, status in peers.items()},
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-            "model": {
-                "name": cfg.model,
-                "depth": cfg.depth if cfg.depth is not None else arch["depth"],
-                "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
-                "params": sum(p.numel() for p in model.parameters()),
-                "muon_params": sum(p.numel() for p in muon_params),
-                "muon_matrices": len(muon_params),
-                "ns_batches": [list(b) for b in batches],
-            },
-            "optimizers": summarize(cfg, timings, peers, machine["cpu_flags"]),
-            "ns_flop_rate": ns,
-        }
+        optimizers = summarize(cfg, timings, peers, machine["cpu_flags"])
+        return {**fixed, "partial": partial, "optimizers": optimizers, "ns_flop_rate": ns}
 
     # every round's rows written as they are measured (marked partial): a run stopped at a time limit keeps them
     timings = interleave(
