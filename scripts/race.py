@@ -957,7 +957,7 @@ def fd_spread(args: argparse.Namespace) -> int:
         for space, t in spaces.items():
             print(
                 f"{name:20s} {space:10s} FD {t['mean']:.2f} (training seeds +-{t['train_half_range']:.2f}, "
-                f"sampling seeds +-{_fmt_range(t['sample_half_range'])})"
+                f"sampling seeds +-{_race_report().fmt_2f(t['sample_half_range'])})"
             )
     return 0
 
@@ -990,10 +990,6 @@ def write_fd(
 
     write_json_atomic(args.out / "fd.json", result)
     return result
-
-
-def _fmt_range(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

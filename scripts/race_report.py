@@ -684,7 +684,7 @@ def render_fd_spread(record: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {name} | {record['lrs'][name]:g} | {space} | {len(t['rows'])} | {t['mean']:.2f} | "
                 f"{t['train_half_range']:.2f} ({100 * t['train_half_range'] / t['mean']:.0f}%) | "
-                f"{'-' if t['sample_half_range'] is None else format(t['sample_half_range'], '.2f')} |"
+                f"{fmt_2f(t['sample_half_range'])} |"
             )
     if record.get("gaps"):
         lines += ["", "| space | a | b | gap (b - a) | training-seed half ranges, summed | resolved |"]
@@ -930,7 +930,8 @@ def _pm(s: Mapping[str, Any], spec: str = ".2f") -> str:
     return f"{s['mean']:{spec}} ({s['min']:{spec}}..{s['max']:{spec}})"
 
 
-def _ratio(value: float | None) -> str:
+def fmt_2f(value: float | None) -> str:
+    """A number to two decimals, a dash where it was not measured (None)."""
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -979,7 +980,7 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
                 f"{s['lr']:g}" if s["lr"] is not None else "-",
                 seeds,
                 _pm(s["fd"]),
-                _ratio(s["fd_ratio"]),
+                fmt_2f(s["fd_ratio"]),
                 "-" if change["mean"] is None else f"{100 * change['mean']:+.1f}%",
                 inc_cell,
                 _pm(s["precision"]),
@@ -988,7 +989,7 @@ def render_main(main: Mapping[str, Any], inception: Mapping[str, Any] | None = N
                 _pm(s["opt_ms"], ".1f"),
                 _pm(s["step_ms"], ".0f"),
                 _pm(s["time_to_target_s"], ".0f") + reached,
-                _ratio(s["time_to_target_s_ratio"]),
+                fmt_2f(s["time_to_target_s_ratio"]),
                 _pm(s["steps_to_target"], ".0f"),
             ]
         )
@@ -1018,7 +1019,7 @@ def render_levels(levels: Mapping[str, Any]) -> str:
                 row.append(f"{c['reached']} of {c['seeds']} seeds" if c["reached"] else "never")
             else:
                 bound = "<=" if c["bounded"] else ""
-                row.append(f"{bound}{c['time_s']['mean']:.0f} s ({bound}{_ratio(c['ratio'])}x)")
+                row.append(f"{bound}{c['time_s']['mean']:.0f} s ({bound}{fmt_2f(c['ratio'])}x)")
         rows.append(row)
     return format_markdown_table(headers, rows, [i > 0 for i in range(len(headers))])
 
