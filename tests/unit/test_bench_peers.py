@@ -140,7 +140,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "call", "kind", "expected"), CASES, ids=[c[0] for c in CASES])
+# The single-tensor calls that torch builds before 2.13 lack (the CUDA machine's torch may be older than the pin).
+ABSENT = {
+    name
+    for name, (module, attr) in {
+        "all_gather_single": (dist, "all_gather_single"),
+        "reduce_scatter_single": (dist, "reduce_scatter_single"),
+        "funcol all_gather_single": (funcol, "all_gather_single"),
+        "funcol reduce_scatter": (funcol, "reduce_scatter_single"),
+    }.items()
+    if not hasattr(module, attr)
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "kind", "expected"),
+    [pytest.param(*c, id=c[0], marks=pytest.mark.skipif(c[0] in ABSENT, reason=f"torch has no {c[0]}")) for c in CASES],
+)
 def test_each_collective_is_booked_once_with_its_textbook_bytes(fake_group, name, call, kind, expected):
     with count_collectives() as counter:
         call()

@@ -120,6 +120,25 @@ def test_compiled_step_matches_eager_with_adamw_groups(adamw_fused, name, schedu
     torch.testing.assert_close(opts[0].param_groups[0]["lr"], torch.tensor(0.02 * 0.8**4))
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+@pytest.mark.parametrize("name", ["muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon"])
+def test_step_stores_no_attribute_on_the_optimizer(monkeypatch, name, nonfinite):
+    # torch 2.11's compiler refuses an attribute store on an optimizer inside a compiled ``step`` (torch 2.13's
+    # allows it, so the compiled-step tests above would not notice one): the step keeps what it updates in
+    # containers built at construction, from its first call on.
+    from dimuon.optim.core import MuonFamily
+
+    stores: list[str] = []
+    store = MuonFamily.__setattr__
+    model = small_model()
+    opt = build(name, model, lr=0.02, weight_decay=0.1, nonfinite=nonfinite)
+    monkeypatch.setattr(
+        MuonFamily, "__setattr__", lambda self, key, value: stores.append(key) or store(self, key, value)
+    )
+    run(model, opt.step, opt, 4)
+    assert stores == []
+
+
 def run_one(model: nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
     g = torch.Generator().manual_seed(t)
     opt.zero_grad()

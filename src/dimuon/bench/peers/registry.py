@@ -242,7 +242,10 @@ def check_names(names: Sequence[str], flag: str = "--peers") -> None:
 
 
 def installed_version(distribution: str) -> str | None:
-    """The installed version of a pip distribution, None when it is not installed."""
+    """The installed version of a pip distribution, None when it is not installed; torch's with its build tag
+    (``2.11.0+cu130``: a CUDA wheel's metadata leaves the tag out, and the build is what a timing depends on)."""
+    if distribution == "torch":
+        return torch.__version__
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
