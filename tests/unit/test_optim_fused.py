@@ -114,7 +114,7 @@ def model_on(device, dtype=torch.float32, width=32, layers=3, seed=0):
     return nn.Sequential(*mods).to(device=device, dtype=dtype)
 
 
-def train(model, opt, steps, nan_at=None):
+def train(model, opt, steps, nan_at=None, step=None):
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     for t in range(steps):
         x = randn((4, 16), device, dtype, seed=100 + t)
@@ -123,7 +123,7 @@ def train(model, opt, steps, nan_at=None):
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
-        opt.step()
+        (step or opt.step)()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -158,6 +158,23 @@ def test_optimizer_through_the_kernels_is_its_eager_step(device, name, options, 
             torch.testing.assert_close(opt_f.state[p]["momentum_buffer"], opt_e.state[q]["momentum_buffer"])
     if nonfinite == "skip":
         assert opt_f.skipped_steps == opt_e.skipped_steps == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_compiled_step_through_the_kernels_is_the_eager_one(device, nonfinite):
+    """``torch.compile(opt.step)`` over the kernels (Triton's interpreter on the CPU, compiled kernels on CUDA), a
+    Tensor lr, spectral and RowNorm steps, a NaN loss skipped under "skip": the weights of the eager step."""
+    eager, fast = model_on(device), model_on(device)
+    kw = dict(weight_decay=0.1, nonfinite=nonfinite, ns_dtype=torch.float32, kernels="triton", k=2)
+    opt_e = build("periodic_row_muon", eager, lr=torch.tensor(0.02), **kw)
+    opt_c = build("periodic_row_muon", fast, lr=torch.tensor(0.02), **kw)
+    nan_at = 2 if nonfinite == "skip" else None
+    train(eager, opt_e, 5, nan_at)
+    train(fast, opt_c, 5, nan_at, step=torch.compile(opt_c.step))
+    for p, q in zip(fast.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert opt_c.skipped_steps == opt_e.skipped_steps == (1 if nonfinite == "skip" else 0)
 
 
 @pytest.mark.parametrize("layers", [3, 12])
