@@ -42,7 +42,9 @@ Parts, in the order they depend on each other (``--part all`` runs them in this 
   each optimizer's lr chosen per size by the mean EMA validation loss (a best on the grid's edge gets the next
   factor of 2 past it, for that optimizer alone, up to twice per size); ``<out>/scale.json`` and
   ``gap_vs_params.png`` (the gap against the parameters, whiskers over the seed pairings). ``--scale-models``
-  names the sizes to train now (DiT-S/4's runs take hours each on a CPU: the small sizes first).
+  names the sizes to train now (DiT-S/4's runs take hours each on a CPU: the small sizes first). A size larger
+  than the race's model scores FD at its last step only (the choice reads the loss; an FD evaluation of
+  DiT-S/4 takes about 16 minutes on a CPU core).
 - ``report``: from the parts finished so far, ``<report-dir>/race.json`` and ``race.md`` (each optimizer's FD,
   precision, recall, loss and time to AdamW's quality with the spread over seeds; the sweep; every ablation;
   the FD cost of K=2->3 and 3->4), the plots (FD against time with bands over seeds, time-to-quality bars, FD
@@ -230,14 +232,18 @@ def bench(
     steps_factor: int = 1,
     keep_rows_of: list[str] | None = None,
     model: str | None = None,
+    final_eval_only: bool = False,
 ) -> int:
     """One ``dimuon bench quality`` invocation for ``part`` (the race's steps x ``steps_factor``; ``model`` in place
-    of the race's), its output streamed; the finished runs of the part's published record
-    (``<report-dir>/<part>.json``) whose directories are not here are kept from it, not trained again."""
+    of the race's; with ``final_eval_only`` generation quality scored at the last step alone), its output streamed;
+    the finished runs of the part's published record (``<report-dir>/<part>.json``) whose directories are not here
+    are kept from it, not trained again."""
     settings = list(QUICK if args.quick else FULL)
     settings[settings.index("--steps") + 1] = str(int(settings[settings.index("--steps") + 1]) * steps_factor)
     if model is not None:
         settings[settings.index("--model") + 1] = model
+    if final_eval_only:
+        settings[settings.index("--eval.interval") + 1] = settings[settings.index("--steps") + 1]
     earlier = published(args, f"{part}.json")
     keep = keep_rows_of if keep_rows_of is not None else ["--keep-rows-of", str(earlier)] if earlier else []
     cmd = [
@@ -589,8 +595,12 @@ def scale(args: argparse.Namespace) -> int:
     the selection's runs there (linked, or kept from its published record), not trained again. Then
     ``<out>/scale.json`` and ``gap_vs_params.png``: the loss gap against the model's parameters."""
     race_model = setting("--model", args)
+    dataset = setting("--dataset", args)
     for model in scale_models(args):
         part = scale_part(model)
+        # A size past the race's scores generation quality at its last step only: the selection reads the EMA
+        # validation loss, and one FD evaluation of DiT-S/4 takes a quarter of an hour on a CPU.
+        larger = model_params(model, dataset) > model_params(race_model, dataset)
         grids = {name: tuple(SCALE_LRS) for name in SCALE_OPTIMIZERS}
         for widening in range(SCALE_WIDENINGS + 1):
             grids = widened(_record(args.out / part / "results.json"), grids) if widening else grids
@@ -621,6 +631,7 @@ def scale(args: argparse.Namespace) -> int:
                 ],
                 keep_rows_of=keep_rows(args, part, kept),
                 model=model,
+                final_eval_only=larger,
             )
             if code != 0:
                 return code

@@ -624,6 +624,8 @@ def test_scale_selects_each_size_and_plots_the_gap_against_parameters(race, tmp_
     calls = race.calls[-3:]
     assert [c[c.index("--model") + 1] for c in calls] == list(race.SCALE_MODELS)
     assert all(flags(c, "--select-by") == ["val_loss_ema"] for c in calls)
+    # the size past the race's model scores FD at its last step only; the others every 500 steps, as they ran
+    assert [flags(c, "--eval.interval") for c in calls] == [["500"], ["500"], ["2000"]]
     xs = tmp_path / "scale-dit-xs4" / "runs" / "muon-lr0.01-s1"
     assert xs.is_symlink() and not (tmp_path / "scale-dit-t4" / "runs").exists()  # the race's model: linked
     got = json.loads((tmp_path / "scale.json").read_text())
