@@ -595,12 +595,12 @@ def scale(args: argparse.Namespace) -> int:
     the selection's runs there (linked, or kept from its published record), not trained again. Then
     ``<out>/scale.json`` and ``gap_vs_params.png``: the loss gap against the model's parameters."""
     race_model = setting("--model", args)
-    dataset = setting("--dataset", args)
+    race_params = model_params(race_model, setting("--dataset", args))
     for model in scale_models(args):
         part = scale_part(model)
         # A size past the race's scores generation quality at its last step only: the selection reads the EMA
         # validation loss, and one FD evaluation of DiT-S/4 takes a quarter of an hour on a CPU.
-        larger = model_params(model, dataset) > model_params(race_model, dataset)
+        larger = model_params(model, setting("--dataset", args)) > race_params
         grids = {name: tuple(SCALE_LRS) for name in SCALE_OPTIMIZERS}
         for widening in range(SCALE_WIDENINGS + 1):
             grids = widened(_record(args.out / part / "results.json"), grids) if widening else grids
