@@ -63,9 +63,11 @@ DiT and a handful of steps: minutes, for checking the plumbing, not for reading.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,7 +269,27 @@ def bench(
         *(["--report-only"] if args.report_only else []),
     ]
     print("$ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    return run_child(cmd)
+
+
+def run_child(cmd: Sequence[str]) -> int:
+    """Run one dimuon command in a session of its own and return its exit status; an interrupt of this script
+    (Ctrl-C, or SIGTERM) is passed on to it once per interrupt: at the first, ``dimuon bench quality`` starts no
+    further run and waits for the running ones to save a checkpoint; at the second it kills them."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True)  # the terminal's Ctrl-C reaches this script alone
+    interrupted = False
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            print("race: interrupted: passed on; interrupt again to stop the running training at once", flush=True)
+    if interrupted:  # the part stopped on request: no further part starts
+        raise KeyboardInterrupt
+    return code
 
 
 def best_lrs(args: argparse.Namespace) -> dict[str, float]:
@@ -783,7 +805,7 @@ def step_time(args: argparse.Namespace) -> int:
         "--no-progress",
     ]
     print("$ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    return run_child(cmd)
 
 
 def selected_lrs(record: dict[str, Any], names: Sequence[str]) -> dict[str, float]:
@@ -830,7 +852,7 @@ def rescore(
         "--no-progress",
     ]
     print("$ " + " ".join(cmd), flush=True)
-    if subprocess.run(cmd, check=False).returncode != 0:
+    if run_child(cmd) != 0:
         return None
     results = json.loads((run_dir / "eval" / "results.json").read_text(encoding="utf-8"))["evaluations"]
     series = [
@@ -1492,6 +1514,18 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in args.scale_models if m not in DIT_MODELS]
         if unknown:
             parser.error(f"--scale-models: unknown model {unknown[0]!r}; choose from {' '.join(DIT_MODELS)}")
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop is a Ctrl-C
+    try:
+        return run_parts(args)
+    except KeyboardInterrupt:
+        print("race: interrupted; the same command continues where it stopped", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_parts(args: argparse.Namespace) -> int:
+    """Run the parts ``--part`` names, in order; the first that fails ends the call with its status."""
     for part in PARTS if args.part == "all" else (args.part,):
         steps = {
             "sweep": sweep,

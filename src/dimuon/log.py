@@ -81,6 +81,7 @@ def run_command(
     *,
     usage: tuple[type[BaseException], ...] = (),
     failures: tuple[type[BaseException], ...] = (),
+    stops: tuple[type[BaseException], ...] = (),
     interrupted: str = "",
 ) -> int:
     """``body()``'s exit status, or one ``<prog>: error: ...`` line on stderr and the status of what went wrong.
@@ -88,13 +89,20 @@ def run_command(
     2: a ``usage`` error (a bad flag, input or checkpoint, found before any work); 1: one of ``failures``
     (the command stopped before doing all it was asked to; an exception's ``hint`` is printed on a second
     line) or an ``OSError`` (an output that could not be written); 130: interrupted, with ``interrupted``
-    saying how to go on.
+    saying how to go on. One of ``stops`` (a stop on request, with its state saved): its message and ``hint`` lines
+    (where not empty), and its ``status``.
     """
     try:
         return body()
     except usage as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except stops as e:
+        if str(e):
+            print(f"{prog}: {e}", file=sys.stderr)
+        if getattr(e, "hint", ""):
+            print(f"{prog}: {e.hint}", file=sys.stderr)
+        return int(getattr(e, "status", 1))
     except (*failures, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         if getattr(e, "hint", ""):

@@ -1,21 +1,26 @@
 """``torchrun --max-restarts 1`` with ``dimuon train --resume auto`` as a cluster fails: 2 gloo ranks, rank 1
 killed with SIGKILL mid-run (as it begins step 6 of 8, on the first attempt only); torchrun restarts both ranks
 with the same command, which resumes from the newest complete checkpoint (step 4) and finishes with exit 0 and
-the final weights of an uninterrupted run, bitwise."""
+the final weights of an uninterrupted run, bitwise. And as a scheduler stops a job: SIGTERM to torchrun, which
+passes it to both ranks; they save a checkpoint at the next logging step and leave before torchrun's 30 s."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from dimuon.dit.checkpoint import load_model_for_eval
+from dimuon.dit.checkpoint import list_checkpoints, load_model_for_eval
+from dimuon.train.run import main as train_main
+from tests.train_runs import without_timing
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # three torchrun attempts: 50-80 s on 2 shared cores
 
@@ -49,20 +54,6 @@ ARGS = [
     "--resume",
     "auto",
 ]
-TIMING_KEYS = {
-    "active_time_s",
-    "wall_s",
-    "step_ms",
-    "data_ms",
-    "fwd_bwd_ms",
-    "opt_ms",
-    "samples_per_s",
-    "eval_s",
-    "sample_s",
-    "ckpt_s",
-    "path",
-    "resumed_from",
-}
 
 
 def _torchrun(out: Path, *program: str) -> subprocess.CompletedProcess:
@@ -103,10 +94,6 @@ def _records(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _without_timing(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
-
-
 def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path: Path) -> None:
     straight, restarted = tmp_path / "straight", tmp_path / "restarted"
     result = _torchrun(straight, "-m", "dimuon.cli")
@@ -131,4 +118,36 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_
         b, _ = load_model_for_eval(restarted / "checkpoints" / "step_0000008", use_ema=use_ema)
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
             assert torch.equal(x, y), (use_ema, name)
-    assert _without_timing(_records(straight)) == _without_timing(_records(restarted))
+    assert without_timing(_records(straight)) == without_timing(_records(restarted))
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_that_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    at = ARGS.index("--steps") + 1
+    args = [*ARGS[:at], "100000", *ARGS[at + 1 :]]  # far more steps than it reaches
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--monitor-interval", "0.5", "-m", "dimuon.cli", "train", *args, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.is_file() and '"kind": "train"' in metrics.read_text()):
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stops = [r for r in _records(out) if r["kind"] == "stopped"]
+    assert len(stops) == 1 and stops[0]["signal"] == "SIGTERM", log[-4000:]
+    step = stops[0]["step"]
+    assert step % 2 == 0 and [s for s, _ in list_checkpoints(out)][-1] == step  # a logging step, saved
+    assert log.count(f"dimuon train: stopped by SIGTERM after step {step} of 100000") == 1  # rank 0 alone
+    # The checkpoint is complete: it resumes (in one process; DCP reshards) and trains on.
+    assert train_main(["--resume", str(out), "--steps", str(step + 2), "--no-progress"]) == 0
+    assert [s for s, _ in list_checkpoints(out)][-1] == step + 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,44 +12,17 @@ import torch
 from dimuon.bench.launch import run_gloo
 from dimuon.dit.checkpoint import CheckpointError, list_checkpoints, load_model_for_eval, read_meta
 from dimuon.train import TrainConfig, train
+from tests.train_runs import TINY, records, without_timing
 
 from . import train_scenarios as sc
 
 pytestmark = pytest.mark.multirank
 
-TIMING_KEYS = {
-    "active_time_s",
-    "wall_s",
-    "step_ms",
-    "data_ms",
-    "fwd_bwd_ms",
-    "opt_ms",
-    "samples_per_s",
-    "eval_s",
-    "sample_s",
-    "ckpt_s",
-    "path",
-    "resumed_from",
-}
-BASE: dict[str, Any] = dict(
-    model="DiT-T/4",
-    steps=10,
-    batch_size=16,
-    warmup_steps=3,
-    log_interval=2,
-    val_interval=4,
-    val_samples=16,
-    sample_count=10,
-    sample_steps=2,
-    ckpt_interval=4,
-    progress=False,
-    optimizer="periodic_row_muon",
-)
+BASE: dict[str, Any] = {**TINY, "steps": 10, "warmup_steps": 3, "optimizer": "periodic_row_muon"}
 
 
 def _log(run: Path) -> list[dict[str, Any]]:
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs if r["kind"] != "start"]
+    return without_timing(records(run))
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +85,25 @@ def test_dcp_checkpoint_resumes_in_one_process_into_a_new_run(
     steps = [r["step"] for r in _log(fork) if r["kind"] == "train"]
     assert steps == [2, 4, 6, 8, 10]
     assert [s for s, _ in list_checkpoints(fork)] == [10]
+
+
+def test_a_signal_to_one_rank_stops_both_at_one_checkpoint_and_resume_is_exact(
+    runs: tuple[Path, Path, list[dict]], tmp_path: Path
+) -> None:
+    straight, _, _ = runs
+    stopped = tmp_path / "stopped"
+    # Rank 1 alone is signalled during step 5 (1-based): both stop after step 6, the next logging step.
+    results = run_gloo(sc.stopped_by_signal, 2, BASE, str(stopped), 1, 4)
+    for r in results:
+        assert r["stopped"] is not None and r["stopped"]["status"] == 128 + signal.SIGUSR1
+        assert r["checkpoints"] == [4, 6]
+    assert "stopped by SIGUSR1 after step 6 of 10" in results[0]["stopped"]["message"]
+    assert results[1]["stopped"]["message"] == ""  # one report, from rank 0
+    assert [s for s, _ in list_checkpoints(stopped)] == [4, 6, 8, 10]  # the stop's checkpoint, kept as any other
+    a, _ = load_model_for_eval(straight / "checkpoints" / "step_0000010", use_ema=False)
+    b, _ = load_model_for_eval(stopped / "checkpoints" / "step_0000010", use_ema=False)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    extra = [r for r in _log(stopped) if r["kind"] in ("checkpoint", "stopped") and r["step"] == 6]
+    assert extra == [{"kind": "checkpoint", "step": 6}, {"kind": "stopped", "step": 6, "signal": "SIGUSR1"}]
+    assert [r for r in _log(stopped) if r not in extra] == _log(straight)

@@ -79,3 +79,34 @@ def parallel_runs(rank: int, world: int, base: dict[str, Any], root: str, layout
         )
         out[name] = train(cfg)
     return out
+
+
+def stopped_by_signal(
+    rank: int, world: int, base: dict[str, Any], out: str, signal_rank: int, at_step: int
+) -> dict[str, Any]:
+    """Train ``base`` into ``out`` with rank ``signal_rank`` alone sending itself SIGUSR1 during step ``at_step``
+    (0-based), then resume it to the end: how the stop ended on this rank, the checkpoints it left, the summary."""
+    import os
+    import signal
+
+    from dimuon.dit.checkpoint import list_checkpoints
+    from dimuon.train.loop import Trainer
+    from dimuon.train.stop import RunStopped
+
+    original = Trainer.train_step
+
+    def step(self: Trainer, s: int) -> None:
+        if s == at_step and rank == signal_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        original(self, s)
+
+    stopped: dict[str, Any] | None = None
+    Trainer.train_step = step  # type: ignore[method-assign]
+    try:
+        train(TrainConfig(out=out, **base))
+    except RunStopped as e:
+        stopped = {"status": e.status, "message": str(e)}
+    finally:
+        Trainer.train_step = original  # type: ignore[method-assign]
+    left = [s for s, _ in list_checkpoints(out)]
+    return {"stopped": stopped, "checkpoints": left, "resumed": train(TrainConfig(out=out, resume=out, **base))}

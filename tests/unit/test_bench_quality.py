@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -611,3 +616,49 @@ def test_end_to_end_parallel_jobs_then_resume_with_more_steps(tmp_path):
     assert quality.main([*longer, "--out", str(out), "--optimizers", "muon"]) == 0
     (muon,) = json.loads((out / "results.json").read_text())["runs"]
     assert (muon["action"], muon["eval_step"], muon["evaluations"], muon["trained_steps"]) == ("resumed", 6, 3, 6)
+
+
+# --------------------------------------------------------------------------------------------------
+# An interrupted grid
+# --------------------------------------------------------------------------------------------------
+
+# A stand-in for dimuon train: says it is ready, then waits; SIGUSR1 (its stop) makes it note it and exit 138.
+STAND_IN = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+    (out / "asked").write_text("SIGUSR1")
+    sys.exit(128 + signum)
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+(out / "ready").write_text("")
+time.sleep(60)
+"""
+
+
+def test_an_interrupted_grid_starts_no_further_run_and_lets_the_running_one_stop(tmp_path, monkeypatch, capsys):
+    def stand_in(cfg, spec, extra, mode="new"):
+        run_dir = quality_runs.run_directory(cfg, spec)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return [sys.executable, "-c", STAND_IN, str(run_dir)]
+
+    monkeypatch.setattr(quality_runs, "train_command", stand_in)
+    cfg = tiny_config(tmp_path, jobs=1)
+    specs = quality.expand_grid(cfg)
+    assert len(specs) == 4
+    first = quality_runs.run_directory(cfg, specs[0])
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 30
+        while not (first / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the grid's own process, as `kill -INT <pid>` would
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        quality_runs.run_grid(cfg, specs, {o: [] for o in cfg.optimizers})
+    assert time.monotonic() - start < 30  # the stand-in left on its stop, not after its minute
+    assert (first / "asked").read_text() == "SIGUSR1"
+    assert [s for s in specs if quality_runs.run_directory(cfg, s).exists()] == specs[:1]
+    assert "waiting for 1 running run(s) to save a checkpoint and stop" in capsys.readouterr().err

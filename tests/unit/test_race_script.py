@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tyro
@@ -19,20 +25,31 @@ from dimuon.bench.quality_config import Config as QualityConfig
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race.py"
 
 
-@pytest.fixture
-def race(monkeypatch):
+def load_race(monkeypatch: pytest.MonkeyPatch) -> Any:
     spec = importlib.util.spec_from_file_location("race", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "race", module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def race(monkeypatch):
+    module = load_race(monkeypatch)
     calls = []
 
     class Done:
         returncode = 0
 
-    monkeypatch.setattr(module.subprocess, "run", lambda cmd, check=False: calls.append(cmd) or Done())
+    children(monkeypatch, module, lambda cmd, check=False: calls.append(cmd) or Done())
     module.calls = calls
     return module
+
+
+def children(monkeypatch: pytest.MonkeyPatch, race: Any, fake: Callable[..., Any]) -> None:
+    """Let ``fake(cmd)`` (an object with a ``returncode``, as subprocess.run gives) stand in for the dimuon commands
+    the script runs."""
+    monkeypatch.setattr(race, "run_child", lambda cmd: fake(cmd).returncode)
 
 
 def flags(cmd: list[str], name: str) -> list[str]:
@@ -440,7 +457,7 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
             for seed in race.SELECT_SEEDS:
                 part = "seeds" if o == "adamw" else "select"
                 (tmp_path / part / "runs" / f"{o}-lr0.01-s{seed}" / "checkpoints" / "step_2000").mkdir(parents=True)
-    monkeypatch.setattr(race.subprocess, "run", fake_subprocess)
+    children(monkeypatch, race, fake_subprocess)
     assert race.main(["--part", "fd", "--out", str(tmp_path)]) == 0
     (bench,) = trained
     assert flags(bench, "--optimizers") == ["muon_bp"] and flags(bench, "--lr-grid") == ["muon_bp=0.01"]
@@ -477,11 +494,11 @@ def test_fd_scores_the_chosen_runs_with_more_samples_and_says_which_gaps_resolve
     (published / "select.json").write_text((tmp_path / "select" / "results.json").read_text())
     fresh = tmp_path / "fresh"
     scored = []
-    monkeypatch.setattr(race.subprocess, "run", lambda cmd, check=False: scored.append(cmd) or Done())
+    children(monkeypatch, race, lambda cmd, check=False: scored.append(cmd) or Done())
     assert race.main(["--part", "fd", "--out", str(fresh), "--report-dir", str(published)]) == 0
     assert scored == [] and json.loads((fresh / "fd.json").read_text())["rows"] == result["rows"]
     # --only: these optimizers alone, once their own selection is finished (MuonBP's still training here)
-    monkeypatch.setattr(race.subprocess, "run", fake_subprocess)
+    children(monkeypatch, race, fake_subprocess)
     record_path = tmp_path / "select" / "results.json"
     partial = json.loads(record_path.read_text())
     partial["runs"] = [r for r in partial["runs"] if not (r["optimizer"] == "muon_bp" and r["seed"] == 1)]
@@ -673,7 +690,7 @@ def test_scale_widens_a_grid_past_the_edge_its_best_lr_sits_on_until_the_best_is
         write(grid)
         return type("Done", (), {"returncode": 0})()
 
-    monkeypatch.setattr(race.subprocess, "run", bench)
+    children(monkeypatch, race, bench)
     write({n: list(race.SCALE_LRS) for n in race.SCALE_OPTIMIZERS})
     assert race.main(["--part", "scale", "--out", str(tmp_path), "--scale-models", "DiT-T/4"]) == 0
     assert len(race.calls) == 2 and "--lr-grid" not in race.calls[0]
@@ -776,3 +793,40 @@ def write_select(race, out: Path, lrs: dict[str, float], unfinished=lambda o, s:
     summary = {o: {"lr": lrs.get(o, 1e-2), "lrs_tried": list(race.SELECT_LRS)} for o in race.MAIN}
     (out / "select").mkdir(parents=True, exist_ok=True)
     (out / "select" / "results.json").write_text(json.dumps({"runs": grid, "optimizers": summary}))
+
+
+# A stand-in for a dimuon command: says it is ready, notes each SIGINT it gets, leaves at the first.
+STAND_IN = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+    with open(out / "interrupts", "a") as f:
+        f.write("SIGINT\\n")
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+(out / "ready").write_text("")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_of_the_script_reaches_the_running_command_once_and_ends_the_call(monkeypatch, tmp_path, sig):
+    race = load_race(monkeypatch)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def part(args):
+        return race.run_child([sys.executable, "-c", STAND_IN, str(tmp_path)])
+
+    def interrupt_once_ready() -> None:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), sig)  # the script's own process, as `kill <pid>` or a scheduler would
+
+    monkeypatch.setattr(race, "report", part)
+    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    start = time.monotonic()
+    assert race.main(["--part", "report", "--out", str(tmp_path / "race")]) == 130
+    assert time.monotonic() - start < 30  # the command left on the interrupt, not after its minute
+    assert (tmp_path / "interrupts").read_text() == "SIGINT\n"  # passed on once, as SIGINT
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_loop import tiny_config
+from tests.train_runs import tiny_config
 
 from dimuon.data import build_dataset
 from dimuon.dit import DiT

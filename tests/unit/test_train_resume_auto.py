@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_loop import records, tiny_config, without_timing
+from tests.train_runs import records, tiny_config, without_timing
 
 from dimuon.dit import list_checkpoints
 from dimuon.dit.checkpoint import CheckpointError

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_loop import tiny_config
+from tests.train_runs import tiny_config
 
 from dimuon.dit import list_checkpoints
 from dimuon.optim import build
@@ -244,3 +244,21 @@ def test_a_run_without_a_checkpoint_resumes_from_step_0_with_its_config(tmp_path
     assert summary["step"] == 3 and [s for s, _ in list_checkpoints(run)] == [3]
     starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
     assert [r["step"] for r in starts] == [0, 0]
+
+
+def test_the_flags_changed_on_resume_are_recorded_with_their_old_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    train(tiny(run))
+    args = ["--resume", str(run), "--steps", "2", "--lr", "0.002", "--optim.k", "7", "--eval.sample-steps", "3"]
+    assert train_main([*args, "--no-progress"]) == 0
+    changed = {"--optim.k": [None, 7], "--lr": [0.01, 0.002], "--steps": [1, 2], "--eval.sample-steps": [50, 3]}
+    out = capsys.readouterr().out
+    assert "dimuon train: changed on resume: --optim.k None -> 7, --lr 0.01 -> 0.002, --steps 1 -> 2, " in out
+    starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
+    assert "changed" not in starts[0]  # a new run
+    assert starts[1]["changed"] == changed  # the config history: what ran before the resume, what runs after
+    assert train_main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0  # the recorded values carry on
+    starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
+    assert starts[2]["changed"] == {"--steps": [2, 3]}

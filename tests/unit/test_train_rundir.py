@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_loop import tiny_config
+from tests.train_runs import tiny_config
 
 import dimuon.io as dio
 from dimuon.dit import list_checkpoints

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
@@ -315,7 +316,8 @@ def join_flag_values(args: Sequence[str], flags: Sequence[str] = ("--train-args"
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench quality``; 0 when every run finished, 1 when some failed (or an output could
-    not be written), 2 on bad flags, 130 when interrupted."""
+    not be written), 2 on bad flags, 130 when interrupted (Ctrl-C or SIGTERM: no further run starts, the running
+    ones save a checkpoint and stop; a second interrupt kills them)."""
     args = join_flag_values(sys.argv[1:] if argv is None else argv)
     cfg = tyro.cli(Config, args=args, prog="dimuon bench quality")
     configure("dimuon bench quality")
@@ -325,13 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         print(render(record) + "\n\nwrote " + ", ".join(record["outputs"]))
         return 0 if all(r["status"] == "ok" for r in record["runs"]) else 1
 
-    return run_command(
-        "dimuon bench quality",
-        body,
-        usage=(FlagError,),
-        interrupted="the same command continues "
-        "(finished runs are skipped, interrupted ones resume from their newest checkpoint)",
-    )
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop is a Ctrl-C
+    try:
+        return run_command(
+            "dimuon bench quality",
+            body,
+            usage=(FlagError,),
+            interrupted="the same command continues "
+            "(finished runs are skipped, interrupted ones resume from their newest checkpoint)",
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,9 +32,12 @@ from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.io import RunLayout
 from dimuon.metrics.eval_settings import EvalSettings
 from dimuon.metrics.results import load_results, ok_entries, pick_series
+from dimuon.train.stop import STOP_SIGNALS
 
 LOG_NAME = "train.log"
 TAIL_LINES = 15
+# dimuon train's exit status after a stop signal saved its state (dimuon.train.stop), and the signal's name.
+STOPPED = {128 + sig: sig.name for sig in STOP_SIGNALS}
 # What a run in each mode is reported as having been.
 ACTIONS = {"new": "started", "resume": "resumed", "restart": "restarted"}
 
@@ -218,6 +222,41 @@ def load_record(path: Path) -> dict[str, Any]:
     return record
 
 
+_RUNNING: set[subprocess.Popen] = set()  # the training processes :func:`launch` waits for, from any thread
+_RUNNING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _running(proc: subprocess.Popen) -> Iterator[None]:
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+
+
+def ask_running_to_stop() -> int:
+    """Send every training process :func:`launch` is waiting for SIGUSR1 (``dimuon train`` then saves a checkpoint
+    at its next logging step and exits); how many were asked."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGUSR1)
+    return len(running)
+
+
+def kill_running() -> None:
+    """Kill every training process :func:`launch` is waiting for (a second interrupt)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+
 def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     """The last ``lines`` lines of a log file (empty if it does not exist)."""
     if not path.is_file():
@@ -236,7 +275,8 @@ def launch(
 
     With ``timeout_s`` the command runs in its own process group, which is killed (the command and every
     process it started) once that many seconds have passed; then ``subprocess.TimeoutExpired`` is raised.
-    ``env_extra`` is added to the environment the command inherits.
+    Without it the process is known to :func:`ask_running_to_stop` while it runs. ``env_extra`` is added to the
+    environment the command inherits.
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     if threads is not None:
@@ -246,7 +286,14 @@ def launch(
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         if timeout_s is None:
-            return subprocess.run(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+            proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+            with _running(proc):  # an interrupt of the grid asks it to stop (:func:`stop_grid`)
+                try:
+                    return proc.wait()
+                except BaseException:  # interrupted while waiting in the main thread: as subprocess.run does
+                    proc.kill()
+                    proc.wait()
+                    raise
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             return proc.wait(timeout=timeout_s)
@@ -281,7 +328,9 @@ def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
     except OSError as exc:
         return Outcome(spec, ACTIONS[mode], cmd, None, time.perf_counter() - start, f"could not start: {exc}")
     outcome = Outcome(spec, ACTIONS[mode], cmd, code, time.perf_counter() - start)
-    if code != 0:
+    if code in STOPPED:
+        outcome.error = f"dimuon train stopped on {STOPPED[code]} after a checkpoint; the same command resumes it"
+    elif code != 0:
         outcome.error = f"dimuon train exited with status {code}"
     elif not is_finished(run_dir, cfg.eval, cfg.steps):
         outcome.error = f"dimuon train finished without an evaluation of step {cfg.steps} with these --eval.* settings"
@@ -312,7 +361,8 @@ def run_grid(cfg: Config, specs: Sequence[RunSpec], extra: dict[str, list[str]])
     ``extra`` holds each optimizer's further ``dimuon train`` flags (``quality.train_args_of``)."""
     outcomes: dict[RunSpec, Outcome] = {}
     bar = tqdm(total=len(specs), unit="run", desc="quality bench", disable=not cfg.progress)
-    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=cfg.jobs)
+    try:
         futures = {pool.submit(execute, cfg, s, extra[s.optimizer]): s for s in specs}
         for future in as_completed(futures):
             outcome = future.result()
@@ -321,5 +371,28 @@ def run_grid(cfg: Config, specs: Sequence[RunSpec], extra: dict[str, list[str]])
                 tqdm.write(failure_message(cfg, outcome), file=sys.stderr)
             bar.set_postfix_str(f"{outcome.spec.name} {outcome.action}", refresh=False)
             bar.update(1)
-    bar.close()
+    except KeyboardInterrupt:
+        stop_grid(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     return [outcomes[s] for s in specs]
+
+
+def stop_grid(pool: ThreadPoolExecutor) -> None:
+    """On an interrupt: start no further run, and let the running ones save a checkpoint and stop (a second
+    interrupt kills them)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    asked = ask_running_to_stop()
+    if asked:
+        print(
+            f"dimuon bench quality: interrupted: waiting for {asked} running run(s) to save a checkpoint and stop "
+            "(interrupt again to kill them)",
+            file=sys.stderr,
+        )
+    try:
+        pool.shutdown(wait=True)
+    except KeyboardInterrupt:
+        kill_running()
+        raise

@@ -10,6 +10,7 @@ the allowed values, so a bad run fails in the first second instead of after the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.dit.parallel import Parallelism
+from dimuon.io import to_json
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.optim import OPTIMIZERS
 from dimuon.optim.build import ONE_PROCESS_ONLY
@@ -34,6 +36,7 @@ __all__ = [
     "OptimOptions",
     "ParallelOptions",
     "TrainConfig",
+    "changed_on_resume",
     "check_patch_size",
     "check_resume_flags",
     "config_from_dict",
@@ -421,3 +424,28 @@ def check_resume_flags(cfg: TrainConfig, saved: dict[str, Any], where: str) -> N
                 f"--optim.{name.replace('_', '-')} cannot change on resume of --optimizer {cfg.optimizer} "
                 f"({reason}): {where} was trained with {old}, this run asks for {new}"
             )
+
+
+# How a run is continued, not what it runs: left out of what a resume changed.
+HOW_CONTINUED = frozenset({"resume", "out", "overwrite"})
+
+
+def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def changed_on_resume(saved: dict[str, Any], record: dict[str, Any]) -> dict[str, list[Any]]:
+    """The flags a resumed run runs with other values than the checkpoint's config ``saved`` (its defaults filled in,
+    as it ran): ``{"--eval.interval": [500, 2000]}``, in config order; ``record`` is the new run's config dict."""
+    was, now = (_flat(json.loads(to_json(r))) for r in (config_to_dict(config_from_dict(saved)), record))
+    return {
+        _flag(name): [was.get(name), value]
+        for name, value in now.items()
+        if name not in HOW_CONTINUED and was.get(name) != value
+    }

@@ -11,7 +11,9 @@ EMA state (plus the global RNG, restored for anything else that draws from it) t
 validate, sample, evaluate, checkpoint). A step whose loss or gradient norm is not finite is never
 applied (``--nonfinite``, :mod:`dimuon.train.failures`: with the Muon family and ``skip`` it is decided on the device
 and the host waits for the device only at logging steps); a run that stops early raises
-:class:`~dimuon.train.failures.RunFailed` saying how to continue it.
+:class:`~dimuon.train.failures.RunFailed` saying how to continue it. A stop signal (SIGTERM, SIGUSR1, Ctrl-C)
+saves a checkpoint at the next logging step and raises :class:`~dimuon.train.stop.RunStopped`
+(:mod:`dimuon.train.stop`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +66,7 @@ from dimuon.train.records import (
     validation_record,
 )
 from dimuon.train.rundir import check_free_space, check_run_dir, check_same_start, prepare_run_dir, start_of
+from dimuon.train.stop import RunStopped, SignalStop
 
 __all__ = ["Trainer", "train"]
 
@@ -217,6 +221,7 @@ class Trainer:
         self.timesteps = TimestepDist(cfg.timesteps)
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
         self.summary: dict[str, Any] = {"run_dir": str(layout.root), "step": self.start, "skipped_steps": 0}
+        self.saved_at = self.start  # the step of the newest checkpoint (the resumed one to begin with)
         self.window = Window()
 
     # ----------------------------------------------------------------------------------------------
@@ -240,23 +245,27 @@ class Trainer:
         )
         self.model.train()
         try:
-            for step in range(self.start, cfg.steps):
-                self.train_step(step)
-                done = step + 1
-                self.summary["step"] = done  # where the run stands if a hook fails
-                self.bar.update(1)
-                if due(done, cfg.log_interval, cfg.steps):
-                    self.log_train(done)
-                if due(done, cfg.val_interval, cfg.steps):
-                    self.validate(done)
-                if due(done, cfg.sample_interval, cfg.steps):
-                    self.sample(done)
-                if self.plan.evaluation is not None and due(done, self.plan.evaluation.interval, cfg.steps):
-                    self.evaluate(done)
-                if due(done, cfg.ckpt_interval, cfg.steps):
-                    self.checkpoint(done)
-                if stop_after is not None and done >= stop_after:
-                    break
+            with SignalStop(announce=self.env.is_main) as stop:
+                for step in range(self.start, cfg.steps):
+                    self.train_step(step)
+                    done = step + 1
+                    self.summary["step"] = done  # where the run stops if a hook fails
+                    self.bar.update(1)
+                    log_step = due(done, cfg.log_interval, cfg.steps)
+                    if log_step:
+                        self.log_train(done)
+                    if due(done, cfg.val_interval, cfg.steps):
+                        self.validate(done)
+                    if due(done, cfg.sample_interval, cfg.steps):
+                        self.sample(done)
+                    if self.plan.evaluation is not None and due(done, self.plan.evaluation.interval, cfg.steps):
+                        self.evaluate(done)
+                    if due(done, cfg.ckpt_interval, cfg.steps):
+                        self.checkpoint(done)
+                    if stop_after is not None and done >= stop_after:
+                        break
+                    if log_step and done < cfg.steps:  # after every hook of the step: none is skipped by the stop
+                        self.stop_if_asked(stop, done)
             self.settle()
         except (RunFailed, ckpt.CheckpointWriteError, OSError) as e:
             raise RunFailed(str(e), self.how_to_continue()) from e
@@ -325,6 +334,25 @@ class Trainer:
             self.window.add(loss, grad_norm, times)
         else:
             self.window.add_voted(step, taken, loss, grad_norm, times)
+
+    def stop_if_asked(self, stop: SignalStop, done: int) -> None:
+        """At a logging step: if a rank received a stop signal, save a checkpoint (unless this step saved one) and
+        raise :class:`RunStopped`."""
+        signum = stop.agreed(self.env)
+        if not signum:
+            return
+        if self.saved_at != done:
+            self.checkpoint(done)
+        name = signal.Signals(signum).name
+        self.record({"kind": "stopped", "step": done, "signal": name})
+        said = self.env.is_main
+        raise RunStopped(
+            f"stopped by {name} after step {done} of {self.cfg.steps}, checkpoint {self.summary['checkpoint']}"
+            if said
+            else "",
+            signum,
+            f"continue with dimuon train --resume {self.layout.root}" if said else "",
+        )
 
     def settle(self) -> None:
         """Read the votes of the steps since the last read (one host read) and account each skipped one: its
@@ -456,6 +484,7 @@ class Trainer:
             {"kind": "checkpoint", "step": done, "path": str(path), "ckpt_s": round(time.perf_counter() - t, 3)}
         )
         self.summary["checkpoint"] = str(path)
+        self.saved_at = done
 
     # ----------------------------------------------------------------------------------------------
     # Start and end of a run
@@ -480,6 +509,11 @@ class Trainer:
             print(f"dimuon train: resumed from {self.resume_from} at step {self.start}")
         elif self.plan.resume is not None:
             print(f"dimuon train: restarted {self.plan.resume.run} from step 0 (it had no checkpoint)")
+        if self.plan.changed:
+            print(
+                "dimuon train: changed on resume: "
+                + ", ".join(f"{flag} {was} -> {now}" for flag, (was, now) in self.plan.changed.items())
+            )
         self.log.write(
             {
                 "kind": "start",
@@ -490,6 +524,7 @@ class Trainer:
                 "params": n_params,
                 "torch_version": torch.__version__,
                 "resumed_from": str(self.resume_from or ""),
+                **({"changed": self.plan.changed} if self.plan.resume is not None else {}),
             }
         )
 

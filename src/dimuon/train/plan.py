@@ -11,7 +11,7 @@ environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from dimuon.train.config import (
     ConfigError,
     EvalOptions,
     TrainConfig,
+    changed_on_resume,
     check_resume_flags,
     config_to_dict,
     parallelism,
@@ -106,6 +107,8 @@ class TrainPlan:
     evaluation: EvalOptions | None  # None: no generation-quality evaluation during training
     resume: ResumePoint | None  # what --resume continues from (found on disk at start-up)
     auto_resume: AutoResume | None = None  # what --resume auto found in --out (None without it)
+    # The flags that differ from the resumed checkpoint's config: {"--flag": [was, now]} (empty for a new run).
+    changed: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def data_spec(cfg: TrainConfig) -> DataSpec:
@@ -153,9 +156,10 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
     resume = resume_point(cfg, auto)  # first: a flag a resumed run cannot change is the error to report
     optimizer = OptimizerSpec(cfg.optimizer, optimizer_kwargs(cfg.optimizer, cfg.optim, cfg.lr))
     optimizer.check()
+    record = config_to_dict(cfg)
     return TrainPlan(
         cfg=cfg,
-        record=config_to_dict(cfg),
+        record=record,
         layout=RunLayout(Path(cfg.out)),
         data=data_spec(cfg),
         model=ModelSpec(cfg.model, cfg.class_dropout),
@@ -165,4 +169,5 @@ def resolve(cfg: TrainConfig) -> TrainPlan:
         evaluation=cfg.eval if cfg.eval.interval > 0 else None,
         resume=resume,
         auto_resume=auto,
+        changed=changed_on_resume(resume.config, record) if resume is not None else {},
     )

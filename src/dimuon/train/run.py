@@ -3,7 +3,8 @@
 Every failure the user can act on ends in one ``dimuon train: error:`` line (and, for a run that stopped,
 a line saying how to continue it) instead of a traceback. Exit status: 0 the run did what was asked,
 1 it stopped before that (divergence, a failed write), 2 a bad flag, data set or checkpoint at start-up,
-130 interrupted.
+128 + the signal's number when a stop signal saved a checkpoint and ended the run (143 SIGTERM, 138 SIGUSR1,
+130 Ctrl-C; a second Ctrl-C stops at once, also 130).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dimuon.train.config import RESUME_AUTO, ConfigError, TrainConfig, config_fr
 from dimuon.train.failures import RunFailed
 from dimuon.train.loop import train
 from dimuon.train.resume import auto_resume_point, find_resume_point
+from dimuon.train.stop import RunStopped
 
 __all__ = ["main", "parse_config"]
 
@@ -72,8 +74,8 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 130
-    interrupted."""
+    """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 128 + the
+    signal's number stopped by a signal (after a checkpoint, or at once on a second Ctrl-C: 130)."""
     args = list(sys.argv[1:] if argv is None else argv)
     configure("dimuon train")
 
@@ -86,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         body,
         usage=(ConfigError, CheckpointError),
         failures=(RunFailed, CheckpointWriteError),
+        stops=(RunStopped,),
         interrupted="dimuon train --resume <out> continues from the newest checkpoint",
     )
 
