@@ -327,6 +327,7 @@ _CHECKPOINT_FILES = ("meta.json", "state.pt", ".metadata", "__*_*.distcp")
 # Atomic writes also leave, while they run, a hidden ".<name>.<random>.tmp" beside each of these.
 OWNED_FILES: tuple[str, ...] = (
     ".dimuon-run.json",
+    ".dimuon-lock",
     "config.json",
     "metrics.jsonl",
     *(f"checkpoints/{d}/{f}" for d in _CHECKPOINT_DIRS for f in _CHECKPOINT_FILES),
@@ -375,6 +376,7 @@ class RunLayout:
 
     ```
     .dimuon-run.json         the marker: this directory is a dimuon run (written when the run is created)
+    .dimuon-lock             locked by the process that trains the run
     config.json              the run's config            metrics.jsonl     one record per line
     checkpoints/step_N/      one directory per checkpoint samples/step_N.png sample grids
     plots/                   loss curves                 tensorboard/      with --tensorboard
@@ -393,11 +395,17 @@ class RunLayout:
     # The top-level entries a run consists of (directories hold dimuon's files among, possibly, a user's).
     ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "samples", "plots", "tensorboard", "eval")
     MARKER = ".dimuon-run.json"
+    LOCK = ".dimuon-lock"
 
     @property
     def marker(self) -> Path:
         """The file that makes a directory a dimuon run; written first when a run is created."""
         return self.root / self.MARKER
+
+    @property
+    def lock(self) -> Path:
+        """The file the process training the run locks (:class:`dimuon.train.rundir.RunLock`); never deleted."""
+        return self.root / self.LOCK
 
     @property
     def config(self) -> Path:
@@ -492,9 +500,9 @@ class RunLayout:
         return [p for p in _walk_files(self.root) if not self.owns(p)]
 
     def clear(self) -> list[Path]:
-        """Delete dimuon's files (and the marker) and then whatever directories they leave empty; return
-        the deleted files. Anything else (a user's files, and the directories holding them) stays."""
-        doomed = self.owned_files()
+        """Delete dimuon's files (and the marker, not the lock) and then whatever directories they leave empty;
+        return the deleted files. Anything else (a user's files, and the directories holding them) stays."""
+        doomed = [p for p in self.owned_files() if p != self.lock]  # held by the process clearing it
         for path in doomed:
             path.unlink()
         for directory in sorted(

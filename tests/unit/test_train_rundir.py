@@ -5,6 +5,9 @@ checkpoints wait until a resumed run replaces them, and an output that cannot be
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +19,10 @@ import dimuon.io as dio
 from dimuon.dit import list_checkpoints
 from dimuon.io import RunLayout
 from dimuon.train import ConfigError, TrainConfig, train
+from dimuon.train.loop import Trainer
 from dimuon.train.resume import find_resume_point
 from dimuon.train.run import main as train_main
+from dimuon.train.rundir import RunLock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,3 +167,55 @@ def test_a_save_that_fails_leaves_no_partial_checkpoint_and_an_error_line(
     monkeypatch.setattr(torch, "save", real_save)
     assert train_main(["--resume", str(run), "--no-progress"]) == 0  # the same directory, rerun from step 0
     assert [s for s, _ in list_checkpoints(run)] == [1]
+
+
+# Another process training the run: it holds the run's lock until it is killed.
+HOLDER = """
+import sys, time
+from pathlib import Path
+from dimuon.io import RunLayout
+from dimuon.train.rundir import RunLock
+RunLock(RunLayout(Path(sys.argv[1]))).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_another_process_trains_is_refused_naming_it_until_that_process_ends(tmp_path: Path) -> None:
+    run = RunLayout(tmp_path / "run")
+    train(tiny(run.root))
+    log = run.metrics.read_text()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run.root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"is being trained by another process \(pid {holder.pid} on "):
+            train(tiny(run.root, resume=str(run.root), steps=2))
+        with pytest.raises(ConfigError, match="is being trained by another process"):
+            train(tiny(run.root, overwrite=True))
+        assert run.metrics.read_text() == log and [s for s, _ in list_checkpoints(run.root)] == [1]  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    train(tiny(run.root, resume=str(run.root), steps=2))  # a killed holder leaves no stale lock
+    assert [s for s, _ in list_checkpoints(run.root)] == [1, 2] and run.lock.is_file()
+
+
+def test_the_lock_is_held_while_the_run_trains_and_survives_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunLayout(tmp_path / "run")
+    refused: list[str] = []
+    original = Trainer.train_step
+
+    def step(self: Trainer, s: int) -> None:
+        try:
+            RunLock(run).acquire()  # as a second process would
+        except ConfigError as e:
+            refused.append(str(e))
+        original(self, s)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    train(tiny(run.root, steps=2))
+    train(tiny(run.root, steps=1, overwrite=True))
+    assert len(refused) == 3 and f"pid {os.getpid()} on " in refused[0]
+    assert run.lock.is_file() and run.lock not in run.foreign_files()

@@ -65,7 +65,14 @@ from dimuon.train.records import (
     train_record,
     validation_record,
 )
-from dimuon.train.rundir import check_free_space, check_run_dir, check_same_start, prepare_run_dir, start_of
+from dimuon.train.rundir import (
+    RunLock,
+    check_free_space,
+    check_run_dir,
+    check_same_start,
+    prepare_run_dir,
+    start_of,
+)
 from dimuon.train.stop import RunStopped, SignalStop
 
 __all__ = ["Trainer", "train"]
@@ -83,7 +90,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     owns_group = not dist.is_initialized()
     env = setup(cfg.device, cfg.threads)
     try:
-        return Trainer(plan, env).fit(stop_after)
+        with RunLock(plan.layout) as lock:
+            return Trainer(plan, env, lock).fit(stop_after)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -159,12 +167,15 @@ def due(done: int, interval: int, steps: int) -> bool:
 class Trainer:
     """One training run: set up from its plan, then :meth:`fit` trains and calls the hooks that are due."""
 
-    def __init__(self, plan: TrainPlan, env: DistEnv) -> None:
+    def __init__(self, plan: TrainPlan, env: DistEnv, lock: RunLock | None = None) -> None:
+        """``lock``: taken (on rank 0) as soon as the run directory exists; without one nothing is locked."""
         cfg, layout = plan.cfg, plan.layout
         self.plan, self.cfg, self.layout, self.env = plan, cfg, layout, env
         self.resume_from = plan.resume.checkpoint if plan.resume is not None else None
         check_same_start(all_gather_objects(start_of(plan.resume), env))  # every rank found what --resume found
         on_main(lambda: check_run_dir(layout, plan.resume, cfg.overwrite), env)
+        self.lock = lock
+        on_main(lambda: self.take_lock(create=False), env)  # an existing run: before the expensive set-up
         if cfg.tensorboard and not tensorboard_available():
             raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)")
         try:
@@ -207,6 +218,7 @@ class Trainer:
             )
             self.start, self.clock = int(restored["step"]), RunClock.resumed(restored["progress"])
             self.guard.skipped = int(restored["progress"].get("skipped_steps", 0))
+        on_main(lambda: self.take_lock(create=True), env)  # a new run: before anything is written
         on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start), env)
 
         self.generation = None
@@ -334,6 +346,13 @@ class Trainer:
             self.window.add(loss, grad_norm, times)
         else:
             self.window.add_voted(step, taken, loss, grad_norm, times)
+
+    def take_lock(self, create: bool) -> None:
+        """Lock the run directory (:class:`RunLock`; rank 0), creating it first with ``create``."""
+        if self.lock is not None:
+            if create:
+                self.layout.root.mkdir(parents=True, exist_ok=True)
+            self.lock.acquire()
 
     def stop_if_asked(self, stop: SignalStop, done: int) -> None:
         """At a logging step: if a rank received a stop signal, save a checkpoint (unless this step saved one) and

@@ -6,12 +6,21 @@ run is created. Starting afresh in a run (``--overwrite``) deletes dimuon's own 
 else (:meth:`dimuon.io.RunLayout.clear`); a directory without the marker is not a run, and dimuon neither
 writes into nor deletes the entries of a run it finds there. Continuing in place drops what was logged
 after the checkpoint (a killed run may have written some) and sets later checkpoints aside until the run
-replaces them; forking from another run's checkpoint starts with that run's log up to it.
+replaces them; forking from another run's checkpoint starts with that run's log up to it. One process at a time
+trains a run directory (:class:`RunLock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from dimuon.dit.checkpoint import list_checkpoints
@@ -32,6 +41,7 @@ from dimuon.train.config import ConfigError
 from dimuon.train.resume import ResumePoint
 
 __all__ = [
+    "RunLock",
     "check_free_space",
     "check_run_dir",
     "check_same_start",
@@ -170,3 +180,68 @@ def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoi
     layout.samples.mkdir(parents=True, exist_ok=True)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
     write_json_atomic(layout.config, config)
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as one process trains it (rank 0 holds it).
+
+    Two trainings of one directory (the same command launched twice, a resubmitted job while the first still
+    runs) would interleave their checkpoints and logs; the second is refused at start-up instead, naming the
+    first. The lock is ``flock`` on :attr:`dimuon.io.RunLayout.lock`, which the kernel drops when the process
+    ends however it ends, so a killed run never leaves a stale lock (the file stays; it is dimuon's and is never
+    deleted, not even by ``--overwrite``). A file system without locks (some network or FUSE mounts) is trained
+    without one, with a warning. A context manager: the lock is released at exit.
+    """
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock if the directory exists and it is not held yet; :class:`ConfigError` naming the holder
+        when another process holds it."""
+        if self._fd is not None or not self.layout.root.is_dir():
+            return
+        path = self.layout.lock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"--out {self.layout.root} is being trained by another process ({_holder(path)}); wait for it to "
+                "end, stop it (SIGTERM saves a checkpoint first), or choose another --out"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            log.warning("%s: the file system takes no locks (%s); nothing keeps a second process out", path, e)
+            return
+        stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": stamp}
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(holder) + "\n").encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, as its file says (``pid 1234 on host-a since ...``)."""
+    try:
+        holder = json.loads(path.read_text(encoding="utf-8"))
+        return f"pid {holder['pid']} on {holder['host']} since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its process is not recorded"
