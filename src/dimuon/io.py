@@ -18,12 +18,16 @@ writes a file or touches a run directory goes through it.
   :func:`step_of`.
 - :func:`unwritable_reason` and :func:`free_bytes` let commands refuse an output they cannot write
   before any work starts.
+- :func:`lock_file` and :func:`locked`: ``flock`` on a lock file, for files two processes may update (a run's
+  ``eval/results.json``) and for the run directory itself (``dimuon.train.rundir.RunLock``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import fnmatch
 import io
 import json
@@ -32,6 +36,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +54,8 @@ __all__ = [
     "free_bytes",
     "fsync_dir",
     "json_ready",
+    "lock_file",
+    "locked",
     "make_grid",
     "read_jsonl",
     "read_tensors",
@@ -59,6 +66,7 @@ __all__ = [
     "step_of",
     "to_json",
     "truncate_jsonl",
+    "unlock_file",
     "unwritable_reason",
     "write_bytes_atomic",
     "write_json_atomic",
@@ -338,6 +346,7 @@ OWNED_FILES: tuple[str, ...] = (
     "tensorboard/events.out.tfevents.*",
     "eval/results.json",
     "eval/results.md",
+    "eval/.results.lock",
     "eval/fd_vs_step.png",
     "eval/fd_vs_time.png",
     f"eval/grids/*/{_STEP_GLOB}.png",
@@ -438,6 +447,11 @@ class RunLayout:
     @property
     def results(self) -> Path:
         return self.eval / "results.json"
+
+    @property
+    def results_lock(self) -> Path:
+        """Locked while a process updates ``results.json`` (:func:`dimuon.metrics.results.update_results`)."""
+        return self.eval / ".results.lock"
 
     @property
     def results_md(self) -> Path:
@@ -544,3 +558,48 @@ def unwritable_reason(directory: str | Path) -> str | None:
 def free_bytes(directory: str | Path) -> int:
     """Free bytes for this process on the file system ``directory`` is (or would be created) on."""
     return shutil.disk_usage(_nearest_existing(Path(directory))).free
+
+
+# --------------------------------------------------------------------------------------------------
+# Locks
+# --------------------------------------------------------------------------------------------------
+
+# What flock raises on a file system that takes no locks (some network or FUSE mounts).
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def lock_file(path: str | Path, wait: bool = True) -> int | None:
+    """An exclusive ``flock`` on ``path`` (created if missing): its open descriptor, to close to release it.
+
+    ``wait=False`` raises ``BlockingIOError`` when another process holds it. On a file system without locks the
+    descriptor is closed and None returned, with a warning. The kernel drops the lock when the process ends, however
+    it ends; the file stays (deleting a lock file another process may be opening would break the lock).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError) or e.errno not in NO_LOCKS:
+            raise
+        warnings.warn(f"{path}: the file system takes no locks ({e}); nothing keeps another process out", stacklevel=2)
+        return None
+    return fd
+
+
+def unlock_file(fd: int | None) -> None:
+    """Release a lock taken by :func:`lock_file`."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (waiting for it) for the ``with`` block."""
+    fd = lock_file(path)
+    try:
+        yield
+    finally:
+        unlock_file(fd)

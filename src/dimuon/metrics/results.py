@@ -4,17 +4,20 @@ A results file holds one *series* per set of settings (everything that changes t
 space, data set, sample counts, seed, sampler, steps, guidance, EMA), keyed by a hash of them; each
 series lists one entry per evaluated step. ``dimuon eval`` and ``dimuon train --eval.*`` write the
 same series, ``dimuon eval --compare`` and ``dimuon bench quality`` read them. This module loads,
-filters, picks a series, truncates, summarizes and renders Markdown; it computes no metric.
+filters, picks a series, truncates, summarizes and renders Markdown; it computes no metric. Every change is
+a read-change-write under a lock (:func:`update_results`), so processes writing one run's file at once (training
+and ``dimuon eval``) keep each other's entries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dimuon.io import RunLayout, remove_steps_after, write_json_atomic, write_text_atomic
+from dimuon.io import RunLayout, locked, remove_steps_after, write_json_atomic, write_text_atomic
 from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
 from dimuon.metrics.registry import GENERATION
 from dimuon.metrics.registry import METRICS as REGISTRY
@@ -32,6 +35,7 @@ __all__ = [
     "settings_key",
     "summarize",
     "truncate_results",
+    "update_results",
 ]
 
 RESULTS_FORMAT = 1
@@ -56,6 +60,18 @@ def save_results(layout: RunLayout, results: dict[str, Any]) -> None:
     write_text_atomic(layout.results_md, markdown(results, layout.root.name))
 
 
+def update_results(layout: RunLayout, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Read ``results.json`` as it is now, apply ``change`` to it and write it back (with ``results.md``), holding
+    ``eval/.results.lock`` throughout: the processes that write one run's results (the training run, any number
+    of ``dimuon eval``) never lose each other's entries. Returns what was written."""
+    layout.eval.mkdir(parents=True, exist_ok=True)
+    with locked(layout.results_lock):
+        results = load_results(layout.results)
+        change(results)
+        save_results(layout, results)
+    return results
+
+
 def settings_key(settings: dict[str, Any]) -> str:
     """Ten hex digits of a hash of the settings: one results series per key."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
@@ -71,15 +87,17 @@ def truncate_results(run: Path, max_step: int) -> int:
     layout = RunLayout(run)
     if not layout.results.is_file():
         return 0
-    results = load_results(layout.results)
     dropped = 0
-    for key, ev in results["evaluations"].items():
-        kept = [e for e in ev["entries"] if e["step"] <= max_step]
-        dropped += len(ev["entries"]) - len(kept)
-        ev["entries"] = kept
-        remove_steps_after(layout.eval_grids(key), max_step)
-    if dropped:
-        save_results(layout, results)
+
+    def drop(results: dict[str, Any]) -> None:
+        nonlocal dropped
+        for key, ev in results["evaluations"].items():
+            kept = [e for e in ev["entries"] if e["step"] <= max_step]
+            dropped += len(ev["entries"]) - len(kept)
+            ev["entries"] = kept
+            remove_steps_after(layout.eval_grids(key), max_step)
+
+    update_results(layout, drop)
     return dropped
 
 

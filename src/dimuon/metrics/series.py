@@ -18,7 +18,7 @@ from dimuon.io import RunLayout, save_grid
 from dimuon.metrics.eval_settings import EvalSettings, build_evaluator, sampling_settings
 from dimuon.metrics.generation import GenerationEvaluator
 from dimuon.metrics.plots import plot_series
-from dimuon.metrics.results import load_results, ok_entries, save_results, settings_key
+from dimuon.metrics.results import load_results, ok_entries, settings_key, update_results
 
 __all__ = ["GRID_SAMPLES", "RunEvaluation", "feature_cache_dir", "resolve_device", "save_eval_grid", "timestamp"]
 
@@ -66,6 +66,9 @@ class RunEvaluation:
         self.key: str | None = None
         self.device = resolve_device(device)
         self.progress = progress
+        # Steps whose entries this process scored, or dropped, since its last save: they win over the file's.
+        self._changed: set[int] = set()
+        self._dropped: set[int] = set()
 
     @property
     def cache_dir(self) -> Path:
@@ -116,6 +119,7 @@ class RunEvaluation:
 
     def record(self, entry: dict[str, Any]) -> None:
         """Put one checkpoint's entry in the series (replacing an older one of that step) and save."""
+        self._changed.add(entry["step"])
         entries = [e for e in self.series["entries"] if e["step"] != entry["step"]]
         self.series["entries"] = sorted([*entries, entry], key=lambda e: e["step"])
         self.series["updated"] = timestamp()
@@ -123,12 +127,32 @@ class RunEvaluation:
 
     def forget_failures_except(self, steps: set[int]) -> None:
         """Drop the failed entries of steps not in ``steps`` (e.g. checkpoints pruned since they failed)."""
-        self.series["entries"] = [e for e in self.series["entries"] if e.get("status") == "ok" or e["step"] in steps]
+        gone = [e for e in self.series["entries"] if e.get("status") != "ok" and e["step"] not in steps]
+        self.series["entries"] = [e for e in self.series["entries"] if e not in gone]
+        self._dropped.update(e["step"] for e in gone)
 
     def save(self) -> None:
-        """Write ``results.json`` and ``results.md`` atomically."""
-        self.results["run"] = str(self.run)
-        save_results(self.layout, self.results)
+        """Write this series into ``results.json`` as the file is now (``results.md`` too), atomically and under the
+        results' lock: the series and entries other processes wrote meanwhile are kept; the entries this process
+        scored since its last save replace theirs of the same step, and those it dropped stay dropped."""
+        key, series = self.key, self.series if self.key is not None else None
+        changed, dropped = set(self._changed), set(self._dropped)
+
+        def merge(results: dict[str, Any]) -> None:
+            results["run"] = str(self.run)
+            if key is None or series is None:
+                return
+            theirs = results["evaluations"].get(key)
+            if theirs is not None:  # the file's entries, but those this process scored or dropped since it saved
+                mine = [e for e in series["entries"] if e["step"] in changed]
+                kept = [e for e in theirs["entries"] if e["step"] not in changed | dropped]
+                series["entries"] = sorted([*kept, *mine], key=lambda e: e["step"])
+                series["reference"] = series.get("reference") or theirs.get("reference")
+            results["evaluations"][key] = series
+
+        self.results = update_results(self.layout, merge)
+        self._changed.clear()
+        self._dropped.clear()
 
     def record_scores(
         self, step: int, row: dict[str, Any], images: torch.Tensor, active_time_s: float | None, **extra: Any

@@ -12,10 +12,7 @@ trains a run directory (:class:`RunLock`).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import errno
-import fcntl
 import json
 import os
 import socket
@@ -28,9 +25,11 @@ from dimuon.io import (
     JsonlLog,
     RunLayout,
     free_bytes,
+    lock_file,
     read_jsonl,
     remove_steps_after,
     truncate_jsonl,
+    unlock_file,
     unwritable_reason,
     write_json_atomic,
 )
@@ -190,7 +189,7 @@ class RunLock:
     first. The lock is ``flock`` on :attr:`dimuon.io.RunLayout.lock`, which the kernel drops when the process
     ends however it ends, so a killed run never leaves a stale lock (the file stays; it is dimuon's and is never
     deleted, not even by ``--overwrite``). A file system without locks (some network or FUSE mounts) is trained
-    without one, with a warning. A context manager: the lock is released at exit.
+    without one, with a warning (:func:`dimuon.io.lock_file`). A context manager: the lock is released at exit.
     """
 
     def __init__(self, layout: RunLayout) -> None:
@@ -203,20 +202,14 @@ class RunLock:
         if self._fd is not None or not self.layout.root.is_dir():
             return
         path = self.layout.lock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = lock_file(path, wait=False)
         except BlockingIOError:
-            os.close(fd)
             raise ConfigError(
                 f"--out {self.layout.root} is being trained by another process ({_holder(path)}); wait for it to "
                 "end, stop it (SIGTERM saves a checkpoint first), or choose another --out"
             ) from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            log.warning("%s: the file system takes no locks (%s); nothing keeps a second process out", path, e)
+        if fd is None:  # no locks on this file system
             return
         stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": stamp}
@@ -225,11 +218,8 @@ class RunLock:
         self._fd = fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        unlock_file(self._fd)
+        self._fd = None
 
     def __enter__(self) -> RunLock:
         return self

@@ -1,0 +1,91 @@
+"""One run's ``eval/results.json`` written by several processes at once (the training run and ``dimuon eval``,
+or two ``dimuon eval`` of other settings): every save merges into the file as it is, under a lock, so no writer
+loses another's series or entries."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dimuon.io import RunLayout, locked
+from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
+from dimuon.metrics.results import truncate_results
+from dimuon.metrics.series import RunEvaluation
+
+SCORES = {"fd": 1.0, "precision": 0.5, "recall": 0.5, "density": 1.0, "coverage": 0.5}
+
+
+def opened(run: Path, key: str, seed: int = 0) -> RunEvaluation:
+    """A writer of the series ``key``, opened as ``setup`` opens one (without building an evaluator)."""
+    settings = EvalSettings(seed=seed)
+    ev = RunEvaluation(run, settings, device="cpu", progress=False)
+    ev.key = key
+    series = {
+        "settings": {
+            "feature_space": "classifier-x",
+            "num_real": 10,
+            "dataset": {"name": "mnist", "kwargs": {}},
+            **sampling_settings(settings),
+        },
+        "reference": None,
+        "created": "now",
+        "entries": [],
+    }
+    ev.results["evaluations"].setdefault(key, series)
+    return ev
+
+
+def entry(step: int, fd: float = 1.0, status: str = "ok") -> dict[str, Any]:
+    return {"step": step, "status": status, "active_time_s": 1.0, "eval_s": 1.0, **SCORES, "fd": fd}
+
+
+def on_disk(run: Path) -> dict[str, list[tuple[int, float]]]:
+    results = json.loads(RunLayout(run).results.read_text())["evaluations"]
+    return {k: [(e["step"], e.get("fd")) for e in v["entries"]] for k, v in results.items()}
+
+
+def test_writers_opened_at_once_keep_each_other_s_series_and_entries(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    training, other_space, same_series = opened(run, "k1"), opened(run, "k2", seed=1), opened(run, "k1")
+    training.record(entry(1))
+    other_space.record(entry(1, fd=5.0))  # opened before the first save: it read an empty file
+    same_series.record(entry(2, fd=2.0))  # scores another step of the training run's series
+    training.record(entry(3, fd=3.0))
+    assert on_disk(run) == {"k1": [(1, 1.0), (2, 2.0), (3, 3.0)], "k2": [(1, 5.0)]}
+    assert training.done_steps() == {1, 2, 3}  # what the others scored is known to it now
+    assert "## Settings `k2`" in RunLayout(run).results_md.read_text()
+
+
+def test_a_step_scored_again_replaces_the_other_writer_s_entry_and_a_dropped_failure_stays_dropped(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    a, b = opened(run, "k1"), opened(run, "k1")
+    a.record(entry(1, status="failed"))
+    a.record(entry(2))
+    b.record(entry(1, fd=7.0))  # the failed step scored by the other writer
+    assert on_disk(run) == {"k1": [(1, 7.0), (2, 1.0)]}
+    a.record(entry(4, status="failed"))
+    a.forget_failures_except({1, 2})  # step 4's checkpoint is gone
+    a.save()
+    b.save()  # b never saw step 4: nothing brings it back
+    assert on_disk(run) == {"k1": [(1, 7.0), (2, 1.0)]}
+
+
+def test_a_save_waits_for_the_lock_and_a_resume_truncates_under_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    writer = opened(run, "k1")
+    writer.record(entry(1))
+    layout = RunLayout(run)
+    saved = threading.Event()
+    with locked(layout.results_lock):  # another process is between its read and its write
+        thread = threading.Thread(target=lambda: (writer.record(entry(2)), saved.set()))
+        thread.start()
+        time.sleep(0.3)
+        assert not saved.is_set() and on_disk(run) == {"k1": [(1, 1.0)]}
+    thread.join(timeout=10)
+    assert saved.is_set() and on_disk(run) == {"k1": [(1, 1.0), (2, 1.0)]}
+    assert truncate_results(run, 1) == 1 and on_disk(run) == {"k1": [(1, 1.0)]}
