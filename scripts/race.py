@@ -274,8 +274,9 @@ def bench(
 
 def run_child(cmd: Sequence[str]) -> int:
     """Run one dimuon command in a session of its own and return its exit status; an interrupt of this script
-    (Ctrl-C, or SIGTERM) is passed on to it once per interrupt: at the first, ``dimuon bench quality`` starts no
-    further run and waits for the running ones to save a checkpoint; at the second it kills them."""
+    (Ctrl-C, SIGTERM, SIGHUP) is passed on to it as SIGINT, once per interrupt: at the first, ``dimuon bench
+    quality`` starts no further run and waits for the running ones to save a checkpoint; at the second it kills
+    them. After an interrupt, KeyboardInterrupt is raised once the command has ended."""
     proc = subprocess.Popen(list(cmd), start_new_session=True)  # the terminal's Ctrl-C reaches this script alone
     interrupted = False
     while True:
@@ -286,7 +287,8 @@ def run_child(cmd: Sequence[str]) -> int:
             interrupted = True
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGINT)
-            print("race: interrupted: passed on; interrupt again to stop the running training at once", flush=True)
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                print("race: interrupted: passed on; interrupt again to stop the running training at once", flush=True)
     if interrupted:  # the part stopped on request: no further part starts
         raise KeyboardInterrupt
     return code
@@ -1514,14 +1516,18 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in args.scale_models if m not in DIT_MODELS]
         if unknown:
             parser.error(f"--scale-models: unknown model {unknown[0]!r}; choose from {' '.join(DIT_MODELS)}")
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop is a Ctrl-C
+    # A scheduler's stop, and the terminal closing (the parts run in sessions of their own, out of its reach), are
+    # a Ctrl-C: passed on to the running part (run_child).
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return run_parts(args)
     except KeyboardInterrupt:
-        print("race: interrupted; the same command continues where it stopped", flush=True)
+        with contextlib.suppress(OSError):  # the terminal may be gone
+            print("race: interrupted; the same command continues where it stopped", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_parts(args: argparse.Namespace) -> int:

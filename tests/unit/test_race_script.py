@@ -809,10 +809,10 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupt_of_the_script_reaches_the_running_command_once_and_ends_the_call(monkeypatch, tmp_path, sig):
     race = load_race(monkeypatch)
-    before = signal.getsignal(signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
 
     def part(args):
         return race.run_child([sys.executable, "-c", STAND_IN, str(tmp_path)])
@@ -829,4 +829,4 @@ def test_an_interrupt_of_the_script_reaches_the_running_command_once_and_ends_th
     assert race.main(["--part", "report", "--out", str(tmp_path / "race")]) == 130
     assert time.monotonic() - start < 30  # the command left on the interrupt, not after its minute
     assert (tmp_path / "interrupts").read_text() == "SIGINT\n"  # passed on once, as SIGINT
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert {s: signal.getsignal(s) for s in before} == before
