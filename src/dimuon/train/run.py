@@ -31,7 +31,8 @@ The defaults are the CPU demo: DiT-XS/4 on the 5,000 MNIST digits shipped with m
 Row-wise Muon, about 3.5 minutes on 2 idle cores; samples, metrics and plots land in --out.
 With --resume, flags that are not given keep the values saved in the checkpoint; flags that fix the
 model, the data or the data order cannot change (docs/training.md, "Resume"). With --resume auto the
-same command starts the run in --out and continues it after a restart (torchrun --max-restarts)."""
+same command starts the run in --out and continues it after a restart (torchrun --max-restarts).
+SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint at the next logging step, then end the run (exit 128 + signal)."""
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:
