@@ -6,21 +6,19 @@ passes it to both ranks; they save a checkpoint at the next logging step and lea
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from dimuon.dit.checkpoint import list_checkpoints, load_model_for_eval
 from dimuon.train.run import main as train_main
-from tests.train_runs import without_timing
+from tests.train_runs import records, without_timing
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # three torchrun attempts: 50-80 s on 2 shared cores
 
@@ -90,10 +88,6 @@ def _torchrun(out: Path, *program: str) -> subprocess.CompletedProcess:
     )
 
 
-def _records(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path: Path) -> None:
     straight, restarted = tmp_path / "straight", tmp_path / "restarted"
     result = _torchrun(straight, "-m", "dimuon.cli")
@@ -109,7 +103,7 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_
         f"--resume auto: resumed from {restarted}/checkpoints/step_0000004 at step 4, the newest complete "
         "checkpoint in --out"
     ) in log, log[-6000:]
-    starts = [r for r in _records(restarted) if r["kind"] == "start"]
+    starts = [r for r in records(restarted) if r["kind"] == "start"]
     assert [(r["step"], Path(r["resumed_from"]).name) for r in starts] == [(0, ""), (4, "step_0000004")]
     assert sorted(p.name for p in (restarted / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
 
@@ -118,7 +112,7 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_bitwise(tmp_
         b, _ = load_model_for_eval(restarted / "checkpoints" / "step_0000008", use_ema=use_ema)
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
             assert torch.equal(x, y), (use_ema, name)
-    assert without_timing(_records(straight)) == without_timing(_records(restarted))
+    assert without_timing(records(straight)) == without_timing(records(restarted))
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_that_resumes(tmp_path: Path) -> None:
@@ -143,7 +137,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_that_resumes(tmp
         log, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    stops = [r for r in _records(out) if r["kind"] == "stopped"]
+    stops = [r for r in records(out) if r["kind"] == "stopped"]
     assert len(stops) == 1 and stops[0]["signal"] == "SIGTERM", log[-4000:]
     step = stops[0]["step"]
     assert step % 2 == 0 and [s for s, _ in list_checkpoints(out)][-1] == step  # a logging step, saved

@@ -237,24 +237,15 @@ def _running(proc: subprocess.Popen) -> Iterator[None]:
             _RUNNING.discard(proc)
 
 
-def ask_running_to_stop() -> int:
-    """Send every training process :func:`launch` is waiting for SIGUSR1 (``dimuon train`` then saves a checkpoint
-    at its next logging step and exits); how many were asked."""
+def signal_running(sig: signal.Signals) -> int:
+    """Send ``sig`` to every training process :func:`launch` is waiting for; how many there were. SIGUSR1 asks
+    ``dimuon train`` to save a checkpoint at its next logging step and exit; SIGKILL ends it at once."""
     with _RUNNING_LOCK:
         running = list(_RUNNING)
     for proc in running:
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(sig)
     return len(running)
-
-
-def kill_running() -> None:
-    """Kill every training process :func:`launch` is waiting for (a second interrupt)."""
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -275,7 +266,7 @@ def launch(
 
     With ``timeout_s`` the command runs in its own process group, which is killed (the command and every
     process it started) once that many seconds have passed; then ``subprocess.TimeoutExpired`` is raised.
-    Without it the process is known to :func:`ask_running_to_stop` while it runs. ``env_extra`` is added to the
+    Without it the process is known to :func:`signal_running` while it runs. ``env_extra`` is added to the
     environment the command inherits.
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
@@ -384,7 +375,7 @@ def stop_grid(pool: ThreadPoolExecutor) -> None:
     """On an interrupt: start no further run, and let the running ones save a checkpoint and stop (a second
     interrupt kills them)."""
     pool.shutdown(wait=False, cancel_futures=True)
-    asked = ask_running_to_stop()
+    asked = signal_running(signal.SIGUSR1)
     if asked:
         print(
             f"dimuon bench quality: interrupted: waiting for {asked} running run(s) to save a checkpoint and stop "
@@ -394,5 +385,5 @@ def stop_grid(pool: ThreadPoolExecutor) -> None:
     try:
         pool.shutdown(wait=True)
     except KeyboardInterrupt:
-        kill_running()
+        signal_running(signal.SIGKILL)
         raise

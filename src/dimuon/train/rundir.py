@@ -12,7 +12,6 @@ trains a run directory (:class:`RunLock`).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -35,6 +34,7 @@ from dimuon.io import (
 )
 from dimuon.log import get_logger
 from dimuon.metrics.results import truncate_results
+from dimuon.metrics.series import timestamp
 from dimuon.train.checkpoint import set_aside_checkpoints_after
 from dimuon.train.config import ConfigError
 from dimuon.train.resume import ResumePoint
@@ -211,8 +211,7 @@ class RunLock:
             ) from None
         if fd is None:  # no locks on this file system
             return
-        stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": stamp}
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": timestamp()}
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps(holder) + "\n").encode())
         self._fd = fd
