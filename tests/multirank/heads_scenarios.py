@@ -2,7 +2,8 @@
 
 The parameters cover what the sharded paths must get right for logical matrices that are row ranges x column
 ranges: tall column chunks (RowNorm reduces their column sums over the ranks holding rows), wide ones (local),
-row and column splits together, and stacked experts sharded by their leading dimension under FSDP2 (uneven: 3
+row and column splits together, column-split matrices of so few rows that a rank holds one row or none, and
+stacked experts sharded by their leading dimension under FSDP2 (uneven: 3
 experts over 2 ranks; a single expert, so one rank holds none). Gradients are seeded full tensors every rank cuts
 by its parameter's placements, so one process with the same gradients is the oracle.
 """
@@ -28,6 +29,8 @@ class HeadsAndExperts(nn.Module):
         self.experts = nn.Parameter(torch.randn(3, 8, 12))  # 3 experts over 2 ranks: 2 and 1
         self.lonely = nn.Parameter(torch.randn(1, 6, 10))  # 1 expert: the second rank holds none
         self.split_experts = nn.Parameter(torch.randn(4, 12, 8))  # each expert: 2 row chunks x 2 column chunks
+        self.few = nn.Linear(32, 3)  # (3, 32) in 2 column chunks over 2 ranks: rows 2 and 1 (one-row regions)
+        self.single = nn.Linear(32, 1)  # (1, 32) in 2 column chunks: one rank holds its row, the other none
 
 
 def _model() -> HeadsAndExperts:
@@ -41,6 +44,7 @@ def groups(model: HeadsAndExperts, optimizer: str, only_stacked: bool = False) -
         {"params": [("proj.weight", model.proj.weight)], "col_split_sizes": 3},
         {"params": [("wide.weight", model.wide.weight)], "col_split_sizes": 2},
         {"params": [("qkv.weight", model.qkv.weight)], "split_sizes": 3, "col_split_sizes": 2},
+        {"params": [("few.weight", model.few.weight), ("single.weight", model.single.weight)], "col_split_sizes": 2},
     ]
     stacked = [
         {"params": [("experts", model.experts), ("lonely", model.lonely)], "stacked": True},
@@ -53,7 +57,7 @@ def groups(model: HeadsAndExperts, optimizer: str, only_stacked: bool = False) -
             g["blocks"] = (1, 2)  # every rank holds whole experts: the grid cuts each, here and in one process
     if only_stacked:
         unstacked = [{"params": [p for g in unstacked for p in g["params"]], "algorithm": "adamw"}]
-    biases = [(f"{n}.bias", getattr(model, n).bias) for n in ("proj", "wide", "qkv")]
+    biases = [(f"{n}.bias", getattr(model, n).bias) for n in ("proj", "wide", "qkv", "few", "single")]
     return [*unstacked, *stacked, {"params": biases, "algorithm": "adamw"}]
 
 

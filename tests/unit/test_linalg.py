@@ -86,6 +86,20 @@ def test_bf16_iteration_normalizes_its_own_cast_in_place_and_never_writes_the_in
     assert torch.equal(out, linalg.newton_schulz(copy, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+@pytest.mark.parametrize("given", [torch.float32, torch.float16], ids=["cast", "fp16_input"])
+def test_fp16_iteration_survives_a_norm_past_fp16_range(given, coefficients, algorithm):
+    """Every entry fits in fp16 but the Frobenius norm (> 65504) does not: the fp16 iteration divides by the fp32
+    norm and matches fp32 Newton-Schulz (it used to divide by inf and return zeros)."""
+    x = (torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(3)) * 600).to(given)
+    assert x.float().norm(dim=(-2, -1)).min() > 65504 and x.abs().max() < 65504
+    wide = linalg.newton_schulz(x.float(), coefficients=coefficients, algorithm=algorithm, dtype=torch.float32)
+    half = linalg.newton_schulz(x, coefficients=coefficients, algorithm=algorithm, dtype=torch.float16)
+    assert torch.isfinite(half).all()
+    assert ((half.float() - wide).norm() / wide.norm()).item() < 0.02
+
+
 def test_zero_matrix_stays_zero_and_finite():
     y = linalg.newton_schulz(torch.zeros(8, 16), dtype=torch.float32)
     assert torch.equal(y, torch.zeros(8, 16))

@@ -323,6 +323,75 @@ def test_a_lagged_signal_reads_nothing_it_waits_for_and_resumes_exactly_from_a_s
     assert any(any(step) for step in straight) and not all(all(step) for step in straight)
 
 
+def _lagged_run(params, steps, opt, *, gradless=(), raise_before=(), seed: int = 1):
+    """Steps of ``opt`` on seeded gradients; ``gradless``: (step, param index) pairs without a gradient;
+    ``raise_before``: steps first tried with an inf gradient (raised on), then taken with the finite ones."""
+    kinds = []
+    for t in steps:
+        g = torch.Generator().manual_seed(seed * 1000 + t)
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        if t in raise_before:
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            params[0].grad[0, 0] = float("inf")
+            with pytest.raises(FloatingPointError):
+                opt.step()
+        for i, (p, grad) in enumerate(zip(params, grads)):
+            p.grad = None if (t, i) in gradless else grad
+        opt.reset_refresh_stats()
+        opt.step()
+        kinds.append([m["spectral"] for m in opt.refresh_stats()["matrices"].values()])
+    return kinds
+
+
+def test_a_lagged_signal_step_raised_on_changes_no_decision():
+    """nonfinite="raise": a step raised on leaves the lagged signals as they were, so retrying it with finite
+    gradients gives the run that never saw it (decisions and weights, bit for bit)."""
+    kw = dict(threshold=0.35, k_min=1, k_max=8, signal_lag=1, lr=0.01, ns_dtype=torch.float32)
+    ours, twin = _params(), _params()
+    straight = _lagged_run(ours, range(30), AdaptiveRowMuon(ours, **kw))
+    retried = _lagged_run(twin, range(30), AdaptiveRowMuon(twin, **kw), raise_before=set(range(4, 30, 3)))
+    assert retried == straight
+    assert all(torch.equal(a, b) for a, b in zip(ours, twin))
+    assert any(any(step) for step in straight[1:]) and not all(all(step) for step in straight)
+
+
+def test_a_lagged_signal_resumes_exactly_after_a_step_without_a_gradient():
+    """A matrix without a gradient at the step before a checkpoint keeps its older signal: the live run and the run
+    resumed from the state_dict decide alike (here the older signal is past the threshold at step 4)."""
+
+    def make():
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(8, 6)) for _ in range(2)]
+        return params, AdaptiveRowMuon(params, lr=0.02, signal_lag=1, threshold=0.5, ns_dtype=torch.float32)
+
+    def run(params, opt, steps, g):
+        kinds = []
+        for t in steps:
+            for i, p in enumerate(params):
+                grad = torch.randn(8, 6, generator=g)
+                p.grad = None if (t, i) == (3, 1) else grad
+            opt.reset_refresh_stats()
+            opt.step()
+            kinds.append([m["spectral"] for m in opt.refresh_stats()["matrices"].values()])
+        return kinds
+
+    ours, opt = make()
+    g = torch.Generator().manual_seed(1)
+    run(ours, opt, range(4), g)
+    saved, rng = copy.deepcopy(opt.state_dict()), g.get_state()
+    assert "refresh_signal" in saved["state"][1]  # measured at step 2, before its step without a gradient
+    twin, again = make()
+    with torch.no_grad():
+        for a, b in zip(twin, ours):
+            a.copy_(b)
+    straight = run(ours, opt, range(4, 10), g)
+    again.load_state_dict(saved)
+    assert run(twin, again, range(4, 10), g.set_state(rng)) == straight
+    assert straight[0] == [0, 1]  # the older signal decides step 4
+    assert all(torch.equal(a, b) for a, b in zip(ours, twin))
+
+
 @pytest.mark.parametrize("bad", [2, -1, True, 0.5])
 def test_signal_lag_other_than_0_or_1_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"signal_lag must be 0 or 1"):

@@ -269,6 +269,23 @@ def test_nonfinite_skip_keeps_everything_and_counts():
     assert opt.param_groups[0]["step"] == 4
 
 
+@pytest.mark.parametrize("adamw_fused", [None, False], ids=["fused", "masked"])
+def test_a_skipped_first_step_keeps_adamw_weights_with_zero_eps(adamw_fused):
+    # The first step's moments are zero: with adamw_eps=0 the masked kernel's m / denom is 0 / 0 there.
+    weight, bias = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.ones(4))
+    opt = Muon(
+        [{"params": [weight]}, {"params": [bias], "algorithm": "adamw"}],
+        lr=0.01,
+        adamw_eps=0.0,
+        adamw_fused=adamw_fused,
+        nonfinite="skip",
+    )
+    weight.grad, bias.grad = torch.full((4, 4), float("nan")), torch.ones(4)
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert torch.equal(bias, torch.ones(4))
+
+
 def test_params_without_grad_are_skipped():
     a, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6, 4))
     before = b.detach().clone()

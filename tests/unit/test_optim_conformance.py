@@ -339,11 +339,12 @@ def test_non_contiguous_parameters_train(name):
     assert closure().item() < first
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-d", "1-d", "2-d"])
 @pytest.mark.parametrize("name", NAMES)
-def test_tensor_lr_trains_like_a_number(name):
+def test_tensor_lr_trains_like_a_number(name, shape):
     a, b = net(), net()
     opt_a = make(name, a, lr=0.02)
-    opt_b = make(name, b, lr=torch.tensor(0.02))
+    opt_b = make(name, b, lr=torch.full(shape, 0.02))
     train(a, opt_a, range(4))
     train(b, opt_b, range(4))
     for p, q in zip(a.parameters(), b.parameters()):
@@ -381,7 +382,11 @@ def test_state_exists_before_the_first_step(name):
     # As dion does: a checkpoint's keys never depend on which parameters have stepped.
     model = net()
     opt = make(name, model)
-    adaptive = {"refresh_direction", "refresh_row_sums", "refresh_age"} if name == "adaptive_row_muon" else set()
+    adaptive = (
+        {"refresh_direction", "refresh_row_sums", "refresh_age", "refresh_signal"}
+        if name == "adaptive_row_muon"
+        else set()
+    )
     matrix = {"momentum_buffer"} | adaptive
     expect = matrix, {"step", "exp_avg", "exp_avg_sq"}
     for group in opt.param_groups:
@@ -439,6 +444,23 @@ def test_lr_schedulers_drive_every_group(name, scheduler):
     assert loss_of(model, 0).item() < first
     if scheduler not in ("plateau",):
         assert lrs != {0.02}
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_a_scheduled_one_element_tensor_lr_trains_like_a_number(name):
+    # A (1,)-shaped lr is stepped through a 0-d view: the scheduler's in-place fill_ reaches every step.
+    a, b = net(), net()
+    opt_a, opt_b = make(name, a, lr=0.02), make(name, b, lr=torch.tensor([0.02]))
+    scheds = [lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in (opt_a, opt_b)]
+    for opt, model, sched in ((opt_a, a, scheds[0]), (opt_b, b, scheds[1])):
+        for i in range(4):
+            opt.zero_grad()
+            loss_of(model, i).backward()
+            opt.step()
+            sched.step()
+    assert opt_b.param_groups[0]["lr"].shape == (1,)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", FAMILY)

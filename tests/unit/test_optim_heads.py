@@ -46,6 +46,11 @@ CONFIGS = {
         [(3, 12, 8), (2, 8, 3, 4)],
         [{"stacked": True, "split_sizes": 2, "col_split_sizes": 2}, {"stacked": True, "col_split_sizes": (4, 8)}],
     ),
+    # One-column and one-row logical matrices: a RowNorm factor of shape (1, 1) is a column one in an (r, 1) chunk.
+    "one_column_or_row": (
+        [(6, 1), (3, 4, 1), (5, 1), (1, 6)],
+        [{"split_sizes": (2, 4)}, {"stacked": True}, {"split_sizes": 5}, {"col_split_sizes": (2, 4)}],
+    ),
 }
 OPTIMIZERS = {
     "muon": (Muon, "muon", {}),

@@ -8,6 +8,7 @@ agreement over the world and one host read for all groups together) and the upda
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -79,6 +80,9 @@ def _lag(name: str, value: Any) -> None:
 
 # The optimizer's scratch key of the signals measured for the next step: (matrix keys, host values, copy event).
 _NEXT = "adaptive_next_signals"
+# signal_lag=1: the matrices refreshed at the previous step, whose saved signal is none without a read.
+_CLEARED = "adaptive_cleared_signals"
+NO_SIGNAL = -math.inf  # refresh_signal of a matrix without one (a staleness 1 - cos/cos_s is finite or +inf)
 
 
 def _k_bounds(group: Mapping[str, Any], where: str) -> None:
@@ -145,6 +149,9 @@ class AdaptiveRowSchedule(Schedule):
             )
             state["refresh_row_sums"] = zeros_by_rows(p, row_sums_width(p, group))
         state.setdefault("refresh_age", NEVER_REFRESHED)
+        if "refresh_signal" not in state:  # -inf: none measured since the last refresh (a staleness is > -inf); from
+            # construction on, so that a checkpoint loaded in place (DCP) into a new optimizer's state has the entry
+            state["refresh_signal"] = torch.full((), NO_SIGNAL, dtype=torch.float32, device=local_tensor(p).device)
 
     def state_shape(self, name: str, p: Tensor, group: Mapping[str, Any]) -> tuple[int, ...] | None:
         return (p.shape[0], row_sums_width(p, group)) if name == "refresh_row_sums" else None
@@ -182,6 +189,10 @@ class AdaptiveRowSchedule(Schedule):
         if now:
             signals = dict(zip(now, ctx.read(self._stalest(works, now, ctx))))  # the host reads them once
         if any(lagged):
+            if (
+                not now
+            ):  # "raise": the vote before the lagged signals are taken or measured (a failed step changes none)
+                ctx.settle()
             signals.update(self._previous_signals(works, [(wi, ji) for wi, ji in open_ if lagged[wi]], ctx))
         kinds = [
             [self.decide_one(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
@@ -242,24 +253,30 @@ class AdaptiveRowSchedule(Schedule):
     def _previous_signals(
         self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext
     ) -> dict[tuple[int, int], float]:
-        """``items``' signals measured at the previous step: from the host copy made then (its copy long finished),
-        or after a checkpoint's load from the state (one read, at that first step only). An item measured before its
-        last refresh, or never, has none."""
+        """``items``' newest signals: from the host copy made at the previous step (its copy long finished), else
+        from the state, which holds the same values (one read: after a checkpoint's load, or for a matrix that had
+        no gradient at the previous step and kept its older signal), so a resumed run decides as the live one. An
+        item measured before its last refresh, or never, has none (-inf in the state; known on the host without a
+        read for the matrices refreshed at the previous step)."""
         params = {(wi, ji): works[wi].params[ji] for wi, ji in items}
+        found: dict[tuple[int, int], float] = {}
+        cleared = ctx.scratch.pop(_CLEARED, set())
         pending = ctx.scratch.pop(_NEXT, None)
         if pending is not None:
             keys, host, event = pending
             if event is not None:
                 event.synchronize()
             values = dict(zip(keys, host.tolist()))
-            return {item: values[id(p)] for item, p in params.items() if id(p) in values}
+            found = {item: values[id(p)] for item, p in params.items() if id(p) in values}
         saved = [
-            (item, ctx.state[p]["refresh_signal"]) for item, p in params.items() if "refresh_signal" in ctx.state[p]
+            (item, ctx.state[p]["refresh_signal"])
+            for item, p in params.items()
+            if item not in found and id(p) not in cleared and "refresh_signal" in ctx.state[p]
         ]
-        if not saved:
-            return {}
-        values = torch.stack([local_tensor(v).reshape(()) for _, v in saved]).tolist()
-        return {item: value for (item, _), value in zip(saved, values)}
+        if saved:
+            values = torch.stack([local_tensor(v).reshape(()) for _, v in saved]).tolist()
+            found.update({item: value for (item, _), value in zip(saved, values) if value != NO_SIGNAL})
+        return found
 
     # ----------------------------------------------------------------- after the step
     def after_step(
@@ -291,11 +308,13 @@ class AdaptiveRowSchedule(Schedule):
             copy_by_shape_(reference_row_sums_many(updates, refs, col_splits), sums, mask)
         for p, kind in zip(work.params, kinds):
             state = ctx.state[p]
-            if kind is StepKind.SPECTRAL:
-                state["refresh_age"] = 1
-                state.pop("refresh_signal", None)  # measured against the older reference
-            else:
-                state["refresh_age"] += 1
+            state["refresh_age"] = 1 if kind is StepKind.SPECTRAL else state["refresh_age"] + 1
+        if refreshed and int(work.group["signal_lag"]) == 1:  # a signal measured against the older reference: none
+            signals = [ctx.state[work.params[i]].get("refresh_signal") for i in refreshed]
+            signals = [s for s in signals if isinstance(s, Tensor)]
+            if signals:
+                torch._foreach_clamp_max_(signals, NO_SIGNAL)  # -inf, in one launch
+            ctx.scratch.setdefault(_CLEARED, set()).update(id(work.params[i]) for i in refreshed)
 
 
 def copy_by_shape_(sources: Sequence[Tensor], targets: Sequence[Tensor], mask: Tensor | None = None) -> None:

@@ -161,6 +161,13 @@ class FlattenedParameterWarning(UserWarning):
     """A parameter with more than two dimensions in a "muon" group is updated as one (out, rest) matrix."""
 
 
+def group_lr(group: dict[str, Any]) -> float | Tensor:
+    """A group's lr as the step uses it: a number, or a 0-d Tensor (a view of a one-element lr of any shape, so a
+    scheduler's in-place ``fill_`` still reaches it)."""
+    lr = group["lr"]
+    return lr.view(()) if isinstance(lr, Tensor) and lr.dim() != 0 else lr
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
     return t.to_local() if is_dtensor(t) else t
@@ -964,7 +971,7 @@ class MuonFamily(torch.optim.Optimizer):
         the usual update: a passed vote moves the weights bit for bit as the unmasked step, a failed one not at all.
         """
         group, engine = work.group, self._get_engine()
-        lr, wd = group["lr"], group["weight_decay"]
+        lr, wd = group_lr(group), group["weight_decay"]
         weights = [local_tensor(p) for p in work.params]
         directions: list[Tensor | None] = [None] * len(work.jobs)
         # Per kind present: one engine call, then one list update of the weights it moves (every matrix of a kind
@@ -1032,7 +1039,7 @@ class MuonFamily(torch.optim.Optimizer):
         """Weight decay and update of every weight the fused kernel takes, one launch per kind (and dtype pair):
         ``W <- (1 - lr wd) W - step D f``; returns the indices it moved (none where the step does not fuse)."""
         group = work.group
-        lr, wd = group["lr"], group["weight_decay"]
+        lr, wd = group_lr(group), group["weight_decay"]
         if not weights or not fused.fuses(self.kernels, weights[0].device):
             return set()
         if isinstance(lr, Tensor):
@@ -1144,7 +1151,7 @@ class MuonFamily(torch.optim.Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        lr = group["lr"]
+        lr = group_lr(group)
         if isinstance(lr, Tensor) and not (fused or capturable):
             lr = lr.item()  # the foreach kernel takes a number (a device sync if lr lives on an accelerator)
         beta1, beta2 = group["adamw_betas"]
@@ -1177,11 +1184,13 @@ class MuonFamily(torch.optim.Optimizer):
         counters on the parameter's device (as torch's capturable form keeps them) and masked factors, the cheapest
         correct masking found: the first moment lerped towards ``where(mask, G, m)`` (``lerp(m, m, w) = m``), the second
         scaled by ``where(mask, beta2, 1)`` and added ``G'^2`` with ``G' = where(mask, G, 0)`` (``0 * NaN`` would
-        leak), the decay by ``where(mask, 1 - lr wd, 1)``, the step by ``lr mask / (1 - beta1^t)``: a failed vote leaves
-        the parameter, both moments and the counter bitwise unchanged. It rounds as torch's unfused kernels do, to
-        within an ulp (not bit for bit), on every step: a run's kernel does not change with its votes."""
+        leak), the decay by ``where(mask, 1 - lr wd, 1)``, the step ``where(mask, m / denom, 0) lr / (1 - beta1^t)``
+        (selected, not multiplied by the mask: with ``adamw_eps=0`` a skipped first step's ``m / denom`` is
+        ``0 / 0``): a failed vote leaves the parameter, both moments and the counter bitwise unchanged. It rounds
+        as torch's unfused kernels do, to within an ulp (not bit for bit), on every step: a run's kernel does not
+        change with its votes."""
         beta1, beta2 = group["adamw_betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["adamw_eps"]
+        lr, wd, eps = group_lr(group), group["weight_decay"], group["adamw_eps"]
         for p in params:
             state = self._param_state(p, group)
             param, grad = local_tensor(p), local_tensor(p.grad)
@@ -1198,7 +1207,7 @@ class MuonFamily(torch.optim.Optimizer):
             exp_avg.lerp_(torch.where(ok, grad, exp_avg), 1.0 - beta1)  # lerp(m, m, w) = m
             exp_avg_sq.mul_(torch.where(ok, beta2, 1.0)).addcmul_(g, g, value=1.0 - beta2)
             denom = (exp_avg_sq.sqrt() / (1.0 - beta2**t).sqrt()).add_(eps)
-            param.sub_(exp_avg / denom * (okf * lr / (1.0 - beta1**t)))
+            param.sub_(torch.where(ok, exp_avg / denom, 0.0) * (lr / (1.0 - beta1**t)))
 
     # ----------------------------------------------------------------- introspection
     def step_kinds(self) -> list[StepKind | None]:

@@ -161,7 +161,10 @@ def _first_gram(
     batch, rows, _ = x.shape
     if not _is_wide_float(x.dtype):
         frob_sq = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
-        divisor = _norm_divisor(frob_sq, coefficients).to(x.dtype)
+        divisor = _norm_divisor(frob_sq, coefficients)
+        if torch.finfo(x.dtype).max > 1e5:  # bf16 (fp32's range): divided as bf16, as it always was
+            divisor = divisor.to(x.dtype)
+        # fp16 divides by the fp32 divisor (computed in fp32, rounded once): a norm past 65504 would be inf in fp16
         if owned and x.is_contiguous():
             x = x.div_(divisor)
         else:

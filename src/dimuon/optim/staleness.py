@@ -118,11 +118,13 @@ def staleness_partial_sums_many(
         if out[i] is not None:
             continue
         u, o = u.float(), o.float()
-        # per row and column range: (m, C, 4), flattened so one segmented sum takes every range
+        # per row and column range: (m, C, 4), flattened so one segmented sum takes every range (m may be 0)
         now = torch.stack([torch.linalg.vecdot(u[:, c:d], o[:, c:d]) for c, d in cols], dim=1)
         norm = torch.stack([torch.linalg.vecdot(u[:, c:d], u[:, c:d]) for c, d in cols], dim=1)
         then = rs.float().view(u.shape[0], len(cols), ROW_SUMS)
-        rows = torch.cat((now.unsqueeze(2), norm.unsqueeze(2), then), dim=2).reshape(u.shape[0], -1)
+        rows = torch.cat((now.unsqueeze(2), norm.unsqueeze(2), then), dim=2).reshape(
+            u.shape[0], len(cols) * SIGNAL_SUMS
+        )
         ranges = tuple(ranges)
         sums = rows.new_zeros(len(ranges) + 1, rows.shape[1])  # the last slot takes rows in no range
         total = sums.index_add_(0, _segments(u.shape[0], ranges, u.device), rows)[: len(ranges)]

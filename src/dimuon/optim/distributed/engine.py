@@ -340,8 +340,9 @@ def compose_row_direction(update: Tensor, parts: Sequence[RegionFactor]) -> RowD
     region by region (zeros where no region is)."""
     rows, cols = update.shape
     if parts:
-        row_tiled = all(f.shape[-1] == 1 and (c0, c1) == (0, cols) for (_, _, c0, c1), f in parts)
-        col_tiled = all(f.shape[-2] == 1 and (r0, r1) == (0, rows) for (r0, r1, _, _), f in parts)
+        # A factor is told by its shape against its region's: a (1, 1) factor of an (r, 1) region is a column one.
+        row_tiled = all(f.shape[-2:] == (r1 - r0, 1) and (c0, c1) == (0, cols) for (r0, r1, c0, c1), f in parts)
+        col_tiled = all(f.shape[-2:] == (1, c1 - c0) and (r0, r1) == (0, rows) for (r0, r1, c0, c1), f in parts)
         edges = [(r0, r1) if row_tiled else (c0, c1) for (r0, r1, c0, c1), _ in parts]
         tiles = (
             all(a == b for (_, a), (b, _) in pairwise(edges))
