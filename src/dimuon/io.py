@@ -57,8 +57,10 @@ __all__ = [
     "lock_file",
     "locked",
     "make_grid",
+    "move_checkpoint",
     "read_jsonl",
     "read_tensors",
+    "remove_checkpoint",
     "remove_steps_after",
     "save_figure_atomic",
     "save_grid",
@@ -367,6 +369,32 @@ def _matches(parts: tuple[str, ...], pattern: str) -> bool:
         if name.startswith("."):
             names.append(name[1 : -len(".tmp")].rsplit(".", 1)[0])
     return any(fnmatch.fnmatchcase(n, wanted[-1]) for n in names)
+
+
+def remove_checkpoint(path: str | Path) -> bool:
+    """Delete a checkpoint directory's files (its manifest, state and DCP files, and their temporaries), then the
+    directory where that leaves it empty; return whether it is gone. A file a user put there stays, with it."""
+    path = Path(path)
+    if not path.is_dir():
+        return not path.exists()
+    for f in path.iterdir():
+        if f.is_file() and any(_matches((f.name,), pattern) for pattern in _CHECKPOINT_FILES):
+            f.unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()  # only when empty
+    return not path.exists()
+
+
+def move_checkpoint(path: str | Path, target: str | Path) -> None:
+    """Rename checkpoint ``path`` to ``target``, replacing the checkpoint there (a user's files in it stay: then
+    the checkpoint's files join them)."""
+    path, target = Path(path), Path(target)
+    if remove_checkpoint(target):
+        os.replace(path, target)
+        return
+    for f in path.iterdir():
+        os.replace(f, target / f.name)
+    path.rmdir()
 
 
 def _walk_files(root: Path) -> Iterator[Path]:

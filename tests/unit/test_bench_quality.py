@@ -237,7 +237,7 @@ def test_bad_options_are_rejected_before_any_run(tmp_path, changes, message):
 def test_eval_flags_are_checked_with_their_eval_prefix(tmp_path):
     cfg = tiny_config(tmp_path)
     for field, value, message in (
-        ("num_samples", 1, "--eval.num-samples must be >= 2"),
+        ("num_samples", 3, "--eval.num-samples must be >= 4"),
         ("interval", 0, "--eval.interval must be an integer >= 1"),
     ):
         bad = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **{field: value}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from dimuon.metrics.generation import (
     sample_noise,
 )
 from dimuon.metrics.results import load_results
+from dimuon.metrics.series import check_device
 
 FAST = SampleSettings(num_samples=40, seed=0, sampler="heun", sample_steps=3, cfg_scale=2.0)
 
@@ -196,6 +198,8 @@ def test_help_lists_defaults_and_unknown_flags_are_rejected(capsys) -> None:
     assert main(["--run", ".", "--compare", "."]) == 2  # one mode at a time
     assert main(["--run", ".", "--features", "dinov2"]) == 2  # needs weights
     assert main(["--run", ".", "--num-samples", "1"]) == 2
+    assert main(["--run", ".", "--device", "foo"]) == 2  # before a feature network is built
+    assert "--device must be auto, cpu, cuda or cuda:N, got 'foo'" in capsys.readouterr().err
     assert main(["--run", ".", "--latest", "--every", "2"]) == 2  # one selection at a time
     assert "dimuon eval: error" in capsys.readouterr().err
 
@@ -323,7 +327,7 @@ def test_run_without_checkpoints_fails_cleanly(tmp_path, capsys) -> None:
     assert not (tmp_path / "empty" / "eval" / "results.json").exists()
 
 
-def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path) -> None:
+def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path, capsys) -> None:
     other = make_run(tmp_path / "other", seed=1)
     (other / "config.json").write_text(json.dumps({"optimizer": "muon"}))
     for run in (run_dir, other):
@@ -340,3 +344,27 @@ def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path) -> None:
     assert "| run | best FD" in md and "| other (muon) |" in md and "| run |" in md
     with pytest.raises(ValueError, match="no series"):
         compare_runs((run_dir,), Config(seed=7), tmp_path / "cmp7")
+    # Scored again against a smaller real set: that newer series is not compared with the other run's full one.
+    full = only_series(other)[1]["settings"]["num_real"]
+    assert run_eval(run_dir, cache_dir, "--num-real", "20") == 0
+    assert main(["--compare", str(run_dir), str(other), "--out", str(out), *FAST_FLAGS]) == 2
+    assert f"different real sets (run: 20 images of digits, other (muon): {full} images of digits)" in (
+        capsys.readouterr().err
+    )
+    flags = ["--compare", str(run_dir), str(other), "--out", str(out), "--num-real", str(full), *FAST_FLAGS]
+    assert main(flags) == 0
+    assert json.loads((out / "compare.json").read_text())["target_fd"] == record["target_fd"]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("auto", None), ("cpu", None), ("tpu", "--device must be auto, cpu, cuda or cuda:N, got 'tpu'")]
+    + ([("cuda", "--device cuda: CUDA is not available here")] if not torch.cuda.is_available() else [])
+    + ([("cuda:99", "--device cuda:99: this machine has")] if torch.cuda.is_available() else []),
+)
+def test_a_device_the_machine_lacks_is_refused_naming_the_flag(name: str, message: str | None) -> None:
+    if message is None:
+        check_device(name)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_device(name)

@@ -136,6 +136,8 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
         (["--dataset", "imagenet"], "--dataset must be one of"),
         (["--data-path", "/tmp"], "--data-path is not used by --dataset mnist"),
         (["--ema-decay", "1.5"], "--ema-decay must be in [0, 1]"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**31), got -1"),
+        (["--val-seed", "20000000000000"], "--val-seed must be an integer in [0, 2**31)"),
         (["--optimizer", "muon", "--optim.k", "3"], "--optimizer muon rejects its options"),
         (["--optim.momentum", "1.5"], "momentum"),
         (["--grad-clip", "-1"], "--grad-clip must be >= 0"),

@@ -230,7 +230,8 @@ def test_sample_slices_concatenate_to_the_full_set() -> None:
     ("flags", "message"),
     [
         (["--eval.interval", "-1"], "--eval.interval must be an integer >= 0"),
-        (["--eval.interval", "5", "--eval.num-samples", "1"], "--eval.num-samples must be >= 2"),
+        (["--eval.interval", "5", "--eval.num-samples", "3"], "--eval.num-samples must be >= 4"),
+        (["--eval.interval", "5", "--eval.num-real", "5"], "--eval.num-real must be >= 6"),
         (["--eval.interval", "5", "--eval.sample-steps", "0"], "--eval.sample-steps must be >= 1"),
         (["--eval.interval", "5", "--eval.features", "dinov2"], "--eval.features dinov2 needs --eval.dinov2-weights"),
         (

@@ -167,6 +167,11 @@ def test_sample_command_writes_a_grid_from_a_checkpoint(tmp_path: Path, capsys: 
         (["--out", str(tmp_path / "file" / "g.png")], f"--out {tmp_path / 'file' / 'g.png'} cannot be written: "),
         (["--nrow", "0"], "--nrow must be >= 1, got 0"),
         (["--cfg", "-1"], "--cfg must be >= 0"),
+        *(
+            [(["--device", "cuda"], "--device cuda: CUDA is not available here")]
+            if not torch.cuda.is_available()
+            else []
+        ),
     ):
         assert sample_main(["--ckpt", str(run), *args]) == 2
         assert capsys.readouterr().err.startswith(f"dimuon sample: error: {message}")

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tests.train_runs import tiny_config
@@ -262,3 +263,25 @@ def test_the_flags_changed_on_resume_are_recorded_with_their_old_values(
     assert train_main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0  # the recorded values carry on
     starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
     assert starts[2]["changed"] == {"--steps": [2, 3]}
+
+
+def test_a_relative_data_path_is_recorded_absolute_and_resumes_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data" / "digits.npz"
+    data.parent.mkdir()
+    images = np.random.default_rng(0).uniform(-1, 1, (40, 1, 8, 8)).astype(np.float32)
+    np.savez(data, images=images, labels=np.arange(40) % 2)
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model", "DiT-T/4", "--dataset", "arrays", "--batch-size", "8", "--log-interval", "1"]
+    flags += ["--val-interval", "0", "--val-samples", "4", "--sample-count", "2", "--sample-steps", "1"]
+    flags += ["--ckpt-interval", "1", "--warmup-steps", "1", "--no-progress"]
+    assert train_main([*flags, "--data-path", "data/digits.npz", "--steps", "2", "--out", "run"]) == 0
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["data_path"] == str(data)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a job script that starts in another directory
+    assert train_main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0
+    assert train_main(["--resume", str(run), "--steps", "4", "--data-path", str(data), "--no-progress"]) == 0
+    assert [s for s, _ in list_checkpoints(run)] == [1, 2, 3, 4]

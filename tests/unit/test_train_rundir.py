@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,43 @@ def test_resuming_from_an_earlier_checkpoint_sets_later_ones_aside_until_they_ar
     train(tiny(run.root, steps=4, ckpt_interval=1, resume=str(run.root)))
     assert [s for s, _ in list_checkpoints(run.root)] == [1, 2, 3, 4]
     assert not run.superseded(4).exists() and run.foreign_files() == []
+
+
+def test_a_checkpoint_kept_outside_a_run_starts_a_new_run_and_never_writes_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = RunLayout(tmp_path / "run")
+    train(tiny(run.root, steps=2, ckpt_interval=1))
+    keep = tmp_path / "mine"  # a user's directory: a copied checkpoint among their own files
+    shutil.copytree(run.checkpoint(1), keep / "backups" / "step_0000001")
+    mine = [
+        write(keep / "config.json", '{"my": "own config"}'),
+        write(keep / "metrics.jsonl", '{"step": 50, "note": "mine"}\n'),
+        write(keep / "samples" / "step_0000040.png", "png"),
+    ]
+    before = {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()}
+    assert train_main(["--resume", str(keep / "backups" / "step_0000001"), "--no-progress"]) == 2
+    assert "is not in the checkpoints/ directory of a dimuon run" in capsys.readouterr().err
+    fork = tmp_path / "fork"
+    assert train_main(["--resume", str(keep / "backups" / "step_0000001"), "--out", str(fork), "--no-progress"]) == 0
+    assert {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()} == before and not RunLayout(keep).is_run()
+    assert [s for s, _ in list_checkpoints(fork)] == [2] and all(p.exists() for p in mine)
+    assert find_resume_point(run.root).run == run.root  # a run's own checkpoints still continue it in place
+
+
+def test_pruned_and_replaced_checkpoints_keep_a_user_s_files(tmp_path: Path) -> None:
+    run = RunLayout(tmp_path / "run")
+    train(tiny(run.root, steps=2, ckpt_interval=1))
+    note = write(run.checkpoint(1) / "NOTES.md", "why step 1 matters")
+    train(tiny(run.root, steps=4, ckpt_interval=1, keep_checkpoints=1, resume=str(run.root)))
+    assert [s for s, _ in list_checkpoints(run.root)] == [4] and note.read_text() == "why step 1 matters"
+    assert sorted(p.name for p in run.checkpoint(1).iterdir()) == ["NOTES.md"]  # dimuon's files of it are gone
+    # A checkpoint replaced by another of its step: the user's file stays beside the new one's files.
+    mine = write(tmp_path / "target" / "NOTES.md", "mine")
+    write(tmp_path / "target" / "meta.json", "{}")
+    dio.move_checkpoint(run.checkpoint(4), tmp_path / "target")
+    assert sorted(p.name for p in (tmp_path / "target").iterdir()) == ["NOTES.md", "meta.json", "state.pt"]
+    assert mine.read_text() == "mine" and not run.checkpoint(4).exists()
 
 
 def test_an_unwritable_out_is_refused_at_start_up(

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from dimuon.io import RunLayout, save_figure_atomic, write_json_atomic, write_text_atomic
-from dimuon.log import get_logger
 from dimuon.metrics.eval_settings import EvalSettings
 from dimuon.metrics.plots import SAVE_KWARGS, fd_axes
 from dimuon.metrics.registry import METRICS
@@ -27,8 +26,6 @@ from dimuon.metrics.results import (
 )
 
 __all__ = ["compare_runs", "run_label"]
-
-log = get_logger(__name__)
 
 
 def run_label(run: Path) -> str:
@@ -63,8 +60,16 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
     spaces = {r["series"]["settings"]["feature_key"] for r in compared}
     if len(spaces) > 1:
         raise ValueError(f"the runs were scored in different feature spaces {sorted(spaces)}: FDs are not comparable")
-    if len({r["series"]["settings"]["num_real"] for r in compared}) > 1:
-        log.warning("the runs were scored against real sets of different sizes")
+    real_sets = {(r["series"]["settings"]["dataset"]["name"], r["series"]["settings"]["num_real"]) for r in compared}
+    if len(real_sets) > 1:
+        each = ", ".join(
+            f"{r['name']}: {r['series']['settings']['num_real']} images of {r['series']['settings']['dataset']['name']}"
+            for r in compared
+        )
+        raise ValueError(
+            f"the runs' series were scored against different real sets ({each}): FDs are not comparable; pass "
+            "--num-real N to pick series of one size (evaluate a run with it first where it has none)"
+        )
     # The FD every run reaches: the worst of the best. Time to reach it compares optimizers at equal quality.
     fd = METRICS["fd"]
     target = fd.worst(fd.best(e["fd"] for e in ok_entries(r["series"]["entries"])) for r in compared)

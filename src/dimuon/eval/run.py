@@ -30,7 +30,7 @@ from dimuon.io import RunLayout, read_jsonl, unwritable_reason
 from dimuon.log import configure, get_logger, run_command
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
 from dimuon.metrics.results import markdown
-from dimuon.metrics.series import RunEvaluation, timestamp
+from dimuon.metrics.series import RunEvaluation, check_device, timestamp
 
 __all__ = [
     "Config",
@@ -205,6 +205,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"pass --every {cfg.every} or --latest (the latest checkpoint alone), not both")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+    check_device(cfg.device)
     _check_writable("--run", RunLayout(cfg.run).eval, "the results directory")
     if cfg.cache_dir is not None:
         _check_writable("--cache-dir", Path(cfg.cache_dir), "the feature cache")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from dimuon.metrics.generation import GenerationEvaluator, SampleSettings
+from dimuon.metrics.prdc import K_DC, K_PR
 
 __all__ = ["EvalSettings", "build_evaluator", "check_eval_settings", "sampling_settings"]
 
@@ -76,8 +77,16 @@ def check_eval_settings(s: EvalSettings, prefix: str = "--") -> None:
         return prefix + name.replace("_", "-")
 
     checks = (
-        ("num_samples", s.num_samples >= 2, ">= 2 (a covariance needs two samples)"),
-        ("num_real", s.num_real is None or s.num_real >= 2, ">= 2"),
+        (
+            "num_samples",
+            s.num_samples > K_PR,
+            f">= {K_PR + 1} (precision and recall need more than k = {K_PR} samples)",
+        ),
+        (
+            "num_real",
+            s.num_real is None or s.num_real > K_DC,
+            f">= {K_DC + 1} (density and coverage need more than k = {K_DC} real images)",
+        ),
         ("seed", 0 <= s.seed < 2**31, "in [0, 2**31)"),
         ("sample_steps", s.sample_steps >= 1, ">= 1"),
         ("cfg", s.cfg >= 0, ">= 0"),

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from dimuon.metrics.features.base import FeatureExtractor
 from dimuon.metrics.frechet import ArrayLike, feature_matrix, frechet_distance
-from dimuon.metrics.prdc import prdc
+from dimuon.metrics.prdc import K_DC, K_PR, prdc
 
 
 def _batches(images: torch.Tensor | np.ndarray | Iterable[torch.Tensor], batch_size: int) -> Iterable[torch.Tensor]:
@@ -56,8 +56,8 @@ def evaluate_features(
     real_feats: ArrayLike,
     fake_feats: ArrayLike,
     feature_space: str,
-    k_pr: int = 3,
-    k_dc: int = 5,
+    k_pr: int = K_PR,
+    k_dc: int = K_DC,
 ) -> dict[str, Any]:
     """FD, precision, recall, density and coverage of `fake_feats` against `real_feats`, tagged with `feature_space`."""
     if not isinstance(feature_space, str) or not feature_space:

@@ -53,6 +53,10 @@ def knn_sq_radii(
     return out
 
 
+K_PR = 3  # precision/recall: the k-th nearest neighbour radius (Kynkaanniemi et al. 2019)
+K_DC = 5  # density/coverage (Naeem et al. 2020)
+
+
 def _check_k(k: int, n: int, k_arg: str, set_arg: str) -> None:
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
         raise ValueError(f"{k_arg} must be a positive integer, got {k!r}")
@@ -63,8 +67,8 @@ def _check_k(k: int, n: int, k_arg: str, set_arg: str) -> None:
 def prdc(
     real: ArrayLike,
     fake: ArrayLike,
-    k_pr: int = 3,
-    k_dc: int = 5,
+    k_pr: int = K_PR,
+    k_dc: int = K_DC,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> dict[str, float]:
     """Precision, recall, density and coverage of `fake` against `real` (`(N, D)` and `(M, D)` features)."""

@@ -102,7 +102,8 @@ def truncate_results(run: Path, max_step: int) -> int:
 
 
 def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
-    """The series of a results file made with the sampling settings of `cfg` (the latest, if several)."""
+    """The series of a results file made with the sampling settings of `cfg`, against a real set of `cfg.num_real`
+    images where given (the latest, if several)."""
     want = sampling_settings(cfg)
     matches = [
         (key, ev)
@@ -116,6 +117,8 @@ def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tupl
             f"{where} has no series with {cfg.features} features and {want}; pass the flags used to evaluate it. "
             f"It has:\n{have or '  (nothing)'}"
         )
+    if cfg.num_real is not None:  # the size asked for (a real set capped at the split's size holds fewer)
+        matches = [m for m in matches if m[1]["settings"].get("num_real") == cfg.num_real] or matches
     return max(matches, key=lambda kv: kv[1].get("updated", ""))
 
 

@@ -18,9 +18,18 @@ from dimuon.io import RunLayout, save_grid
 from dimuon.metrics.eval_settings import EvalSettings, build_evaluator, sampling_settings
 from dimuon.metrics.generation import GenerationEvaluator
 from dimuon.metrics.plots import plot_series
+from dimuon.metrics.prdc import K_DC, K_PR
 from dimuon.metrics.results import load_results, ok_entries, settings_key, update_results
 
-__all__ = ["GRID_SAMPLES", "RunEvaluation", "feature_cache_dir", "resolve_device", "save_eval_grid", "timestamp"]
+__all__ = [
+    "GRID_SAMPLES",
+    "RunEvaluation",
+    "check_device",
+    "feature_cache_dir",
+    "resolve_device",
+    "save_eval_grid",
+    "timestamp",
+]
 
 GRID_SAMPLES = 100  # samples kept for an evaluation's grid
 
@@ -45,6 +54,24 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def check_device(name: str, flag: str = "--device") -> None:
+    """Raise ValueError naming ``flag`` where ``name`` is no device this machine has (``auto`` always is), before
+    any work starts."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {name}: CUDA is not available here (auto or cpu run on the CPU)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def timestamp() -> str:
@@ -104,8 +131,8 @@ class RunEvaluation:
             "dataset": {"name": ds["name"], "kwargs": kwargs},
             "num_real": int(ev.real_feats.shape[0]),
             **sampling_settings(cfg),
-            "k_pr": 3,
-            "k_dc": 5,
+            "k_pr": K_PR,
+            "k_dc": K_DC,
         }
         settings = json.loads(json.dumps(settings, default=str))
         self.key = settings_key(settings)

@@ -9,8 +9,6 @@ directory, which ``list_checkpoints`` ignores and the next save removes.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,8 @@ from dimuon.io import (
     atomic_path,
     free_bytes,
     fsync_dir,
+    move_checkpoint,
+    remove_checkpoint,
     step_of,
     write_json_atomic,
 )
@@ -97,8 +97,8 @@ def save_checkpoint(
     tmp = final.with_name(TMP_PREFIX + final.name)
 
     def begin() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        tmp.mkdir(parents=True)
+        remove_checkpoint(tmp)  # left by a save that was killed
+        tmp.mkdir(parents=True, exist_ok=True)
 
     def complete(files: dict[str, Any]) -> None:
         record = {
@@ -112,9 +112,7 @@ def save_checkpoint(
             "files": files,
         }
         write_json_atomic(tmp / META_FILE, record)
-        if final.exists():  # left by an earlier trajectory that was not set aside
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        move_checkpoint(tmp, final)  # replacing one an earlier trajectory left, if it was not set aside
         fsync_dir(final.parent)
 
     try:
@@ -127,7 +125,7 @@ def save_checkpoint(
         on_main(lambda: complete(files), env)
     except Exception as e:
         if env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_checkpoint(tmp)
         free = f"; {free_bytes(final.parent) / (1 << 20):.0f} MiB free there" if final.parent.exists() else ""
         raise CheckpointWriteError(
             f"could not write the checkpoint of step {step} to {final} ({type(e).__name__}: {e}){free}; "
@@ -212,7 +210,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         return []
     doomed = [path for _, path in list_checkpoints(run_dir)[:-keep]]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_checkpoint(path)  # dimuon's files: a user's note in it stays
     return doomed
 
 
@@ -229,13 +227,11 @@ def set_aside_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
     for s, path in list_checkpoints(run_dir):
         if s > step:
             target = layout.superseded(s)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(path, target)
+            move_checkpoint(path, target)
             moved.append(target)
     if layout.checkpoints.is_dir():
         for leftover in layout.checkpoints.glob(TMP_PREFIX + "*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_checkpoint(leftover)
     if moved:
         fsync_dir(layout.checkpoints)
     return moved
@@ -252,7 +248,7 @@ def drop_superseded(run_dir: str | Path, up_to: int | None = None) -> list[Path]
         if (s := step_of(p, SUPERSEDED_SUFFIX)) is not None and (up_to is None or s <= up_to)
     ]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_checkpoint(path)
     return doomed
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -259,6 +260,11 @@ def validate(cfg: TrainConfig) -> None:
     _check_positive_int("--skip-limit", cfg.skip_limit, 0)
     _check_positive_int("--log-interval", cfg.log_interval)
     for flag, value in (
+        ("--seed", cfg.seed),
+        ("--val-seed", cfg.val_seed),
+    ):  # the seeds derived from them stay in range
+        _require(0 <= value < 2**31, f"{flag} must be an integer in [0, 2**31), got {value}")
+    for flag, value in (
         ("--val-interval", cfg.val_interval),
         ("--val-samples", cfg.val_samples),
         ("--sample-interval", cfg.sample_interval),
@@ -398,8 +404,9 @@ def _flag(name: str) -> str:
 
 
 def _same(name: str, a: Any, b: Any) -> bool:
-    if name == "data_path" and a is not None and b is not None:
-        return Path(a).absolute() == Path(b).absolute()
+    if name == "data_path" and a is not None and b is not None:  # a relative path (earlier runs), or a link
+        pa, pb = Path(a).absolute(), Path(b).absolute()
+        return pa == pb or (pa.exists() and pb.exists() and os.path.samefile(pa, pb))
     return a == b
 
 
@@ -447,5 +454,5 @@ def changed_on_resume(saved: dict[str, Any], record: dict[str, Any]) -> dict[str
     return {
         _flag(name): [was.get(name), value]
         for name, value in now.items()
-        if name not in HOW_CONTINUED and was.get(name) != value
+        if name not in HOW_CONTINUED and not _same(name, was.get(name), value)
     }

@@ -11,6 +11,8 @@ environment (:class:`~dimuon.train.distributed.DistEnv`) joins them when the pro
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,8 @@ def resume_point(cfg: TrainConfig, auto: AutoResume | None = None) -> ResumePoin
 
 def resolve(cfg: TrainConfig) -> TrainPlan:
     """Check the flags and resolve them into a :class:`TrainPlan`; :class:`ConfigError` names a bad flag."""
+    if cfg.data_path is not None:  # recorded as the run reads it: resumable and evaluable from any directory
+        cfg = dataclasses.replace(cfg, data_path=os.path.abspath(cfg.data_path))
     validate(cfg)
     auto = auto_resume_point(cfg.out) if cfg.resume == RESUME_AUTO else None
     resume = resume_point(cfg, auto)  # first: a flag a resumed run cannot change is the error to report

@@ -26,9 +26,10 @@ __all__ = ["AutoResume", "ResumePoint", "auto_resume_point", "find_resume_point"
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A run to continue: its directory, the checkpoint to load (None: restart from step 0), its config."""
+    """A run to continue: its directory (None for a checkpoint kept outside a run's ``checkpoints/``: it can only
+    start a new run, in an ``--out`` given), the checkpoint to load (None: restart from step 0), its config."""
 
-    run: Path
+    run: Path | None
     checkpoint: Path | None
     step: int
     config: dict[str, Any]
@@ -39,9 +40,22 @@ class ResumePoint:
         return f"checkpoint {self.checkpoint}" if self.checkpoint is not None else f"run {self.run}"
 
 
+def run_of_checkpoint(checkpoint: Path) -> Path | None:
+    """The run a checkpoint belongs to: the directory whose ``checkpoints/`` holds it, if that is a dimuon run
+    (marked, or a run from before the marker: its ``config.json`` and ``metrics.jsonl``). None for a checkpoint
+    copied anywhere else, whose grandparent is nobody's run to continue or write into."""
+    parent = checkpoint.parent
+    layout = RunLayout(parent.parent)
+    if parent.name != layout.checkpoints.name:
+        return None
+    if layout.is_run() or (layout.config.is_file() and layout.metrics.is_file()):
+        return layout.root
+    return None
+
+
 def _from_checkpoint(checkpoint: Path, meta: dict[str, Any] | None = None) -> ResumePoint:
     meta = read_meta(checkpoint) if meta is None else meta
-    return ResumePoint(checkpoint.parent.parent, checkpoint, int(meta["step"]), meta["config"])
+    return ResumePoint(run_of_checkpoint(checkpoint), checkpoint, int(meta["step"]), meta["config"])
 
 
 def find_resume_point(path: str | Path) -> ResumePoint:

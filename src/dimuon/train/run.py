@@ -70,7 +70,14 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         if point is not None:
             default = config_from_dict(point.config)
             default.resume, default.overwrite = resume, False
-            default.out = str(point.run)
+            if point.run is not None:
+                default.out = str(point.run)
+            elif _flag_value(argv, "--out") is None:
+                raise ConfigError(
+                    f"--resume {resume}: this checkpoint is not in the checkpoints/ directory of a dimuon run, so "
+                    "there is no run to continue in place; pass --out DIR for the run it starts (a fork, with the "
+                    "same rules for --out as any new run)"
+                )
     return tyro.cli(TrainConfig, args=argv, default=default, prog="dimuon train", description=DESCRIPTION)
 
 

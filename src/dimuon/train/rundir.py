@@ -57,7 +57,7 @@ MIB = 1 << 20
 
 def continues_in_place(layout: RunLayout, resume: ResumePoint | None) -> bool:
     """Whether the run resumes a run in its own ``--out``."""
-    return resume is not None and resume.run.resolve() == layout.root.resolve()
+    return resume is not None and resume.run is not None and resume.run.resolve() == layout.root.resolve()
 
 
 def start_of(resume: ResumePoint | None) -> str | None:
@@ -167,7 +167,7 @@ def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoi
             log.info("--overwrite: deleted the %d files of the run in %s", len(removed), layout.root)
         layout.root.mkdir(parents=True, exist_ok=True)
         layout.mark("dimuon train")  # first: from now on the directory is a run
-        if resume is not None:
+        if resume is not None and resume.run is not None:
             # A run forked from another run's checkpoint starts with that run's history up to it.
             history = [r for r in read_jsonl(RunLayout(resume.run).metrics) if int(r.get("step", 0)) <= start]
             fork_log = JsonlLog(layout.metrics)

@@ -15,6 +15,7 @@ from dimuon.dit import sample
 from dimuon.dit.checkpoint import CheckpointError, find_checkpoint, load_model_for_eval
 from dimuon.io import save_grid, unwritable_reason
 from dimuon.log import run_command
+from dimuon.metrics.series import check_device
 
 __all__ = ["SampleConfig", "main"]
 
@@ -57,6 +58,7 @@ def check_config(cfg: SampleConfig) -> None:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if cfg.cfg < 0:
         raise ValueError(f"--cfg must be >= 0 (1 disables guidance), got {cfg.cfg}")
+    check_device(cfg.device)
     out = Path(cfg.out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; name the PNG file to write")
