@@ -988,11 +988,12 @@ def fd_spread(args: argparse.Namespace) -> int:
         }
         write_fd(args, samples, rows, lrs)
     result = write_fd(args, samples, rows, lrs)
+    fmt_2f = _race_report().fmt_2f
     for name, spaces in result["optimizers"].items():
         for space, t in spaces.items():
             print(
-                f"{name:20s} {space:10s} FD {t['mean']:.2f} (training seeds +-{t['train_half_range']:.2f}, "
-                f"sampling seeds +-{_race_report().fmt_2f(t['sample_half_range'])})"
+                f"{name:20s} {space:10s} FD {t['mean']:.2f} (training seeds +-{fmt_2f(t['train_half_range'])}, "
+                f"sampling seeds +-{fmt_2f(t['sample_half_range'])})"
             )
     return 0
 
@@ -1028,16 +1029,17 @@ def write_fd(
 
 
 def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean FD of an optimizer's checkpoints; half the range over training seeds (of the means over sampling
-    seeds) and the largest half range over sampling seeds of one checkpoint (None while no checkpoint has been
-    scored with two: a part stopped half way has no sampling spread to show, not a zero one)."""
+    """Mean FD of an optimizer's checkpoints (the mean of each training seed's mean over its sampling seeds, so a
+    seed scored more often weighs no more); half the range over training seeds of those means (None with one
+    training seed scored) and the largest half range over sampling seeds of one checkpoint (None while no
+    checkpoint has been scored with two): a part stopped half way has no spread to show, not a zero one."""
     by_train: dict[int, list[float]] = {}
     for row in rows:
         by_train.setdefault(row["train_seed"], []).append(row["fd"])
     means = [sum(v) / len(v) for v in by_train.values()]
     return {
-        "mean": sum(r["fd"] for r in rows) / len(rows),
-        "train_half_range": (max(means) - min(means)) / 2,
+        "mean": sum(means) / len(means),
+        "train_half_range": (max(means) - min(means)) / 2 if len(means) > 1 else None,
         "sample_half_range": max(((max(v) - min(v)) / 2 for v in by_train.values() if len(v) > 1), default=None),
         "rows": rows,
     }
@@ -1045,7 +1047,7 @@ def fd_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def fd_gaps(optimizers: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per feature space and pair of optimizers: the gap between their mean FDs, and whether it resolves (larger
-    than the sum of their training-seed half ranges)."""
+    than the sum of their training-seed half ranges; None, undecided, while either has one training seed)."""
     gaps = []
     names = sorted(optimizers)
     for space in FD_SPACES:
@@ -1055,8 +1057,10 @@ def fd_gaps(optimizers: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, 
                     continue
                 ta, tb = optimizers[a][space], optimizers[b][space]
                 gap = tb["mean"] - ta["mean"]
-                noise = ta["train_half_range"] + tb["train_half_range"]
-                gaps.append({"space": space, "a": a, "b": b, "gap": gap, "noise": noise, "resolved": abs(gap) > noise})
+                halves = (ta["train_half_range"], tb["train_half_range"])
+                noise = None if None in halves else halves[0] + halves[1]
+                resolved = None if noise is None else abs(gap) > noise
+                gaps.append({"space": space, "a": a, "b": b, "gap": gap, "noise": noise, "resolved": resolved})
     return gaps
 
 

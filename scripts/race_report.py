@@ -279,7 +279,8 @@ def optimizer_summary(
 ) -> dict[str, Any]:
     """Per optimizer at its best lr: final FD, precision, recall and EMA loss over seeds, how much FD still moved
     between the last two evaluations (has it flattened?), step and optimizer time, and the time to the baseline's
-    quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own. With
+    quality (:func:`target_fd` of the baseline's runs) with its ratio to the baseline's own where every seed got
+    there. With
     ``side_by_side`` (:func:`step_times`; the curves then :func:`timed_by` it) step and optimizer time are those,
     the runs' own medians kept as ``run_step_ms`` and ``run_opt_ms``."""
     target = target_fd(curves.get(baseline, []))
@@ -310,9 +311,13 @@ def optimizer_summary(
         }
     base = table.get(baseline, {})
     for entry in table.values():
+        # A time to the target is a ratio only where every seed got there (as in the levels table): a mean over
+        # the seeds that did would count the fastest ones only.
+        every = entry["curves"] > 0 and entry["reached_target"] == entry["curves"]
         for key in ("fd", "opt_ms", "step_ms", "time_to_target_s", "steps_to_target"):
             b, v = base.get(key, {}).get("mean"), entry[key]["mean"]
-            entry[f"{key}_ratio"] = v / b if v is not None and b else None
+            counted = every or key not in ("time_to_target_s", "steps_to_target")
+            entry[f"{key}_ratio"] = v / b if v is not None and b and counted else None
     return {
         "target_fd": target,
         "baseline": baseline,
@@ -683,18 +688,22 @@ def render_fd_spread(record: Mapping[str, Any]) -> str:
         for space, t in by_space.items():
             lines.append(
                 f"| {name} | {record['lrs'][name]:g} | {space} | {len(t['rows'])} | {t['mean']:.2f} | "
-                f"{t['train_half_range']:.2f} ({100 * t['train_half_range'] / t['mean']:.0f}%) | "
-                f"{fmt_2f(t['sample_half_range'])} |"
+                f"{_half_range(t['train_half_range'], t['mean'])} | {fmt_2f(t['sample_half_range'])} |"
             )
     if record.get("gaps"):
         lines += ["", "| space | a | b | gap (b - a) | training-seed half ranges, summed | resolved |"]
         lines.append("| --- | --- | --- | ---: | ---: | --- |")
         for g in record["gaps"]:
             lines.append(
-                f"| {g['space']} | {g['a']} | {g['b']} | {g['gap']:+.2f} | {g['noise']:.2f} | "
-                f"{'yes' if g['resolved'] else 'no'} |"
+                f"| {g['space']} | {g['a']} | {g['b']} | {g['gap']:+.2f} | {fmt_2f(g['noise'])} | "
+                f"{'-' if g['resolved'] is None else 'yes' if g['resolved'] else 'no'} |"
             )
     return "\n".join(lines)
+
+
+def _half_range(half: float | None, mean: float) -> str:
+    """``2.00 (7%)``, or ``-`` while one training seed is scored."""
+    return "-" if half is None else f"{half:.2f} ({100 * half / mean:.0f}%)"
 
 
 def refresh_frontier(

@@ -75,13 +75,19 @@ def test_optimizer_summary_times_each_optimizer_to_adamws_quality():
     adamw, muon = got["optimizers"]["adamw"], got["optimizers"]["muon"]
     assert adamw["steps_to_target"]["mean"] == pytest.approx((1750 + 2000) / 2)  # 50 -> 40 crosses 45 half way
     assert muon["reached_target"] == 1 and muon["steps_to_target"]["mean"] == pytest.approx(1000)
-    assert muon["time_to_target_s_ratio"] == pytest.approx(1000 / 1875)
+    assert muon["time_to_target_s_ratio"] is None  # 1 of 2 seeds got there: no ratio, as in the levels table
+    assert adamw["time_to_target_s_ratio"] == 1.0
     assert muon["fd_last_change"]["mean"] == pytest.approx((30 / 35 + 60 / 70) / 2 - 1)
     assert muon["fd"] == {"mean": 45.0, "min": 30.0, "max": 60.0, "n": 2} and muon["fd_ratio"] == pytest.approx(
         45 / 42.5
     )
     text = rr.render_main(got)
     assert "1 never" in text and "45.00 (30.00..60.00)" in text
+    curves["muon"][1] = curve("muon-s1", fds=(90, 80, 70, 44), seed=1)  # both seeds get there: a ratio
+    muon = rr.optimizer_summary(record(rows, opts), curves)["optimizers"]["muon"]
+    assert muon["reached_target"] == 2
+    assert muon["steps_to_target_ratio"] == pytest.approx(muon["steps_to_target"]["mean"] / 1875)
+    assert muon["time_to_target_s_ratio"] is not None
 
 
 def test_a_seed_without_a_curve_is_not_counted_as_never_reaching_the_target():

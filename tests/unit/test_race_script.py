@@ -517,6 +517,20 @@ def test_an_fd_part_stopped_after_one_sampling_seed_shows_no_sampling_spread_rat
     assert race._race_report().render_fd_spread(record).splitlines()[-1].endswith("| 0.50 (2%) | - |")
     rows.append({"train_seed": 0, "fd": 21.0, "sample_seed": 1})
     assert race.fd_summary(rows)["sample_half_range"] == pytest.approx(0.5)
+    assert race.fd_summary(rows)["mean"] == pytest.approx(20.75)  # the mean of each training seed's mean
+
+
+def test_an_fd_part_stopped_after_one_training_seed_leaves_its_gaps_undecided(race):
+    # One training seed has no training spread: its gaps are neither resolved nor not, until the second comes.
+    one = race.fd_summary([{"train_seed": 0, "fd": 30.0, "sample_seed": 0}])
+    two = race.fd_summary([{"train_seed": t, "fd": 25.0 + 4 * t, "sample_seed": 0} for t in (0, 1)])
+    assert one["train_half_range"] is None
+    (gap,) = race.fd_gaps({"adamw": {"classifier": two}, "muon": {"classifier": one}})
+    assert gap["resolved"] is None and gap["noise"] is None and gap["gap"] == pytest.approx(3.0)
+    record = {"optimizers": {"adamw": {"classifier": two}, "muon": {"classifier": one}}, "lrs": {"adamw": 1, "muon": 1}}
+    lines = race._race_report().render_fd_spread({**record, "gaps": [gap]}).splitlines()
+    assert lines[3] == "| muon | 1 | classifier | 1 | 30.00 | - | - |"
+    assert lines[-1] == "| classifier | adamw | muon | +3.00 | - | - |"
 
 
 def test_ablations_run_at_their_optimizers_chosen_lr_once_its_own_selection_is_finished(race, tmp_path):
