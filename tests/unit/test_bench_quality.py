@@ -397,6 +397,23 @@ def test_best_lr_averages_seeds_and_ratios_use_adamw():
     assert no_baseline["muon"]["fd_ratio"] is None
 
 
+def test_an_lr_with_a_failed_seed_is_not_compared_with_lrs_whose_seeds_all_finished():
+    def row(lr: float, seed: int, loss: float, status: str = "ok") -> dict:
+        return {"optimizer": "muon", "lr": lr, "seed": seed, "status": status, "val_loss_ema": loss}
+
+    rows = [row(5e-3, 0, 0.1700), row(5e-3, 1, 0.1740), row(1e-2, 0, 0.1710), row(1e-2, 1, 0.1790, "failed")]
+    rows += [row(2e-2, 0, 0.1800), row(2e-2, 1, 0.1810)]
+    assert quality_report.best_lr(rows) == 5e-3  # 1e-2's one seed (0.1710) does not beat 5e-3's two (0.1720)
+    sel = quality_report.selection(rows, "val_loss_ema")
+    assert sel["short"] == [1e-2] and sel["best"] == 5e-3
+    (line,) = quality_report.selection_lines({"muon": {"selection": sel}})
+    assert "not every seed finished at 0.01: not compared" in line
+    rows[3]["status"] = "ok"  # both seeds of 1e-2 in: it is compared (mean 0.1750)
+    assert quality_report.best_lr(rows) == 5e-3 and quality_report.selection(rows, "val_loss_ema")["short"] == []
+    only_short = [row(5e-3, 0, 0.2), row(5e-3, 1, 0.2, "failed"), row(1e-2, 0, 0.1), row(1e-2, 1, 0.1, "failed")]
+    assert quality_report.best_lr(only_short) == 1e-2  # no lr has every seed: the rest are compared, and said so
+
+
 def test_grid_is_tabulated_failures_reported_and_finished_runs_skipped(tmp_path, fake_training, capsys):
     cfg = tiny_config(tmp_path / "bench", seeds=(0, 1))
     record = quality.run(cfg, ["--fake"])

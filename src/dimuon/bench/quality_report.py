@@ -201,11 +201,20 @@ def by_lr(rows: Sequence[dict[str, Any]], key: str) -> dict[float, list[float]]:
     return out
 
 
+def short_lrs(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """The learning rates with fewer finished runs than the grid's seeds (a run failed or is not done yet)."""
+    seeds = len({r["seed"] for r in rows})
+    return sorted(lr for lr in {r["lr"] for r in rows} if len(by_lr(rows, key).get(lr, [])) < seeds)
+
+
 def best_lr(rows: Sequence[dict[str, Any]], key: str = "val_loss_ema") -> float | None:
     """The learning rate whose finished runs reach the best ``key`` (the lowest loss, say) on average over their
-    seeds."""
+    seeds, among those with every seed finished (a mean of fewer seeds is not compared with full ones; only where
+    no lr has them all are the rest compared, and :func:`selection` says so)."""
     values = by_lr(rows, key)
-    return REGISTRY[key].pick(values, key=lambda lr: statistics.fmean(values[lr])) if values else None
+    short = set(short_lrs(rows, key))
+    candidates = {lr: v for lr, v in values.items() if lr not in short} or values
+    return REGISTRY[key].pick(candidates, key=lambda lr: statistics.fmean(candidates[lr])) if candidates else None
 
 
 def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -233,6 +242,7 @@ def selection(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
         "best": best,
         "on_edge": best is not None and len(lrs) > 1 and best in (lrs[0], lrs[-1]),
         "flat_with": flat,
+        "short": short_lrs(rows, key),  # left out of the choice (or all short: chosen among them)
     }
 
 
@@ -529,6 +539,8 @@ def selection_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
             if sel["flat_with"]
             else []
         )
+        if sel.get("short"):
+            notes.append(f"not every seed finished at {', '.join(f'{lr:g}' for lr in sel['short'])}: not compared")
         lines.append(
             f"- {name}: best lr {sel['best']:g} by {SELECTION_METRICS[sel['by']]}"
             + (f" ({'; '.join(notes)})" if notes else "")

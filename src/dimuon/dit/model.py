@@ -347,8 +347,10 @@ class DiT(nn.Module):
         n, _, h, w = x.shape  # (N, C, H, W)
         if h != self.input_size or w != self.input_size:
             raise ValueError(f"expected {self.input_size}x{self.input_size} inputs, got {h}x{w}")
-        t = t.expand(n) if t.ndim == 0 else t  # (N,)
-        x = self.x_embedder(x)  # (N, T, D)
+        t = t.expand(n) if t.ndim == 0 else t  # (N,), kept in its own dtype: the embedder computes in fp32
+        x = self.x_embedder(
+            x.to(self.x_embedder.proj.weight.dtype)
+        )  # (N, T, D), in the parameters' dtype (bf16 under FSDP2's)
         x = x + self.pos_embed.to(x.dtype)  # (N, T, D)
         t_emb = self.t_embedder(t)  # (N, D)
         y_emb = self.y_embedder(y, self.training, drop_labels)  # (N, D)

@@ -191,7 +191,12 @@ def apply_parallelism(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=policy)
+    # The root keeps its inputs as given: the flow time t stays fp32 into the timestep embedder (cast to bf16 it
+    # would take steps of 1/256 near 1); DiT.forward casts the images to the patch embedding's dtype itself.
+    root = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False
+    )
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=root)
     return model
 
 
