@@ -133,6 +133,14 @@ def test_image_folder_splits(tmp_path):
     _write_folder(tmp_path / "explicit" / "val", {"a": 1, "b": 2})
     _write_folder(tmp_path / "explicit" / "train", {"a": 4, "b": 4})
     assert len(build_dataset("folder", "val", root=tmp_path / "explicit", image_size=4)) == 3
+    # train/ without val/: the val split would be cut from the root, train/ taken for a class: refused.
+    _write_folder(tmp_path / "half" / "train", {"a": 4, "b": 4})
+    for split in ("train", "val"):
+        with pytest.raises(ValueError, match=r"image folder .*half has train/ but no val/"):
+            build_dataset("folder", split, root=tmp_path / "half", image_size=4)
+    # A class called train (its images directly inside) is a class.
+    trains = _write_folder(tmp_path / "vehicles", {"train": 3, "ship": 3})
+    assert build_dataset("folder", "all", root=trains, image_size=4).classes == ["ship", "train"]
 
 
 def test_image_folder_errors_name_the_problem(tmp_path):
@@ -217,6 +225,11 @@ def test_arrays_safetensors_latent_shards_and_npy_pair(tmp_path):
     np.save(pair / "labels.npy", np.arange(9) % 3)
     ds = build_dataset("arrays", "all", path=pair)
     assert ds[4][0].shape == (1, 5, 5) and ds[4][1] == 1
+    # Split directories: both, or neither (val/ alone would make train hold the val shards too).
+    (pair / "val").mkdir()
+    np.savez(pair / "val" / "v.npz", images=np.zeros((3, 1, 5, 5), dtype=np.uint8), labels=np.zeros(3))
+    with pytest.raises(ValueError, match=r"array data .*pair has val/ but no train/"):
+        build_dataset("arrays", "train", path=pair)
 
 
 def test_arrays_errors_name_the_problem(tmp_path):

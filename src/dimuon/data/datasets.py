@@ -299,6 +299,7 @@ def _arrays(
 ) -> ArrayDataset:
     """Array shards; the ``val`` split is a fixed ``val_fraction`` of the items unless ``path/<split>`` exists."""
     path = Path(path)
+    _one_split_only(path, "array data")
     source = path / split if (path / split).is_dir() else path
     images, labels, shards = _load_arrays(source)
     if source != path:
@@ -420,11 +421,29 @@ def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
     return classes, files, labels
 
 
+def _one_split_only(root: Path, what: str, nested: bool = False) -> None:
+    """Refuse a root holding ``train/`` or ``val/`` but not both: the other split would be cut from the whole root,
+    that directory included (a val split of training images under one class). ``nested``: a split directory is one
+    only where it holds class folders (a class may be called ``train``)."""
+    present = [
+        s
+        for s in ("train", "val")
+        if (root / s).is_dir() and (not nested or any(p.is_dir() for p in (root / s).iterdir()))
+    ]
+    if len(present) == 1:
+        other = "val" if present == ["train"] else "train"
+        raise ValueError(
+            f"{what} {root} has {present[0]}/ but no {other}/: give it both splits, or neither (then a fixed "
+            "fraction of everything is held out for validation)"
+        )
+
+
 def _folder(
     split: str, root: str | Path, image_size: int, channels: int = 3, val_fraction: float = 0.1
 ) -> ImageFolderDataset:
     """Image folder; ``root/<split>`` is used if it exists, else a fixed ``val_fraction`` is held out."""
     root = Path(root)
+    _one_split_only(root, "image folder", nested=True)
     if split != "all" and (root / split).is_dir():
         return ImageFolderDataset(root / split, image_size, channels)
     _, files, _ = _scan_folder(root)
