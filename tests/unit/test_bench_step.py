@@ -24,6 +24,12 @@ def test_windows_hold_whole_periods() -> None:
         "adaptive_row_muon": 8,
     }
     assert step.window_steps(step.Config(window=4), "periodic_row_muon") == 6
+    # A period set through the optimizer's flags sizes its windows, not the class default.
+    cfg = step.Config(window=6, train_args_of=("periodic_row_muon=--optim.k 4", "muon_bp=--optim.period=4"))
+    assert step.window_steps(cfg, "periodic_row_muon") == 8 and step.window_steps(cfg, "muon_bp") == 8
+    assert step.window_steps(cfg, "adaptive_row_muon") == 8  # its default k_max
+    with pytest.raises(ValueError, match=r"periodic_row_muon's --optim.k must be an integer >= 1, got '0'"):
+        step.check_config(step.Config(train_args_of=("periodic_row_muon=--optim.k 0",)))
 
 
 @pytest.mark.parametrize(

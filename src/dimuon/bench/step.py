@@ -22,6 +22,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -78,22 +79,31 @@ class Config:
     """Show a progress bar over the runs."""
 
 
-def period_of(optimizer: str) -> int:
-    """Steps after which the optimizer's default schedule repeats (1 for non-periodic ones; the adaptive
-    schedule's longest interval, ``k_max``)."""
+def period_of(optimizer: str, train_args: Sequence[str] = ()) -> int:
+    """Steps after which the optimizer's schedule repeats (1 for non-periodic ones; the adaptive schedule's longest
+    interval, ``k_max``): its default, or the value its ``train_args`` set (``--optim.k 4``, ``--optim.period=4``)."""
     cls = OPTIMIZERS.get(optimizer)
     if cls is None or not isinstance(cls, type):
         return 1
     defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
     for key in ("k", "period", "k_max"):
         if isinstance(defaults.get(key), int):
-            return int(defaults[key])
+            flag, period = f"--optim.{key.replace('_', '-')}", int(defaults[key])
+            for i, arg in enumerate(train_args):  # the last one given wins, as the parser takes it
+                value = train_args[i + 1] if arg == flag and i + 1 < len(train_args) else None
+                value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else value
+                if value is not None:
+                    if not value.isdigit() or int(value) < 1:
+                        raise ValueError(f"{optimizer}'s {flag} must be an integer >= 1, got {value!r}")
+                    period = int(value)
+            return period
     return 1
 
 
 def window_steps(cfg: Config, optimizer: str) -> int:
-    """Steps per log window: the smallest multiple of the optimizer's period that is at least --window."""
-    period = period_of(optimizer)
+    """Steps per log window: the smallest multiple of the optimizer's period (as its flags set it) that is at
+    least --window."""
+    period = period_of(optimizer, extra_train_args(cfg).get(optimizer, ()))
     return period * math.ceil(cfg.window / period)
 
 
@@ -119,7 +129,8 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
-    extra_train_args(cfg)
+    for name, args in extra_train_args(cfg).items():
+        period_of(name, args)
 
 
 def extra_train_args(cfg: Config) -> dict[str, list[str]]:
