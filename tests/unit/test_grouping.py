@@ -189,3 +189,51 @@ def test_per_head_splits_qkv_rows_and_out_projection_columns_under_user_rules_to
     )
     assert "col_split_sizes" not in by_name["blocks.0.mlp.fc1.weight"]
     assert "col_split_sizes" not in {k for g in param_groups(model) for k in g}  # off by default
+
+
+class Wrapper(nn.Module):
+    """A module holding the network (as an adapter, torch.compile or DDP does), with no parameters of its own."""
+
+    def __init__(self, inner: nn.Module, name: str = "model") -> None:
+        super().__init__()
+        self.add_module(name, inner)
+        self.act = nn.SiLU()  # a child without parameters does not stop the descent
+
+
+def _roles_of(groups, prefix: str = "") -> dict:
+    return {name[len(prefix) :]: (g["algorithm"], g.get("split_sizes")) for g in groups for name, _ in g["params"]}
+
+
+@pytest.mark.parametrize("name", ["model", "_orig_mod", "module"])
+def test_a_wrapped_model_is_grouped_as_the_bare_one(name):
+    bare = _roles_of(param_groups(TinyDiT(), split_sizes=DIT_FUSED_SPLITS))
+    wrapped = param_groups(Wrapper(TinyDiT(), name), split_sizes=DIT_FUSED_SPLITS)
+    assert _roles_of(wrapped, f"{name}.") == bare
+    assert bare["x_embedder.proj.weight"] == ("adamw", None) and bare["blocks.0.adaLN_modulation.1.weight"] == (
+        "muon",
+        6,
+    )
+    # Rules written for the bare model hold on the wrapped one too.
+    rules = {"final_layer.linear.weight": "muon"}
+    assert _roles_of(param_groups(Wrapper(TinyDiT(), name), rules=rules), f"{name}.")["final_layer.linear.weight"] == (
+        "muon",
+        None,
+    )
+
+
+def test_a_rule_s_own_split_wins_and_a_rule_matching_nothing_is_named():
+    rules = {"blocks.*.adaLN_modulation.1.weight": {"algorithm": "muon", "split_sizes": 3}}
+    got = _roles_of(param_groups(TinyDiT(), rules=rules, split_sizes=DIT_FUSED_SPLITS))
+    assert got["blocks.1.adaLN_modulation.1.weight"] == ("muon", 3)
+    with pytest.warns(UserWarning, match=r"rule\(s\) \['blocks\.\*\.atn\.qkv\.weight'\] matched no trainable"):
+        param_groups(TinyDiT(), rules={"blocks.*.atn.qkv.weight": "adamw", "final_layer.linear.weight": "muon"})
+
+
+def test_roles_set_the_algorithm_a_rule_with_options_only_keeps():
+    roles = {"blocks.0.mlp.fc1.weight": "adamw"}
+    got = param_groups(TinyDiT(), rules={"blocks.*.mlp.fc1.weight": {"lr": 1e-4}}, roles=roles)
+    by_name = {name: g for g in got for name, _ in g["params"]}
+    assert (
+        by_name["blocks.0.mlp.fc1.weight"]["algorithm"] == "adamw" and by_name["blocks.0.mlp.fc1.weight"]["lr"] == 1e-4
+    )
+    assert by_name["blocks.1.mlp.fc1.weight"]["algorithm"] == "muon"  # no role there: the default's

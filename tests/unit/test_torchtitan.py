@@ -75,6 +75,13 @@ def test_activation_checkpointed_blocks_group_alike_under_canonical_names() -> N
     assert roles(torchtitan_param_groups(model)) == roles(torchtitan_param_groups(FluxShaped()))
 
 
+def test_a_rule_setting_only_options_keeps_a_flux_input_layer_on_adamw() -> None:
+    by_name = {
+        name: g for g in torchtitan_param_groups(FluxShaped(), {"txt_in.*": {"lr": 1e-5}}) for name in g["param_names"]
+    }
+    assert by_name["txt_in.weight"]["algorithm"] == "adamw" and by_name["txt_in.weight"]["lr"] == 1e-5
+
+
 def test_rules_come_first_and_adamw_kwargs_fill_the_adamw_groups() -> None:
     groups = torchtitan_param_groups(
         FluxShaped(),

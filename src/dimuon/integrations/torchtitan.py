@@ -126,14 +126,19 @@ def torchtitan_param_groups(
 ) -> list[dict[str, Any]]:
     """dimuon's parameter groups of one torchtitan model part, with torchtitan's canonical parameter names.
 
-    The groups of :func:`dimuon.optim.param_groups` under ``rules`` (first), then, with ``flux_roles``,
-    :data:`FLUX_INPUT_RULES`; with ``split_fused``, Flux's fused matrices split by :func:`flux_split_sizes`.
+    The groups of :func:`dimuon.optim.param_groups` under ``rules``, with ``flux_roles`` the roles of
+    :data:`FLUX_INPUT_RULES` (the algorithm of those layers where a rule sets none); with ``split_fused``, Flux's
+    fused matrices split by :func:`flux_split_sizes`.
     ``adamw_kwargs`` are options of the AdamW groups (``{"lr": 3e-4, "weight_decay": 0.1}``) where a rule does
     not set them. Each group lists its ``params`` and their ``param_names``, the FQNs torchtitan keys the
     optimizer's checkpoint by (the activation-checkpoint wrapper's name part removed).
     """
-    ordered: list[tuple[str, Any]] = [*(rules or {}).items(), *(FLUX_INPUT_RULES.items() if flux_roles else ())]
-    groups = param_groups(model, rules=ordered, split_sizes=flux_split_sizes(model) if split_fused else None)
+    groups = param_groups(
+        model,
+        rules=dict(rules or {}),
+        split_sizes=flux_split_sizes(model) if split_fused else None,
+        roles=FLUX_INPUT_RULES if flux_roles else None,  # a rule setting only options keeps the role's AdamW
+    )
     result = []
     for group in groups:
         named = group.pop("params")

@@ -12,6 +12,7 @@ name rules), not by ``ndim == 2`` alone, and user rules win.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -135,11 +136,35 @@ def _normalize_rule(pattern: str, value: str | Mapping[str, Any]) -> dict[str, A
     return options
 
 
-def _match_split(name: str, split_sizes: Mapping[str, int | Sequence[int]] | None) -> Any:
+def _match_split(names: Sequence[str], split_sizes: Mapping[str, int | Sequence[int]] | None) -> Any:
     for pattern, sizes in (split_sizes or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
+        if any(fnmatch.fnmatchcase(name, pattern) for name in names):
             return tuple(sizes) if not isinstance(sizes, int) else sizes
     return None
+
+
+# Name parts that wrappers insert between a module and its own modules (torch.compile, activation checkpointing).
+WRAPPER_PARTS: tuple[str, ...] = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def wrapper_prefix(model: nn.Module) -> str:
+    """The name prefix of the network a wrapper holds: descends while a module has no parameters of its own and
+    one child holds them all (``DiffusersDiT.model``, ``torch.compile``'s ``_orig_mod``, DDP's ``module``)."""
+    prefix, module = "", model
+    while not any(True for _ in module.parameters(recurse=False)):
+        holders = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(holders) != 1:
+            break
+        name, module = holders[0]
+        prefix += name + "."
+    return prefix
+
+
+def role_name(name: str, prefix: str = "") -> str:
+    """A parameter's name as the network itself names it: ``prefix`` (:func:`wrapper_prefix`) and the wrappers'
+    name parts (:data:`WRAPPER_PARTS`) removed, so the role patterns hold on a wrapped model too."""
+    name = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def param_groups(
@@ -148,6 +173,7 @@ def param_groups(
     split_sizes: Mapping[str, int | Sequence[int]] | None = None,
     reasons: dict[str, str] | None = None,
     per_head: bool = False,
+    roles: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Parameter groups for a Muon-family optimizer, with parameter names.
 
@@ -159,7 +185,13 @@ def param_groups(
     where it did (``dimuon groups`` prints them). ``per_head=True`` orthogonalizes attention projections per head
     (:func:`dimuon.optim.heads.per_head_splits`: q/k/v rows and output-projection columns by head) wherever they
     land in a Muon group, under user rules too: its row splits refine ``split_sizes`` (a fused qkv in 3H chunks
-    rather than 3), and a rule's own ``col_split_sizes`` wins over its column splits.
+    rather than 3), and a rule's own ``split_sizes`` and ``col_split_sizes`` win over them.
+
+    Names are matched as given and as the network itself names them (:func:`role_name`: a wrapper's prefix,
+    ``torch.compile``'s and activation checkpointing's name parts removed), so a wrapped model is grouped as the
+    bare one. ``roles`` maps patterns to the algorithm of a role the defaults do not know (a model family's input
+    layers): it replaces the default algorithm, and a rule that sets options but no algorithm keeps it. A rule that
+    matches no parameter is named in a warning (a misspelt pattern would otherwise change nothing, silently).
     """
     from dimuon.optim.heads import per_head_splits
 
@@ -169,6 +201,7 @@ def param_groups(
     if heads is not None:  # per-head rows first: they refine a fused split (3H chunks of a qkv rather than 3)
         split_sizes = heads.with_split_sizes(split_sizes)
     head_cols = {name: opts["col_split_sizes"] for name, opts in (heads.rules if heads else {}).items()}
+    prefix = wrapper_prefix(model)
     owner = {}
     modules = dict(model.named_modules())
     for mod_name, module in modules.items():
@@ -177,31 +210,45 @@ def param_groups(
             owner.setdefault(id(p), (f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
     groups: dict[tuple, dict[str, Any]] = {}
     seen: set[int] = set()
+    matched: set[str] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         own_name, module, parent = owner[id(p)]
+        names = (name, role_name(name, prefix))
         options: dict[str, Any] = {}
         why = ""
         for pattern, opts in normalized:
-            if fnmatch.fnmatchcase(name, pattern):
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 options = dict(opts)
                 why = f"user rule {pattern!r}"
+                matched.add(pattern)
                 break
-        algorithm, role = default_role(own_name, p, module, parent)
+        algorithm, role = default_role(role_name(own_name, prefix), p, module, parent)
+        role_pattern = next((pat for pat in roles or {} if any(fnmatch.fnmatchcase(n, pat) for n in names)), None)
+        if role_pattern is not None:
+            algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
             reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
         options.setdefault("algorithm", algorithm)
         if options["algorithm"] == "muon":
-            split = _match_split(name, split_sizes)
+            split = _match_split(names, split_sizes)
             if split is not None:
-                options["split_sizes"] = split
+                options.setdefault("split_sizes", split)  # a rule's own split wins
             if name in head_cols:
                 options.setdefault("col_split_sizes", head_cols[name])
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         group = groups.setdefault(key, {"params": [], **options})
         group["params"].append((name, p))
+    unmatched = [pat for pat, _ in normalized if pat not in matched]
+    if unmatched:
+        warnings.warn(
+            f"param_groups: rule(s) {unmatched} matched no trainable parameter, so they change nothing; patterns "
+            "are fnmatch globs on parameter names, e.g. 'blocks.*.attn.qkv.weight'",
+            UserWarning,
+            stacklevel=2,
+        )
     return list(groups.values())
 
 
