@@ -182,3 +182,34 @@ def test_the_record_renders_and_lists_the_targets(record):
     assert "## W = 4" in text and "## Targets" in text
     assert len(record["targets"]) == 6 and all(t["measured"] for t in record["targets"])
     assert math.isfinite(record["wall_s"])
+
+
+def test_a_fake_world_counts_what_the_same_gloo_world_counts(tmp_path):
+    """The fake backend traces a world in one process; at W = 4 it must count the ops, collectives and bytes the 4
+    gloo ranks do (its own stand-ins for what the backend refuses are not ops of the step)."""
+    tiny = dict(depth=2, heads=8)
+    cfg = census.Config(
+        gloo_worlds=(WORLD,),
+        fake_worlds=(WORLD,),
+        gloo_model="DiT-T/2",
+        fake_model="DiT-T/2",
+        gloo_heads=tiny["heads"],
+        fake_heads=tiny["heads"],
+        gloo_depth=tiny["depth"],
+        fake_depth=tiny["depth"],
+        fake_replicated_depth=tiny["depth"],
+        ops_depths=(),
+        layouts=("fsdp", "fsdp_tp"),
+        optimizers=("muon_owner",),
+        out=tmp_path,
+        progress=False,
+        input_size=8,
+        num_classes=10,
+    )
+    record = census.run(cfg, ["test"])
+    by_backend: dict = {}
+    for job in record["jobs"]:
+        for case in job["cases"]:
+            key = (job["layout"], case["label"], case["step"])
+            by_backend.setdefault(job["backend"], {})[key] = (case["ops"], case["calls"], case["bytes"])
+    assert set(by_backend) == {"gloo", "fake"} and by_backend["gloo"] == by_backend["fake"]

@@ -900,7 +900,10 @@ def _fake_all_to_all_single(
     import torch.distributed.distributed_c10d as c10d
 
     if input.numel() == 0 and output.numel() > 0:
-        input, input_split_sizes = torch.zeros_like(output), output_split_sizes
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the census's stand-in, not an op of the step: not counted
+            input, input_split_sizes = torch.zeros_like(output), output_split_sizes
     return c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 

@@ -203,7 +203,7 @@ def by_lr(rows: Sequence[dict[str, Any]], key: str) -> dict[float, list[float]]:
 
 def short_lrs(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
     """The learning rates with fewer finished runs than the grid's seeds (a run failed or is not done yet)."""
-    seeds = len({r["seed"] for r in rows})
+    seeds = len({r.get("seed") for r in rows})
     return sorted(lr for lr in {r["lr"] for r in rows} if len(by_lr(rows, key).get(lr, [])) < seeds)
 
 
