@@ -189,9 +189,8 @@ class AdaptiveRowSchedule(Schedule):
         if now:
             signals = dict(zip(now, ctx.read(self._stalest(works, now, ctx))))  # the host reads them once
         if any(lagged):
-            if (
-                not now
-            ):  # "raise": the vote before the lagged signals are taken or measured (a failed step changes none)
+            # "raise": the vote is read before the lagged signals are taken or measured (a failed step changes none)
+            if not now:
                 ctx.settle()
             signals.update(self._previous_signals(works, [(wi, ji) for wi, ji in open_ if lagged[wi]], ctx))
         kinds = [

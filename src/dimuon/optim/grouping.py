@@ -136,9 +136,14 @@ def _normalize_rule(pattern: str, value: str | Mapping[str, Any]) -> dict[str, A
     return options
 
 
+def _matches(names: Sequence[str], pattern: str) -> bool:
+    """Whether any of a parameter's names (as given, as the network names it) matches a glob ``pattern``."""
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names)
+
+
 def _match_split(names: Sequence[str], split_sizes: Mapping[str, int | Sequence[int]] | None) -> Any:
     for pattern, sizes in (split_sizes or {}).items():
-        if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+        if _matches(names, pattern):
             return tuple(sizes) if not isinstance(sizes, int) else sizes
     return None
 
@@ -220,13 +225,13 @@ def param_groups(
         options: dict[str, Any] = {}
         why = ""
         for pattern, opts in normalized:
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            if _matches(names, pattern):
                 options = dict(opts)
                 why = f"user rule {pattern!r}"
                 matched.add(pattern)
                 break
         algorithm, role = default_role(role_name(own_name, prefix), p, module, parent)
-        role_pattern = next((pat for pat in roles or {} if any(fnmatch.fnmatchcase(n, pat) for n in names)), None)
+        role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
         if role_pattern is not None:
             algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
