@@ -12,7 +12,7 @@ from typing import Any
 
 from dimuon.io import RunLayout, locked
 from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
-from dimuon.metrics.results import truncate_results
+from dimuon.metrics.results import newest_first, truncate_results
 from dimuon.metrics.series import RunEvaluation
 
 SCORES = {"fd": 1.0, "precision": 0.5, "recall": 0.5, "density": 1.0, "coverage": 0.5}
@@ -89,3 +89,18 @@ def test_a_save_waits_for_the_lock_and_a_resume_truncates_under_it(tmp_path: Pat
     thread.join(timeout=10)
     assert saved.is_set() and on_disk(run) == {"k1": [(1, 1.0), (2, 1.0)]}
     assert truncate_results(run, 1) == 1 and on_disk(run) == {"k1": [(1, 1.0)]}
+
+
+def test_the_newest_series_is_picked_by_instant_and_a_tie_goes_to_the_one_added_last() -> None:
+    stamp = "2026-12-04T10:00:00+00:00"
+    same_second = [("full", {"updated": stamp}), ("small", {"updated": stamp})]
+    assert [k for k, _ in newest_first(same_second)] == ["small", "full"]
+    # 11:30 at +02:00 is 09:30 UTC: older than 10:00 UTC although its text sorts after it.
+    offsets = [("utc", {"updated": stamp}), ("east", {"updated": "2026-12-04T11:30:00+02:00"})]
+    assert [k for k, _ in newest_first(offsets)] == ["utc", "east"]
+    millis = [("later", {"updated": "2026-12-04T10:00:00.250+00:00"}), ("earlier", {"updated": stamp})]
+    assert [k for k, _ in newest_first(millis)] == ["later", "earlier"]
+    assert [k for k, _ in newest_first([("unstamped", {}), ("created", {"created": stamp})])] == [
+        "created",
+        "unstamped",
+    ]

@@ -11,8 +11,10 @@ and ``dimuon eval``) keep each other's entries.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,18 @@ def truncate_results(run: Path, max_step: int) -> int:
     return dropped
 
 
+def newest_first(series: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Series ``(key, series)`` most recently updated first. Stamps are compared as instants (any UTC offset); of
+    series stamped alike (two evaluations in one stamp's tick) the later in the file, i.e. the one added last, wins."""
+
+    def instant(ev: dict[str, Any]) -> float:
+        stamp = ev.get("updated") or ev.get("created")
+        return datetime.datetime.fromisoformat(stamp).timestamp() if stamp else -math.inf
+
+    order = sorted(range(len(series)), key=lambda i: (instant(series[i][1]), i), reverse=True)
+    return [series[i] for i in order]
+
+
 def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
     """The series of a results file made with the sampling settings of `cfg`, against a real set of `cfg.num_real`
     images where given (the latest, if several)."""
@@ -119,7 +133,7 @@ def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tupl
         )
     if cfg.num_real is not None:  # the size asked for (a real set capped at the split's size holds fewer)
         matches = [m for m in matches if m[1]["settings"].get("num_real") == cfg.num_real] or matches
-    return max(matches, key=lambda kv: kv[1].get("updated", ""))
+    return newest_first(matches)[0]
 
 
 def summarize(entries: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
@@ -168,8 +182,7 @@ def describe_settings(s: dict[str, Any]) -> str:
 def markdown(results: dict[str, Any], run_name: str) -> str:
     """All series of a results file as Markdown tables (most recently updated first)."""
     lines = [f"# Generation quality: `{run_name}`", ""]
-    series = sorted(results["evaluations"].items(), key=lambda kv: kv[1].get("updated", ""), reverse=True)
-    for key, ev in series:
+    for key, ev in newest_first(list(results["evaluations"].items())):
         s = ev["settings"]
         lines += [f"## Settings `{key}`", "", describe_settings(s), ""]
         ref = ev.get("reference")

@@ -75,8 +75,9 @@ def check_device(name: str, flag: str = "--device") -> None:
 
 
 def timestamp() -> str:
-    """The local time, to the second, as recorded in results files."""
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    """The local time with its UTC offset, to the millisecond, as recorded in results files (the newest series of a
+    run is the one picked by default: two evaluations a second apart must not tie)."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
 class RunEvaluation:
