@@ -64,10 +64,55 @@ def test_fake_ranks_are_traced_alike_and_the_plan_pass_matches_rank_0(record):
         assert job["backend"] == "fake" and case["same_sequence_on_all_ranks"], (job["layout"], case["label"])
         if case["optimizer"] in census.PLAN_VARIANTS:
             assert case["ranks_traced"] == WORLD and case["plan_matches_full"], (job["layout"], case["label"])
-        else:  # AdamW and the nonfinite="skip" twins: rank 0 only
-            assert case["ranks_traced"] == 1 and case["ns_flops_max_over_mean"] is None
+        else:  # AdamW and the nonfinite="skip" twins: rank 0 only (the balance then from an owner plan alone)
+            assert case["ranks_traced"] == 1, (job["layout"], case["label"])
+            assert (case["ns_flops_max_over_mean"] is None) == (case["ns_flops_plan"] is None)
     fsdp_tp = next(j for j in record["jobs"] if j["layout"] == "fsdp_tp")
     assert set(fsdp_tp["refused_optimizers"]) == {"adaptive", "adaptive_skip"}  # columns split by tp
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """The owner refresh's cases again with 2 ranks traced, for the work derived from the owner plan."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    out = tmp_path_factory.mktemp("census-sampled")
+    flags = [*TINY[: TINY.index("--optimizers")], "--optimizers", "muon_owner", "--flop-ranks", "2"]
+    assert census.main([*flags, "--layouts", "fsdp", "hsdp", "fsdp_tp", "--out", str(out)]) == 0
+    return json.loads((out / "census.json").read_text())
+
+
+def test_every_rank_s_work_derived_from_the_owner_plan_is_what_each_rank_traced(record, sampled):
+    derived = [(j, c) for j, c in _cases(record) if c["ns_flops_plan"] is not None]
+    assert {j["layout"] for j, c in derived if c["optimizer"] == "muon_owner"} == {"fsdp", "hsdp", "fsdp_tp"}
+    for job, case in derived:
+        plan = case["ns_flops_plan"]
+        where = (job["layout"], case["label"], case["step"])
+        assert plan["ranks"] == WORLD and plan["ranks_checked"] == case["ranks_traced"], where
+        assert plan["matches_traced"] and case["ns_flops_over"] == f"all {WORLD} ranks, from the owner plan", where
+        traced = list(case["ns_flops_by_rank"].values())
+        if len(traced) == WORLD:
+            assert case["ns_flops_max_over_mean"] == pytest.approx(max(traced) * WORLD / sum(traced)), where
+    rows = {t["target"]: t["measured"] for t in record["targets"]}
+    text = "every rank's Newton-Schulz work derived from the owner plan = what each traced rank ran"
+    assert rows[text] == f"{len(derived)} of {len(derived)} cases"
+    # Two ranks traced: the same figures over all 16, each checked against the 2 traced ranks.
+    for job, case in _cases(sampled):
+        full = next(c for j, c in _cases(record, "muon_owner", job["layout"]) if c["step"] == case["step"])
+        assert case["ranks_traced"] == case["ns_flops_plan"]["ranks_checked"] == 2, job["layout"]
+        for key in ("ns_flops_max", "ns_flops_max_over_mean", "ns_flops_sum_over_model"):
+            assert case[key] == pytest.approx(full[key]), (job["layout"], key)
+    hsdp = next(c for _, c in _cases(sampled, layout="hsdp"))
+    assert hsdp["ns_flops_sum_over_model"] > 1.0  # every replica repeats its group's refresh
+
+
+def test_a_group_of_rank_0_s_maps_to_its_copy_through_any_rank_on_the_mesh():
+    mesh = [[0, 1, 2, 3], [4, 5, 6, 7]]  # 2 x 4: rows the first dimension
+    assert census.member_index(mesh, [0, 1, 2, 3], 6) == 2  # the second row's copy: rank 6 is its third member
+    assert census.member_index(mesh, [0, 4], 7) == 1
+    assert census.member_index(mesh, [0, 1, 2, 3, 4, 5, 6, 7], 5) == 5
+    assert census.member_index(mesh, [0, 2], 3) is None  # not a whole sub-mesh
+    assert census.member_index(None, [0, 1], 1) is None
 
 
 def test_newton_schulz_is_stubbed_and_its_work_counted_per_rank(record):

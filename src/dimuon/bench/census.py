@@ -18,7 +18,10 @@ for one step of every optimizer configuration on every layout the census records
   apart;
 - Newton-Schulz FLOPs per rank (exact, from :func:`dimuon.optim.linalg.newton_schulz_products` for every batch
   the engine orthogonalizes), as max over ranks / mean over ranks (the load balance of the refresh) and the sum
-  over ranks against one refresh of every matrix (the duplicated work);
+  over ranks against one refresh of every matrix (the duplicated work); where the step has an owner refresh,
+  over every rank of the world, derived from rank 0's owner plan (the same on every rank: each rank's share,
+  found through its copy of rank 0's groups on the mesh) and checked against every traced rank, else over the
+  traced ranks;
 - the largest buffer a collective of the step names (the gathered bucket, an all-to-all's buffers) and the
   largest batch handed to Newton-Schulz: the refresh buffers, without the allocator's own peak.
 
@@ -155,7 +158,8 @@ class Config:
     adaptive_lag."""
     flop_ranks: int | None = None
     """Fake-group ranks traced for their collective sequence and Newton-Schulz FLOPs: None for every rank, else
-    this many, spread evenly over the ranks (rank 0 and the last included)."""
+    this many, spread evenly over the ranks (rank 0 and the last included). An owner refresh's work is derived for
+    every rank from the owner plan whatever this is (the traced ranks check it)."""
     ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Newton-Schulz dtype of the Muon family (bfloat16: what CUDA runs by default)."""
     bucket_mb: float = DEFAULT_BUCKET_MB
@@ -368,14 +372,22 @@ class Tally:
     ns_batches: list[tuple[int, int, int, str, float]] = field(default_factory=list)  # (B, r, c, dtype, FLOPs)
     collectives: list[CallRecord] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)  # collectives per group launch (NCCL's grouped calls)
+    # The owner refresh's plan as this rank holds it (the same on every rank): per shard group (its global
+    # ranks), every member's Newton-Schulz FLOPs of the step, whichever rank's trace this is.
+    owner_work: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
 
     def read(self, kind: str) -> None:
         self.host_reads[kind] += 1
         self.read_sites[f"{kind} at {_site()}"] += 1
 
     def orthogonalized(self, batch: int, rows: int, cols: int, steps: int, algorithm: str, dtype: torch.dtype) -> None:
-        flops = batch * sum(2.0 * m * k * n for m, k, n in newton_schulz_products(rows, cols, steps, algorithm))
+        flops = batch * ns_flops(rows, cols, steps, algorithm)
         self.ns_batches.append((batch, rows, cols, str(dtype).removeprefix("torch."), flops))
+
+
+def ns_flops(rows: int, cols: int, steps: int, algorithm: str) -> float:
+    """Newton-Schulz FLOPs of one ``(rows, cols)`` matrix: two per multiply-add of every product."""
+    return sum(2.0 * m * k * n for m, k, n in newton_schulz_products(rows, cols, steps, algorithm))
 
 
 class _OpCounter(TorchDispatchMode):
@@ -468,6 +480,27 @@ def _newton_schulz_probe(tally: Tally, stub: bool) -> Callable[..., Tensor]:
             return real(x, steps=steps, coefficients=coefficients, algorithm=algorithm, dtype=dtype, **kwargs)
         finally:
             tally.inside_ns -= 1
+
+    return probe
+
+
+def _owner_plan_probe(tally: Tally) -> Callable[..., Any]:
+    """``ShardedEngine._owner_plan`` that books, per shard group, every member's Newton-Schulz FLOPs of the plan
+    it returns: the plan is the same on every rank, so one rank's trace holds every member's work."""
+    real = sharded_module.ShardedEngine._owner_plan
+
+    def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
+        plan = real(self, placed, config)
+        for bucket in plan:
+            group = bucket.comm.group
+            ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(bucket.comm.world))
+            loads = tally.owner_work.setdefault(ranks, [0.0] * len(ranks))
+            for i, owner in zip(bucket.jobs, bucket.owners):
+                job = placed[i][0]
+                loads[owner] += sum(
+                    ns_flops(b - a, e - c, config.ns_steps, config.ns_algorithm) for a, b, c, e in job.regions()
+                )
+        return plan
 
     return probe
 
@@ -584,6 +617,8 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             for name in ("tolist", "cpu", "numpy"):
                 stack.enter_context(_patched(torch.Tensor, name, _host_method(tally, name)))
             stack.enter_context(_OpCounter(tally))
+        if hasattr(sharded_module.ShardedEngine, "_owner_plan"):
+            stack.enter_context(_patched(sharded_module.ShardedEngine, "_owner_plan", _owner_plan_probe(tally)))
         grouping = _grouping_probe(tally, counter, dist._coalescing_manager)
         stack.enter_context(_patched(dist, "_coalescing_manager", grouping))
         yield tally
@@ -694,9 +729,7 @@ def model_ns_flops(model: nn.Module, cfg_steps: int = 5, algorithm: str = "stand
             col_ranges = col_split_sizes_to_ranges(cols, g.get("col_split_sizes"), name) or ((0, cols),)
             for a, b in row_ranges:
                 for c, d in col_ranges:
-                    total += sum(
-                        2.0 * m * k * n for m, k, n in newton_schulz_products(b - a, d - c, cfg_steps, algorithm)
-                    )
+                    total += ns_flops(b - a, d - c, cfg_steps, algorithm)
     return total
 
 
@@ -732,6 +765,7 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
         "c10d_ops": tally.c10d_ops,
         "ns_batches": [list(b) for b in tally.ns_batches],
         "ns_flops": sum(b[4] for b in tally.ns_batches),
+        "owner_work": [[list(ranks), loads] for ranks, loads in tally.owner_work.items()],
     }
 
 
@@ -804,6 +838,7 @@ def trace_job(
         "model_ns_flops": model_ns_flops(model),
         "local_numel": sum(local_tensor(p).numel() for p in model.parameters()),
         "first_step_setup_s": setup_s,
+        "mesh_ranks": None if mesh is None else mesh.mesh.tolist(),
         "construction_s": construction_s,
     }
     del model, snapshot, engines
@@ -965,6 +1000,62 @@ def _sequence(step: dict[str, Any]) -> list[tuple[Any, ...]]:
     return [tuple(c[:4]) for c in step["collectives"]]
 
 
+def member_index(mesh_ranks: Any, group: Sequence[int], rank: int) -> int | None:
+    """Where ``rank`` sits in its own copy of ``group``, a group of rank 0's spanning some dimensions of the mesh
+    (``mesh_ranks``: the mesh's global ranks as nested lists): the copy through ``rank`` holds the same pieces
+    in the same order, so the member at that index does the same work. None where ``group`` spans no set of
+    dimensions, or without a mesh."""
+    if mesh_ranks is None:
+        return None
+    ranks = torch.tensor(mesh_ranks)
+    where = {int(r): tuple(i.tolist()) for r, i in zip(ranks.reshape(-1), torch.stack(torch.where(ranks >= 0), 1))}
+    if rank not in where or any(r not in where for r in group):
+        return None
+    origin = where[group[0]]
+    dims = [d for d in range(ranks.ndim) if any(where[r][d] != origin[d] for r in group)]
+    if len(group) != math.prod(ranks.shape[d] for d in dims):  # not a whole sub-mesh
+        return None
+    coords = list(origin)
+    for d in dims:
+        coords[d] = where[rank][d]
+    twin = int(ranks[tuple(coords)])
+    return group.index(twin) if twin in group else None
+
+
+def plan_work(
+    full: dict[str, Any],
+    per_rank: dict[int, dict[str, Any]],
+    model_flops: float,
+    world: int,
+    mesh_ranks: Any = None,
+) -> dict[str, Any] | None:
+    """Every rank's Newton-Schulz work of the step, derived from rank 0's owner plan (the same on every rank)
+    rather than traced: each rank's share of every shard group's plan (a group rank 0 is not in through its
+    twin on the mesh, :func:`member_index`) plus rank 0's work outside the owner refresh, the same on every rank.
+    Both are checked against every traced rank. None without an owner plan."""
+    groups = full.get("owner_work") or []
+    if not groups:
+        return None
+    rest = full["ns_flops"] - sum(loads[ranks.index(0)] for ranks, loads in groups)
+    work = {}
+    for q in range(world):
+        at = [ranks.index(q) if q in ranks else member_index(mesh_ranks, ranks, q) for ranks, _ in groups]
+        if None not in at:
+            work[q] = rest + sum(loads[i] for (_, loads), i in zip(groups, at))
+    checked = sorted(q for q in per_rank if q in work)
+    mean = statistics.fmean(work.values())
+    return {
+        "ranks": len(work),
+        "max": max(work.values()),
+        "mean": mean,
+        "max_over_mean": max(work.values()) / mean if mean else None,
+        # Every rank's work summed against one refresh of every matrix.
+        "sum_over_model": mean * world / model_flops if model_flops and len(work) == world else None,
+        "ranks_checked": len(checked),
+        "matches_traced": all(math.isclose(work[q], per_rank[q]["ns_flops"], rel_tol=1e-9) for q in checked),
+    }
+
+
 def summarize_case(
     key: str,
     index: int,
@@ -973,6 +1064,7 @@ def summarize_case(
     model_flops: float,
     world: int,
     plan_of_full: dict[str, Any] | None = None,
+    mesh_ranks: Any = None,
 ) -> dict[str, Any]:
     """One configuration x step x layout x world: rank 0's counts (``full``) and, over ``per_rank`` (rank ->
     that rank's record of the same step), the collective sequences and the Newton-Schulz FLOPs."""
@@ -1022,6 +1114,17 @@ def summarize_case(
             (b[0] * b[1] * b[2] * DTYPES.get(b[3], torch.float32).itemsize for b in full["ns_batches"]), default=0
         ),
     }
+    derived = out["ns_flops_plan"] = plan_work(full, per_rank, model_flops, world, mesh_ranks)
+    out["ns_flops_over"] = f"{len(per_rank)} traced rank{'s' * (len(per_rank) > 1)}"
+    if derived is not None and derived["matches_traced"] and derived["ranks"] == world:
+        # Every rank's work from the owner plan: exact at any world, where traced ranks are a sample.
+        out.update(
+            ns_flops_max=derived["max"],
+            ns_flops_mean=derived["mean"],
+            ns_flops_max_over_mean=derived["max_over_mean"],
+            ns_flops_sum_over_model=derived["sum_over_model"],
+            ns_flops_over=f"all {world} ranks, from the owner plan",
+        )
     if plan_of_full is not None:  # the light per-rank trace of rank 0 against its full trace
         out["plan_matches_full"] = plan_of_full["ns_flops"] == full["ns_flops"] and _sequence(plan_of_full) == seq0
     return out
@@ -1044,7 +1147,9 @@ def summarize_job(
         for i, step in enumerate(full[key]["steps"]):
             ranks = {r: rec[key]["steps"][i] for r, rec in per_rank.items() if "steps" in rec.get(key, {})}
             plan = plan_of_full.get(key, {}).get("steps", [None] * (i + 1))[i] if plan_of_full is not None else None
-            case = summarize_case(key, i, step, ranks or {0: step}, info["model_ns_flops"], job.world, plan)
+            case = summarize_case(
+                key, i, step, ranks or {0: step}, info["model_ns_flops"], job.world, plan, info.get("mesh_ranks")
+            )
             cases.append(case)
     return {
         "layout": job.layout,
@@ -1188,8 +1293,9 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         "4-byte votes left out), host reads (item/bool/tolist/cpu/numpy), ops the computing ops dispatched outside "
         "Newton-Schulz (views left out) in the accelerator's form of the step; "
         "NS GFLOP max the largest rank's Newton-Schulz work, max/mean its balance over the ranks, sum/model the "
-        "work of all ranks against one refresh of every matrix; same seq: every traced rank issued rank 0's "
-        "sequence of (group, kind, dtype).",
+        "work of all ranks against one refresh of every matrix (with an owner refresh: every rank's, derived "
+        "from the owner plan and checked against the traced ranks; else the traced ranks'); same seq: every "
+        "traced rank issued rank 0's sequence of (group, kind, dtype).",
     ]
     for world in sorted({j["world"] for j in record["jobs"]}):
         jobs = [j for j in record["jobs"] if j["world"] == world and not j["tag"]]
@@ -1293,6 +1399,18 @@ def targets(record: dict[str, Any]) -> list[dict[str, str]]:
         if c["ns_flops_max_over_mean"] is not None:
             parts.append(f"{j['layout']} W={j['world']}: {c['ns_flops_max_over_mean']:.2f}")
     add("owner refresh: Newton-Schulz FLOPs max/mean per rank <= 1.15 at W = 8", "; ".join(parts) or "-")
+    derived = [(j, c) for j in record["jobs"] for c in j["cases"] if c.get("ns_flops_plan")]
+    wrong = [
+        f"{c['label']} step {c['step']} {j['layout']} W={j['world']}"
+        for j, c in derived
+        if not c["ns_flops_plan"]["matches_traced"]
+    ]
+    add(
+        "every rank's Newton-Schulz work derived from the owner plan = what each traced rank ran",
+        (f"{len(derived) - len(wrong)} of {len(derived)} cases" + (f"; differs: {', '.join(wrong)}" if wrong else ""))
+        if derived
+        else "-",
+    )
     for policy, keys, goal in (
         ("skip", ("prm_k3_skip", "adaptive_skip", "adaptive_lag"), "0"),
         ("raise", ("muon_gather", "prm_k3", "muon_bp_p5", "adaptive"), "<= 1"),
@@ -1454,7 +1572,8 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             "fake_newton_schulz": "fake-group runs stub Newton-Schulz (zeros of the result's shape and dtype); "
             "FLOPs are counted from newton_schulz_products, its ops are not dispatched",
             "fake_ranks": "rank 0 traced in full; FLOPs and sequences over the ranks of --flop-ranks, each with "
-            "the fake group re-initialized and the direction maps replaced by zeros",
+            "the fake group re-initialized and the direction maps replaced by zeros; an owner refresh's FLOPs "
+            "over every rank, derived from rank 0's owner plan and checked against the traced ranks",
             "buffers": "largest tensor named by one collective, and largest Newton-Schulz input batch; two buckets "
             "can be in flight at once, the allocator's peak is not measured",
         },
