@@ -141,6 +141,8 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
         (["--optimizer", "muon", "--optim.k", "3"], "--optimizer muon rejects its options"),
         (["--optim.momentum", "1.5"], "momentum"),
         (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+        (["--schedule", "constant", "--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 has no effect here (--schedule con"),
+        (["--skip-limit", "3"], "--skip-limit 3 has no effect here (it counts skipped steps: --nonfinite skip)"),
         (["--parallel.tp", "3"], "--parallel.tp (3) must divide the model's 4 attention heads"),
         (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
