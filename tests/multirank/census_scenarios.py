@@ -15,7 +15,8 @@ MATRICES = (2, 8, 16)  # a batch of two (8, 16) matrices for one Newton-Schulz c
 
 
 def known_counts(rank: int, world: int) -> dict:
-    """One all-reduce of 10 floats, one ``.item()``, one ``.tolist()``, one ``.cpu()``, four plain ops; then one
+    """One all-reduce of 10 floats, one ``.item()``, one ``.tolist()``, one ``.cpu()``, five plain ops, two
+    uninitialized allocations; then one
     Newton-Schulz call on a known batch, counted with the real iteration and with the stub."""
     out = {}
     with count_collectives(CallCounter()) as counter:
@@ -27,8 +28,12 @@ def known_counts(rank: int, world: int) -> dict:
             total.item()  # 1 op, 1 host read (item)
             x.tolist()  # 1 host read (tolist), no dispatch on CPU
             x.cpu()  # 1 host read (cpu), no op on a CPU tensor
+            torch.empty(10)  # an allocation: no kernel
+            x.new_empty(3)  # an allocation
+            torch.zeros(4)  # memory and a fill: 1 op
         out["plain"] = {
             "ops": tally.ops,
+            "allocs": tally.allocs,
             "c10d_ops": tally.c10d_ops,
             "host_reads": dict(tally.host_reads),
             "collectives": [(c.kind, c.world, c.dtype, c.bytes, c.buffer_bytes) for c in tally.collectives],

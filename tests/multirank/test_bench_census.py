@@ -27,8 +27,9 @@ def known():
 def test_the_census_counts_a_hand_made_step_exactly(known):
     for rank_result in known:
         plain = rank_result["plain"]
-        # ones, add_, sum, _local_scalar_dense: four aten ops; the all-reduce is a c10d op and a collective.
-        assert plain["ops"] == 4 and plain["c10d_ops"] == 1
+        # ones, add_, sum, _local_scalar_dense, zeros: five aten ops; empty and new_empty allocations; the
+        # all-reduce is a c10d op and a collective.
+        assert plain["ops"] == 5 and plain["allocs"] == 2 and plain["c10d_ops"] == 1
         assert plain["host_reads"] == {"item": 1, "tolist": 1, "cpu": 1}
         # 10 floats all-reduced over 2 ranks: 2 (W-1)/W of 40 bytes arrive (ring), the buffer is the tensor.
         assert plain["collectives"] == [("all_reduce", 2, "float32", 40, 40)]
@@ -180,7 +181,12 @@ def test_host_reads_per_step_stay_at_todays_bounds(record):
 def test_the_record_renders_and_lists_the_targets(record):
     text = census.render(record, markdown=True)
     assert "## W = 4" in text and "## Targets" in text
-    assert len(record["targets"]) == 6 and all(t["measured"] for t in record["targets"])
+    assert len(record["targets"]) == 7 and all(t["measured"] for t in record["targets"])
+    derived = {t["target"]: t["measured"] for t in record["targets"]}[
+        "every rank's Newton-Schulz work derived from the owner plan = what each traced rank ran"
+    ]
+    n = sum(1 for j in record["jobs"] for c in j["cases"] if c["ns_flops_plan"])
+    assert n > 0 and derived == f"{n} of {n} cases"  # gloo ranks: every rank traced, every rank checked
     assert math.isfinite(record["wall_s"])
 
 

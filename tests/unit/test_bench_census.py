@@ -84,7 +84,12 @@ def sampled(tmp_path_factory):
 
 def test_every_rank_s_work_derived_from_the_owner_plan_is_what_each_rank_traced(record, sampled):
     derived = [(j, c) for j, c in _cases(record) if c["ns_flops_plan"] is not None]
-    assert {j["layout"] for j, c in derived if c["optimizer"] == "muon_owner"} == {"fsdp", "hsdp", "fsdp_tp"}
+    assert {j["layout"] for j, c in derived if c["optimizer"] == "muon_owner"} == {
+        "fsdp",
+        "hsdp",
+        "fsdp_tp",
+        "replicated",
+    }
     for job, case in derived:
         plan = case["ns_flops_plan"]
         where = (job["layout"], case["label"], case["step"])

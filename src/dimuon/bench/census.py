@@ -12,16 +12,17 @@ for one step of every optimizer configuration on every layout the census records
   ``float(t)``) seen by a ``TorchDispatchMode``, and calls of ``Tensor.tolist``, ``Tensor.cpu`` and
   ``Tensor.numpy`` (patched on the class for the step: a CPU ``tolist`` does not dispatch), each with where
   it was called from;
-- dispatched ops that compute (a proxy for kernel launches; views apart, and ops that make or change no tensor,
-  such as ``promote_types`` or the profiler's markers, left out) outside Newton-Schulz, in the accelerator's form
+- dispatched ops that compute (a proxy for kernel launches; views apart, uninitialized allocations such as
+  ``empty`` apart, counted as allocations, and ops that make or change no tensor, such as ``promote_types`` or the
+  profiler's markers, left out) outside Newton-Schulz, in the accelerator's form
   of the step (:mod:`dimuon.optim.devices`: list ops where the CPU's form takes one op per tensor); ``c10d`` ops
   apart;
 - Newton-Schulz FLOPs per rank (exact, from :func:`dimuon.optim.linalg.newton_schulz_products` for every batch
   the engine orthogonalizes), as max over ranks / mean over ranks (the load balance of the refresh) and the sum
-  over ranks against one refresh of every matrix (the duplicated work); where the step has an owner refresh,
-  over every rank of the world, derived from rank 0's owner plan (the same on every rank: each rank's share,
-  found through its copy of rank 0's groups on the mesh) and checked against every traced rank, else over the
-  traced ranks;
+  over ranks against one refresh of every matrix (the duplicated work); where the step has owners (the owner
+  refresh, the replicated matrices' refresh), over every rank of the world, derived from rank 0's owner plans
+  (the same on every rank: each rank's share, found through its copy of rank 0's groups on the mesh) and checked
+  against every traced rank, else over the traced ranks;
 - the largest buffer a collective of the step names (the gathered bucket, an all-to-all's buffers) and the
   largest batch handed to Newton-Schulz: the refresh buffers, without the allocator's own peak.
 
@@ -158,7 +159,7 @@ class Config:
     adaptive_lag."""
     flop_ranks: int | None = None
     """Fake-group ranks traced for their collective sequence and Newton-Schulz FLOPs: None for every rank, else
-    this many, spread evenly over the ranks (rank 0 and the last included). An owner refresh's work is derived for
+    this many, spread evenly over the ranks (rank 0 and the last included). Work split among owners is derived for
     every rank from the owner plan whatever this is (the traced ranks check it)."""
     ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Newton-Schulz dtype of the Muon family (bfloat16: what CUDA runs by default)."""
@@ -364,6 +365,7 @@ class Tally:
 
     ops: int = 0
     views: int = 0
+    allocs: int = 0  # uninitialized allocations (empty, new_empty...): the caching allocator, no kernel
     ns_ops: int = 0
     c10d_ops: int = 0
     inside_ns: int = 0
@@ -372,8 +374,9 @@ class Tally:
     ns_batches: list[tuple[int, int, int, str, float]] = field(default_factory=list)  # (B, r, c, dtype, FLOPs)
     collectives: list[CallRecord] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)  # collectives per group launch (NCCL's grouped calls)
-    # The owner refresh's plan as this rank holds it (the same on every rank): per shard group (its global
-    # ranks), every member's Newton-Schulz FLOPs of the step, whichever rank's trace this is.
+    # The owners' plans as this rank holds them (the same on every rank: the owner refresh's buckets per shard group,
+    # the replicated matrices' owners per replica group): per group (its global ranks), every member's Newton-Schulz
+    # FLOPs of the step, whichever rank's trace this is.
     owner_work: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
 
     def read(self, kind: str) -> None:
@@ -390,9 +393,16 @@ def ns_flops(rows: int, cols: int, steps: int, algorithm: str) -> float:
     return sum(2.0 * m * k * n for m, k, n in newton_schulz_products(rows, cols, steps, algorithm))
 
 
+# Ops that only take memory (a GPU's caching allocator serves them without a kernel); a zero-filled tensor is one of
+# these and a fill, which is counted.
+ALLOCATIONS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like")
+)
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts the dispatched ops that make or change a tensor (inside and outside Newton-Schulz apart, views apart)
-    and the host reads (``_local_scalar_dense``)."""
+    """Counts the dispatched ops that make or change a tensor (inside and outside Newton-Schulz apart, views and
+    uninitialized allocations apart) and the host reads (``_local_scalar_dense``)."""
 
     def __init__(self, tally: Tally) -> None:
         super().__init__()
@@ -412,6 +422,8 @@ class _OpCounter(TorchDispatchMode):
             tally.ns_ops += 1
         elif func.is_view:
             tally.views += 1
+        elif func.overloadpacket in ALLOCATIONS:
+            tally.allocs += 1
         else:
             tally.ops += 1
         return out
@@ -484,6 +496,17 @@ def _newton_schulz_probe(tally: Tally, stub: bool) -> Callable[..., Tensor]:
     return probe
 
 
+def _book_owners(
+    tally: Tally, comm: Any, placed: Sequence[Any], jobs: Sequence[int], owners: Sequence[int], config: Any
+) -> None:
+    """Each job's Newton-Schulz FLOPs (every region of it) to its owner, a member of ``comm``'s group."""
+    ranks = tuple(dist.get_process_group_ranks(comm.group) if comm.group is not None else range(comm.world))
+    loads = tally.owner_work.setdefault(ranks, [0.0] * len(ranks))
+    for i, owner in zip(jobs, owners):
+        regions = placed[i][0].regions()
+        loads[owner] += sum(ns_flops(b - a, e - c, config.ns_steps, config.ns_algorithm) for a, b, c, e in regions)
+
+
 def _owner_plan_probe(tally: Tally) -> Callable[..., Any]:
     """``ShardedEngine._owner_plan`` that books, per shard group, every member's Newton-Schulz FLOPs of the plan
     it returns: the plan is the same on every rank, so one rank's trace holds every member's work."""
@@ -492,15 +515,21 @@ def _owner_plan_probe(tally: Tally) -> Callable[..., Any]:
     def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
         plan = real(self, placed, config)
         for bucket in plan:
-            group = bucket.comm.group
-            ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(bucket.comm.world))
-            loads = tally.owner_work.setdefault(ranks, [0.0] * len(ranks))
-            for i, owner in zip(bucket.jobs, bucket.owners):
-                job = placed[i][0]
-                loads[owner] += sum(
-                    ns_flops(b - a, e - c, config.ns_steps, config.ns_algorithm) for a, b, c, e in job.regions()
-                )
+            _book_owners(tally, bucket.comm, placed, bucket.jobs, bucket.owners, config)
         return plan
+
+    return probe
+
+
+def _whole_refresh_probe(tally: Tally) -> Callable[..., Any]:
+    """``ShardedEngine._whole_refresh`` that books, per replica group, every member's Newton-Schulz FLOPs of the
+    whole matrices it owns (replicated parameters: owners split them, the same way on every rank)."""
+    real = sharded_module.ShardedEngine._whole_refresh
+
+    def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
+        for comm, idx, owners in self._whole_owners(placed):
+            _book_owners(tally, comm, placed, idx, owners, config)
+        return real(self, placed, config)
 
     return probe
 
@@ -617,8 +646,9 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             for name in ("tolist", "cpu", "numpy"):
                 stack.enter_context(_patched(torch.Tensor, name, _host_method(tally, name)))
             stack.enter_context(_OpCounter(tally))
-        if hasattr(sharded_module.ShardedEngine, "_owner_plan"):
-            stack.enter_context(_patched(sharded_module.ShardedEngine, "_owner_plan", _owner_plan_probe(tally)))
+        engine_class = sharded_module.ShardedEngine
+        stack.enter_context(_patched(engine_class, "_owner_plan", _owner_plan_probe(tally)))
+        stack.enter_context(_patched(engine_class, "_whole_refresh", _whole_refresh_probe(tally)))
         grouping = _grouping_probe(tally, counter, dist._coalescing_manager)
         stack.enter_context(_patched(dist, "_coalescing_manager", grouping))
         yield tally
@@ -760,6 +790,7 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
         "host_reads": dict(tally.host_reads),
         "read_sites": dict(tally.read_sites),
         "ops": tally.ops,
+        "allocs": tally.allocs,
         "views": tally.views,
         "ns_ops": tally.ns_ops,
         "c10d_ops": tally.c10d_ops,
@@ -1029,10 +1060,10 @@ def plan_work(
     world: int,
     mesh_ranks: Any = None,
 ) -> dict[str, Any] | None:
-    """Every rank's Newton-Schulz work of the step, derived from rank 0's owner plan (the same on every rank)
-    rather than traced: each rank's share of every shard group's plan (a group rank 0 is not in through its
-    twin on the mesh, :func:`member_index`) plus rank 0's work outside the owner refresh, the same on every rank.
-    Both are checked against every traced rank. None without an owner plan."""
+    """Every rank's Newton-Schulz work of the step, derived from rank 0's owner plans (the same on every rank)
+    rather than traced: each rank's share of every group's plan (the owner refresh's shard groups, the replicated
+    matrices' replica groups; a group rank 0 is not in through its twin on the mesh, :func:`member_index`) plus
+    rank 0's work outside them, the same on every rank. Checked against every traced rank. None without owners."""
     groups = full.get("owner_work") or []
     if not groups:
         return None
@@ -1095,6 +1126,7 @@ def summarize_case(
         "host_reads_by_kind": full["host_reads"],
         "read_sites": full["read_sites"],
         "ops": full["ops"],
+        "allocs": full.get("allocs"),
         "ns_ops": full["ns_ops"],
         "c10d_ops": full["c10d_ops"],
         "ns_calls": len(full["ns_batches"]),
@@ -1291,9 +1323,9 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         "Per rank 0 and step: collectives counted at the torch.distributed call boundary (ag all-gather, ar "
         "all-reduce, a2a all-to-all, bc broadcast), MiB their logical bytes, payload the dtypes they carry (the "
         "4-byte votes left out), host reads (item/bool/tolist/cpu/numpy), ops the computing ops dispatched outside "
-        "Newton-Schulz (views left out) in the accelerator's form of the step; "
+        "Newton-Schulz (views and uninitialized allocations left out) in the accelerator's form of the step; "
         "NS GFLOP max the largest rank's Newton-Schulz work, max/mean its balance over the ranks, sum/model the "
-        "work of all ranks against one refresh of every matrix (with an owner refresh: every rank's, derived "
+        "work of all ranks against one refresh of every matrix (where owners split it: every rank's, derived "
         "from the owner plan and checked against the traced ranks; else the traced ranks'); same seq: every "
         "traced rank issued rank 0's sequence of (group, kind, dtype).",
     ]
@@ -1572,8 +1604,8 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             "fake_newton_schulz": "fake-group runs stub Newton-Schulz (zeros of the result's shape and dtype); "
             "FLOPs are counted from newton_schulz_products, its ops are not dispatched",
             "fake_ranks": "rank 0 traced in full; FLOPs and sequences over the ranks of --flop-ranks, each with "
-            "the fake group re-initialized and the direction maps replaced by zeros; an owner refresh's FLOPs "
-            "over every rank, derived from rank 0's owner plan and checked against the traced ranks",
+            "the fake group re-initialized and the direction maps replaced by zeros; work split among owners "
+            "derived for every rank from rank 0's owner plans and checked against the traced ranks",
             "buffers": "largest tensor named by one collective, and largest Newton-Schulz input batch; two buckets "
             "can be in flight at once, the allocator's peak is not measured",
         },

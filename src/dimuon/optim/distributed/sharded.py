@@ -817,14 +817,21 @@ class ShardedEngine:
             segments.wait()
             out.update(_unpack_segments(segments, placed, owned))
 
+    def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
+        """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
+        Newton-Schulz FLOPs: the same on every rank of the group."""
+        return [
+            (comm, idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world))
+            for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas)
+        ]
+
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
         all-gather of every owner's directions, padded to the largest share (in Newton-Schulz's dtype, unscaled,
         where every matrix of the group has one lr scale: the receivers apply it, as the owner would have)."""
         outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
         pending = []
-        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas):
-            owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
+        for comm, idx, owners in self._whole_owners(placed):
             owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
             mine = owned[comm.rank]
             dtype, scales = self._return_dtype(placed, idx, config)
