@@ -123,6 +123,13 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, so set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; on a clean exit it replaces ``path`` durably.
@@ -135,6 +142,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
+    os.chmod(tmp, 0o666 & ~_umask())  # a new file's mode under the user's umask (mkstemp's is owner-only)
     try:
         yield tmp
         with tmp.open("rb+") as f:

@@ -4,6 +4,7 @@ the run layout (its marker, dimuon's own files among a user's) and the output ch
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,15 @@ def test_atomic_json_leaves_no_temporary_file(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == {"a": 2, "p": "x"}
     assert path.read_text().endswith("}\n")
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_atomic_files_get_the_mode_of_a_new_file_under_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        path = write_json_atomic(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640  # group-readable, as open() would make it; not owner-only
 
 
 def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path: Path) -> None:
