@@ -15,8 +15,10 @@ from tests.eval_runs import FAST_FLAGS, make_run, run_eval, tiny_dit
 from dimuon.data import build_dataset
 from dimuon.dit import build_dit
 from dimuon.dit.checkpoint import list_checkpoints
+from dimuon.eval import run as run_module
 from dimuon.eval.compare import compare_runs
 from dimuon.eval.run import Config, active_time_from_metrics, main, select_checkpoints
+from dimuon.io import remove_checkpoint
 from dimuon.metrics import generation
 from dimuon.metrics.generation import (
     GenerationEvaluator,
@@ -320,6 +322,50 @@ def test_corrupt_checkpoint_is_reported_and_the_others_evaluated(run_dir, cache_
     assert "failed" in (run_dir / "eval" / "results.md").read_text()
 
 
+def test_a_scored_checkpoint_that_fails_or_goes_away_later_keeps_its_score(
+    cache_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    run = make_run(tmp_path / "run", steps=(10, 20))
+    assert run_eval(run, cache_dir, "--no-grid") == 0
+    scores = {e["step"]: e["fd"] for e in only_series(run)[1]["entries"]}
+    # The first checkpoint damaged after it was scored: it fails to load before the series is open.
+    state = dict(list_checkpoints(run))[10] / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert run_eval(run, cache_dir, "--no-grid") == 0
+    assert "evaluated 0, skipped 2 (already in results.json), failed 0" in capsys.readouterr().out
+    assert {e["step"]: (e["status"], e["fd"]) for e in only_series(run)[1]["entries"]} == {
+        s: ("ok", fd) for s, fd in scores.items()
+    }
+    # Pruned by the training run between the listing and the load: gone, not failed, and its score stays.
+    make_run(tmp_path / "run", steps=(30,))
+    listed = run_module.list_checkpoints(run)
+
+    def listed_then_pruned(where: Path):
+        remove_checkpoint(Path(where) / "checkpoints" / "step_0000010")
+        return listed
+
+    monkeypatch.setattr(run_module, "list_checkpoints", listed_then_pruned)
+    assert run_eval(run, cache_dir, "--no-grid") == 0
+    assert "evaluated 1, skipped 1 (already in results.json), failed 0, gone 1" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert run_eval(run, cache_dir, "--no-grid") == 0
+    entries = {e["step"]: e["status"] for e in only_series(run)[1]["entries"]}
+    assert entries == {10: "ok", 20: "ok", 30: "ok"}
+
+
+def test_a_run_given_as_dot_is_named_and_recorded_as_itself(cache_dir, tmp_path, monkeypatch, capsys) -> None:
+    run = make_run(tmp_path / "my-run", steps=(10,))
+    monkeypatch.chdir(run)
+    assert main(["--run", ".", "--cache-dir", str(cache_dir), "--no-grid", *FAST_FLAGS]) == 0
+    assert (run / "eval" / "results.md").read_text().startswith("# Generation quality: `my-run`")
+    assert json.loads((run / "eval" / "results.json").read_text())["run"] == str(run.resolve())
+    assert main(["--compare", ".", "--out", str(tmp_path / "cmp"), *FAST_FLAGS]) == 0
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"][0]["name"] == "my-run"
+
+
 def test_run_without_checkpoints_fails_cleanly(tmp_path, capsys) -> None:
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert main(["--run", str(tmp_path / "empty"), "--no-progress"]) == 1
@@ -354,6 +400,14 @@ def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path, capsys) ->
     flags = ["--compare", str(run_dir), str(other), "--out", str(out), "--num-real", str(full), *FAST_FLAGS]
     assert main(flags) == 0
     assert json.loads((out / "compare.json").read_text())["target_fd"] == record["target_fd"]
+    # The same name and size, another data set as built (e.g. another root or image size): refused too.
+    path = other / "eval" / "results.json"
+    results = json.loads(path.read_text())
+    for ev in results["evaluations"].values():
+        ev["settings"]["dataset"]["kwargs"]["image_size"] = 16
+    path.write_text(json.dumps(results))
+    assert main(flags) == 2
+    assert f"other (muon): {full} images of digits (image_size=16)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dimuon.io import RunLayout, locked
 from dimuon.metrics.eval_settings import EvalSettings, sampling_settings
-from dimuon.metrics.results import newest_first, truncate_results
+from dimuon.metrics.results import newest_first, pick_series, truncate_results
 from dimuon.metrics.series import RunEvaluation
 
 SCORES = {"fd": 1.0, "precision": 0.5, "recall": 0.5, "density": 1.0, "coverage": 0.5}
@@ -104,3 +106,35 @@ def test_the_newest_series_is_picked_by_instant_and_a_tie_goes_to_the_one_added_
         "created",
         "unstamped",
     ]
+
+
+def test_a_series_is_picked_in_the_feature_space_the_flags_name(tmp_path: Path) -> None:
+    from dimuon.metrics.generation import file_digest
+
+    weights = tmp_path / "vitl14.pth"
+    weights.write_bytes(b"weights")
+    other = tmp_path / "other.pth"
+    other.write_bytes(b"other weights")
+    base = {**sampling_settings(EvalSettings()), "num_real": 10, "dataset": {"name": "mnist", "kwargs": {}}}
+
+    def series(space: str, key: str, updated: str) -> dict[str, Any]:
+        return {"settings": {**base, "feature_space": space, "feature_key": key}, "updated": updated}
+
+    digest = file_digest(weights)[:8]
+    results = {
+        "evaluations": {
+            "l": series("dinov2-vitl14", f"dinov2-vitl14-{digest}", "2026-12-04T10:00:00+00:00"),
+            "s": series("dinov2-vits14", "dinov2-vits14-12345678", "2026-12-04T11:00:00+00:00"),  # newer
+            "l2": series("dinov2-vitl14", "dinov2-vitl14-87654321", "2026-12-04T09:00:00+00:00"),
+            "i": series("inception-v3-fid", "inception-v3-fid", "2026-12-04T12:00:00+00:00"),
+        }
+    }
+    pick = lambda **kw: pick_series(results, EvalSettings(**kw), tmp_path)[0]  # noqa: E731
+    assert pick(features="dinov2", dinov2_arch="vitl14") == "l"  # the newest ViT-L/14, not the newer ViT-S/14
+    assert pick(features="dinov2", dinov2_arch="vits14") == "s"
+    assert pick(features="dinov2", dinov2_weights=weights) == "l"
+    assert pick(features="inception") == "i"
+    with pytest.raises(ValueError, match=r"no series with dinov2-vitl14 \(.*other.pth\) features"):
+        pick(features="dinov2", dinov2_weights=other)
+    with pytest.raises(ValueError, match="no series with classifier features"):
+        pick(features="classifier")

@@ -165,3 +165,17 @@ def test_missing_file_says_what_to_supply(tmp_path) -> None:
         build_extractor("dinov2", weights=tmp_path / "nope.pth")
     with pytest.raises(ValueError, match="arch must be one of"):
         DinoV2Features(tmp_path / "nope.pth", arch="vith14")
+
+
+def test_a_partial_or_wrapped_file_fails_with_one_line_naming_it(vits_file, tmp_path) -> None:
+    path, state = vits_file
+    partial = tmp_path / "partial.pth"
+    partial.write_bytes(path.read_bytes()[: 1 << 20])  # the first MiB of a download
+    with pytest.raises(ValueError, match=r"partial\.pth cannot be read as a torch checkpoint .*a partial download"):
+        DinoV2Features(partial, arch="vits14")
+    teacher = tmp_path / "teacher.pth"
+    torch.save({"teacher": {f"backbone.{k}": v for k, v in list(state.items())[:3]}, "iteration": 7}, teacher)
+    with pytest.raises(ValueError, match=r"not a flat state dict of tensors \(2 other entries: iteration, teacher\)"):
+        DinoV2Features(teacher, arch="vits14")
+    with pytest.raises(ValueError, match=r"the weights may be in \['teacher'\]"):
+        DinoV2Features(teacher, arch="vits14")

@@ -159,6 +159,11 @@ def test_sample_command_writes_a_grid_from_a_checkpoint(tmp_path: Path, capsys: 
     assert code == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, one class per column, two rows
+    common = ["--ckpt", str(run), "--n", "16", "--steps", "1", "--method", "euler", "--scale", "1", "--out", str(out)]
+    for labels, columns in ((["7"], 4), (["3", "5"], 2)):  # one label: square; several: one column each
+        assert sample_main([*common, "--labels", *labels]) == 0, capsys.readouterr().err
+        with Image.open(out) as img:
+            assert img.size == (columns * 30 + 2, 16 // columns * 30 + 2), labels
     assert sample_main(["--ckpt", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")

@@ -37,6 +37,19 @@ def run_label(run: Path) -> str:
     return f"{run.name} ({optimizer})" if isinstance(optimizer, str) and optimizer not in run.name else run.name
 
 
+def real_set(settings: dict[str, Any]) -> tuple[str, int]:
+    """What a series was scored against: its data set as built (name and every option, e.g. root and image size)
+    and the number of real images."""
+    return json.dumps(settings["dataset"], sort_keys=True), settings["num_real"]
+
+
+def describe_real_set(settings: dict[str, Any]) -> str:
+    """``N images of NAME`` and the data set's options where it has any."""
+    dataset = settings["dataset"]
+    options = ", ".join(f"{k}={v}" for k, v in sorted((dataset.get("kwargs") or {}).items()))
+    return f"{settings['num_real']} images of {dataset['name']}" + (f" ({options})" if options else "")
+
+
 def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dict[str, Any]:
     """FD against step and active time of several evaluated runs in one figure, and a table of best FD per run.
 
@@ -49,7 +62,7 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
     import matplotlib.pyplot as plt
 
     compared = []
-    for run in runs:
+    for run in (Path(r).resolve() for r in runs):  # "." has no name to show
         path = RunLayout(run).results
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: run 'dimuon eval --run {run}' first")
@@ -60,12 +73,9 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
     spaces = {r["series"]["settings"]["feature_key"] for r in compared}
     if len(spaces) > 1:
         raise ValueError(f"the runs were scored in different feature spaces {sorted(spaces)}: FDs are not comparable")
-    real_sets = {(r["series"]["settings"]["dataset"]["name"], r["series"]["settings"]["num_real"]) for r in compared}
+    real_sets = {real_set(r["series"]["settings"]) for r in compared}
     if len(real_sets) > 1:
-        each = ", ".join(
-            f"{r['name']}: {r['series']['settings']['num_real']} images of {r['series']['settings']['dataset']['name']}"
-            for r in compared
-        )
+        each = ", ".join(f"{r['name']}: {describe_real_set(r['series']['settings'])}" for r in compared)
         raise ValueError(
             f"the runs' series were scored against different real sets ({each}): FDs are not comparable; pass "
             "--num-real N to pick series of one size (evaluate a run with it first where it has none)"

@@ -105,8 +105,9 @@ def evaluate_checkpoints(
     """Evaluate every `every`-th checkpoint of the run and the latest (with `latest`, the latest alone) into its
     series; counts and output paths.
 
-    Checkpoints already in the series are skipped; one that fails to load is recorded as failed and
-    the others are evaluated. The evaluator is built from the first loadable checkpoint's data set. With
+    Checkpoints already in the series are skipped; one that fails to load is recorded as failed (never over a
+    score the series already has) and the others are evaluated; one removed meanwhile (pruned by the training
+    run) is counted as gone, not failed. The evaluator is built from the first loadable checkpoint's data set. With
     `samples_cache`, each checkpoint's samples are kept there and reused when the same checkpoint is scored
     with the same sampling settings again (:mod:`dimuon.eval.samples_cache`).
     """
@@ -115,7 +116,7 @@ def evaluate_checkpoints(
     checkpoints = select_checkpoints(listed, every, latest)
     if not checkpoints:
         raise NoCheckpointsError(f"no complete checkpoints under {RunLayout(run).checkpoints}")
-    counts = {"evaluated": 0, "skipped": 0, "failed": 0}
+    counts = {"evaluated": 0, "skipped": 0, "failed": 0, "gone": 0}
     pending_failures: list[dict[str, Any]] = []
     bar = tqdm(checkpoints, desc="checkpoints", unit="ckpt", disable=not evaluation.progress)
     for step, path in bar:
@@ -128,6 +129,10 @@ def evaluate_checkpoints(
             model, info = load_model_for_eval(path, use_ema=evaluation.settings.ema, map_location="cpu")
             load_s = time.perf_counter() - t0
         except CheckpointError as exc:
+            if not path.exists():  # pruned since it was listed: nothing is wrong with it
+                log.info("checkpoint %s was removed while this evaluation ran", path)
+                counts["gone"] += 1
+                continue
             log.warning("skipping checkpoint %s: %s", path, exc)
             counts["failed"] += 1
             failure = {"step": step, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
@@ -138,8 +143,13 @@ def evaluate_checkpoints(
             continue
         if evaluation.evaluator is None:
             evaluation.setup(info)
-            for failure in pending_failures:
-                evaluation.record(failure)
+            done = evaluation.done_steps()
+            for failure in pending_failures:  # a step scored before keeps its score
+                if failure["step"] in done:
+                    counts["failed"] -= 1
+                    counts["skipped"] += 1
+                else:
+                    evaluation.record(failure)
             if step in evaluation.done_steps():
                 counts["skipped"] += 1
                 continue
@@ -248,7 +258,9 @@ def _run(cfg: Config) -> int:
         print(markdown({"evaluations": {evaluation.key: evaluation.series}}, evaluation.run.name))
     print(
         f"evaluated {summary['evaluated']}, skipped {summary['skipped']} (already in results.json), "
-        f"failed {summary['failed']}; series {summary['key']}"
+        f"failed {summary['failed']}"
+        + (f", gone {summary['gone']} (removed while this ran)" if summary["gone"] else "")
+        + f"; series {summary['key']}"
     )
     print("wrote " + ", ".join(summary["outputs"]))
     return 0 if summary["evaluated"] + summary["skipped"] > 0 else 1

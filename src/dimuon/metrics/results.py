@@ -59,7 +59,7 @@ def load_results(path: Path) -> dict[str, Any]:
 def save_results(layout: RunLayout, results: dict[str, Any]) -> None:
     """Write ``results.json`` and its Markdown rendering ``results.md`` atomically."""
     write_json_atomic(layout.results, results)
-    write_text_atomic(layout.results_md, markdown(results, layout.root.name))
+    write_text_atomic(layout.results_md, markdown(results, layout.root.resolve().name))
 
 
 def update_results(layout: RunLayout, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -115,20 +115,36 @@ def newest_first(series: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, di
     return [series[i] for i in order]
 
 
+def feature_space_test(cfg: EvalSettings) -> tuple[str, Callable[[dict[str, Any]], bool]]:
+    """The feature space `cfg` names, in words, and a test of a series' settings for it: the classifier's of any
+    data set, Inception's, or DINOv2's of ``dinov2_arch`` (and of the ``dinov2_weights`` file, where given)."""
+    if cfg.features == "dinov2":
+        space = f"dinov2-{cfg.dinov2_arch}"
+        if cfg.dinov2_weights is None:
+            return space, lambda s: s["feature_space"] == space
+        from dimuon.metrics.generation import file_digest  # reads the file: only where asked for
+
+        key = f"{space}-{file_digest(cfg.dinov2_weights)[:8]}"
+        return f"{space} ({cfg.dinov2_weights})", lambda s: s.get("feature_key") == key
+    if cfg.features == "inception":
+        return "inception-v3-fid", lambda s: s["feature_space"] == "inception-v3-fid"
+    return f"{cfg.features}", lambda s: s["feature_space"].startswith(f"{cfg.features}-")
+
+
 def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
-    """The series of a results file made with the sampling settings of `cfg`, against a real set of `cfg.num_real`
-    images where given (the latest, if several)."""
+    """The series of a results file made with the sampling settings and feature space of `cfg`, against a real set
+    of `cfg.num_real` images where given (the latest, if several)."""
     want = sampling_settings(cfg)
+    space, in_space = feature_space_test(cfg)
     matches = [
         (key, ev)
         for key, ev in results["evaluations"].items()
-        if all(ev["settings"].get(k) == v for k, v in want.items())
-        and ev["settings"]["feature_space"].startswith(cfg.features)
+        if all(ev["settings"].get(k) == v for k, v in want.items()) and in_space(ev["settings"])
     ]
     if not matches:
         have = "\n".join(f"  {k}: {describe_settings(ev['settings'])}" for k, ev in results["evaluations"].items())
         raise ValueError(
-            f"{where} has no series with {cfg.features} features and {want}; pass the flags used to evaluate it. "
+            f"{where} has no series with {space} features and {want}; pass the flags used to evaluate it. "
             f"It has:\n{have or '  (nothing)'}"
         )
     if cfg.num_real is not None:  # the size asked for (a real set capped at the split's size holds fewer)

@@ -87,7 +87,7 @@ class RunEvaluation:
         self, run: Path, settings: EvalSettings, device: str | torch.device = "auto", progress: bool = True
     ) -> None:
         self.settings = settings
-        self.run = Path(run)
+        self.run = Path(run).resolve()  # named and recorded as itself from anywhere (not "." or "")
         self.layout = RunLayout(self.run)
         self.results = load_results(self.layout.results)
         self.evaluator: GenerationEvaluator | None = None

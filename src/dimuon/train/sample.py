@@ -41,7 +41,8 @@ class SampleConfig:
     seed: int = 0
     """Seed of the starting noise."""
     nrow: int | None = None
-    """Images per grid row (default: the number of classes when it is at most 20, else square)."""
+    """Images per grid row (default: one column per label, or per class without --labels, for 2 to 20 of them;
+    else square)."""
     raw: bool = False
     """Use the training weights instead of the EMA."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -83,7 +84,7 @@ def run(cfg: SampleConfig) -> torch.Tensor:
     images = sample(
         model, labels, info["image_shape"], steps=cfg.steps, method=cfg.method, cfg_scale=cfg.cfg, generator=gen
     )
-    nrow = cfg.nrow or (len(base) if len(base) <= 20 else None)
+    nrow = cfg.nrow or (len(base) if 2 <= len(base) <= 20 else None)  # a label per column; one label: square
     path = save_grid(images, cfg.out, nrow=nrow, scale=cfg.scale)
     print(
         f"dimuon sample: {cfg.n} images from {info['path']} (step {info['step']}, "

@@ -231,9 +231,23 @@ class DinoV2Features(FeatureExtractor):
         path = Path(weights)
         if not path.is_file():
             raise FileNotFoundError(f"DINOv2 weights not found at {str(path)!r}; supply {WEIGHTS_HINT}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated download, another format: one line, not torch's traceback
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise ValueError(
+                f"{path} cannot be read as a torch checkpoint ({reason}); a partial download? supply {WEIGHTS_HINT}"
+            ) from exc
         if not isinstance(state, dict):
             raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__})")
+        others = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
+        if others:
+            nested = [k for k in others if isinstance(state[k], dict)]
+            where = f"; the weights may be in {nested}: save that entry's state dict" if nested else ""
+            raise ValueError(
+                f"{path} is not a flat state dict of tensors ({len(others)} other entries: "
+                f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}){where}; supply {WEIGHTS_HINT}"
+            )
         # Half-precision copies of the checkpoint load too; the encoder runs in float32.
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         with torch.device("meta"):
