@@ -29,24 +29,23 @@ def extract_features(
     images: torch.Tensor | np.ndarray | Iterable[torch.Tensor],
     batch_size: int = 64,
     progress: bool = True,
+    total: int | None = None,
 ) -> torch.Tensor:
-    """Features `(N, F)` (float32, CPU) of images `(N, C, H, W)` in `[-1, 1]`, or of an iterable of such batches."""
+    """Features `(N, F)` (float32, CPU) of images `(N, C, H, W)` in `[-1, 1]`, or of an iterable of such batches
+    (consumed one at a time, so a large set is never held whole; `total`: its image count, for the progress bar)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
-    total = images.shape[0] if isinstance(images, (torch.Tensor, np.ndarray)) else None
-    if total is not None and (images.ndim != 4 or total == 0):
-        raise ValueError(f"images must be a non-empty (N, C, H, W) batch, got shape {tuple(images.shape)}")
-    was_training = extractor.training
-    extractor.eval()
+    if isinstance(images, (torch.Tensor, np.ndarray)):
+        total = images.shape[0]
+        if images.ndim != 4 or total == 0:
+            raise ValueError(f"images must be a non-empty (N, C, H, W) batch, got shape {tuple(images.shape)}")
+    extractor.eval()  # a no-op for a FeatureExtractor; puts any other module in inference mode
     out: list[torch.Tensor] = []
-    try:
-        with tqdm(total=total, desc=f"features [{extractor.name}]", unit="img", disable=not progress) as bar:
-            for batch in _batches(images, batch_size):
-                feats = extractor(batch.float()).float().cpu()  # (B, F)
-                out.append(feats)
-                bar.update(batch.shape[0])
-    finally:
-        extractor.train(was_training)
+    with tqdm(total=total, desc=f"features [{extractor.name}]", unit="img", disable=not progress) as bar:
+        for batch in _batches(images, batch_size):
+            feats = extractor(batch.float()).float().cpu()  # (B, F)
+            out.append(feats)
+            bar.update(batch.shape[0])
     if not out:
         raise ValueError("images yielded no batches")
     return torch.cat(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,12 @@ def load_images(dataset: Any, num: int | None = None, batch_size: int = 1000) ->
     return torch.cat(images), torch.cat(labels)
 
 
+def _stream_images(dataset: Any, indices: np.ndarray, batch_size: int) -> Iterator[Tensor]:
+    """Images `(B, C, H, W)` (float32) of `dataset` at `indices`, decoded `batch_size` at a time, never all at once."""
+    for first in range(0, len(indices), batch_size):
+        yield get_batch(dataset, indices[first : first + batch_size])[0].float()
+
+
 def dataset_fingerprint(name: str, kwargs: dict[str, Any]) -> str:
     """`<name>-<hash8>` of a data set's name and build arguments: one real set per fingerprint and split."""
     blob = json.dumps({"name": name, "kwargs": kwargs}, sort_keys=True, default=str)
@@ -171,19 +177,21 @@ def file_digest(path: str | Path, chunk: int = 1 << 24) -> str:
 
 def cached_features(
     extractor: FeatureExtractor,
-    images: Callable[[], Tensor],
+    images: Callable[[], Tensor | Iterable[Tensor]],
     cache_path: str | Path | None,
     batch_size: int = 100,
     progress: bool = True,
     meta: dict[str, Any] | None = None,
+    total: int | None = None,
 ) -> Tensor:
-    """Features of `images()` (called only on a miss), read from or written to a safetensors file at `cache_path`."""
+    """Features of `images()` (called only on a miss; a tensor or an iterable of `total` images in batches), read
+    from or written to a safetensors file at `cache_path`."""
     path = None if cache_path is None else Path(cache_path)
     if path is not None and path.is_file():
         tensors, stored = read_tensors(path)
         if stored.get("feature_space") == extractor.name and stored.get("format") == FEATURE_CACHE_FORMAT:
             return tensors["features"]
-    feats = extract_features(extractor, images(), batch_size=batch_size, progress=progress)
+    feats = extract_features(extractor, images(), batch_size=batch_size, progress=progress, total=total)
     if path is not None:
         info = {**(meta or {}), "feature_space": extractor.name, "format": FEATURE_CACHE_FORMAT}
         write_tensors_atomic(path, {"features": feats}, info)
@@ -287,13 +295,16 @@ class GenerationEvaluator:
         n_real = len(val) if num_real is None else min(num_real, len(val))
         fingerprint = dataset_fingerprint(dataset_name, dataset_kwargs)
         path = Path(cache_dir) / f"real-{fingerprint}-val-n{n_real}-{feature_key}.safetensors"
+        if n_real < 1:
+            raise ValueError("the data set is empty")
         real = cached_features(
             extractor,
-            lambda: load_images(val, n_real)[0],
+            lambda: _stream_images(val, np.arange(n_real), batch_size),  # one batch in memory at a time
             path,
             batch_size=batch_size,
             progress=progress,
             meta={"dataset": dataset_name, "dataset_kwargs": dataset_kwargs, "split": "val", "n": n_real},
+            total=n_real,
         )
         return cls(
             extractor,
@@ -326,9 +337,10 @@ class GenerationEvaluator:
             self.progress,
         )
 
-    def score(self, images: Tensor) -> dict[str, Any]:
-        """FD and PRDC of `images` against the real set, tagged with the feature space."""
-        fake = extract_features(self.extractor, images, batch_size=self.batch_size, progress=self.progress)
+    def score(self, images: Tensor | Iterable[Tensor], total: int | None = None) -> dict[str, Any]:
+        """FD and PRDC of `images` (a tensor, or an iterable of `total` images in batches) against the real set,
+        tagged with the feature space."""
+        fake = extract_features(self.extractor, images, batch_size=self.batch_size, progress=self.progress, total=total)
         return evaluate_features(self.real_feats, fake, feature_space=self.feature_space)
 
     def sample_features(
@@ -345,13 +357,21 @@ class GenerationEvaluator:
         Each batch goes to the feature extractor as soon as it is drawn, so only features and the kept
         images (for a grid) are held, whatever `num_samples` is. `given`: those samples already drawn (the
         same settings), scored instead of sampling; `collect`: a list that receives every batch (on the CPU).
+        An empty range (a rank with no share when there are more ranks than samples) gives `(0, D)` features.
         """
         model = model.to(self.device)
         kept: list[Tensor] = []
         sample_s = 0.0
-        stop = self.settings.num_samples if stop is None else stop
+        n = self.settings.num_samples
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"sample range [{start}, {stop}) is not inside [0, {n})")
         if given is not None and given.shape[0] != stop - start:
             raise ValueError(f"given holds {given.shape[0]} samples, the range [{start}, {stop}) {stop - start}")
+        if start == stop:
+            feats = torch.empty(0, self.extractor.feature_dim, dtype=torch.float32, device="cpu")
+            images = torch.empty(0, *self.image_shape, device="cpu")
+            return feats, images, {"sample_s": 0.0, "features_s": 0.0}
 
         def drawn() -> Iterator[Tensor]:
             if given is None:
@@ -434,5 +454,4 @@ class GenerationEvaluator:
         n = min(num or self.settings.num_samples, len(train))
         gen = torch.Generator(device="cpu").manual_seed(seed)
         idx = torch.randperm(len(train), generator=gen, device="cpu")[:n].sort().values
-        images, _ = get_batch(train, idx.numpy())
-        return self.score(images.float())
+        return self.score(_stream_images(train, idx.numpy(), self.batch_size), total=n)  # one batch at a time

@@ -2,9 +2,10 @@
 
 Every rank gathers the full weights (one all-gather per tensor under FSDP2), loads them into an unsharded
 replica of the model and draws its contiguous slice of the evaluation samples; a sample depends only on
-its index, so the set is the one a single process draws. Rank 0 gathers the features, scores them and
-writes the entry into ``<run>/eval/results.json``: the series that ``dimuon eval`` with equal flags
-writes, so a later ``dimuon eval`` skips these steps and ``dimuon eval --compare`` reads them.
+its index, so the set is the one a single process draws. Rank 0 gathers the features (a rank with no share
+of the samples sends none) and the grid's samples, scores them and writes the entry into
+``<run>/eval/results.json``: the series that ``dimuon eval`` with equal flags writes, so a later
+``dimuon eval`` skips these steps and ``dimuon eval --compare`` reads them.
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ from dimuon.metrics.generation import GenerationEvaluator
 from dimuon.metrics.series import GRID_SAMPLES, RunEvaluation, feature_cache_dir
 from dimuon.train.distributed import DistEnv, all_gather_objects, on_main
 
-__all__ = ["TrainingEvaluator", "full_weights", "rank_slice"]
+__all__ = ["TrainingEvaluator", "full_weights", "grid_share", "rank_slice"]
 
 
 def rank_slice(n: int, rank: int, world: int) -> tuple[int, int]:
     """The contiguous index range `[lo, hi)` of `n` samples that `rank` draws (sizes differ by at most one)."""
     return n * rank // world, n * (rank + 1) // world
+
+
+def grid_share(lo: int, hi: int, grid: int = GRID_SAMPLES) -> int:
+    """How many of the first `grid` samples (the grid's) fall in the slice `[lo, hi)`: kept there, and
+    gathered in rank order they are the grid one process draws, even where rank 0's slice is short or empty."""
+    return max(0, min(hi, grid) - lo)
 
 
 def full_weights(model: nn.Module, ema: EMA | None) -> dict[str, torch.Tensor]:
@@ -93,18 +100,17 @@ class TrainingEvaluator:
             replica.load_state_dict(full_weights(model, ema if self.settings.ema else None))
             replica.eval()
             lo, hi = rank_slice(self.settings.num_samples, env.rank, env.world)
-            feats, images, timings = self.evaluator.sample_features(
-                replica, lo, hi, keep=GRID_SAMPLES if env.is_main else 0
-            )
+            feats, images, timings = self.evaluator.sample_features(replica, lo, hi, keep=grid_share(lo, hi))
             del replica
-            gathered = all_gather_objects(feats.cpu(), env)
+            gathered = all_gather_objects((feats.cpu(), images.cpu()), env)  # (0, D) and no images from an empty slice
 
         def score() -> dict[str, Any]:
             assert self.store is not None
-            row = self.evaluator.scores(torch.cat(gathered), timings)
+            grid = torch.cat([kept for _, kept in gathered])  # the first GRID_SAMPLES samples, in order
+            row = self.evaluator.scores(torch.cat([f for f, _ in gathered]), timings)
             row["eval_s"] = round(time.perf_counter() - start, 3)
             entry = self.store.record_scores(
-                step, row, images, round(active_time_s, 4), world_size=env.world, device=str(env.device)
+                step, row, grid, round(active_time_s, 4), world_size=env.world, device=str(env.device)
             )
             self.store.plot()
             return entry
