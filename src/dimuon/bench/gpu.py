@@ -3,25 +3,35 @@
 Four parts, each a process of its own with its own time budget, so that a failure or an overrun in one
 is recorded and the others still run:
 
-1. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU);
+1. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU) of an explicit list
+   of files, most GPU-specific first (:data:`CUDA_TEST_FILES`), so that a part stopped at its budget loses the
+   least specific ones;
 2. ``bench``: ``dimuon bench optimizer --device cuda`` on DiT-XL/2 parameter shapes (every optimizer
-   row beside ``torch.optim.Muon``, compiled Newton-Schulz with its compile time apart, the Newton-Schulz
-   FLOP rate against ``torch.bmm`` in bf16 on the same shapes);
+   row beside ``torch.optim.Muon``, the Newton-Schulz FLOP rate against ``torch.bmm`` in bf16 on the same shapes,
+   then compiled Newton-Schulz, timed last so that its compilation cannot take the other rows with it);
 3. ``peers``: the other Muon packages (heavyball) on the same shapes beside dimuon's Muon and
-   ``torch.optim.Muon``, in one run of their own: heavyball compiles its step with inductor's GEMM autotuning
-   (its default mode), about 30 s per matrix product shape on a first run, which would leave the ``bench``
-   part no time for its own rows;
+   ``torch.optim.Muon``, in one run of their own: dimuon's rows and ``torch.optim.Muon`` are timed and written
+   first, then each other package is started (heavyball compiles its step, with inductor's autotuning of its
+   elementwise kernels: minutes for DiT-XL/2's shapes on a fresh machine) and timed alone, the record written again
+   after each, so that a first step that outlasts the budget keeps every row timed before it;
 4. ``train``: ``dimuon train`` on the demo task under bf16 autocast for a few hundred steps: steps per
    second and where a step's time goes (data, forward/backward, optimizer);
 
 then one JSON record (GPU, driver, torch, CUDA, cuDNN and NCCL versions, CPU, each part's status, time
-and results) under ``docs/results/``, and the README rows printed.
+and results) under ``docs/results/`` (``--out``), and the README rows printed.
 
-The budgets (120 + 170 + 240 + 50 s) keep the check within 10 minutes on one GPU. A part that overruns its
-budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its own,
-``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
+The record is written before the first part, as each part starts and after each part (the parts not yet run
+marked ``pending``, the one under way ``running``, the record's ``status`` ``in progress``), and once more at the
+end (``complete``), so that a check stopped from outside keeps every part finished before. A SIGTERM or SIGINT stops
+the part under way (its whole process group), keeps what it finished (marked ``interrupted``) and writes the record
+(``status``: ``interrupted``). ``--pack DIR`` also packs every part's log and outputs into ``DIR/gpu-check-logs.tgz``
+after each part and at the end, whatever the outcome. The budgets (150 + 110 + 150 + 40 s = 450 s) leave room
+within a 10-minute limit on one GPU for start-up, installing the wheels and the machine's own overhead. A part that
+overruns its budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its
+own, ``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
 training run's records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so
-kernels the tests compiled are not compiled again by the benchmark or the training run, nor by the next check.
+kernels the tests compiled are not compiled again by the benchmark or the training run (a device machine starts
+bare: no later check finds it).
 ``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
 working.
 
@@ -30,12 +40,18 @@ Run ``dimuon bench gpu --help`` (or ``python -m dimuon.bench.gpu --help``).
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -56,7 +72,28 @@ from dimuon.io import write_json_atomic
 PARTS = ("tests", "bench", "peers", "train")
 # dimuon's rows that the peers part times beside the other packages: the baselines of its ratio columns and Muon
 PEER_PART_ROWS = ("adamw_foreach", "muon", "muon_bf16", "muon_gram_bf16")
+# the peers timed together with dimuon's rows in the peers part; every other one is started (its first step may
+# compile for minutes) and timed after them, one at a time (``dimuon bench optimizer --time-last``)
+EARLY_PEERS = ("torch_muon",)
+# the peers of a dry run (--quick): another package's first (compiling) step outlasts it
+QUICK_PEERS = ("torch_muon",)
+# rows that are another row on CUDA, where bf16 is Newton-Schulz's default dtype: left out where that row is timed
+CUDA_ALIASES = {"muon_bf16": "muon", "muon_gram_bf16": "muon_gram"}
+# The files of the CUDA-marked tests, relative to --tests, in the order they run: most GPU-specific first (the
+# Triton kernels, the optimizer's CUDA paths, NCCL), so that a part stopped at its budget loses the least specific.
+CUDA_TEST_FILES = (
+    "unit/test_optim_fused.py",
+    "unit/test_optim_cuda.py",
+    "multirank/test_sharded_devices.py",
+    "unit/test_harness_on_device.py",
+    "unit/test_harness_devices.py",
+    "unit/test_bench_optimizer.py",  # one test of a tiny model, which the bench part covers at full size
+)
 TRAIN_STEPS = 300
+# --pack: the tarball, and what goes in it from <work> (every part's log and outputs, not the compile cache)
+PACK_NAME = "gpu-check-logs.tgz"
+PACKED = ("*.log", "*.json", "*.jsonl", "*.xml", "train/*.jsonl", "train/*.json", "train/*.log", "train/*.txt")
+PACKED_MAX_BYTES = 8 << 20  # a longer file keeps its last 8 MiB (as NAME.tail)
 
 
 @dataclass
@@ -70,22 +107,32 @@ class Config:
     parts: tuple[Literal["tests", "bench", "peers", "train"], ...] = PARTS
     """Which parts to run (the others are recorded as not run)."""
     out: Path = Path("docs/results/gpu-check.json")
-    """The JSON record (written atomically)."""
+    """The JSON record (written atomically before the first part, as each part starts, after each and at the end;
+    on a device machine: --out "$OUT/gpu-check.json", so that a check stopped from outside still returns it)."""
     work: Path = Path("runs/gpu-check")
-    """Each part's log and outputs (the benchmark's JSON, the training run)."""
+    """Each part's log and outputs (the benchmark's JSON, the training run) and the compile cache (thousands of
+    files: not under $OUT on a device machine; --pack returns the logs and outputs)."""
+    pack: Path | None = None
+    """Also pack every part's log and outputs (not the compile cache) into DIR/gpu-check-logs.tgz after each part
+    and at the end, whatever the outcome (on a device machine: --pack "$OUT")."""
     tests: Path = Path("tests")
-    """The test directory that pytest -m cuda collects."""
-    tests_budget_s: float = 120.0
+    """The test directory, which --test-files are relative to."""
+    test_files: tuple[str, ...] = CUDA_TEST_FILES
+    """The test files to run, relative to --tests, in this order (most GPU-specific first: a part stopped at its
+    budget loses the last; a file that is missing fails the part, the others still run; none: the whole --tests
+    directory)."""
+    tests_budget_s: float = 150.0
     """Seconds the tests part may take before it is stopped."""
-    bench_budget_s: float = 170.0
+    bench_budget_s: float = 110.0
     """Seconds the benchmark part may take before it is stopped."""
-    peers_budget_s: float = 240.0
-    """Seconds the peers part may take before it is stopped (a first run compiles heavyball's step)."""
+    peers_budget_s: float = 150.0
+    """Seconds the peers part may take before it is stopped (heavyball's first step compiles; the rows timed
+    before it are kept if it overruns)."""
     peers_gemm_autotune: bool = False
     """Let a peer's compiled step autotune its matrix products as it asks (heavyball: every shape, about 25 s each
     on an H200, minutes for DiT-XL/2's shapes); off, inductor takes cuBLAS (ATen) for them, as dimuon and
     torch.optim.Muon use."""
-    train_budget_s: float = 50.0
+    train_budget_s: float = 40.0
     """Seconds the training part may take before it is stopped."""
     test_timeout_s: float = 60.0
     """Seconds one CUDA test may take before it fails (the others still run)."""
@@ -97,7 +144,9 @@ class Config:
 
 @dataclass
 class Part:
-    """One part's outcome: ``ok``, ``failed`` (non-zero exit or unreadable results), ``timeout`` or ``not run``."""
+    """One part's outcome: ``ok``, ``failed`` (non-zero exit or unreadable results), ``timeout`` (stopped at its
+    budget), ``interrupted`` (stopped by a signal to the check) or ``not run``; while the check runs, ``pending``
+    (not started yet) or ``running``."""
 
     status: str
     seconds: float = 0.0
@@ -122,7 +171,17 @@ def check_config(cfg: Config) -> None:
 # ------------------------------------------------------------------------------------ the parts
 
 
+def test_paths(cfg: Config) -> tuple[list[Path], list[str]]:
+    """The test files of --test-files under --tests that exist, in their order (the test directory itself when
+    none are named), and the names of those missing."""
+    if not cfg.test_files:
+        return [cfg.tests], []
+    paths = [cfg.tests / name for name in cfg.test_files]
+    return [p for p in paths if p.is_file()], [n for n, p in zip(cfg.test_files, paths, strict=True) if not p.is_file()]
+
+
 def tests_command(cfg: Config, junit: Path) -> list[str]:
+    """pytest on the CUDA-marked tests of the listed files, in their order (it collects those files alone)."""
     return [
         sys.executable,
         "-m",
@@ -133,7 +192,7 @@ def tests_command(cfg: Config, junit: Path) -> list[str]:
         "-p",
         "no:cacheprovider",
         f"--junitxml={junit}",
-        str(cfg.tests),
+        *(str(p) for p in test_paths(cfg)[0]),
     ]
 
 
@@ -143,12 +202,26 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
     from dimuon.bench.optimizer import OPTIMIZERS, PEERS
 
     cmd = [sys.executable, "-m", "dimuon.bench.optimizer", "--device", cfg.device, "--out", str(out), "--no-progress"]
+    skip: list[str] = []
     if peers:  # a dry run times torch's alone: another package's first (compiling) step outlasts it
-        others = ["torch_muon"] if cfg.quick else list(PEERS)
-        cmd += ["--no-ns-rate", "--peers", *others, "--skip", *(n for n in OPTIMIZERS if n not in PEER_PART_ROWS)]
+        others = list(QUICK_PEERS if cfg.quick else PEERS)
+        skip += [n for n in OPTIMIZERS if n not in PEER_PART_ROWS]
+        cmd += ["--no-ns-rate", "--peers", *others]
+        # dimuon's rows and torch's first, written; then each other package, its first step compiling
+        last = [n for n in others if n not in EARLY_PEERS]
     else:
         cmd += ["--peers", "torch_muon"]
-    if cfg.quick:  # one block of width 64; the compiled row compiles for longer than the rest runs on a CPU
+        last = ["muon_compiled"]  # its first step compiles: after the other rows and the FLOP rate
+        if cfg.quick and cfg.device == "cpu":  # the compiled row compiles for longer than the rest runs on a CPU
+            skip.append("muon_compiled")
+    if cfg.device == "cuda":  # the same step as another row there: timed once
+        skip += [alias for alias, row in CUDA_ALIASES.items() if row not in skip and alias not in skip]
+    last = [n for n in last if n not in skip]
+    if skip:
+        cmd += ["--skip", *skip]
+    if last:
+        cmd += ["--time-last", *last]
+    if cfg.quick:  # one block of width 64
         cmd += [
             "--depth",
             "1",
@@ -169,8 +242,6 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
             "--threads",
             "1",
         ]
-        if not peers and cfg.device == "cpu":
-            cmd += ["--skip", "muon_compiled"]
     else:
         cmd += [
             "--model",
@@ -279,11 +350,43 @@ class Plan:
     partial: Callable[[], dict[str, Any]] | None = None  # what an overrun leaves (default: ``read``)
 
 
+class Interrupted(BaseException):
+    """A signal asked the check to stop (raised by the handler :func:`stop_on_signals` installs; a BaseException,
+    so that no ``except Exception`` on the way takes it)."""
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the check runs: SIGTERM and SIGINT raise :class:`Interrupted` (once: the handlers before are put back
+    at the first, so a second signal acts as it would have). Only in the main thread, where Python runs handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = (signal.SIGTERM, signal.SIGINT)
+    before = {kind: signal.getsignal(kind) for kind in kinds}
+
+    def restore() -> None:
+        for kind, handler in before.items():
+            signal.signal(kind, handler)
+
+    def stop(signum: int, frame: object) -> None:
+        restore()
+        raise Interrupted(signal.Signals(signum).name)
+
+    for kind in kinds:
+        signal.signal(kind, stop)
+    try:
+        yield
+    finally:
+        restore()
+
+
 def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
     """Run one part's command within its budget and read its results; every failure becomes the part's status.
 
     The part's log and its output file from an earlier check are removed first, so that nothing an earlier
-    check wrote can pass for this one's results.
+    check wrote can pass for this one's results. A signal to the check (:class:`Interrupted`) stops the part's
+    process group, and the part keeps what it finished, as at its budget, as ``interrupted``.
     """
     log = work / f"{name}.log"
     for stale in (log, plan.output, *(Path(v) for k, v in plan.env.items() if k == "DIMUON_TEST_LOG")):
@@ -294,15 +397,17 @@ def run_part(name: str, plan: Plan, work: Path, threads: int | None) -> Part:
         code = launch(plan.command, log, threads, timeout_s=plan.budget_s, env_extra=plan.env)
     except subprocess.TimeoutExpired:
         status = "timeout"
+    except Interrupted as exc:  # launch has stopped the part's process group
+        status, results = "interrupted", {"error": f"the check was stopped by {exc}"}
     except OSError as exc:
         status, results = "failed", {"error": f"could not start: {exc}"}
     else:
         if code != 0:
             status, results = "failed", {"error": f"exited with status {code}"}
     seconds = time.perf_counter() - start
-    if status == "timeout":  # what the part finished before its budget ran out, marked partial
+    if status in ("timeout", "interrupted"):  # what the part finished before it was stopped, marked partial
         try:
-            results = {**(plan.partial or plan.read)(), "partial": True}
+            results = {**results, **(plan.partial or plan.read)(), "partial": True}
         except Exception as exc:
             results = {"partial": True, "error": f"nothing finished: {type(exc).__name__}: {exc}"}
     else:
@@ -332,6 +437,7 @@ def optimizer_rows(r: dict[str, Any], title: str, on_gpu: bool) -> list[str]:
         for o in r["optimizers"].values()
     ]
     m = r["model"]
+    pending = r.get("pending") or []
     lines += [
         f"{title}, {m['name']} parameter shapes ({m['params'] / 1e6:.1f}M parameters, "
         f"{m['muon_matrices']} Muon matrices)"
@@ -341,6 +447,15 @@ def optimizer_rows(r: dict[str, Any], title: str, on_gpu: bool) -> list[str]:
         format_markdown_table(["optimizer", "ms/step", "x AdamW (foreach)", "x dimuon Muon", "first step ms"], rows),
         "",
     ]
+    if pending:
+        lines += [f"Not timed within its budget: {', '.join(pending)}.", ""]
+    starts = [
+        f"{p['label']} {p['start_s']:.3g} s"
+        for p in r.get("peers", {}).values()
+        if p.get("runnable") and p.get("start_s") is not None
+    ]
+    if starts:
+        lines += [f"Peers' start (import, build, first step with any compilation): {', '.join(starts)}.", ""]
     ns = r.get("ns_flop_rate")
     if ns:
         unit, scale = ("TFLOP/s", 1e-3) if on_gpu else ("GFLOP/s", 1.0)
@@ -397,21 +512,49 @@ def readme_rows(record: dict[str, Any]) -> str:
             ),
             "",
         ]
-    failed = [f"{name} ({p['status']})" for name, p in parts.items() if p["status"] not in ("ok", "not run")]
+    waiting = ("pending", "running")
+    failed = [f"{name} ({p['status']})" for name, p in parts.items() if p["status"] not in ("ok", "not run", *waiting)]
     if failed:
         lines.append(f"Did not complete: {', '.join(failed)}; see each part's log and tail in {record['out']}.")
+    unfinished = [f"{name} ({p['status']})" for name, p in parts.items() if p["status"] in waiting]
+    if unfinished:
+        lines.append(f"Not finished when this record was written ({record['status']}): {', '.join(unfinished)}.")
     return "\n".join(lines).rstrip()
 
 
+def pack_logs(work: Path, dest: Path) -> Path:
+    """Every part's log and outputs under ``work`` (:data:`PACKED`; not the compile cache) in one gzipped tarball
+    at ``dest``, written atomically; a file longer than :data:`PACKED_MAX_BYTES` keeps its end."""
+    files = sorted({f for pattern in PACKED for f in work.glob(pattern) if f.is_file()})
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in files:
+            arcname = f"gpu-check/{f.relative_to(work).as_posix()}"
+            size = f.stat().st_size
+            if size <= PACKED_MAX_BYTES:
+                tar.add(f, arcname=arcname)
+                continue
+            with open(f, "rb") as src:
+                src.seek(size - PACKED_MAX_BYTES)
+                data = src.read()
+            info = tarfile.TarInfo(f"{arcname}.tail")
+            info.size, info.mtime = len(data), int(f.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, dest)
+    return dest
+
+
 def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the requested parts in order and write the record; returns it."""
+    """Run the requested parts in order and write the record before the first, as each starts, after each and at
+    the end (and the --pack tarball after each and at the end); returns the last record."""
     check_config(cfg)
     work = cfg.work
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     bench_out, run_dir, junit = work / "optimizer.json", work / "train", work / "tests.xml"
     peers_out = work / "peers.json"
-    test_log = work / "tests.jsonl"
+    test_log = (work / "tests.jsonl").resolve()  # absolute: a test that changes directory still finds it
     cache = (work / "compile-cache").resolve()
     # torch.compile's default mode everywhere: an environment that turns on inductor's GEMM autotuning makes the
     # compiled row autotune every Newton-Schulz product shape (about 30 s each) and time what users do not run
@@ -448,33 +591,76 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
             shared,
         ),
     }
-    parts: dict[str, Part] = {}
-    for name, plan in plans.items():
-        if name not in cfg.parts:
-            parts[name] = Part("not run")
-            continue
-        if name == "tests" and not cfg.tests.is_dir():
-            parts[name] = Part("failed", results={"error": f"no test directory {cfg.tests}"})
-            continue
-        print(f"dimuon bench gpu: {name} (budget {plan.budget_s:.0f} s) ...", flush=True)
-        parts[name] = run_part(name, plan, work, 1 if cfg.quick else None)
-        print(f"dimuon bench gpu: {name}: {parts[name].status} in {parts[name].seconds:.0f} s", flush=True)
-    record: dict[str, Any] = {
-        "benchmark": "gpu-check",
-        "command": "dimuon bench gpu " + " ".join(argv or []),
-        "out": str(cfg.out),
-        "machine": {**machine_info(argv), "gpu": gpu_info(cfg.device)},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "total_s": round(time.perf_counter() - started, 1),
-        "parts": {name: asdict(p) for name, p in parts.items()},
+    parts: dict[str, Part] = {
+        name: Part("pending", budget_s=plan.budget_s, command=plan.command) if name in cfg.parts else Part("not run")
+        for name, plan in plans.items()
     }
-    record["readme"] = readme_rows(record)
-    write_json_atomic(cfg.out, record)
-    return record
+    machine = {**machine_info(argv), "gpu": gpu_info(cfg.device)}
+
+    def write(status: str, pack: bool = True) -> dict[str, Any]:
+        """The record as it stands (``status``: ``in progress``, ``complete`` or ``interrupted``), and the tarball."""
+        record: dict[str, Any] = {
+            "benchmark": "gpu-check",
+            "command": "dimuon bench gpu " + " ".join(argv or []),
+            "out": str(cfg.out),
+            "status": status,
+            "running": next((name for name, p in parts.items() if p.status == "running"), None),
+            "machine": machine,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "total_s": round(time.perf_counter() - started, 1),
+            "parts": {name: asdict(p) for name, p in parts.items()},
+        }
+        record["readme"] = readme_rows(record)
+        write_json_atomic(cfg.out, record)
+        if pack and cfg.pack is not None:
+            try:
+                pack_logs(work, cfg.pack / PACK_NAME)
+            except OSError as exc:  # the record matters more than the tarball
+                print(f"dimuon bench gpu: could not pack the logs into {cfg.pack}: {exc}", file=sys.stderr)
+        return record
+
+    status = "complete"
+    with stop_on_signals():
+        try:
+            write("in progress", pack=False)
+            for name, plan in plans.items():
+                if name not in cfg.parts:
+                    continue
+                files, missing = test_paths(cfg) if name == "tests" else ([], [])
+                if name == "tests" and (not cfg.tests.is_dir() or not files):
+                    error = f"no test directory {cfg.tests}" if not cfg.tests.is_dir() else f"no test file {missing}"
+                    parts[name] = Part("failed", budget_s=plan.budget_s, results={"error": error})
+                    write("in progress")
+                    continue
+                parts[name] = Part(
+                    "running", budget_s=plan.budget_s, command=plan.command, log=str(work / f"{name}.log")
+                )
+                write("in progress", pack=False)
+                print(f"dimuon bench gpu: {name} (budget {plan.budget_s:.0f} s) ...", flush=True)
+                parts[name] = run_part(name, plan, work, 1 if cfg.quick else None)
+                if missing:  # the listed files that are there ran; a renamed or lost one must not pass unseen
+                    parts[name].results["missing_files"] = missing
+                    if parts[name].status == "ok":
+                        parts[name].status = "failed"
+                        parts[name].results["error"] = f"test files not found under {cfg.tests}: {missing}"
+                print(f"dimuon bench gpu: {name}: {parts[name].status} in {parts[name].seconds:.0f} s", flush=True)
+                if parts[name].status == "interrupted":
+                    status = "interrupted"
+                    break
+                write("in progress")
+        except Interrupted:  # between two parts, or while the record was written: the part under way stops here
+            status = "interrupted"
+    if status == "interrupted":
+        for p in parts.values():
+            if p.status == "running":
+                p.status = "interrupted"
+        print("dimuon bench gpu: interrupted; the parts after it are recorded as pending", flush=True)
+    return write(status)  # with the signal handlers of before: a second signal acts as it would have
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok, 1 otherwise, 2 on bad flags."""
+    """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok, 1 otherwise (a part failed, overran
+    its budget, or the check was interrupted), 2 on bad flags."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_bench_flags(Config, args, "dimuon bench gpu", check_config)
     if cfg is None:

@@ -11,7 +11,9 @@ whole periods and reported per step. A second part measures the FLOP rate of the
 on the model's stacked Muon shapes against bare ``torch.bmm`` calls of the same products, in the dtype Newton-Schulz
 computes in on the device (fp32 on a CPU, bf16 on a GPU). On a GPU every sample is bracketed by
 ``torch.cuda.synchronize``; each optimizer's first (warm-up) step, which holds state allocation and,
-for the compiled row, compilation, is reported apart. Prints tables and writes a JSON record.
+for the compiled row, compilation, is reported apart. Prints tables and writes a JSON record, after every round of
+samples too (marked partial); ``--time-last`` times the rows it names (a peer that compiles its step, the compiled
+row) after all the others, one at a time, so that a time limit reached in their first step keeps every other row.
 
 Run ``dimuon bench optimizer --help`` (or ``python -m dimuon.bench.optimizer --help``).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -135,6 +138,11 @@ class Config:
     that is not installed or cannot run here gets a row saying why)."""
     no_peers: bool = False
     """Leave every peer out."""
+    time_last: tuple[str, ...] = ()
+    """Optimizers or peers timed after all the others and the FLOP rate, one at a time, in this order, with the
+    record written before each starts and as each is timed; a peer is built and takes its first step only then. A
+    row whose first step compiles for long (heavyball, the compiled row) can then neither hold back nor take with it
+    the rows timed before it when a time limit stops the run; its samples are not interleaved with the others'."""
     k: int = 3
     """PeriodicRowMuon period K (timed over whole periods)."""
     period: int = 5
@@ -552,6 +560,9 @@ def check_config(cfg: Config) -> None:
     if unknown:
         raise ValueError(f"--skip got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
     check_names(cfg.peers)
+    unknown = set(cfg.time_last) - set(OPTIMIZERS) - set(PEERS)
+    if unknown:
+        raise ValueError(f"--time-last got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
     parse_overrides(cfg.repeats_of, "--repeats-of")
     parse_overrides(cfg.warmup_of, "--warmup-of")
 
@@ -562,14 +573,29 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
     names = [n for n in OPTIMIZERS if n not in cfg.skip and (cfg.device == "cuda" or n not in FUSED_ONLY)]
     peer_names = [] if cfg.no_peers else [n for n in cfg.peers if n not in cfg.skip]
+    # the rows timed after the others (and the FLOP rate), one at a time: see Config.time_last
+    last = [n for n in dict.fromkeys(cfg.time_last) if n in names or n in peer_names]
     machine = machine_info(argv)
     load_at_start = load_average()
     model = build_model(cfg)
     snapshot = GradientSnapshot(model.parameters())
+    sync = synchronizer(cfg.device)
     steps = make_steps(cfg, model, names)
-    peer_steps, peers = make_peer_steps(cfg, model, peer_names, snapshot)
-    candidates = [
-        Candidate(
+    peers: dict[str, PeerStatus] = {}
+    started: dict[str, float] = {}  # per peer: seconds to import, build and take its untimed first step
+
+    def start(name: str) -> dict[str, tuple[Callable[[], None], int]]:
+        """One peer built and its first step taken (and timed, its compilation included); its status recorded."""
+        sync()
+        begin = time.perf_counter()
+        peer_steps, status = make_peer_steps(cfg, model, [name], snapshot)
+        sync()
+        started[name] = time.perf_counter() - begin
+        peers.update(status)
+        return peer_steps
+
+    def candidate(name: str, fn: Callable[[], None], calls: int) -> Candidate:
+        return Candidate(
             name,
             fn,
             repeats=repeats_of.get(name, cfg.repeats),
@@ -577,8 +603,12 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
             calls=calls,
             setup=snapshot.restore,
         )
-        for name, (fn, calls) in {**steps, **peer_steps}.items()
-    ]
+
+    first_steps = {name: steps[name] for name in names if name not in last}
+    for name in peer_names:
+        if name not in last:
+            first_steps.update(start(name))
+    candidates = [candidate(name, fn, calls) for name, (fn, calls) in first_steps.items()]
     muon_params, _ = muon_and_rest(model)
     batches = engine_batches(model)
     arch = dit_arch(cfg.model)
@@ -586,7 +616,6 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     fixed = {  # what every write of the record shares, gathered once
         "benchmark": "optimizer",
         "machine": {**machine, "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
-        "peers": {name: status.to_dict() for name, status in peers.items()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "model": {
             "name": cfg.model,
@@ -598,21 +627,51 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
             "ns_batches": [list(b) for b in batches],
         },
     }
+    timed: dict[str, Timing] = {}  # the rows whose timing has finished
+    pending = list(last)  # the rows still to be timed after the others, the one being timed included
 
     def record_of(timings: dict[str, Timing], ns: dict[str, Any] | None, partial: bool) -> dict[str, Any]:
-        optimizers = summarize(cfg, timings, peers, machine["cpu_flags"])
-        return {**fixed, "partial": partial, "optimizers": optimizers, "ns_flop_rate": ns}
+        ordered = {n: timings[n] for n in [*names, *peer_names] if n in timings}  # table order, late rows too
+        optimizers = summarize(cfg, ordered, peers, machine["cpu_flags"])
+        return {
+            **fixed,
+            "peers": {name: {**s.to_dict(), "start_s": started.get(name)} for name, s in peers.items()},
+            "partial": partial,
+            "pending": list(pending),
+            "optimizers": optimizers,
+            "ns_flop_rate": ns,
+        }
+
+    def write_partial(done: dict[str, Timing], ns: dict[str, Any] | None = None) -> None:
+        write_json_atomic(cfg.out, record_of({**timed, **done}, ns, True))
 
     # every round's rows written as they are measured (marked partial): a run stopped at a time limit keeps them
-    timings = interleave(
-        candidates,
-        progress=cfg.progress,
-        desc="optimizer steps",
-        sync=synchronizer(cfg.device),
-        on_round=lambda done: write_json_atomic(cfg.out, record_of(done, None, True)),
-    )
+    if candidates:
+        timed.update(
+            interleave(candidates, progress=cfg.progress, desc="optimizer steps", sync=sync, on_round=write_partial)
+        )
     ns = measure_ns_rate(batches, cfg.ns_repeats, cfg.progress, cfg.seed, cfg.device) if cfg.ns_rate else None
-    record = record_of(timings, ns, False)
+    for name in last:
+        write_partial({}, ns)  # what is done, before a step that may compile for longer than the time left
+        if name in peer_names:
+            late = start(name)
+            if name not in late:  # it cannot run here: its status says why
+                pending.remove(name)
+                continue
+            fn, calls = late[name]
+            write_partial({}, ns)  # its first step's time (compilation included) and status
+        else:
+            fn, calls = steps[name]
+        done = interleave(
+            [candidate(name, fn, calls)],
+            progress=cfg.progress,
+            desc=name,
+            sync=sync,
+            on_round=lambda d: write_partial(d, ns),
+        )
+        timed.update(done)
+        pending.remove(name)
+    record = record_of(timed, ns, False)
     write_json_atomic(cfg.out, record)
     return record
 
