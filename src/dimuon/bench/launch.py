@@ -75,12 +75,23 @@ def run_gloo(
 
     ``fn`` must be importable (a module-level function). ``threads`` is the intra-op thread count
     per rank (keep ``world * threads`` at or below the core count). A rank still running after
-    ``timeout_s`` seconds prints its stacks and exits, so a hang fails instead of blocking forever.
+    ``timeout_s`` seconds prints its stacks and exits, so a hang fails instead of blocking forever; an exception
+    in this process while the ranks run (a test's time limit, an interrupt) kills them before it propagates.
     ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r`` (results come back as they are: move
     tensors to the CPU before returning them).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(
-            _worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world, join=True
+        ranks = mp.spawn(
+            _worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world, join=False
         )
+        try:
+            while not ranks.join():  # a failed rank raises here, its peers stopped
+                pass
+        except BaseException:  # also a time limit or an interrupt of this process: no rank outlives it
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in ranks.processes:
+                process.join()
+            raise
         return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(world)]

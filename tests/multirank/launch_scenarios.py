@@ -1,0 +1,13 @@
+"""Rank functions for the launcher's own tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def hang_after_writing_pid(rank: int, world: int, where: str) -> None:
+    """Write this rank's pid to ``where/rank{rank}.pid``, then hang (as a rank stuck in a collective would)."""
+    (Path(where) / f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
