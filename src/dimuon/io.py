@@ -553,6 +553,8 @@ class RunLayout:
         """Delete dimuon's files (and the marker, not the lock) and then whatever directories they leave empty;
         return the deleted files. Anything else (a user's files, and the directories holding them) stays."""
         doomed = [p for p in self.owned_files() if p != self.lock]  # held by the process clearing it
+        # The marker last: a clear cut short leaves a run that --overwrite can still clear.
+        doomed.sort(key=lambda p: p == self.marker)
         for path in doomed:
             path.unlink()
         for directory in sorted(

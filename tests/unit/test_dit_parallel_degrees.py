@@ -24,6 +24,8 @@ def test_dp_shard_takes_the_rest_of_the_world():
         ((3, -1, 1), 4, "--parallel.dp-replicate (3) x --parallel.tp (1) must divide the world size 4"),
         ((2, 1, 2), 4, "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported"),
         ((1, 0, 1), 4, "--parallel.dp-shard must be >= 1 or -1"),
+        ((2, -1, 1), 2, "--parallel.dp-replicate 2 with --parallel.dp-shard 1 would shard over the replicas"),
+        ((4, 1, 1), 4, "--parallel.dp-replicate 4 with --parallel.dp-shard 1 would shard over the replicas"),
         ((1, -1, 0), 4, "--parallel.tp must be >= 1"),
     ],
 )

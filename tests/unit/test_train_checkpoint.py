@@ -152,3 +152,15 @@ def test_pruning_keeps_the_newest_checkpoints(run_copy: Path) -> None:
     assert prune_checkpoints(run_copy, 0) == []
     assert prune_checkpoints(run_copy, 1) == [run_copy / "checkpoints" / "step_0000004"]
     assert [s for s, _ in list_checkpoints(run_copy)] == [8]
+
+
+def test_a_failed_dcp_load_is_an_ordinary_error_of_one_line_per_rank(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dimuon.dit.checkpoint import DcpFailed, dcp_load
+
+    dcp.save({"a": torch.zeros(3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    # torch raises a BaseException here, which the checkpoint code's `except Exception` would let pass.
+    with pytest.raises(Exception, match=r"^rank 0: RuntimeError: Missing key in checkpoint state_dict: b\.$") as err:
+        dcp_load({"b": torch.zeros(3)}, tmp_path, no_dist=True)
+    assert isinstance(err.value, DcpFailed)

@@ -216,3 +216,18 @@ def test_non_finite_inputs_of_the_failing_batch_are_named(tmp_path: Path, monkey
     monkeypatch.setattr(ArrayDataset, "find_problems", lambda self, positions: [])  # as if it went bad later
     with pytest.raises(RunFailed, match=rf"the batch holds non-finite input values: row {row} of {data}\."):
         train(config(data, tmp_path / "run"))
+
+
+def test_the_streak_of_skipped_steps_goes_on_across_a_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = arrays(tmp_path / "data.npz", bad_rows=tuple(range(40)))  # every step is skipped
+    out = tmp_path / "run"
+    common = {"nonfinite": "skip", "skip_limit": 3, "ckpt_interval": 2}
+    assert train_main(flags(data, out, steps=2, **common)) == 0  # 2 in a row, under the limit
+    meta = json.loads((out / "checkpoints/step_0000002/meta.json").read_text())
+    assert meta["progress"]["skipped_in_a_row"] == 2
+    capsys.readouterr()
+    assert train_main([*flags(data, out, steps=4, **common), "--resume", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "step 3 of 4: " in err and "That makes 3 skipped steps in a row" in err  # as an unbroken run stops

@@ -20,8 +20,10 @@ import dimuon.io as dio
 from dimuon.dit import list_checkpoints
 from dimuon.io import RunLayout
 from dimuon.train import ConfigError, TrainConfig, train
+from dimuon.train import loop as loop_module
+from dimuon.train import rundir as rundir_module
 from dimuon.train.loop import Trainer
-from dimuon.train.resume import find_resume_point
+from dimuon.train.resume import find_resume_point, run_of_checkpoint
 from dimuon.train.run import main as train_main
 from dimuon.train.rundir import RunLock
 
@@ -257,3 +259,79 @@ def test_the_lock_is_held_while_the_run_trains_and_survives_overwrite(
     train(tiny(run.root, steps=1, overwrite=True))
     assert len(refused) == 3 and f"pid {os.getpid()} on " in refused[0]
     assert run.lock.is_file() and run.lock not in run.foreign_files()
+
+
+def test_a_run_made_in_out_after_the_first_check_is_refused_under_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another launch of the same command finishes its run in --out between this one's check and its lock.
+    out = tmp_path / "run"
+    other = tmp_path / "other"
+    train(tiny(other, steps=2, ckpt_interval=1))
+    real_open = loop_module.open_data
+
+    def open_data_while_the_other_launch_finishes(*args: Any, **kwargs: Any) -> Any:
+        shutil.copytree(other, out, dirs_exist_ok=True)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "open_data", open_data_while_the_other_launch_finishes)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(tiny(out))
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2]  # the other launch's run is whole
+
+
+def test_an_overwrite_cut_short_leaves_a_run_that_overwrite_can_clear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunLayout(tmp_path / "run")
+    train(tiny(run.root, steps=2, ckpt_interval=1))
+    real_unlink, calls = Path.unlink, []
+
+    def unlink_then_die(self: Path, *args: Any, **kwargs: Any) -> None:
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed in the middle of the deletion
+        real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", unlink_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run.clear()
+    monkeypatch.undo()
+    assert run.is_run()  # the marker goes last
+    train(tiny(run.root, overwrite=True))
+    assert [s for s, _ in list_checkpoints(run.root)] == [1]
+
+
+def test_a_resume_cut_short_after_setting_aside_picks_the_step_it_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=4, ckpt_interval=2, log_interval=1))
+    first = dict(list_checkpoints(run))[2]
+
+    def killed(*args: Any, **kwargs: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir_module, "truncate_jsonl", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(run, steps=4, ckpt_interval=2, log_interval=1, resume=str(first)))
+    monkeypatch.undo()
+    assert [s for s, _ in list_checkpoints(run)] == [2]  # step 4 set aside before any record was dropped
+    assert find_resume_point(run).checkpoint.name == first.name
+
+
+def test_a_checkpoint_named_from_inside_checkpoints_resumes_its_run_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=2, ckpt_interval=1))
+    monkeypatch.chdir(run / "checkpoints")
+    assert run_of_checkpoint(Path("step_0000001")) == run.resolve()
+
+
+def test_overwrite_with_a_resume_of_the_run_itself_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=2, ckpt_interval=1))
+    with pytest.raises(ConfigError, match=r"--overwrite cannot go with --resume of .*own checkpoint"):
+        train(tiny(run, steps=3, ckpt_interval=1, resume=str(run), overwrite=True))
+    assert [s for s, _ in list_checkpoints(run)] == [1, 2]

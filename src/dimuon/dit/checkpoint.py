@@ -16,9 +16,11 @@ renamed); loading checks the manifest first, so a truncated or corrupted file ra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +170,32 @@ def torch_load(path: Path, map_location: Any) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
+class DcpFailed(RuntimeError):
+    """torch's ``CheckpointException`` as an ordinary error: torch derives it from ``BaseException``, which the
+    ``except Exception`` of the checkpoint code (cleanup, one-line messages) would let pass."""
+
+
+@contextlib.contextmanager
+def dcp_errors() -> Iterator[None]:
+    """Raise a failed DCP save or load (on any rank) as :class:`DcpFailed`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:  # one line per failed rank: its error, not torch's whole traceback
+        lines = []
+        for rank, failure in sorted(getattr(e, "failures", {}).items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            text = str(error).strip().splitlines()
+            lines.append(f"rank {rank}: {type(error).__name__}" + (f": {text[0]}" if text else ""))
+        raise DcpFailed("; ".join(lines) or str(e).splitlines()[0]) from e
+
+
 def dcp_load(state: dict[str, Any], ckpt_dir: Path, no_dist: bool) -> None:
     """``dcp.load`` in place; without a process group DCP warns that it loads in one process, as intended."""
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), dcp_errors():
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=no_dist)

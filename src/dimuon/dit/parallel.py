@@ -78,6 +78,14 @@ class Parallelism:
                 f"{self.tp} = {self.dp_replicate * dp_shard * self.tp} must equal the world size {world}"
             )
         resolved.check_mesh()
+        if resolved.dp_replicate > 1 and resolved.dp_shard == 1:
+            # One data-parallel mesh dimension is sharded by FSDP2 whatever its name: this would run plain FSDP
+            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs.
+            raise ValueError(
+                f"{FLAGS['dp_replicate']} {self.dp_replicate} with {FLAGS['dp_shard']} 1 would shard over the "
+                f"replicas (FSDP2 shards a lone data-parallel dimension): give {FLAGS['dp_shard']} >= 2 for HSDP, or "
+                f"leave {FLAGS['dp_replicate']} at 1 for FSDP over all {world} ranks"
+            )
         return resolved
 
     def check_mesh(self) -> None:

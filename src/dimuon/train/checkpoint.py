@@ -22,6 +22,7 @@ from dimuon.dit.checkpoint import (
     STATE_FILE,
     TMP_PREFIX,
     CheckpointError,
+    dcp_errors,
     dcp_load,
     file_record,
     list_checkpoints,
@@ -190,7 +191,8 @@ def _save_dcp(
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(model, optimizer, ema, progress, rng), checkpoint_id=str(tmp))
+    with dcp_errors():
+        dcp.save(_dcp_state(model, optimizer, ema, progress, rng), checkpoint_id=str(tmp))
     barrier(env)
     # Each rank hashes the shard files it wrote; rank 0 also takes whatever no rank claimed (.metadata).
     mine = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{env.rank}_*")) if p.is_file()}

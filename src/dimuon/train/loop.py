@@ -218,8 +218,10 @@ class Trainer:
             )
             self.start, self.clock = int(restored["step"]), RunClock.resumed(restored["progress"])
             self.guard.skipped = int(restored["progress"].get("skipped_steps", 0))
+            # The streak too: --skip-limit counts the skips in a row across a resume, as an unbroken run does.
+            self.guard.in_a_row = int(restored["progress"].get("skipped_in_a_row", 0))
         on_main(lambda: self.take_lock(create=True), env)  # a new run: before anything is written
-        on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start), env)
+        on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start, cfg.overwrite), env)
 
         self.generation = None
         if plan.evaluation is not None:
@@ -483,7 +485,11 @@ class Trainer:
         """Save the training state (every rank), keep the newest checkpoints, redraw the loss plots."""
         t = time.perf_counter()
         self.settle()  # the count saved is every step's so far
-        progress = {**self.clock.progress(), "skipped_steps": self.guard.skipped}
+        progress = {
+            **self.clock.progress(),
+            "skipped_steps": self.guard.skipped,
+            "skipped_in_a_row": self.guard.in_a_row,
+        }
         path = ckpt.save_checkpoint(
             self.layout.root,
             done,

@@ -44,7 +44,7 @@ def run_of_checkpoint(checkpoint: Path) -> Path | None:
     """The run a checkpoint belongs to: the directory whose ``checkpoints/`` holds it, if that is a dimuon run
     (marked, or a run from before the marker: its ``config.json`` and ``metrics.jsonl``). None for a checkpoint
     copied anywhere else, whose grandparent is nobody's run to continue or write into."""
-    parent = checkpoint.parent
+    parent = Path(checkpoint).absolute().parent  # "step_N" given from inside checkpoints/ has a parent too
     layout = RunLayout(parent.parent)
     if parent.name != layout.checkpoints.name:
         return None

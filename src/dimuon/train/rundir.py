@@ -116,6 +116,11 @@ def check_run_dir(layout: RunLayout, resume: ResumePoint | None, overwrite: bool
     if reason is not None:
         raise ConfigError(f"--out {run_dir} cannot be written: {reason}")
     if continues_in_place(layout, resume):
+        if overwrite:
+            raise ConfigError(
+                f"--overwrite cannot go with --resume of {run_dir}'s own checkpoint: the resume continues the run "
+                "that --overwrite would delete; pass one of them"
+            )
         return
     if layout.is_run():
         if not overwrite:
@@ -145,11 +150,17 @@ def check_free_space(layout: RunLayout, checkpoint_bytes: int) -> None:
         )
 
 
-def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoint | None, start: int) -> None:
-    """Make the run directory consistent with step ``start`` and write ``config.json`` (rank 0 only)."""
+def prepare_run_dir(
+    layout: RunLayout, config: dict[str, Any], resume: ResumePoint | None, start: int, overwrite: bool
+) -> None:
+    """Make the run directory consistent with step ``start`` and write ``config.json`` (rank 0 only, holding the
+    run's lock: ``--out`` is checked again here, since another launch may have made a run in it meanwhile)."""
+    check_run_dir(layout, resume, overwrite)
     if continues_in_place(layout, resume):
-        dropped = truncate_jsonl(layout.metrics, start) + truncate_results(layout.root, start)
+        # The later checkpoints first: a resume cut short after this still picks this step, not a later one
+        # whose log records would be gone.
         set_aside = set_aside_checkpoints_after(layout.root, start)
+        dropped = truncate_jsonl(layout.metrics, start) + truncate_results(layout.root, start)
         remove_steps_after(layout.samples, start)
         if dropped or set_aside:
             log.info(
@@ -162,7 +173,7 @@ def prepare_run_dir(layout: RunLayout, config: dict[str, Any], resume: ResumePoi
                 else "",
             )
     else:
-        if layout.is_run():
+        if layout.is_run():  # --overwrite (check_run_dir refused it otherwise)
             removed = layout.clear()
             log.info("--overwrite: deleted the %d files of the run in %s", len(removed), layout.root)
         layout.root.mkdir(parents=True, exist_ok=True)
