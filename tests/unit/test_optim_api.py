@@ -589,3 +589,38 @@ def test_keys_other_libraries_add_to_groups_are_kept_and_ignored_with_one_warnin
     assert restored.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
     with pytest.warns(ForeignGroupKeyWarning, match=r"\['maximize'\]"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3))], "maximize": False})
+
+
+def test_the_fused_adamw_group_takes_gradients_and_moments_laid_out_unlike_the_parameter():
+    # torch's fused AdamW pairs elements by memory offset: a strided gradient (autograd.grad through an einsum) or
+    # moments a checkpoint brought in another layout gave wrong steps, silently.
+    torch.manual_seed(0)
+    x, start = torch.randn(16, 5), torch.randn(3, 5)
+
+    def grad_of(p: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(torch.einsum("ij,kj->ik", x, p).square().mean(), [p])
+        assert not g.is_contiguous()
+        return g
+
+    def train(make, steps: int = 4, state=None):
+        p = nn.Parameter(start.clone())
+        opt = make(p)
+        if state is not None:
+            opt.load_state_dict(copy.deepcopy(state))  # the moments and counters are stepped in place
+        for _ in range(steps):
+            p.grad = grad_of(p)
+            opt.step()
+        return p.detach(), opt
+
+    reference, _ = train(lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0))
+    fused, opt = train(lambda p: Muon([{"params": [p], "algorithm": "adamw"}], lr=0.01, adamw_fused=True))
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-6)
+    # Moments saved in a transposed layout (as a channels_last model's would be) and resumed into this one.
+    state = opt.state_dict()
+    for s in state["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            s[key] = s[key].t().contiguous().t()
+            assert not s[key].is_contiguous()
+    resumed, _ = train(lambda p: Muon([{"params": [p], "algorithm": "adamw"}], lr=0.01, adamw_fused=True), 2, state)
+    again, _ = train(lambda p: Muon([{"params": [p], "algorithm": "adamw"}], lr=0.01, adamw_fused=False), 2, state)
+    torch.testing.assert_close(resumed, again, rtol=0, atol=1e-6)

@@ -1113,7 +1113,8 @@ class MuonFamily(torch.optim.Optimizer):
     @staticmethod
     def _fused_supported(params: Sequence[Tensor]) -> bool:
         """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype), and they are
-        contiguous: torch 2.13's fused kernel returns wrong updates for a non-contiguous parameter."""
+        contiguous: torch 2.13's fused kernel returns wrong updates for a non-contiguous parameter (and for a
+        gradient or moments laid out unlike the parameter, which :meth:`_adamw_kernel` makes contiguous)."""
         devices = _get_fused_kernels_supported_devices()
         return all(
             local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
@@ -1147,7 +1148,17 @@ class MuonFamily(torch.optim.Optimizer):
             device = local_tensor(p).device if fused or capturable else torch.device("cpu")
             if state["step"].device != device:
                 state["step"] = state["step"].to(device)
-            grads.append(p.grad)
+            grad = p.grad
+            if fused:
+                # torch's fused kernel pairs elements by memory offset: parameter, gradient and moments must share
+                # one layout (contiguous parameters only take this path). A gradient autograd.grad made strided is
+                # copied for the step; moments a checkpoint brought in another layout are made contiguous once.
+                if not local_tensor(grad).is_contiguous():
+                    grad = grad.contiguous()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if not local_tensor(state[key]).is_contiguous():
+                        state[key] = state[key].contiguous()
+            grads.append(grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
