@@ -624,3 +624,22 @@ def test_the_fused_adamw_group_takes_gradients_and_moments_laid_out_unlike_the_p
     resumed, _ = train(lambda p: Muon([{"params": [p], "algorithm": "adamw"}], lr=0.01, adamw_fused=True), 2, state)
     again, _ = train(lambda p: Muon([{"params": [p], "algorithm": "adamw"}], lr=0.01, adamw_fused=False), 2, state)
     torch.testing.assert_close(resumed, again, rtol=0, atol=1e-6)
+
+
+def test_the_keys_torch_s_schedulers_write_into_groups_are_taken_quietly():
+    # OneCycleLR writes max_momentum, which reads like a misspelt 'momentum' but is the scheduler's own key.
+    model = nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=10)
+    written = {k: v for k, v in sgd.param_groups[0].items() if k not in sgd.defaults and k != "params"}
+    assert {"max_momentum", "base_momentum", "max_lr", "min_lr", "initial_lr"} <= set(written)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = PeriodicRowMuon([{"params": [model.weight], **written}], lr=0.02)
+        opt.add_param_group({"params": [model.bias], "algorithm": "adamw", **written})
+
+
+def test_a_state_dict_that_is_not_an_optimizer_s_is_refused_naming_its_keys():
+    opt = Muon([nn.Parameter(torch.randn(3, 3))])
+    with pytest.raises(ValueError, match=r"not an optimizer's state dict \(it has \['optimizers'\]"):
+        opt.load_state_dict({"optimizers": {}})

@@ -61,12 +61,14 @@ ALGORITHMS = ("muon", "adamw")
 Nonfinite = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 
-# Keys a parameter group may carry besides its options: "params", torch's "param_names", the LR
-# schedulers' "initial_lr", a free "name", and the counters this core keeps per group. Other keys (what
+# Keys a parameter group may carry besides its options: "params", torch's "param_names", the keys torch's LR
+# schedulers write into every group (OneCycleLR's and CyclicLR's among them), a free "name", and the counters
+# this core keeps per group. Other keys (what
 # trainers and containers add, e.g. torchtitan's "fused"/"foreach") are kept and ignored with one
 # ForeignGroupKeyWarning, as torch's optimizers keep them; a key close to one of dimuon's options is a typo
 # that would otherwise be silently ignored, and is refused naming the option it resembles.
-_EXTRA_GROUP_KEYS = {"params", "param_names", "initial_lr", "name", "step", "skipped_steps"}
+_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr"}
+_EXTRA_GROUP_KEYS = {"params", "param_names", "name", "step", "skipped_steps"} | _SCHEDULER_KEYS
 _TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspelt option
 # Options that say how a 'muon' group's parameters become matrices: in an 'adamw' group they are a mistake.
 _MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
@@ -699,6 +701,12 @@ class MuonFamily(torch.optim.Optimizer):
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Raise a ValueError naming what differs unless ``state_dict`` was saved by this kind of optimizer
         over parameters of the same groups and shapes."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"state_dict is not an optimizer's state dict (it has {keys}, not 'state' and 'param_groups'); "
+                "a container's state (e.g. build('torch_muon')'s) loads into the same container"
+            )
         groups, loaded = self.param_groups, state_dict["param_groups"]
         if len(loaded) != len(groups):
             raise ValueError(f"state_dict has {len(loaded)} parameter groups, this optimizer {len(groups)}")
