@@ -643,3 +643,27 @@ def test_a_state_dict_that_is_not_an_optimizer_s_is_refused_naming_its_keys():
     opt = Muon([nn.Parameter(torch.randn(3, 3))])
     with pytest.raises(ValueError, match=r"not an optimizer's state dict \(it has \['optimizers'\]"):
         opt.load_state_dict({"optimizers": {}})
+
+
+def test_a_misspelt_constructor_argument_is_named_with_the_one_meant():
+    with pytest.raises(TypeError, match=r"\['betas'\] \('betas': did you mean 'adamw_betas'\?\); it takes \["):
+        Muon([nn.Parameter(torch.randn(3, 3))], betas=(0.9, 0.99))
+    with pytest.raises(TypeError, match=r"\('kk': did you mean 'k'\?\)|it takes \[.*'gamma', 'k'"):
+        PeriodicRowMuon([nn.Parameter(torch.randn(3, 3))], kk=3)
+
+
+def test_a_refused_group_or_load_leaves_no_trace():
+    opt = Muon([nn.Parameter(torch.randn(4, 4))], nonfinite="skip")
+    conv = nn.Parameter(torch.randn(8, 3, 3, 3))
+    with pytest.raises(ValueError, match="is in a 'muon' group, but Muon updates matrices"):
+        opt.add_param_group({"params": [conv, nn.Parameter(torch.randn(8))]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about the refused group's conv weight
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(5, 5))]})
+    # A skipped step, then a load that is refused: the skip is still counted.
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    with pytest.raises(ValueError):
+        opt.load_state_dict(PeriodicRowMuon([nn.Parameter(torch.randn(4, 4))]).state_dict())
+    assert opt.skipped_steps == 1

@@ -419,3 +419,15 @@ def test_per_head_splits_of_other_attention_modules():
     with pytest.raises(ValueError, match="num_heads must be an int >= 1"):
         dit_per_head_splits(0)
     assert HeadSplits({"a": 2}).with_split_sizes({"a": 3, "b": 4}) == {"a": 2, "b": 4}
+
+
+def test_an_attention_module_used_twice_is_split_per_head_under_its_first_name():
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            attn = nn.MultiheadAttention(16, 4)
+            self.layers = nn.ModuleList([attn, attn])  # one block, applied twice (weights shared)
+
+    groups = param_groups(Shared(), per_head=True)
+    found = {n: (g.get("split_sizes"), g.get("col_split_sizes")) for g in groups for n, p in g["params"] if p.ndim == 2}
+    assert found == {"layers.0.in_proj_weight": (12, None), "layers.0.out_proj.weight": (None, 4)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -310,9 +311,15 @@ class MuonFamily(torch.optim.Optimizer):
         )
         unknown = set(schedule_options) - set(self._schedule_defaults())
         if unknown:
+            signature = inspect.signature(MuonFamily.__init__).parameters.values()
+            options = {q.name for q in signature if q.kind is q.KEYWORD_ONLY or q.kind is q.POSITIONAL_OR_KEYWORD}
+            options = sorted((options - {"self", "params"}) | set(self._schedule_defaults()))
+            meant = {k: misspelt_option(k, options) for k in sorted(unknown)}
+            hints = "; ".join(f"{k!r}: did you mean {m!r}?" for k, m in meant.items() if m)
             raise TypeError(
-                f"{type(self).__name__} got unexpected argument(s) {sorted(unknown)}; "
-                f"its schedule options are {sorted(self._schedule_defaults())}"
+                f"{type(self).__name__} got unexpected argument(s) {sorted(unknown)}"
+                + (f" ({hints})" if hints else "")
+                + f"; it takes {options}"
             )
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
@@ -450,10 +457,12 @@ class MuonFamily(torch.optim.Optimizer):
         if getattr(self, "_votes", {}).get("pending_skips") is not None:
             self._fold_skips()  # the skips so far are the existing groups'
         super().add_param_group(param_group)
+        flattened = len(getattr(self, "_flattened", ()))
         try:
             self._check_group(len(self.param_groups) - 1)
         except (TypeError, ValueError):
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            del self._flattened[flattened:]  # its parameters are not flattened: no warning about them
             raise
         group = self.param_groups[-1]
         group.setdefault("step", 0)
@@ -658,10 +667,10 @@ class MuonFamily(torch.optim.Optimizer):
         grouping or parameter shapes, and keeping the matrix state in its saved dtypes (torch casts every
         floating state tensor to its parameter's dtype: momenta and row sums stay wide, references bf16)."""
         saved: list[tuple[Tensor, str, Tensor]] = []  # (parameter, key, the state tensor as loaded)
-        self._votes["pending_skips"] = None  # the loaded counts replace this run's
 
         def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
             self._check_loadable(loaded)
+            self._votes["pending_skips"] = None  # the loaded counts replace this run's (a refused load keeps them)
             ids = chain.from_iterable(g["params"] for g in loaded["param_groups"])
             params = chain.from_iterable(g["params"] for g in self.param_groups)
             for key, p in zip(ids, params):

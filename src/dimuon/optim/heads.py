@@ -79,7 +79,9 @@ def per_head_splits(model: nn.Module) -> HeadSplits:
     are left out. Names are those of
     ``model.named_parameters()``, so build the groups from the same (wrapped or not) model.
     """
-    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)  # a shared weight by its first name, as named_parameters() and param_groups say
     rows: dict[str, int] = {}
     cols: dict[str, int] = {}
 
