@@ -285,3 +285,15 @@ def test_a_relative_data_path_is_recorded_absolute_and_resumes_from_any_director
     assert train_main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0
     assert train_main(["--resume", str(run), "--steps", "4", "--data-path", str(data), "--no-progress"]) == 0
     assert [s for s, _ in list_checkpoints(run)] == [1, 2, 3, 4]
+
+
+def test_a_frozen_flag_named_with_the_value_the_data_set_gave_the_run_is_no_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=2, ckpt_interval=2))  # no --image-size: the data set's own 28
+    assert train_main(["--resume", str(run), "--steps", "3", "--image-size", "16", "--no-progress"]) == 2
+    assert "was trained with --image-size 28 (its data set's, the flag not given), this run asks for 16" in (
+        capsys.readouterr().err
+    )
+    assert train_main(["--resume", str(run), "--steps", "3", "--image-size", "28", "--no-progress"]) == 0

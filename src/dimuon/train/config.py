@@ -418,15 +418,25 @@ def _same(name: str, a: Any, b: Any) -> bool:
     return a == b
 
 
-def check_resume_flags(cfg: TrainConfig, saved: dict[str, Any], where: str) -> None:
-    """Refuse a flag that a run resumed from ``saved`` (its config dict, in ``where``) cannot change."""
+def check_resume_flags(
+    cfg: TrainConfig, saved: dict[str, Any], where: str, resolved: dict[str, Any] | None = None
+) -> None:
+    """Refuse a flag that a run resumed from ``saved`` (its config dict, in ``where``) cannot change. ``resolved``:
+    what the data set made of flags the run left to it (e.g. ``image_size`` of a run without ``--image-size``),
+    so that naming that value on resume is no change."""
     fresh = config_to_dict(cfg)
     saved_cfg = config_to_dict(config_from_dict(saved))  # defaults filled in, as it ran
+    for name, value in (resolved or {}).items():
+        if saved_cfg.get(name) is None and fresh.get(name) == value:
+            fresh[name] = None  # the value the run had, named
     for name, reason in FROZEN_ON_RESUME.items():
         if not _same(name, fresh[name], saved_cfg[name]):
+            was = saved_cfg[name]
+            if was is None and name in (resolved or {}):
+                was = f"{resolved[name]} (its data set's, the flag not given)"
             raise ConfigError(
                 f"{_flag(name)} cannot change on resume ({reason}): {where} was trained with "
-                f"{_flag(name)} {saved_cfg[name]}, this run asks for {fresh[name]}; resume without "
+                f"{_flag(name)} {was}, this run asks for {fresh[name]}; resume without "
                 f"{_flag(name)}, or start a new run (another --out, or --overwrite)"
             )
     defaults = {name: p.default for name, (p, _) in accepted_parameters(OPTIMIZERS[cfg.optimizer]).items()}

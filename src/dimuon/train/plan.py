@@ -143,7 +143,7 @@ def resume_point(cfg: TrainConfig, auto: AutoResume | None = None) -> ResumePoin
             return None
     else:
         point = find_resume_point(cfg.resume)
-    check_resume_flags(cfg, point.config, point.where)
+    check_resume_flags(cfg, point.config, point.where, point.resolved)
     if point.step > cfg.steps:
         raise ConfigError(
             f"--steps {cfg.steps} is behind the step {point.step} of {point.where}; pass --steps >= {point.step}"

@@ -14,7 +14,7 @@ that passes its manifest, and a new run starts when ``--out`` holds none yet.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ class ResumePoint:
     checkpoint: Path | None
     step: int
     config: dict[str, Any]
+    # What the data set made of flags left to it (--image-size, --channels, --num-classes), from the checkpoint.
+    resolved: dict[str, Any] = field(default_factory=dict)
 
     @property
     def where(self) -> str:
@@ -55,7 +57,13 @@ def run_of_checkpoint(checkpoint: Path) -> Path | None:
 
 def _from_checkpoint(checkpoint: Path, meta: dict[str, Any] | None = None) -> ResumePoint:
     meta = read_meta(checkpoint) if meta is None else meta
-    return ResumePoint(run_of_checkpoint(checkpoint), checkpoint, int(meta["step"]), meta["config"])
+    shape, classes = meta.get("image_shape"), meta.get("num_classes")
+    resolved = {}
+    if isinstance(shape, list) and len(shape) == 3:
+        resolved.update(channels=shape[0], image_size=shape[1])
+    if isinstance(classes, int):
+        resolved["num_classes"] = classes
+    return ResumePoint(run_of_checkpoint(checkpoint), checkpoint, int(meta["step"]), meta["config"], resolved)
 
 
 def find_resume_point(path: str | Path) -> ResumePoint:
