@@ -164,3 +164,18 @@ def test_a_failed_dcp_load_is_an_ordinary_error_of_one_line_per_rank(tmp_path: P
     with pytest.raises(Exception, match=r"^rank 0: RuntimeError: Missing key in checkpoint state_dict: b\.$") as err:
         dcp_load({"b": torch.zeros(3)}, tmp_path, no_dist=True)
     assert isinstance(err.value, DcpFailed)
+
+
+def test_the_rng_template_of_a_dcp_checkpoint_comes_from_what_was_saved(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dimuon.train.checkpoint import saved_rng_template
+
+    cpu = torch.get_rng_state()
+    cuda_like = torch.zeros(16, dtype=torch.uint8)  # what a CUDA generator's state looks like
+    for name, per_rank in (("cpu", [cpu]), ("cuda", [cpu, cuda_like])):
+        where = tmp_path / name
+        dcp.save({"rng": [per_rank, per_rank]}, checkpoint_id=str(where), no_dist=True)
+        template = saved_rng_template(where, 2)
+        # A run on another device than the one that saved it reads the checkpoint's states, not its own.
+        assert [[tuple(t.shape) for t in states] for states in template] == [[tuple(t.shape) for t in per_rank]] * 2

@@ -67,6 +67,24 @@ def _rng_state(env: DistEnv) -> list[torch.Tensor]:
     return states
 
 
+def saved_rng_template(ckpt_dir: Path, saved_world: int) -> list[list[torch.Tensor]]:
+    """Tensors of the shapes of every saved rank's RNG states, read from a DCP checkpoint's metadata: a run on
+    the CPU saved one state per rank, a CUDA run two, so the template cannot be this process's own states."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with dcp_errors():
+        saved = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    template = []
+    for rank in range(saved_world):
+        states, i = [], 0
+        while f"rng.{rank}.{i}" in saved:
+            entry = saved[f"rng.{rank}.{i}"]
+            states.append(torch.empty(tuple(entry.size), dtype=entry.properties.dtype))
+            i += 1
+        template.append(states)
+    return template
+
+
 def _set_rng_state(states: list[torch.Tensor], env: DistEnv) -> None:
     torch.set_rng_state(states[0].cpu())
     if env.device.type == "cuda" and len(states) > 1:
@@ -317,16 +335,14 @@ def _load_dcp(
 ) -> tuple[dict[str, float], list[list[torch.Tensor]]]:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    saved_world = int(meta["world_size"])
-    rng_shape = [s.clone() for s in _rng_state(env)]
-    state = _dcp_state(
-        model,
-        optimizer,
-        ema,
-        {k: 0.0 for k in meta.get("progress", {})},
-        [[s.clone() for s in rng_shape] for _ in range(saved_world)],
-    )
     try:
+        state = _dcp_state(
+            model,
+            optimizer,
+            ema,
+            {k: 0.0 for k in meta.get("progress", {})},
+            saved_rng_template(ckpt_dir, int(meta["world_size"])),
+        )
         dcp_load(state, ckpt_dir, no_dist=not env.distributed)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         ema.load_state_dict(state["ema"])
