@@ -667,3 +667,25 @@ def test_a_refused_group_or_load_leaves_no_trace():
     with pytest.raises(ValueError):
         opt.load_state_dict(PeriodicRowMuon([nn.Parameter(torch.randn(4, 4))]).state_dict())
     assert opt.skipped_steps == 1
+
+
+def test_load_post_hooks_see_and_keep_the_state_as_loaded():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    opt = PeriodicRowMuon([w], lr=0.02)
+    for _ in range(2):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    w2 = nn.Parameter(w.detach().clone())
+    opt2 = PeriodicRowMuon([w2], lr=0.02)
+    seen = {}
+
+    def restart_momentum(o: torch.optim.Optimizer) -> None:
+        seen["dtype"] = o.state[w2]["momentum_buffer"].dtype
+        o.state[w2]["momentum_buffer"] = torch.zeros_like(o.state[w2]["momentum_buffer"])
+
+    opt2.register_load_state_dict_post_hook(restart_momentum)
+    opt2.load_state_dict(saved)
+    assert seen["dtype"] == torch.float32  # the saved (wide) momentum, not torch's cast to the parameter's bf16
+    assert (opt2.state[w2]["momentum_buffer"] == 0).all()  # and what the hook wrote stays

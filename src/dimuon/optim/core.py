@@ -678,22 +678,29 @@ class MuonFamily(torch.optim.Optimizer):
                     if name in ("momentum_buffer", *self.schedule.state_dtypes):
                         saved.append((p, name, value))
 
-        handle = self.register_load_state_dict_pre_hook(check)  # after the user's pre-hooks
+        def restore(_: torch.optim.Optimizer) -> None:
+            for p, name, kept in saved:
+                now = self.state[p][name]
+                if now.dtype != kept.dtype:
+                    self.state[p][name] = kept.to(device=now.device)
+            self._schedule_scratch = {}  # what the schedule kept for its next step belongs to the run before
+            for group in self.param_groups:
+                for key, value in self._schedule_defaults().items():
+                    group.setdefault(key, value)  # an option added after the state_dict was saved
+                for p in group["params"]:
+                    if is_dtensor(p):
+                        self._follow_placements(p)
+
+        handles = (
+            self.register_load_state_dict_pre_hook(check),  # after the user's pre-hooks
+            # Before the user's post-hooks: they see (and may change) the state as it is loaded, not torch's casts.
+            self.register_load_state_dict_post_hook(restore, prepend=True),
+        )
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
-        for p, name, kept in saved:
-            now = self.state[p][name]
-            if now.dtype != kept.dtype:
-                self.state[p][name] = kept.to(device=now.device)
-        self._schedule_scratch = {}  # what the schedule kept for its next step belongs to the run before the load
-        for group in self.param_groups:
-            for key, value in self._schedule_defaults().items():
-                group.setdefault(key, value)  # an option added after the state_dict was saved
-            for p in group["params"]:
-                if is_dtensor(p):
-                    self._follow_placements(p)
+            for handle in handles:
+                handle.remove()
 
     def _follow_placements(self, p: Tensor) -> None:
         """Lay ``p``'s state tensors out as ``p`` is laid out: a checkpoint may bring them gathered along a
