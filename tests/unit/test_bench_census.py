@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dimuon import cli
@@ -112,12 +113,14 @@ def test_every_rank_s_work_derived_from_the_owner_plan_is_what_each_rank_traced(
 
 
 def test_a_group_of_rank_0_s_maps_to_its_copy_through_any_rank_on_the_mesh():
-    mesh = [[0, 1, 2, 3], [4, 5, 6, 7]]  # 2 x 4: rows the first dimension
-    assert census.member_index(mesh, [0, 1, 2, 3], 6) == 2  # the second row's copy: rank 6 is its third member
-    assert census.member_index(mesh, [0, 4], 7) == 1
-    assert census.member_index(mesh, [0, 1, 2, 3, 4, 5, 6, 7], 5) == 5
-    assert census.member_index(mesh, [0, 2], 3) is None  # not a whole sub-mesh
-    assert census.member_index(None, [0, 1], 1) is None
+    mesh = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])  # 2 x 4: rows the first dimension
+    where = census.mesh_coordinates(mesh)
+    assert census.member_index(mesh, where, [0, 1, 2, 3], 6) == 2  # the second row's copy: rank 6 is its third
+    assert census.member_index(mesh, where, [0, 4], 7) == 1
+    assert census.member_index(mesh, where, [0, 1, 2, 3, 4, 5, 6, 7], 5) == 5
+    assert census.member_index(mesh, where, [0, 2], 3) is None  # not a whole sub-mesh
+    assert census.member_index(mesh, where, [0, 1], 9) is None  # not on the mesh
+    assert census.member_index(None, {}, [0, 1], 1) is None  # no mesh
 
 
 def test_newton_schulz_is_stubbed_and_its_work_counted_per_rank(record):

@@ -82,6 +82,7 @@ from dimuon.optim.core import local_tensor
 from dimuon.optim.distributed import engine as engine_module
 from dimuon.optim.distributed import sharded as sharded_module
 from dimuon.optim.distributed.engine import col_split_sizes_to_ranges, split_sizes_to_ranges
+from dimuon.optim.distributed.sharded import mesh_coordinates
 from dimuon.optim.linalg import default_ns_dtype, newton_schulz_products
 
 PROG = "dimuon bench census"
@@ -1031,15 +1032,13 @@ def _sequence(step: dict[str, Any]) -> list[tuple[Any, ...]]:
     return [tuple(c[:4]) for c in step["collectives"]]
 
 
-def member_index(mesh_ranks: Any, group: Sequence[int], rank: int) -> int | None:
+def member_index(
+    ranks: Tensor | None, where: dict[int, tuple[int, ...]], group: Sequence[int], rank: int
+) -> int | None:
     """Where ``rank`` sits in its own copy of ``group``, a group of rank 0's spanning some dimensions of the mesh
-    (``mesh_ranks``: the mesh's global ranks as nested lists): the copy through ``rank`` holds the same pieces
-    in the same order, so the member at that index does the same work. None where ``group`` spans no set of
-    dimensions, or without a mesh."""
-    if mesh_ranks is None:
-        return None
-    ranks = torch.tensor(mesh_ranks)
-    where = {int(r): tuple(i.tolist()) for r, i in zip(ranks.reshape(-1), torch.stack(torch.where(ranks >= 0), 1))}
+    (``ranks``: the mesh's global ranks, ``where``: their coordinates, :func:`mesh_coordinates`): the copy through
+    ``rank`` holds the same pieces in the same order, so the member at that index does the same work. None where
+    ``group`` spans no set of dimensions."""
     if rank not in where or any(r not in where for r in group):
         return None
     origin = where[group[0]]
@@ -1068,9 +1067,11 @@ def plan_work(
     if not groups:
         return None
     rest = full["ns_flops"] - sum(loads[ranks.index(0)] for ranks, loads in groups)
+    mesh = None if mesh_ranks is None else torch.tensor(mesh_ranks)
+    where = {} if mesh is None else mesh_coordinates(mesh)  # once: every rank's coordinate
     work = {}
     for q in range(world):
-        at = [ranks.index(q) if q in ranks else member_index(mesh_ranks, ranks, q) for ranks, _ in groups]
+        at = [ranks.index(q) if q in ranks else member_index(mesh, where, ranks, q) for ranks, _ in groups]
         if None not in at:
             work[q] = rest + sum(loads[i] for (_, loads), i in zip(groups, at))
     checked = sorted(q for q in per_rank if q in work)

@@ -319,7 +319,7 @@ class ShardedEngine:
         shard = self._mesh_comm(mesh, layout.shard_dims)
         members: tuple[Piece, ...] = ()
         if shard is not None:
-            coords = _coordinates(mesh)
+            coords = mesh_coordinates(mesh.mesh)
             members = tuple(layout.piece_at(coords[r]) for r in dist.get_process_group_ranks(shard.group))
         pad = max((m.numel for m in members), default=layout.mine.numel)
         return _Placement(
@@ -1017,9 +1017,8 @@ def _local_logical_rows(job: MatrixJob, plc: _Placement) -> list[RowRange | None
     return out
 
 
-def _coordinates(mesh) -> dict[int, tuple[int, ...]]:
-    """The mesh coordinate of every global rank in ``mesh``."""
-    ranks = mesh.mesh
+def mesh_coordinates(ranks: Tensor) -> dict[int, tuple[int, ...]]:
+    """The coordinate of every global rank in a mesh's rank tensor (``DeviceMesh.mesh``)."""
     return {int(ranks[c]): c for c in itertools.product(*(range(s) for s in ranks.shape))}
 
 
