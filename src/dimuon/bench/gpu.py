@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from dimuon.bench.report import (
     parse_bench_flags,
     train_results,
 )
-from dimuon.io import write_json_atomic
+from dimuon.io import atomic_path, write_json_atomic
 
 PARTS = ("tests", "bench", "peers", "train")
 # dimuon's rows that the peers part times beside the other packages: the baselines of its ratio columns and Muon
@@ -526,9 +525,7 @@ def pack_logs(work: Path, dest: Path) -> Path:
     """Every part's log and outputs under ``work`` (:data:`PACKED`; not the compile cache) in one gzipped tarball
     at ``dest``, written atomically; a file longer than :data:`PACKED_MAX_BYTES` keeps its end."""
     files = sorted({f for pattern in PACKED for f in work.glob(pattern) if f.is_file()})
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for f in files:
             arcname = f"gpu-check/{f.relative_to(work).as_posix()}"
             size = f.stat().st_size
@@ -541,7 +538,6 @@ def pack_logs(work: Path, dest: Path) -> Path:
             info = tarfile.TarInfo(f"{arcname}.tail")
             info.size, info.mtime = len(data), int(f.stat().st_mtime)
             tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, dest)
     return dest
 
 
