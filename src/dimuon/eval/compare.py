@@ -18,6 +18,7 @@ from dimuon.metrics.registry import METRICS
 from dimuon.metrics.results import (
     RESULTS_FORMAT,
     describe_settings,
+    feature_space_test,
     format_value,
     load_results,
     ok_entries,
@@ -62,11 +63,12 @@ def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dic
     import matplotlib.pyplot as plt
 
     compared = []
+    space = feature_space_test(settings)  # once for every run (a DINOv2 weights file is hashed)
     for run in (Path(r).resolve() for r in runs):  # "." has no name to show
         path = RunLayout(run).results
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: run 'dimuon eval --run {run}' first")
-        key, ev = pick_series(load_results(path), settings, path)
+        key, ev = pick_series(load_results(path), settings, path, space)
         if not ok_entries(ev["entries"]):
             raise ValueError(f"{path}: series {key} has no successfully evaluated checkpoint")
         compared.append({"run": str(run), "name": run_label(Path(run)), "key": key, "series": ev})

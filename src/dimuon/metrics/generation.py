@@ -27,6 +27,7 @@ from dimuon.io import read_tensors, write_tensors_atomic
 from dimuon.metrics.evaluate import evaluate_features, extract_features
 from dimuon.metrics.features import build_extractor
 from dimuon.metrics.features.base import FeatureExtractor
+from dimuon.metrics.features.dinov2 import dinov2_space
 
 __all__ = [
     "FEATURE_SPACES",
@@ -146,18 +147,25 @@ def load_images(dataset: Any, num: int | None = None, batch_size: int = 1000) ->
     total = len(dataset) if num is None else min(num, len(dataset))
     if total < 1:
         raise ValueError("the data set is empty")
-    images, labels = [], []
-    for start in range(0, total, batch_size):
-        x, y = get_batch(dataset, np.arange(start, min(start + batch_size, total)))
-        images.append(x.float())
-        labels.append(y)
+    images, labels = zip(*_stream_batches(dataset, np.arange(total), batch_size))
     return torch.cat(images), torch.cat(labels)
 
 
-def _stream_images(dataset: Any, indices: np.ndarray, batch_size: int) -> Iterator[Tensor]:
-    """Images `(B, C, H, W)` (float32) of `dataset` at `indices`, decoded `batch_size` at a time, never all at once."""
+def _stream_batches(dataset: Any, indices: np.ndarray, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Images `(B, C, H, W)` (float32) and labels `(B,)` of `dataset` at `indices`, decoded `batch_size` at a time."""
     for first in range(0, len(indices), batch_size):
-        yield get_batch(dataset, indices[first : first + batch_size])[0].float()
+        x, y = get_batch(dataset, indices[first : first + batch_size])
+        yield x.float(), y
+
+
+def _stream_images(dataset: Any, indices: np.ndarray, batch_size: int) -> Iterator[Tensor]:
+    """The images of :func:`_stream_batches`, never all at once."""
+    return (x for x, _ in _stream_batches(dataset, indices, batch_size))
+
+
+def dinov2_feature_key(arch: str, weights: str | Path) -> str:
+    """A DINOv2 series' feature key: the encoder's space and the first 8 hex digits of its weights file's digest."""
+    return f"{dinov2_space(arch)}-{file_digest(weights)[:8]}"
 
 
 def dataset_fingerprint(name: str, kwargs: dict[str, Any]) -> str:
@@ -239,7 +247,7 @@ def build_feature_space(
                 "the dinov2 feature space needs a weights file (--dinov2-weights PATH); see docs/metrics.md"
             )
         extractor = build_extractor("dinov2", weights=dinov2_weights, arch=dinov2_arch)
-        key = f"{extractor.name}-{file_digest(dinov2_weights)[:8]}"
+        key = dinov2_feature_key(dinov2_arch, dinov2_weights)
     else:
         raise ValueError(f"unknown feature space {features!r}; choose one of: {', '.join(FEATURE_SPACES)}")
     return extractor.to(device), key

@@ -118,24 +118,33 @@ def newest_first(series: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, di
 def feature_space_test(cfg: EvalSettings) -> tuple[str, Callable[[dict[str, Any]], bool]]:
     """The feature space `cfg` names, in words, and a test of a series' settings for it: the classifier's of any
     data set, Inception's, or DINOv2's of ``dinov2_arch`` (and of the ``dinov2_weights`` file, where given)."""
+    from dimuon.metrics.features.dinov2 import dinov2_space
+    from dimuon.metrics.features.inception import INCEPTION_SPACE
+
     if cfg.features == "dinov2":
-        space = f"dinov2-{cfg.dinov2_arch}"
+        space = dinov2_space(cfg.dinov2_arch)
         if cfg.dinov2_weights is None:
             return space, lambda s: s["feature_space"] == space
-        from dimuon.metrics.generation import file_digest  # reads the file: only where asked for
+        from dimuon.metrics.generation import dinov2_feature_key  # reads the weights file: only where asked for
 
-        key = f"{space}-{file_digest(cfg.dinov2_weights)[:8]}"
+        key = dinov2_feature_key(cfg.dinov2_arch, cfg.dinov2_weights)
         return f"{space} ({cfg.dinov2_weights})", lambda s: s.get("feature_key") == key
     if cfg.features == "inception":
-        return "inception-v3-fid", lambda s: s["feature_space"] == "inception-v3-fid"
+        return INCEPTION_SPACE, lambda s: s["feature_space"] == INCEPTION_SPACE
     return f"{cfg.features}", lambda s: s["feature_space"].startswith(f"{cfg.features}-")
 
 
-def pick_series(results: dict[str, Any], cfg: EvalSettings, where: Path) -> tuple[str, dict[str, Any]]:
+def pick_series(
+    results: dict[str, Any],
+    cfg: EvalSettings,
+    where: Path,
+    space: tuple[str, Callable[[dict[str, Any]], bool]] | None = None,
+) -> tuple[str, dict[str, Any]]:
     """The series of a results file made with the sampling settings and feature space of `cfg`, against a real set
-    of `cfg.num_real` images where given (the latest, if several)."""
+    of `cfg.num_real` images where given (the latest, if several). ``space``: :func:`feature_space_test` of `cfg`
+    where the caller picks from several runs (made once: it may hash a weights file)."""
     want = sampling_settings(cfg)
-    space, in_space = feature_space_test(cfg)
+    space, in_space = space or feature_space_test(cfg)
     matches = [
         (key, ev)
         for key, ev in results["evaluations"].items()

