@@ -297,3 +297,10 @@ def test_a_frozen_flag_named_with_the_value_the_data_set_gave_the_run_is_no_chan
         capsys.readouterr().err
     )
     assert train_main(["--resume", str(run), "--steps", "3", "--image-size", "28", "--no-progress"]) == 0
+
+
+def test_a_value_the_resumed_run_had_is_not_refused_as_one_the_new_policy_ignores(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=2, ckpt_interval=2, nonfinite="skip", skip_limit=3))
+    # --skip-limit 3 comes from the run's config: continued under --nonfinite raise it is simply unused.
+    assert train_main(["--resume", str(run), "--steps", "3", "--nonfinite", "raise", "--no-progress"]) == 0

@@ -258,14 +258,17 @@ def validate(cfg: TrainConfig) -> None:
     _require(0.0 <= cfg.ema_decay <= 1.0, f"--ema-decay must be in [0, 1], got {cfg.ema_decay}")
     _require(0.0 <= cfg.class_dropout < 1.0, f"--class-dropout must be in [0, 1), got {cfg.class_dropout}")
     _check_positive_int("--skip-limit", cfg.skip_limit, 0)
-    # A flag set to what the run would ignore is a mistake in the command, not a choice: say so at start-up.
+    # A flag set to what the run would ignore is a mistake in the command, not a choice: say so at start-up. Not on
+    # resume, where the value may be the resumed run's own (a run with --nonfinite skip continued under raise).
     unused = (
         ("min_lr_ratio", "--min-lr-ratio", cfg.schedule == "constant", "--schedule constant keeps the lr at --lr"),
         ("skip_limit", "--skip-limit", cfg.nonfinite == "raise", "it counts skipped steps: --nonfinite skip"),
     )
     for name, flag, ignored, why in unused:
         value, default = getattr(cfg, name), TrainConfig.__dataclass_fields__[name].default
-        _require(not ignored or value == default, f"{flag} {value} has no effect here ({why}); drop it")
+        _require(
+            not ignored or value == default or bool(cfg.resume), f"{flag} {value} has no effect here ({why}); drop it"
+        )
     _check_positive_int("--log-interval", cfg.log_interval)
     for flag, value in (
         ("--seed", cfg.seed),
