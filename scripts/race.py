@@ -870,6 +870,8 @@ def rescore(
 
 def inception(args: argparse.Namespace) -> int:
     """Every ``seeds`` run's last checkpoint in Inception space, then the per-optimizer summary."""
+    from dimuon.io import write_json_atomic
+
     record_path = args.out / "seeds" / "results.json"
     if not record_path.is_file():
         raise SystemExit(f"race: {record_path} is missing: run --part seeds first")
@@ -898,7 +900,7 @@ def inception(args: argparse.Namespace) -> int:
         }
         for name, rows in summary.items()
     }
-    (args.out / "inception.json").write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    write_json_atomic(args.out / "inception.json", table)
     for name, t in table.items():
         print(f"{name:20s} Inception FD {t['fd_mean']:.2f} (seeds {t['fd_min']:.2f} .. {t['fd_max']:.2f})")
     return 0
@@ -1106,7 +1108,7 @@ def report(args: argparse.Namespace) -> int:
     from their copies in ``<report-dir>`` and the FD curves of runs whose directories are gone from the
     published race.json; a plot that needs files no longer here (the sample grids) is kept as published."""
     rr = _race_report()
-    from dimuon.io import write_json_atomic, write_text_atomic
+    from dimuon.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 
     dest = args.report_dir or args.out / "report"
     previous = _record(dest / "race.json") or {}
@@ -1254,7 +1256,7 @@ def report(args: argparse.Namespace) -> int:
     for name in ("scale.json", "gap_vs_params.png", "fd.json"):  # the scale and fd parts' records, as they are
         if (args.out / name).is_file() and args.out.resolve() != dest.resolve():
             outputs.append(dest / name)
-            (dest / name).write_bytes((args.out / name).read_bytes())
+            write_bytes_atomic(dest / name, (args.out / name).read_bytes())
     fd_record = _record(dest / "fd.json")  # the run's own, copied just above, else the published one
     if fd_record is not None and not fd_record.get("rows"):
         fd_record = None

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dimuon.io import read_jsonl, save_figure_atomic
+from dimuon.io import read_jsonl, save_figure_atomic, write_text_atomic
 from dimuon.optim.linalg import newton_schulz, row_normalize
 
 CANDIDATES = ("drift", "drift_bf16", "rownorm_misalign", "align_drop")
@@ -338,7 +338,7 @@ def main() -> None:
     }
     out_json = args.json or args.out / "staleness-summary.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(summary, indent=1) + "\n")
+    write_text_atomic(out_json, json.dumps(summary, indent=1) + "\n")
     for p in plot(summary, args.png_prefix or str(args.out / "staleness")):
         print(p)
     corr = summary["correlation_with_truth"]

@@ -26,6 +26,7 @@ import torch
 import tyro
 from torch import nn
 
+from dimuon.io import write_text_atomic
 from dimuon.log import run_command
 from dimuon.optim import DIT_FUSED_SPLITS, param_groups
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
@@ -229,7 +230,7 @@ def run(cfg: GroupsConfig) -> list[dict[str, Any]]:
     rows = group_table(model, rules, splits, cfg.per_head)
     print(render(rows, what, cfg.all))
     if cfg.json is not None:
-        cfg.json.write_text(json.dumps({"model": what, "parameters": rows}, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(cfg.json, json.dumps({"model": what, "parameters": rows}, indent=2) + "\n")
         print(f"wrote {cfg.json}")
     return rows
 

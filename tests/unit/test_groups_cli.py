@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +83,22 @@ def test_per_head_shows_each_heads_matrices(capsys):
     text = capsys.readouterr().out
     assert "blocks.0.attn.qkv.weight" in text and "as 18 matrices of 64x384" in text
     assert "as 6 x (384x64, 384x64, 384x64, 384x64, 384x64, 384x64)" in text  # the out-projection's columns
+
+
+def test_a_json_write_that_fails_part_way_keeps_the_previous_table(tmp_path):
+    """--json goes through the atomic writer: a write cut short (a file-size limit here, as a full disk would)
+    fails, and the previous table is still whole."""
+    out = tmp_path / "groups.json"
+    assert main(["groups", "--model", "DiT-T/2", "--json", str(out)]) == 0
+    before = out.read_text()
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "from dimuon.cli import main\n"
+        f"sys.exit(main(['groups', '--model', 'DiT-XS/2', '--json', {str(out)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "File too large" in done.stderr + done.stdout
+    assert out.read_text() == before
+    assert len(json.loads(before)["parameters"]) > 0

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 import tyro
 
-from dimuon.io import read_jsonl
+from dimuon.io import read_jsonl, write_text_atomic
 
 C = TypeVar("C")
 
@@ -212,5 +212,5 @@ def print_report(record: dict[str, Any], render: Callable[..., str], out: Path, 
     print(f"\nwrote {out}")
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(render(record, markdown=True) + "\n", encoding="utf-8")
+        write_text_atomic(markdown, render(record, markdown=True) + "\n")
         print(f"wrote {markdown}")
