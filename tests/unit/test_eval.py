@@ -8,11 +8,13 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tests.eval_runs import FAST_FLAGS, make_run, run_eval, tiny_dit
 
 from dimuon.data import build_dataset
+from dimuon.data.subsets import balanced_subset
 from dimuon.dit import build_dit
 from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.eval import run as run_module
@@ -135,8 +137,17 @@ def test_real_features_are_cached_by_dataset_and_extractor(cache_dir, evaluator,
     again = GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, progress=False)
     assert torch.equal(again.real_feats, evaluator.real_feats)
     monkeypatch.undo()
+    # Part of the split: the classes in turn (the split's first 50 hold no 4 and twelve 2s).
     fewer = GenerationEvaluator.for_dataset("digits", {}, FAST, cache_dir=cache_dir, num_real=50, progress=False)
-    torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[:50])
+    val = build_dataset("digits", split="val")
+    chosen = balanced_subset(val.labels, 50)
+    assert np.bincount(val.labels[chosen]).tolist() == [5] * 10
+    torch.testing.assert_close(fewer.real_feats, evaluator.real_feats[torch.from_numpy(chosen)])
+    assert fewer.real_subset == "class-balanced" and evaluator.real_subset is None
+    assert (
+        cache_dir / f"real-{generation.dataset_fingerprint('digits', {})}-val-n50-balanced-"
+        f"{evaluator.feature_space}.safetensors"
+    ).is_file()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,9 +405,8 @@ def test_compare_runs_tabulates_best_fd(run_dir, cache_dir, tmp_path, capsys) ->
     full = only_series(other)[1]["settings"]["num_real"]
     assert run_eval(run_dir, cache_dir, "--num-real", "20") == 0
     assert main(["--compare", str(run_dir), str(other), "--out", str(out), *FAST_FLAGS]) == 2
-    assert f"different real sets (run: 20 images of digits, other (muon): {full} images of digits)" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert f"different real sets (run: 20 images of digits (class-balanced), other (muon): {full} images" in err
     flags = ["--compare", str(run_dir), str(other), "--out", str(out), "--num-real", str(full), *FAST_FLAGS]
     assert main(flags) == 0
     assert json.loads((out / "compare.json").read_text())["target_fd"] == record["target_fd"]

@@ -23,6 +23,7 @@ from dimuon.metrics.results import (
     load_results,
     ok_entries,
     pick_series,
+    real_subset_words,
     summarize,
 )
 
@@ -38,17 +39,18 @@ def run_label(run: Path) -> str:
     return f"{run.name} ({optimizer})" if isinstance(optimizer, str) and optimizer not in run.name else run.name
 
 
-def real_set(settings: dict[str, Any]) -> tuple[str, int]:
-    """What a series was scored against: its data set as built (name and every option, e.g. root and image size)
-    and the number of real images."""
-    return json.dumps(settings["dataset"], sort_keys=True), settings["num_real"]
+def real_set(settings: dict[str, Any]) -> tuple[str, int, str | None]:
+    """What a series was scored against: its data set as built (name and every option, e.g. root and image size),
+    the number of real images and how they were chosen from part of the split."""
+    return json.dumps(settings["dataset"], sort_keys=True), settings["num_real"], settings.get("real_subset")
 
 
 def describe_real_set(settings: dict[str, Any]) -> str:
     """``N images of NAME`` and the data set's options where it has any."""
     dataset = settings["dataset"]
     options = ", ".join(f"{k}={v}" for k, v in sorted((dataset.get("kwargs") or {}).items()))
-    return f"{settings['num_real']} images of {dataset['name']}" + (f" ({options})" if options else "")
+    described = f"{settings['num_real']} images of {dataset['name']}" + (f" ({options})" if options else "")
+    return described + real_subset_words(settings)
 
 
 def compare_runs(runs: Sequence[Path], settings: EvalSettings, out: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class EvalSettings:
     num_samples: int = 1000
     """Generated samples per evaluation (labels cycle through the classes in order)."""
     num_real: int | None = None
-    """Real images: the first N of the held-out split (default: all of it)."""
+    """Real images: N of the held-out split, the classes in turn (default: all of it)."""
     seed: int = 0
     """Seed of the starting noise (sample i has its own generator, so the batch size does not matter)."""
     sampler: Literal["euler", "heun"] = "heun"

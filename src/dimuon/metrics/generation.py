@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dimuon.data import build_dataset, get_batch
+from dimuon.data.subsets import BALANCED_SUBSET, balanced_subset
 from dimuon.dit.sampler import sample
 from dimuon.io import read_tensors, write_tensors_atomic
 from dimuon.metrics.evaluate import evaluate_features, extract_features
@@ -268,6 +269,7 @@ class GenerationEvaluator:
         progress: bool = True,
         feature_key: str | None = None,
         train_split: tuple[str, dict[str, Any]] | None = None,
+        real_subset: str | None = None,
     ) -> None:
         self.extractor = extractor
         self.real_feats = real_feats
@@ -279,6 +281,7 @@ class GenerationEvaluator:
         self.progress = progress
         self.feature_key = feature_key or extractor.name
         self.train_split = train_split  # (dataset name, build kwargs) for reference(); None if unknown
+        self.real_subset = real_subset  # how the real set was chosen from part of its split; None: all of it
 
     @classmethod
     def for_dataset(
@@ -301,17 +304,20 @@ class GenerationEvaluator:
         )
         val = build_dataset(dataset_name, split="val", **dataset_kwargs)
         n_real = len(val) if num_real is None else min(num_real, len(val))
-        fingerprint = dataset_fingerprint(dataset_name, dataset_kwargs)
-        path = Path(cache_dir) / f"real-{fingerprint}-val-n{n_real}-{feature_key}.safetensors"
         if n_real < 1:
             raise ValueError("the data set is empty")
+        # Part of the split: the classes in turn (its first items would be its first classes), in its own cache file.
+        subset = BALANCED_SUBSET if n_real < len(val) else None
+        fingerprint = dataset_fingerprint(dataset_name, dataset_kwargs)
+        name = f"real-{fingerprint}-val-n{n_real}{'-balanced' if subset else ''}-{feature_key}.safetensors"
+        meta = {"dataset": dataset_name, "dataset_kwargs": dataset_kwargs, "split": "val", "n": n_real}
         real = cached_features(
             extractor,
-            lambda: _stream_images(val, np.arange(n_real), batch_size),  # one batch in memory at a time
-            path,
+            lambda: _stream_images(val, balanced_subset(val.labels, n_real), batch_size),  # a batch at a time
+            Path(cache_dir) / name,
             batch_size=batch_size,
             progress=progress,
-            meta={"dataset": dataset_name, "dataset_kwargs": dataset_kwargs, "split": "val", "n": n_real},
+            meta={**meta, "subset": subset} if subset else meta,
             total=n_real,
         )
         return cls(
@@ -325,6 +331,7 @@ class GenerationEvaluator:
             progress=progress,
             feature_key=feature_key,
             train_split=(dataset_name, dataset_kwargs),
+            real_subset=subset,
         )
 
     @property

@@ -200,8 +200,15 @@ def describe_settings(s: dict[str, Any]) -> str:
         f"feature space `{s['feature_space']}` · {s['num_samples']} samples (class-balanced, seed {s['seed']}) · "
         f"{s['sampler']} {s['sample_steps']} steps, cfg {s['cfg_scale']:g} · "
         f"{'EMA' if s['ema'] else 'raw'} weights · real set: {s['num_real']} images of the "
-        f"`{s['dataset']['name']}` val split"
+        f"`{s['dataset']['name']}` val split{real_subset_words(s)}"
     )
+
+
+def real_subset_words(s: dict[str, Any]) -> str:
+    """How a series' real set was chosen from part of its split, in words (nothing for the whole split)."""
+    if s.get("real_subset"):
+        return f" ({s['real_subset']})"
+    return ""
 
 
 def markdown(results: dict[str, Any], run_name: str) -> str:

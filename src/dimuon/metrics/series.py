@@ -131,6 +131,7 @@ class RunEvaluation:
             "feature_key": ev.feature_key,
             "dataset": {"name": ds["name"], "kwargs": kwargs},
             "num_real": int(ev.real_feats.shape[0]),
+            **({"real_subset": ev.real_subset} if ev.real_subset else {}),
             **sampling_settings(cfg),
             "k_pr": K_PR,
             "k_dc": K_DC,
