@@ -179,6 +179,74 @@ def test_image_folder_check_decodes_every_file_and_names_the_broken_ones(tmp_pat
     assert "checking data" in capsys.readouterr().err  # the bar of a large folder
 
 
+def test_image_folder_scales_16_bit_grayscale_to_8_bits_and_refuses_float_images(tmp_path):
+    root = tmp_path / "imgs"
+    for cls in ("a", "b", "c"):
+        (root / cls).mkdir(parents=True)
+    ramp16 = np.tile(np.linspace(0, 65535, 8).astype(np.uint16), (8, 1))  # black to white, 16 bits
+    ramp8 = np.round(ramp16 / 257).astype(np.uint8)
+    Image.fromarray(ramp16).save(root / "a" / "ramp16.png")  # Pillow mode I;16
+    Image.fromarray(ramp16.astype(np.int32)).save(root / "a" / "ramp32.tif")  # mode I, 16-bit values
+    Image.fromarray(ramp8).save(root / "b" / "ramp8.png")
+    for channels in (1, 3):
+        ds = build_dataset("folder", "all", root=root, image_size=8, channels=channels)
+        assert Image.open(ds.files[0]).mode == "I;16" and Image.open(ds.files[1]).mode == "I"
+        assert find_problems(ds) == []
+        x, _ = get_batch(ds, range(3))
+        assert torch.equal(x[0], x[2]) and torch.equal(x[1], x[2])  # 16-bit scaled by 1/257, as the 8-bit file
+        assert x[2, 0, 0, 0] == -1.0 and x[2, 0, 0, -1] == 1.0
+    # Mode I beyond 16 bits and mode F (no fixed white level) are refused by the check, naming file and mode.
+    Image.fromarray(np.full((8, 8), 70000, dtype=np.int32)).save(root / "c" / "big.tif")
+    Image.fromarray(ramp16.astype(np.float32)).save(root / "c" / "float.tif")
+    ds = build_dataset("folder", "all", root=root, image_size=8, channels=1)
+    found = find_problems(ds)
+    assert len(found) == 2
+    assert found[0].startswith(f"{root / 'c' / 'big.tif'} cannot be decoded (ValueError: Pillow mode I (32-bit")
+    assert "70000..70000, outside the 16-bit range" in found[0]
+    assert found[1].startswith(f"{root / 'c' / 'float.tif'} cannot be decoded (ValueError: Pillow mode F ")
+    with pytest.raises(ValueError, match=r"float\.tif: Pillow mode F \(32-bit floating point\)"):
+        ds[ds.files.index(root / "c" / "float.tif")]
+
+
+def test_image_folder_check_loads_items_as_training_does(tmp_path):
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    Image.new("LAB", (8, 8)).save(root / "a" / "lab.tif")  # decodes, but has no conversion to L or RGB
+    Image.new("L", (8, 8)).save(root / "a" / "ok.png")
+    ds = build_dataset("folder", "all", root=root, image_size=8, channels=1)
+    with pytest.raises(ValueError, match="conversion from LAB"):
+        ds[0]
+    found = find_problems(ds)
+    assert len(found) == 1
+    assert found[0].startswith(f"{root / 'a' / 'lab.tif'} cannot be decoded (ValueError: conversion from LAB")
+    assert ds[1][0].shape == (1, 8, 8)
+
+
+def test_image_folder_classes_called_train_and_val_are_classes(tmp_path):
+    root = _write_folder(tmp_path / "vehicles", {"cat": 3, "train": 2, "val": 1}, size=(8, 8))
+    everything = build_dataset("folder", "all", root=root, image_size=8)
+    assert everything.classes == ["cat", "train", "val"] and len(everything) == 6
+    train = build_dataset("folder", "train", root=root, image_size=8, val_fraction=0.2)
+    val = build_dataset("folder", "val", root=root, image_size=8, val_fraction=0.2)
+    assert train.classes == val.classes == ["cat", "train", "val"]
+    assert (len(train), len(val)) == (5, 1) and not set(train.files) & set(val.files)
+
+
+def test_image_folder_all_of_its_own_splits_is_both_with_one_class_list(tmp_path):
+    root = tmp_path / "explicit"
+    _write_folder(root / "train", {"cat": 2, "dog": 3}, size=(8, 8))
+    _write_folder(root / "val", {"cat": 1, "dog": 1}, size=(8, 8))
+    train = build_dataset("folder", "train", root=root, image_size=8)
+    val = build_dataset("folder", "val", root=root, image_size=8)
+    everything = build_dataset("folder", "all", root=root, image_size=8)
+    assert everything.classes == train.classes == ["cat", "dog"]
+    assert everything.files == train.files + val.files
+    assert everything.labels.tolist() == train.labels.tolist() + val.labels.tolist() == [0, 0, 1, 1, 1, 0, 1]
+    _write_folder(root / "val", {"fox": 1}, size=(8, 8))
+    with pytest.raises(ValueError, match=r"explicit: train/ and val/ have different classes \(cat, dog and cat, dog"):
+        build_dataset("folder", "all", root=root, image_size=8)
+
+
 # --------------------------------------------------------------------------------------------------
 # Array shards
 # --------------------------------------------------------------------------------------------------
@@ -251,6 +319,73 @@ def test_arrays_errors_name_the_problem(tmp_path):
     np.savez(mixed / "b.npz", images=np.zeros((2, 1, 6, 6), dtype=np.uint8), labels=np.zeros(2))
     with pytest.raises(ValueError, match="image size mismatch between shards"):
         build_dataset("arrays", "all", path=mixed)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16, np.int16])
+def test_arrays_integer_pixels_of_any_dtype_map_like_uint8(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    nhwc = rng.integers(0, 256, (6, 8, 8, 3)).astype(np.uint8)
+    nhwc[0, 0, 0] = (0, 255, 7)
+    for layout, images in (("nhwc", nhwc), ("nchw", nhwc.transpose(0, 3, 1, 2))):
+        ref = build_dataset("arrays", "all", path=_npz(tmp_path / f"u8_{layout}.npz", images, [0, 1] * 3))
+        ds = build_dataset("arrays", "all", path=_npz(tmp_path / f"{layout}.npz", images.astype(dtype), [0, 1] * 3))
+        assert (ds.channels, ds.image_size) == (3, 8)  # channels-last found for any integer dtype
+        assert torch.equal(get_batch(ds, range(6))[0], get_batch(ref, range(6))[0])
+        assert find_problems(ds) == []
+    too_big = nhwc.astype(np.uint16)
+    too_big[2, 1, 1, 0] = 1000
+    with pytest.raises(
+        ValueError, match=r"big.npz: integer pixel arrays must hold values in 0\.\.255 .* uint16 images hold 0\.\.1000"
+    ):
+        build_dataset("arrays", "all", path=_npz(tmp_path / "big.npz", too_big, [0, 1] * 3))
+    negative = nhwc.astype(np.int64)
+    negative[0, 0, 0, 0] = -3
+    with pytest.raises(ValueError, match=r"int64 images hold -3\.\.255"):
+        build_dataset("arrays", "all", path=_npz(tmp_path / "neg.npz", negative, [0, 1] * 3))
+
+
+def test_arrays_empty_file_says_it_has_no_items(tmp_path):
+    path = _npz(tmp_path / "empty.npz", np.zeros((0, 1, 8, 8), np.uint8), np.zeros(0, np.int64))
+    for split in ("train", "val", "all"):
+        with pytest.raises(ValueError, match=r"^no items in array data at .*empty\.npz$"):
+            build_dataset("arrays", split, path=path)
+
+
+def test_arrays_all_of_its_own_splits_is_both_splits_rows(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+    train_x = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)  # channels-last .npz shards
+    _npz(root / "train" / "0.npz", train_x[:3], [0, 1, 2])
+    _npz(root / "train" / "1.npz", train_x[3:], [1])
+    val_x = rng.integers(0, 256, (2, 3, 8, 8), dtype=np.uint8)  # channels-first .safetensors
+    save_file({"images": val_x, "labels": np.array([2, 0])}, str(root / "val" / "v.safetensors"))
+    train = build_dataset("arrays", "train", path=root, num_classes=3)
+    val = build_dataset("arrays", "val", path=root, num_classes=3)
+    everything = build_dataset("arrays", "all", path=root)  # classes inferred from both splits' labels
+    assert (len(train), len(val), len(everything), everything.num_classes) == (4, 2, 6, 3)
+    both = torch.cat([get_batch(train, range(4))[0], get_batch(val, range(2))[0]])
+    assert torch.equal(get_batch(everything, range(6))[0], both)
+    assert everything.labels.tolist() == [0, 1, 2, 1, 2, 0]
+    assert everything.describe(3) == f"row 0 of {root / 'train' / '1.npz'}"
+    assert everything.describe(5) == f"row 1 of {root / 'val' / 'v.safetensors'}"
+
+
+def test_arrays_own_splits_must_share_one_image_shape(tmp_path):
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+    _npz(root / "train" / "0.npz", np.zeros((4, 8, 8, 3), np.uint8), [0, 1, 0, 1])  # channels-last: 3x8x8
+    np.save(root / "val" / "images.npy", np.zeros((2, 1, 4, 4), np.float32))
+    np.save(root / "val" / "labels.npy", np.array([0, 1]))
+    for split in ("train", "val", "all"):  # refused whichever split is built, from the file headers
+        with pytest.raises(ValueError, match=r"data: the images of train/ are 3x8x8 but those of val/ are 1x4x4"):
+            build_dataset("arrays", split, path=root)
+    save_file({"latents": np.zeros((2, 3, 8, 8), np.float32), "labels": np.array([0, 1])}, str(root / "val" / "v.st"))
+    (root / "val" / "images.npy").unlink()
+    (root / "val" / "v.st").rename(root / "val" / "v.safetensors")
+    assert build_dataset("arrays", "val", path=root).images.shape == (2, 3, 8, 8)
 
 
 def test_get_batch_falls_back_to_items():

@@ -267,3 +267,20 @@ def test_diffusers_adapter_trains_with_the_flow_loss(diffusers_dit):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert loss.item() > 0 and len(grads) > 0
     model.zero_grad(set_to_none=True)
+
+
+def test_diffusers_adapter_with_bf16_weights_takes_fp32_images_as_dit_does():
+    pytest.importorskip(
+        "diffusers", reason="the diffusers adapter needs the optional extra: pip install 'dimuon[diffusers]'"
+    )
+    from dimuon.dit.diffusers_adapter import build_diffusers_dit
+    from dimuon.dit.flow import validation_loss
+    from dimuon.dit.sampler import sample
+
+    torch.manual_seed(0)
+    model = build_diffusers_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=3).to(torch.bfloat16).eval()
+    x, t, y = _inputs(2, 1, 8, num_classes=3)
+    assert model(x, t, y).dtype == torch.bfloat16  # fp32 images in, computed in the weights' dtype
+    out = sample(model, y, (1, 8, 8), steps=2, cfg_scale=2.0, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 1, 8, 8) and torch.isfinite(out).all()
+    assert validation_loss(model, x.clamp(-1, 1), y, t_grid=(0.5,)).mean > 0

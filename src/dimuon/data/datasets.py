@@ -36,6 +36,7 @@ __all__ = [
     "get_batch",
     "infer_num_classes",
     "load_arrays",
+    "load_image",
     "split_indices",
 ]
 
@@ -77,9 +78,9 @@ def _val_size(n: int, val_fraction: float) -> int:
 class ArrayDataset(torch.utils.data.Dataset):
     """Images (N, C, H, W) held as an array (possibly memory-mapped) and converted per item.
 
-    ``uint8`` pixels map to [-1, 1]; floating arrays are returned as ``scale * x`` (already-scaled
-    images, or latents with e.g. the VAE's scale factor). ``index`` selects a subset of the rows
-    without copying them.
+    Integer arrays are pixels: their values must lie in 0..255 (any integer dtype, checked here once) and
+    map to [-1, 1] as ``uint8`` does. Floating arrays are returned as ``scale * x`` (already-scaled images,
+    or latents with e.g. the VAE's scale factor). ``index`` selects a subset of the rows without copying them.
     """
 
     def __init__(
@@ -107,6 +108,15 @@ class ArrayDataset(torch.utils.data.Dataset):
         self.scale = scale
         self.source = source
         self.shards = list(shards)  # (file, rows) of each shard, in row order; empty for one source
+        self.pixels = bool(np.issubdtype(images.dtype, np.integer))
+        if self.pixels and images.dtype != np.uint8 and images.size:
+            lo, hi = int(images.min()), int(images.max())
+            if lo < 0 or hi > 255:
+                raise ValueError(
+                    f"{source}: integer pixel arrays must hold values in 0..255 (they map to [-1, 1] as uint8 "
+                    f"does), but these {images.dtype} images hold {lo}..{hi}; rescale them to 0..255 (16-bit: "
+                    "divide by 257) or store floating-point values (used as they are, times scale)"
+                )
         bad = np.flatnonzero((self.labels < 0) | (self.labels >= self.num_classes))
         if len(bad):
             raise ValueError(
@@ -128,17 +138,17 @@ class ArrayDataset(torch.utils.data.Dataset):
 
     def find_problems(self, positions: Sequence[int]) -> list[str]:
         """Items among ``positions`` whose values are not finite (NaN or inf), each named by :meth:`describe`."""
-        if not np.issubdtype(self.images.dtype, np.floating):
-            return []  # integer pixels are always finite
+        if self.pixels:
+            return []  # integer pixels are always finite, and their range was checked on construction
         rows = self.index[np.asarray(positions, dtype=np.int64)]
         finite = np.isfinite(np.asarray(self.images[rows])).reshape(len(rows), -1).all(axis=1)
         return [f"{self.describe(int(positions[j]))} holds NaN or inf values" for j in np.flatnonzero(~finite)]
 
     def _convert(self, arr: np.ndarray) -> Tensor:
-        x = torch.from_numpy(np.array(arr))  # a copy: callers may modify it, and shards can be read-only
-        if x.dtype == torch.uint8:
-            return x.float() / 127.5 - 1.0
-        return x.float() * self.scale
+        x = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: callers may modify it, shards may be read-only
+        if self.pixels:
+            return x / 127.5 - 1.0
+        return x * self.scale
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         return self._convert(self.images[self.index[i]]), int(self.labels[i])
@@ -250,6 +260,44 @@ def _load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray, list[tuple[str, in
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), rows
 
 
+def _stored_images(path: Path) -> tuple[tuple[int, ...], bool]:
+    """Shape of the ``images``/``latents`` array of one ``.npy``/``.npz``/``.safetensors`` file and whether it holds
+    integers, from the file's header alone (nothing else is read)."""
+    if path.suffix == ".npy":
+        arr = np.load(path, mmap_mode="r")
+        return tuple(arr.shape), bool(np.issubdtype(arr.dtype, np.integer))
+    if path.suffix == ".npz":
+        with np.load(path) as z:
+            name = _pick({k: k for k in z.files}, ("images", "latents"), path)
+            with z.zip.open(f"{name}.npy") as f:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+        return tuple(shape), bool(np.issubdtype(dtype, np.integer))
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        names = f.keys()  # a list: the file object itself is not iterable
+        tensor = f.get_slice(_pick({k: k for k in names}, ("images", "latents"), path))
+        return tuple(tensor.get_shape()), tensor.get_dtype()[0] in "UI"  # U8, I64, ...: integers
+
+
+def _image_shape(path: Path) -> tuple[int, ...]:
+    """The (C, H, W) of the images :func:`load_arrays` would read at ``path``, from file headers only (the first
+    shard of a folder: reading the folder checks that the others agree)."""
+    if path.is_dir():
+        for stem in ("images", "latents"):
+            if (path / f"{stem}.npy").is_file() and (path / "labels.npy").is_file():
+                return _item_shape(*_stored_images(path / f"{stem}.npy"))
+        shards = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".safetensors"))
+        if not shards:
+            raise FileNotFoundError(
+                f"no array shards in {path}: expected *.npz / *.safetensors files, or images.npy + labels.npy"
+            )
+        path = shards[0]
+    return _item_shape(*_stored_images(path))
+
+
 def infer_num_classes(labels: np.ndarray, where: str | Path) -> int:
     """The number of classes ``K`` of integer labels, as the number of distinct labels; they must be 0..K-1.
 
@@ -269,13 +317,27 @@ def infer_num_classes(labels: np.ndarray, where: str | Path) -> int:
     return k
 
 
+def _channels_last(shape: Sequence[int], integer: bool) -> bool:
+    """Whether stored images of this shape are (N, H, W, C): integer pixels (any integer dtype) whose last axis,
+    and not their second, has 1, 3 or 4 channels. Floating arrays (latents) are always (N, C, H, W)."""
+    return integer and len(shape) == 4 and shape[-1] in (1, 3, 4) and shape[1] not in (1, 3, 4)
+
+
+def _item_shape(shape: Sequence[int], integer: bool) -> tuple[int, ...]:
+    """The (C, H, W) of one image of a stored array of this shape, as :func:`_to_nchw` lays it out."""
+    if len(shape) == 3:
+        return (1, *shape[1:])
+    if _channels_last(shape, integer):
+        return (shape[3], shape[1], shape[2])
+    return tuple(shape[1:])
+
+
 def _to_nchw(images: np.ndarray, labels: np.ndarray, where: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Bring images to (N, C, H, W): (N, H, W) gains a channel; uint8 (N, H, W, C) with C in 1/3/4 is moved."""
+    """Bring images to (N, C, H, W): (N, H, W) gains a channel; integer (N, H, W, C) with C in 1/3/4 is moved."""
     if images.ndim == 3:
         images = images[:, None]
-    elif images.ndim == 4 and images.dtype == np.uint8:
-        channels_last = images.shape[-1] in (1, 3, 4) and images.shape[1] not in (1, 3, 4)
-        images = np.transpose(images, (0, 3, 1, 2)) if channels_last else images
+    elif _channels_last(images.shape, np.issubdtype(images.dtype, np.integer)):
+        images = np.transpose(images, (0, 3, 1, 2))
     if images.ndim != 4:
         raise ValueError(f"{where}: images must be (N, C, H, W), (N, H, W, C) or (N, H, W), got {images.shape}")
     labels = np.asarray(labels).reshape(-1)
@@ -297,17 +359,32 @@ def _arrays(
     scale: float = 1.0,
     val_fraction: float = 0.1,
 ) -> ArrayDataset:
-    """Array shards; the ``val`` split is a fixed ``val_fraction`` of the items unless ``path/<split>`` exists."""
+    """Array shards; the ``val`` split is a fixed ``val_fraction`` of the items unless ``path`` holds its own
+    ``train/`` and ``val/`` (then ``all`` is both, train's rows first, read into memory)."""
     path = Path(path)
-    _one_split_only(path, "array data")
-    source = path / split if (path / split).is_dir() else path
-    images, labels, shards = _load_arrays(source)
-    if source != path:
+    own_splits = _has_split_dirs(path, "array data")
+    if own_splits:
+        shapes = {s: _image_shape(path / s) for s in ("train", "val")}
+        if shapes["train"] != shapes["val"]:
+            train_shape, val_shape = ("x".join(map(str, shapes[s])) for s in ("train", "val"))
+            raise ValueError(
+                f"array data {path}: the images of train/ are {train_shape} but those of val/ are {val_shape}; "
+                "both splits must have one image shape (C x H x W)"
+            )
+    source = path / split if own_splits and split != "all" else path
+    if own_splits and split == "all":
+        parts = [(path / s, *_load_arrays(path / s)) for s in ("train", "val")]
+        images = np.concatenate([p[1] for p in parts])
+        labels = np.concatenate([p[2] for p in parts])
+        shards = [shard for where, x, _, rows in parts for shard in (rows or [(str(where), len(x))])]
+    else:
+        images, labels, shards = _load_arrays(source)
+    if len(images) == 0:
+        raise ValueError(f"no items in array data at {source}")
+    if own_splits:
         idx = np.arange(len(images))
     else:
         idx = split_indices(len(images), split, _val_size(len(images), val_fraction))
-    if len(images) == 0:
-        raise ValueError(f"no items in array data at {path}")
     if image_size is not None and images.shape[2:] != (image_size, image_size):
         raise ValueError(
             f"image size mismatch in {path}: arrays are {images.shape[2]}x{images.shape[3]}, "
@@ -342,19 +419,29 @@ def _center_square(img: Any, size: int) -> Any:
 class ImageFolderDataset(torch.utils.data.Dataset):
     """``root/<class>/<image>`` files read lazily with Pillow, classes in sorted folder order.
 
-    Images are resized (short side) and centre-cropped to ``image_size`` and converted to grayscale
-    (``channels=1``) or RGB (``channels=3``). ``subset`` keeps only those positions of the sorted file list.
+    Images are brought to 8 bits per sample (:func:`load_image`), resized (short side) and centre-cropped to
+    ``image_size`` and converted to grayscale (``channels=1``) or RGB (``channels=3``). ``subset`` keeps only
+    those positions of the sorted file list. ``splits`` reads those sub-folders of ``root`` (e.g. ``("train",
+    "val")``) one after the other as one data set; they must hold the same classes.
     """
 
     def __init__(
-        self, root: str | Path, image_size: int, channels: int = 3, subset: Sequence[int] | None = None
+        self,
+        root: str | Path,
+        image_size: int,
+        channels: int = 3,
+        subset: Sequence[int] | None = None,
+        splits: Sequence[str] = (),
     ) -> None:
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels}")
         self.root = Path(root)
         self.image_size = int(image_size)
         self.channels = channels
-        self.classes, files, labels = _scan_folder(self.root)
+        if splits:
+            self.classes, files, labels = _scan_splits(self.root, splits)
+        else:
+            self.classes, files, labels = _scan_folder(self.root)
         keep = range(len(files)) if subset is None else subset
         self.files = [files[i] for i in keep]
         self.labels = np.asarray([labels[i] for i in keep], dtype=np.int64)
@@ -364,12 +451,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
-        from PIL import Image
-
-        with Image.open(self.files[i]) as img:
-            img = _center_square(img.convert("L" if self.channels == 1 else "RGB"), self.image_size)
-            arr = np.asarray(img, dtype=np.uint8)
-        x = torch.from_numpy(arr.copy()).float() / 127.5 - 1.0  # (H, W) or (H, W, 3)
+        arr = load_image(self.files[i], self.image_size, self.channels)  # (H, W) or (H, W, 3) uint8
+        x = torch.from_numpy(arr).float() / 127.5 - 1.0
         x = x[None] if self.channels == 1 else x.permute(2, 0, 1)  # (C, H, W)
         return x, int(self.labels[i])
 
@@ -382,23 +465,59 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return str(self.files[i])
 
     def find_problems(self, positions: Sequence[int]) -> list[str]:
-        """Files among ``positions`` that Pillow cannot decode, each with the reason (decoded on a few threads)."""
+        """Files among ``positions`` that cannot be loaded as items, each with the reason: the same decoding,
+        conversion and crop as ``__getitem__`` (:func:`load_image`), on a few threads."""
         from concurrent.futures import ThreadPoolExecutor
 
+        check = functools.partial(_load_error, image_size=self.image_size, channels=self.channels)
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            reasons = list(pool.map(_decode_error, (self.files[int(i)] for i in positions)))
+            reasons = list(pool.map(check, (self.files[int(i)] for i in positions)))
         return [f"{self.describe(int(i))} cannot be decoded ({why})" for i, why in zip(positions, reasons) if why]
 
 
-def _decode_error(path: Path) -> str | None:
-    """Why Pillow cannot fully decode the image at ``path``, or None if it can."""
+def _to_8bit(img: Any, path: Path) -> Any:
+    """``img`` with 8 bits per sample: 16-bit grayscale (Pillow modes ``I;16*``, and ``I``, 32-bit integers, holding
+    0..65535) becomes ``L`` with ``round(v / 257)``; ``I`` outside 0..65535 and ``F`` (floats, no fixed white) are
+    refused. Other modes are returned unchanged (Pillow converts them to L/RGB itself)."""
     from PIL import Image
 
+    if img.mode == "F":
+        raise ValueError(
+            f"{path}: Pillow mode F (32-bit floating point) has no fixed white level; store the image with 8 or "
+            "16 bits per sample"
+        )
+    if not (img.mode == "I" or img.mode.startswith("I;16")):
+        return img
+    v = np.asarray(img).astype(np.int64)  # (H, W)
+    lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)
+    if lo < 0 or hi > 65535:
+        raise ValueError(
+            f"{path}: Pillow mode {img.mode} (32-bit integers) holds {lo}..{hi}, outside the 16-bit range 0..65535 "
+            "read as grayscale; store the image with 8 or 16 bits per sample"
+        )
+    return Image.fromarray(((v * 255 + 32767) // 65535).astype(np.uint8), mode="L")  # round(v / 257)
+
+
+def load_image(path: str | Path, image_size: int, channels: int) -> np.ndarray:
+    """One image file as a ``folder`` item reads it: uint8 (H, W) for ``channels=1``, (H, W, 3) for 3.
+
+    Decoded with Pillow, brought to 8 bits per sample (16-bit grayscale scaled by 1/257, see :func:`_to_8bit`),
+    converted to L or RGB, short side resized to ``image_size`` and centre-cropped.
+    """
+    from PIL import Image
+
+    path = Path(path)
+    with Image.open(path) as img:
+        img = _to_8bit(img, path).convert("L" if channels == 1 else "RGB")
+        return np.array(_center_square(img, image_size), dtype=np.uint8)
+
+
+def _load_error(path: Path, image_size: int, channels: int) -> str | None:
+    """Why the image at ``path`` cannot be loaded as an item (:func:`load_image`), or None if it can."""
     try:
-        with Image.open(path) as img:
-            img.load()
+        load_image(path, image_size, channels)
     except Exception as e:  # Pillow raises many types for damaged or unsupported files
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {str(e).removeprefix(f'{path}: ')}"
     return None
 
 
@@ -407,7 +526,7 @@ def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
         raise FileNotFoundError(f"image folder does not exist: {root}")
     if not root.is_dir():
         raise NotADirectoryError(f"image folder path is not a directory: {root}")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    classes = sorted(p.name for p in root.iterdir() if _is_class_dir(p))
     if not classes:
         raise ValueError(f"image folder {root} has no class sub-folders (expected root/<class>/<image>)")
     files: list[Path] = []
@@ -421,30 +540,51 @@ def _scan_folder(root: Path) -> tuple[list[str], list[Path], list[int]]:
     return classes, files, labels
 
 
-def _one_split_only(root: Path, what: str, nested: bool = False) -> None:
-    """Refuse a root holding ``train/`` or ``val/`` but not both: the other split would be cut from the whole root,
-    that directory included (a val split of training images under one class). ``nested``: a split directory is one
-    only where it holds class folders (a class may be called ``train``)."""
-    present = [
-        s
-        for s in ("train", "val")
-        if (root / s).is_dir() and (not nested or any(p.is_dir() for p in (root / s).iterdir()))
-    ]
+def _scan_splits(root: Path, splits: Sequence[str]) -> tuple[list[str], list[Path], list[int]]:
+    """:func:`_scan_folder` of ``root/<split>`` for each split in turn, as one list; they must share their classes."""
+    scans = [_scan_folder(root / s) for s in splits]
+    for s, (classes, _, _) in zip(splits[1:], scans[1:]):
+        if classes != scans[0][0]:
+            raise ValueError(
+                f"image folder {root}: {splits[0]}/ and {s}/ have different classes ({', '.join(scans[0][0])} and "
+                f"{', '.join(classes)}); read as one data set they need one class list"
+            )
+    return scans[0][0], [f for _, files, _ in scans for f in files], [k for _, _, labels in scans for k in labels]
+
+
+def _is_class_dir(p: Path) -> bool:
+    return p.is_dir() and not p.name.startswith(".")
+
+
+def _is_split_dir(d: Path, nested: bool) -> bool:
+    """Whether ``d`` (``root/train`` or ``root/val``) is a split of the data set: a directory, and for an image folder
+    (``nested``) one that holds class folders. ``root/train`` with only images (and hidden folders) is a class."""
+    return d.is_dir() and (not nested or any(_is_class_dir(p) for p in d.iterdir()))
+
+
+def _has_split_dirs(root: Path, what: str, nested: bool = False) -> bool:
+    """Whether ``root`` holds its own ``train/`` and ``val/`` splits (:func:`_is_split_dir`). One without the other is
+    refused: the missing split would be cut from the whole root, that directory included (a val split of training
+    images under one class)."""
+    present = [s for s in ("train", "val") if _is_split_dir(root / s, nested)]
     if len(present) == 1:
         other = "val" if present == ["train"] else "train"
         raise ValueError(
             f"{what} {root} has {present[0]}/ but no {other}/: give it both splits, or neither (then a fixed "
             "fraction of everything is held out for validation)"
         )
+    return len(present) == 2
 
 
 def _folder(
     split: str, root: str | Path, image_size: int, channels: int = 3, val_fraction: float = 0.1
 ) -> ImageFolderDataset:
-    """Image folder; ``root/<split>`` is used if it exists, else a fixed ``val_fraction`` is held out."""
+    """Image folder; with its own ``root/train`` and ``root/val`` those are the splits (``all`` reads both, one
+    class list), else a fixed ``val_fraction`` of everything is held out."""
     root = Path(root)
-    _one_split_only(root, "image folder", nested=True)
-    if split != "all" and (root / split).is_dir():
+    if _has_split_dirs(root, "image folder", nested=True):
+        if split == "all":
+            return ImageFolderDataset(root, image_size, channels, splits=("train", "val"))
         return ImageFolderDataset(root / split, image_size, channels)
     _, files, _ = _scan_folder(root)
     idx = split_indices(len(files), split, _val_size(len(files), val_fraction))

@@ -71,6 +71,7 @@ class DiffusersDiT(nn.Module):
             drop_labels = torch.rand(n, device=y.device) < self.class_dropout_prob  # (N,)
         if drop_labels is not None:
             y = torch.where(drop_labels, torch.full_like(y, self.num_classes), y)  # (N,)
+        x = x.to(self.model.pos_embed.proj.weight.dtype)  # (N, C, H, W), as DiT.forward: bf16 weights take fp32 images
         out = self.model(x, timestep=t * self.t_scale, class_labels=y, return_dict=False)[0]  # (N, C_out, H, W)
         return out[:, : self.in_channels]  # (N, C, H, W)
 
