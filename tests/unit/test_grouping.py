@@ -237,3 +237,36 @@ def test_roles_set_the_algorithm_a_rule_with_options_only_keeps():
         by_name["blocks.0.mlp.fc1.weight"]["algorithm"] == "adamw" and by_name["blocks.0.mlp.fc1.weight"]["lr"] == 1e-4
     )
     assert by_name["blocks.1.mlp.fc1.weight"]["algorithm"] == "muon"  # no role there: the default's
+
+
+class _Tied(nn.Module):
+    """A token table tied to a hidden-named output linear, the two declared in the order given."""
+
+    def __init__(self, head_first: bool):
+        super().__init__()
+        if head_first:
+            self.out = nn.Linear(16, 32, bias=False)
+        self.body = nn.Linear(16, 16)
+        self.tok = nn.Embedding(32, 16)
+        if not head_first:
+            self.out = nn.Linear(16, 32, bias=False)
+        self.out.weight = self.tok.weight  # tied
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+def test_a_tied_weight_takes_its_role_whichever_module_was_registered_first(head_first):
+    model = _Tied(head_first)
+    reasons: dict[str, str] = {}
+    groups = param_groups(model, reasons=reasons)
+    where = {n: g["algorithm"] for g in groups for n, _ in g["params"]}
+    listed = "out.weight" if head_first else "tok.weight"  # named as named_parameters() names it: its first name
+    assert listed in where and ({"out.weight", "tok.weight"} - {listed}).isdisjoint(where)
+    assert where[listed] == "adamw"  # an embedding table, also where the linear holding it came first
+    assert "Embedding.weight" in reasons[listed]
+    assert where["body.weight"] == "muon"
+    # A rule names the parameter by any of its names.
+    other = "tok.weight" if head_first else "out.weight"
+    by_rule = {
+        n: g for g in param_groups(model, rules={other: {"algorithm": "adamw", "lr": 1e-4}}) for n, _ in g["params"]
+    }
+    assert by_rule[listed]["lr"] == 1e-4

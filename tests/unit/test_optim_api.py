@@ -20,6 +20,7 @@ from dimuon.optim import (
     MuonFamily,
     PeriodicRowMuon,
     build,
+    param_groups,
 )
 from dimuon.optim.build import option_parameters
 from dimuon.optim.core import MuonOptions
@@ -637,6 +638,108 @@ def test_the_keys_torch_s_schedulers_write_into_groups_are_taken_quietly():
         warnings.simplefilter("error")
         opt = PeriodicRowMuon([{"params": [model.weight], **written}], lr=0.02)
         opt.add_param_group({"params": [model.bias], "algorithm": "adamw", **written})
+
+
+class _TwoLayers(nn.Module):
+    """Two same-shape layers, declared in the order given (a refactor that swaps them keeps every shape)."""
+
+    def __init__(self, order=("fc1", "fc2")):
+        super().__init__()
+        for name in order:
+            setattr(self, name, nn.Linear(8, 8))
+
+
+def _stepped(cls, order=("fc1", "fc2"), **kw):
+    """A model of ``order`` and its optimizer after one step with gradient +1 on fc1 and -1 on fc2."""
+    model = _TwoLayers(order)
+    opt = cls(param_groups(model), lr=0.02, **kw)
+    for layer, sign in (("fc1", 1.0), ("fc2", -1.0)):
+        for p in getattr(model, layer).parameters():
+            p.grad = torch.full_like(p, sign)
+    opt.step()
+    return model, opt
+
+
+def _momentum(opt, p):
+    state = opt.state[p]
+    return state["momentum_buffer"] if "momentum_buffer" in state else state["exp_avg"]
+
+
+@pytest.mark.parametrize("cls", [Muon, PeriodicRowMuon, AdaptiveRowMuon])
+def test_a_load_matches_state_to_parameters_by_name(cls):
+    source, opt = _stepped(cls)
+    saved = copy.deepcopy(opt.state_dict())
+    model = _TwoLayers(("fc2", "fc1"))  # the same layers, declared in the other order
+    target = cls(param_groups(model), lr=0.02)
+    names = [list(g["param_names"]) for g in target.param_groups]
+    assert names != [g["param_names"] for g in saved["param_groups"]]
+    target.load_state_dict(saved)
+    for layer in ("fc1", "fc2"):
+        for mine, theirs in zip(getattr(model, layer).parameters(), getattr(source, layer).parameters()):
+            assert torch.equal(_momentum(target, mine), _momentum(opt, theirs)), layer
+    assert [g["param_names"] for g in target.param_groups] == names  # still those of the parameters held
+    model.fc2.weight.grad = torch.full((8, 8), float("nan"))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient in fc2\.weight;"):
+        target.step()
+
+
+def test_a_model_saved_compiled_resumes_without_compile_by_name():
+    source, opt = _stepped(Muon)
+    compiled = torch.compile(source)  # its parameters named "_orig_mod.fc1.weight", ...
+    saved = Muon(param_groups(compiled), lr=0.02)
+    saved.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert saved.param_groups[0]["param_names"] == ["_orig_mod.fc1.weight", "_orig_mod.fc2.weight"]
+    model = _TwoLayers(("fc2", "fc1"))
+    target = Muon(param_groups(model), lr=0.02)
+    target.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert torch.equal(_momentum(target, model.fc1.weight), _momentum(opt, source.fc1.weight))
+    assert target.param_groups[0]["param_names"] == ["fc2.weight", "fc1.weight"]
+
+
+def test_a_torch_muon_load_matches_state_to_parameters_by_name():
+    source, opt = _stepped(lambda groups, lr: build("torch_muon", groups, lr=lr))
+    model = _TwoLayers(("fc2", "fc1"))
+    target = build("torch_muon", param_groups(model), lr=0.02)
+    target.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch.equal(
+        target._muon.state[model.fc1.weight]["momentum_buffer"], opt._muon.state[source.fc1.weight]["momentum_buffer"]
+    )
+    assert [g["param_names"] for g in target.param_groups] == [
+        ["fc2.weight", "fc1.weight"],
+        ["fc2.bias", "fc1.bias"],
+    ]
+
+
+def test_a_load_of_other_parameter_names_is_refused_naming_them():
+    _, opt = _stepped(Muon)
+    saved = copy.deepcopy(opt.state_dict())
+    model = _TwoLayers(("fc1", "fc3"))  # fc2 renamed: the same shapes, other names
+    target = Muon(param_groups(model), lr=0.02)
+    with pytest.raises(
+        ValueError,
+        match=r"^parameter group 0 of the state_dict holds other parameters than this optimizer's: missing "
+        r"'fc3.weight'; unexpected 'fc2.weight' \(state is matched to parameters by their names",
+    ):
+        target.load_state_dict(saved)
+    assert all(not _momentum(target, p).any() for p in model.parameters())  # nothing was loaded
+    # Without names on one side the state loads by position, as torch loads it.
+    unnamed = Muon([{**g, "params": [p for _, p in g["params"]]} for g in param_groups(model)], lr=0.02)
+    unnamed.load_state_dict(copy.deepcopy(saved))
+    assert torch.equal(_momentum(unnamed, model.fc3.weight), _momentum(opt, opt.param_groups[0]["params"][1]))
+
+
+def test_a_checkpoint_keyed_by_name_keeps_the_optimizer_s_parameter_names():
+    """torch.distributed.checkpoint's set_state_dict matches state by name itself and lists it in this optimizer's
+    order; the groups keep the names of the parameters they hold (not the checkpoint's order of them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    source, opt = _stepped(Muon)
+    model_sd, optim_sd = get_state_dict(source, opt)
+    model = _TwoLayers(("fc2", "fc1"))
+    target = Muon(param_groups(model), lr=0.02)
+    set_state_dict(model, target, model_state_dict=model_sd, optim_state_dict=copy.deepcopy(optim_sd))
+    assert target.param_groups[0]["param_names"] == ["fc2.weight", "fc1.weight"]
+    assert torch.equal(_momentum(target, model.fc2.weight), _momentum(opt, source.fc2.weight))
 
 
 def test_a_state_dict_that_is_not_an_optimizer_s_is_refused_naming_its_keys():

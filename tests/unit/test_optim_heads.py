@@ -291,14 +291,62 @@ def test_state_dict_round_trip_resumes_bitwise(name):
         assert opt_a.state[a[2]]["refresh_row_sums"].shape == (3, 2 * 2 * 8)
 
 
-def test_loading_the_state_of_other_column_splits_is_refused_naming_the_parameter():
+@pytest.mark.parametrize(
+    ("gi", "key", "now"),
+    [(0, "col_split_sizes", 2), (0, "col_split_sizes", None), (1, "split_sizes", 2), (2, "stacked", False)],
+)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_loading_the_state_of_other_matrix_options_is_refused_naming_the_option(name, gi, key, now):
+    """Every optimizer alike: a state_dict saved under other row/column splits or stacking is refused with the saved
+    and the current value (neither loaded with the saved value put back silently, nor refused for a shape)."""
+    cls, _, kw = OPTIMIZERS[name]
+    params = _model_params()
+    opt = cls(_groups(params), lr=0.02, **kw)
+    _train(opt, params, 0, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    then = saved["param_groups"][gi][key]
+    other = _groups(params)
+    other[gi][key] = now
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlattenedParameterWarning)  # the experts unstacked
+        target = cls(other, lr=0.02, **kw)
+    with pytest.raises(
+        ValueError,
+        match=rf"^parameter group {gi} was saved with {key}={then!r} and is built here with {key}={now!r}: .*; "
+        rf"construct the optimizer with {key}={then!r} to load this state_dict$",
+    ):
+        target.load_state_dict(saved)
+    assert target.param_groups[gi][key] == now and target.param_groups[gi]["step"] == 0  # nothing was loaded
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_load_takes_the_saved_hyperparameters_and_another_spelling_of_the_same_splits(name):
+    cls, _, kw = OPTIMIZERS[name]
+    params = _model_params()
+    opt = cls(_groups(params), lr=0.02, momentum=0.9, **kw)
+    _train(opt, params, 0, 2)
+    other = _groups(params)
+    other[0]["col_split_sizes"] = (8, 8, 8)  # the 3 column chunks of 24, spelt out
+    other[1]["split_sizes"] = [6, 6, 6]
+    target = cls(other, lr=0.5, momentum=0.5, **kw)
+    target.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert [g["lr"] for g in target.param_groups] == [0.02] * 4  # ordinary options come from the state, as torch's
+    assert [g["momentum"] for g in target.param_groups] == [0.9] * 4
+    assert target.param_groups[0]["col_split_sizes"] == 3
+
+
+def test_a_row_sums_shape_that_does_not_fit_is_refused_naming_the_expected_shape():
     params = _model_params()
     opt = AdaptiveRowMuon(_groups(params), lr=0.02)
     _train(opt, params, 0, 2)
-    other = _groups(params)
-    other[0]["col_split_sizes"] = 2
-    with pytest.raises(ValueError, match=r"does not fit parameter 'params\[0\] of group 0': its 'refresh_row_sums'"):
-        AdaptiveRowMuon(other, lr=0.02).load_state_dict(opt.state_dict())
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["refresh_row_sums"] = torch.zeros(16, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit parameter 'params\[0\] of group 0': its 'refresh_row_sums' has shape \(16, 2\), "
+        r"expected \(16, 6\) for the parameter \(16, 24\)",
+    ):
+        AdaptiveRowMuon(_groups(params), lr=0.02).load_state_dict(saved)
 
 
 # ----------------------------------------------------------------------------------------- the helpers

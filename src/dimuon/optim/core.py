@@ -71,8 +71,10 @@ NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 _SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum", "swa_lr"}
 _EXTRA_GROUP_KEYS = {"params", "param_names", "name", "step", "skipped_steps"} | _SCHEDULER_KEYS
 _TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspelt option
-# Options that say how a 'muon' group's parameters become matrices: in an 'adamw' group they are a mistake.
-_MATRIX_GROUP_OPTIONS = ("split_sizes", "col_split_sizes", "stacked")
+# Options that say how a 'muon' group's parameters become matrices: in an 'adamw' group they are a mistake. They
+# are structural: the state is kept per matrix, so a state_dict loads only under the values it was saved with
+# (checked in this order: the splits cut the matrices that ``stacked`` makes).
+_MATRIX_GROUP_OPTIONS = ("stacked", "split_sizes", "col_split_sizes")
 
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
@@ -143,6 +145,88 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
+
+
+def _same_matrices(group: dict[str, Any], key: str, a: Any, b: Any) -> bool:
+    """Whether values ``a`` and ``b`` of row or column split option ``key`` cut every parameter of ``group`` alike
+    (a chunk count and the chunk sizes it means, ``None`` and ``1``)."""
+    if key not in ("split_sizes", "col_split_sizes") or not group["params"]:
+        return False
+    for p in group["params"]:
+        _, rows, cols = matrix_shape(p, group["stacked"])
+        size = rows if key == "split_sizes" else cols
+        try:
+            if split_sizes_to_ranges(size, a, "", key) != split_sizes_to_ranges(size, b, "", key):
+                return False
+        except (TypeError, ValueError):  # a value that does not cut this parameter
+            return False
+    return True
+
+
+def _unique_names(names: Any, count: int) -> list[str] | None:
+    """``names`` as a list where they name ``count`` parameters, each once (they can match state by name); else
+    None."""
+    if not isinstance(names, (list, tuple)) or len(names) != count or len(set(names)) != count:
+        return None
+    return list(names)
+
+
+def _network_names(names: Sequence[str]) -> list[str]:
+    """``names`` without the name parts wrappers insert (``torch.compile``'s ``_orig_mod``, activation
+    checkpointing's: :data:`dimuon.optim.grouping.WRAPPER_PARTS`)."""
+    from dimuon.optim.grouping import role_name
+
+    return [role_name(name) for name in names]
+
+
+def _some_names(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, quoted, and how many more there are."""
+    listed = ", ".join(repr(n) for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each saved group's parameters listed in the order of the optimizer's group ``groups[i]``
+    wherever both name their parameters, so that torch's positional load gives every parameter its own state.
+
+    A saved group names its parameters by ``param_names`` (as :func:`dimuon.optim.param_groups` makes them), or
+    by its keys where they are names (``torch.distributed.checkpoint``'s ``set_state_dict`` keys the state by
+    parameter name and has listed it in this optimizer's order already). Where both sides name every parameter
+    once and the names are the same (compared as given, else without the name parts wrappers insert, so that a
+    model saved under ``torch.compile`` resumes without it), the state moves with its name and the group keeps the
+    optimizer's ``param_names``; other names refuse the load with a ValueError naming them (except the
+    checkpoint's own keys, which may spell a name otherwise and were matched by it). Where either side has no
+    (unique) names, the group loads by position, as torch loads it."""
+    loaded = state_dict["param_groups"]
+    matched = list(loaded)
+    for gi, (group, saved) in enumerate(zip(groups, loaded)):
+        keys = list(saved["params"])
+        mine = _unique_names(group.get("param_names"), len(group["params"]))
+        by_key = bool(keys) and all(isinstance(k, str) for k in keys)
+        theirs = _unique_names(keys if by_key else saved.get("param_names"), len(keys))
+        if mine is None or theirs is None or len(mine) != len(theirs):
+            continue  # by position (a group of another size is refused by the caller)
+        ours, others = mine, theirs
+        if set(ours) != set(others):  # as the network names them: a model saved compiled, resumed without
+            ours, others = _network_names(mine), _network_names(theirs)
+        if set(ours) != set(others) or len(set(ours)) != len(ours) or len(set(others)) != len(others):
+            if by_key:  # the checkpoint's names for the parameters, already matched to this optimizer's order
+                matched[gi] = {**saved, "param_names": mine}
+                continue
+            missing = [n for n in mine if n not in set(theirs)]
+            unexpected = [n for n in theirs if n not in set(mine)]
+            raise ValueError(
+                f"parameter group {gi} of the state_dict holds other parameters than this optimizer's: "
+                f"missing {_some_names(missing)}; unexpected {_some_names(unexpected)} (state is matched to "
+                "parameters by their names, param_names, where the state_dict and the optimizer both carry them; "
+                "to load a renamed model's state by position, drop param_names from the state_dict's groups)"
+            )
+        if others != ours or saved.get("param_names") != mine:
+            where = dict(zip(others, keys))
+            matched[gi] = {**saved, "params": [where[name] for name in ours], "param_names": mine}
+    if all(a is b for a, b in zip(matched, loaded)):
+        return state_dict
+    return {**state_dict, "param_groups": matched}
 
 
 # torch.optim.AdamW's names for what dimuon's groups call adamw_*: in a dimuon group they would be ignored.
@@ -664,12 +748,19 @@ class MuonFamily(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, refusing (with what differs) a state_dict of another optimizer,
-        grouping or parameter shapes, and keeping the matrix state in its saved dtypes (torch casts every
-        floating state tensor to its parameter's dtype: momenta and row sums stay wide, references bf16)."""
+        grouping, parameter names or shapes, or of other matrix options (``split_sizes``, ``col_split_sizes``,
+        ``stacked``), and keeping the matrix state in its saved dtypes (torch casts every floating state tensor to
+        its parameter's dtype: momenta and row sums stay wide, references bf16).
+
+        Where the state_dict's groups and this optimizer's both carry ``param_names`` (as
+        :func:`dimuon.optim.param_groups` makes them), state is matched to parameters by name, so parameters
+        listed in another order since the save each get their own, and the groups keep this optimizer's names;
+        other names are refused (:func:`match_saved_by_name`). Without names on either side it is matched by
+        position, as torch does. Hyperparameters (``lr``, ``momentum``, ...) come from the state_dict, as torch's."""
         saved: list[tuple[Tensor, str, Tensor]] = []  # (parameter, key, the state tensor as loaded)
 
-        def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-            self._check_loadable(loaded)
+        def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[str, Any]:
+            loaded = self._check_loadable(loaded)  # its groups' parameters in this optimizer's order (by name)
             self._votes["pending_skips"] = None  # the loaded counts replace this run's (a refused load keeps them)
             ids = chain.from_iterable(g["params"] for g in loaded["param_groups"])
             params = chain.from_iterable(g["params"] for g in self.param_groups)
@@ -677,6 +768,7 @@ class MuonFamily(torch.optim.Optimizer):
                 for name, value in loaded["state"].get(key, {}).items():
                     if name in ("momentum_buffer", *self.schedule.state_dtypes):
                         saved.append((p, name, value))
+            return loaded  # what torch loads, by position
 
         def restore(_: torch.optim.Optimizer) -> None:
             for p, name, kept in saved:
@@ -714,9 +806,10 @@ class MuonFamily(torch.optim.Optimizer):
             ):
                 state[name] = value.redistribute(p.device_mesh, p.placements)
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+    def _check_loadable(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Raise a ValueError naming what differs unless ``state_dict`` was saved by this kind of optimizer
-        over parameters of the same groups and shapes."""
+        over parameters of the same groups, names and shapes, with the same matrix options; return it with each
+        group's parameters in this optimizer's order (:func:`match_saved_by_name`)."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(
@@ -747,19 +840,41 @@ class MuonFamily(torch.optim.Optimizer):
                 raise ValueError(
                     f"parameter group {gi} is {group['algorithm']!r} here but {saved['algorithm']!r} in the state_dict"
                 )
+        state_dict = match_saved_by_name(groups, state_dict)
+        for gi, (group, saved) in enumerate(zip(groups, state_dict["param_groups"])):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"parameter group {gi} holds {len(group['params'])} parameters here but "
                     f"{len(saved['params'])} in the state_dict"
                 )
+            if group["algorithm"] == "muon":
+                self._check_matrix_options(gi, group, saved)
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 for name, value in state_dict["state"].get(key, {}).items():
-                    shape = self.schedule.state_shape(name, p, group) or p.shape
-                    if isinstance(value, Tensor) and value.ndim > 0 and value.shape != shape:
+                    shape = tuple(self.schedule.state_shape(name, p, group) or p.shape)
+                    if isinstance(value, Tensor) and value.ndim > 0 and tuple(value.shape) != shape:
+                        expected = "" if shape == tuple(p.shape) else f"expected {shape} for "
                         raise ValueError(
                             f"state_dict does not fit parameter {self._param_name(group, i, gi)!r}: its "
-                            f"{name!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                            f"{name!r} has shape {tuple(value.shape)}, {expected}the parameter {tuple(p.shape)}"
                         )
+        return state_dict
+
+    def _check_matrix_options(self, gi: int, group: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Refuse a saved Muon group whose matrix options (``stacked``, ``split_sizes``, ``col_split_sizes``) cut
+        its parameters into other matrices than this optimizer's group does: its state belongs to those matrices
+        (AdaptiveRowMuon's row sums are shaped by them), and a load that took the saved value would silently undo
+        the one this optimizer was built with. Different spellings of one cut (``4`` or ``(4, 4, 4, 4)`` columns
+        of 16) load."""
+        for key in _MATRIX_GROUP_OPTIONS:
+            then, now = saved.get(key, self.defaults[key]), group[key]
+            if _same_value(then, now) or _same_matrices(group, key, then, now):
+                continue
+            raise ValueError(
+                f"parameter group {gi} was saved with {key}={then!r} and is built here with {key}={now!r}: it "
+                f"decides which matrices the saved state belongs to; construct the optimizer with {key}={then!r} "
+                "to load this state_dict"
+            )
 
     # ----------------------------------------------------------------- execution
     def _get_engine(self) -> DirectionEngine:

@@ -172,6 +172,19 @@ def role_name(name: str, prefix: str = "") -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
+def _tied_role(
+    p: nn.Parameter, places: Sequence[tuple[str, nn.Module, nn.Module | None]], prefix: str
+) -> tuple[str, str]:
+    """The default role of a parameter held in ``places`` (its name, module and parent in each): AdamW where the
+    role in any place is AdamW (an embedding table tied to an output projection is a table, whichever module was
+    registered first), else the first place's."""
+    roles = [(alias, default_role(role_name(alias, prefix), p, module, parent)) for alias, module, parent in places]
+    alias, (algorithm, role) = next((r for r in roles if r[1][0] == "adamw"), roles[0])
+    if alias != places[0][0]:
+        role += f", as {alias} (tied)"
+    return algorithm, role
+
+
 def param_groups(
     model: nn.Module,
     rules: Sequence[Rule] | Mapping[str, str | Mapping[str, Any]] | None = None,
@@ -194,9 +207,13 @@ def param_groups(
 
     Names are matched as given and as the network itself names them (:func:`role_name`: a wrapper's prefix,
     ``torch.compile``'s and activation checkpointing's name parts removed), so a wrapped model is grouped as the
-    bare one. ``roles`` maps patterns to the algorithm of a role the defaults do not know (a model family's input
-    layers): it replaces the default algorithm, and a rule that sets options but no algorithm keeps it. A rule that
-    matches no parameter is named in a warning (a misspelt pattern would otherwise change nothing, silently).
+    bare one. A parameter held in several places (a weight tied between modules, a module used twice) is listed
+    under its first name (``named_parameters``'), and grouped alike whichever module was registered first: rules and
+    patterns match any of its names, and its default role is AdamW where its role in any place is (an embedding
+    table tied to an output projection stays a table). ``roles`` maps patterns to the algorithm of a role the
+    defaults do not know (a model family's input layers): it replaces the default algorithm, and a rule that sets
+    options but no algorithm keeps it. A rule that matches no parameter is named in a warning (a misspelt pattern
+    would otherwise change nothing, silently).
     """
     from dimuon.optim.heads import per_head_splits
 
@@ -207,12 +224,14 @@ def param_groups(
         split_sizes = heads.with_split_sizes(split_sizes)
     head_cols = {name: opts["col_split_sizes"] for name, opts in (heads.rules if heads else {}).items()}
     prefix = wrapper_prefix(model)
-    owner = {}
-    modules = dict(model.named_modules())
+    # Every place that holds each parameter (a weight tied between modules, or a module used twice, has several),
+    # in registration order: (its name there, the module holding it, that module's parent).
+    owners: dict[int, list[tuple[str, nn.Module, nn.Module | None]]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
     for mod_name, module in modules.items():
         parent = modules.get(mod_name.rpartition(".")[0]) if mod_name else None
-        for p_name, p in module.named_parameters(recurse=False):
-            owner.setdefault(id(p), (f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
+        for p_name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
     groups: dict[tuple, dict[str, Any]] = {}
     seen: set[int] = set()
     matched: set[str] = set()
@@ -220,8 +239,9 @@ def param_groups(
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        own_name, module, parent = owner[id(p)]
-        names = (name, role_name(name, prefix))
+        places = owners[id(p)]
+        # Rules and patterns see every name of the parameter (as given and as the network names it).
+        names = tuple(dict.fromkeys(n for alias, _, _ in places for n in (alias, role_name(alias, prefix))))
         options: dict[str, Any] = {}
         why = ""
         for pattern, opts in normalized:
@@ -230,7 +250,7 @@ def param_groups(
                 why = f"user rule {pattern!r}"
                 matched.add(pattern)
                 break
-        algorithm, role = default_role(role_name(own_name, prefix), p, module, parent)
+        algorithm, role = _tied_role(p, places, prefix)
         role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
         if role_pattern is not None:
             algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]

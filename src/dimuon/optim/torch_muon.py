@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from dimuon.optim.core import match_saved_by_name
+
 __all__ = ["TorchMuonAdamW"]
 
 
@@ -143,7 +145,9 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore from :meth:`state_dict`, then share the reloaded group dicts again; load hooks run."""
+        """Restore from :meth:`state_dict`, then share the reloaded group dicts again; load hooks run. State goes
+        to parameters by name where both sides carry ``param_names``
+        (:func:`dimuon.optim.core.match_saved_by_name`), else by position."""
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
@@ -155,7 +159,10 @@ class TorchMuonAdamW(torch.optim.Optimizer):
                     f"{'' if opt is not None else 'no '}{key} groups"
                 )
             if opt is not None:
-                opt.load_state_dict(state_dict[key])
+                part = state_dict[key]
+                if isinstance(part, dict) and "param_groups" in part:  # state matched by name, as dimuon's optimizers
+                    part = match_saved_by_name(opt.param_groups, part)
+                opt.load_state_dict(part)
         reloaded = iter(
             [*(self._muon.param_groups if self._muon else []), *(self._adamw.param_groups if self._adamw else [])]
         )
