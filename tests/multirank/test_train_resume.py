@@ -48,6 +48,39 @@ def test_resume_on_two_ranks_equals_an_uninterrupted_run(runs: tuple[Path, Path,
     assert results[0]["b"]["val_loss"] == results[1]["b"]["val_loss"]
 
 
+# A checkpoint between two logging steps: the DCP checkpoint carries the log window, each rank's loss sum its own.
+OFF_THE_LOG: dict[str, Any] = {**BASE, "steps": 8, "log_interval": 3, "ckpt_interval": 4, "val_interval": 0}
+
+
+@pytest.fixture(scope="module")
+def off_the_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train2_window")
+    straight, resumed = root / "straight", root / "resumed"
+    run_gloo(sc.straight_and_resumed, 2, OFF_THE_LOG, str(straight), str(resumed), 5)
+    return straight, resumed
+
+
+def test_a_resume_off_a_logging_step_on_two_ranks_writes_the_uninterrupted_log(off_the_log: tuple[Path, Path]) -> None:
+    straight, resumed = off_the_log
+    assert [r["step"] for r in _log(resumed) if r["kind"] == "train"] == [3, 6, 8]
+    assert _log(straight) == _log(resumed)
+
+
+def test_the_log_window_of_a_dcp_checkpoint_resumes_in_one_process(
+    off_the_log: tuple[Path, Path], tmp_path: Path
+) -> None:
+    straight, _ = off_the_log
+    torch.set_num_threads(1)
+    fork = tmp_path / "fork"
+    train(TrainConfig(out=str(fork), resume=str(straight / "checkpoints" / "step_0000004"), **OFF_THE_LOG))
+    a = [r for r in _log(straight) if r["kind"] == "train"]
+    b = [r for r in _log(fork) if r["kind"] == "train"]
+    # Step 6 covers steps 4 to 6 here too, the spectral step of step 4 with them. (Its loss is not the two-rank
+    # run's: one process draws the noise of data-parallel rank 0 for the whole batch.)
+    assert [r["step"] for r in b] == [3, 6, 8] and a[0] == b[0]
+    assert b[1]["refresh"] == a[1]["refresh"] and b[1]["refresh"]["spectral_fraction"] == round(1 / 3, 4)
+
+
 def test_dcp_checkpoints_load_for_eval_without_a_process_group(runs: tuple[Path, Path, list[dict]]) -> None:
     straight, _, _ = runs
     ckpt_dir = straight / "checkpoints" / "step_0000010"

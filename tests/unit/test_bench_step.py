@@ -28,8 +28,62 @@ def test_windows_hold_whole_periods() -> None:
     cfg = step.Config(window=6, train_args_of=("periodic_row_muon=--optim.k 4", "muon_bp=--optim.period=4"))
     assert step.window_steps(cfg, "periodic_row_muon") == 8 and step.window_steps(cfg, "muon_bp") == 8
     assert step.window_steps(cfg, "adaptive_row_muon") == 8  # its default k_max
-    with pytest.raises(ValueError, match=r"periodic_row_muon's --optim.k must be an integer >= 1, got '0'"):
-        step.check_config(step.Config(train_args_of=("periodic_row_muon=--optim.k 0",)))
+    cfg = step.Config(window=6, train_args_of=("adaptive_row_muon=--optim.k-max=3",))
+    assert step.window_steps(cfg, "adaptive_row_muon") == 6
+    # Read as dimuon train reads them: --optim.k None is the optimizer's default again.
+    cfg = step.Config(window=4, train_args="--optim.k 4 --optim.k None")
+    assert step.window_steps(cfg, "periodic_row_muon") == 6
+
+
+@pytest.mark.parametrize(
+    ("args", "period"),
+    [
+        ("--optim.k=4", 4),
+        ("--optim.k 4", 4),
+        ("--optim.k 4 --optim.k 2", 2),  # the last one given, as dimuon train takes it
+        ("--optim.k=4 --optim.k=None", 3),  # back to the optimizer's default
+        ("--lr 0.02", 3),
+    ],
+)
+def test_the_period_is_read_as_dimuon_train_reads_the_flags(args: str, period: int) -> None:
+    cfg = step.Config(optimizers=("periodic_row_muon",), train_args=args)
+    plan = step.train_plan(cfg, "periodic_row_muon")
+    assert step.period_of(plan) == period
+    assert plan.cfg.optim.k == (None if period == 3 else period)
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "said_by_train"),
+    [
+        # Refused by dimuon train's parser: its own message names the flag, then the benchmark's error line.
+        ("periodic_row_muon=--optim.kk 3", "dimuon train refuses these flags", "Unrecognized options: --optim.kk"),
+        ("periodic_row_muon=--optim.k x", "dimuon train refuses these flags", "Error parsing --optim.k:"),
+        # Refused by its start-up checks, as one line.
+        (
+            "periodic_row_muon=--optim.k 0",
+            "--optimizer periodic_row_muon rejects its options (--lr / --optim.*): k must be in [1, inf), got 0",
+            None,
+        ),
+        (
+            "muon=--optim.k 3",
+            "--optimizer muon rejects its options (--lr / --optim.*): optimizer 'muon' got unknown",
+            None,
+        ),
+        ("muon=--optim.ns-steps 0", "--optimizer muon rejects its options (--lr / --optim.*): ns_steps must be", None),
+        ("muon=--skip-limit 3", "--skip-limit 3 has no effect here", None),
+    ],
+)
+def test_bad_train_args_stop_before_anything_runs_naming_the_flag_as_dimuon_train_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: str, message: str, said_by_train: str | None
+) -> None:
+    name = args.split("=", 1)[0]
+    flags = ["--optimizers", "muon", "periodic_row_muon", "--train-args-of", args, "--out", str(tmp_path / "out")]
+    assert cli_main(["bench", "step", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"dimuon bench step: error: --train-args / --train-args-of {name}: {message}" in err
+    if said_by_train is not None:
+        assert said_by_train in err and err.index(said_by_train) < err.index("dimuon bench step: error:")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -140,6 +194,7 @@ def test_a_repeat_that_failed_decides_the_row() -> None:
 
 
 def test_a_failed_run_is_reported_with_its_log(tmp_path: Path) -> None:
+    # A model whose patch size does not divide MNIST's 28 pixels: known only once the run opens the data.
     out = tmp_path / "out"
     code = cli_main(
         [
@@ -152,9 +207,9 @@ def test_a_failed_run_is_reported_with_its_log(tmp_path: Path) -> None:
             "muon",
             "--out",
             str(out),
-            "--train-args=--optim.ns-steps 0",
+            "--train-args=--model DiT-S/8",
         ]
     )
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert code == 1 and row["status"] == "failed" and "exited with status 2" in row["error"]
-    assert "--optim.ns-steps" in row["tail"]
+    assert "--model DiT-S/8 has patch size 8, which does not divide the image size 28" in row["tail"]

@@ -157,6 +157,11 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
             ["--parallel.dp-shard", "2"],
             "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 2 x 1 = 2 must equal the world size 1",
         ),
+        *(
+            [(["--device", "cuda"], "--device cuda: CUDA is not available here (auto or cpu run on the CPU)")]
+            if not torch.cuda.is_available()
+            else []
+        ),
     ],
 )
 def test_bad_values_fail_at_start_up_with_a_message_naming_the_flag(
@@ -167,6 +172,17 @@ def test_bad_values_fail_at_start_up_with_a_message_naming_the_flag(
     err = capsys.readouterr().err
     assert needle in err, err
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_a_device_training_cannot_use_is_refused_naming_the_flag_and_the_allowed_values() -> None:
+    # The parser takes auto, cpu and cuda only; a config built in Python is checked as strictly: each rank picks
+    # its own GPU, so a device index would be ignored.
+    with pytest.raises(ConfigError, match=r"^--device must be one of: auto, cpu, cuda; got 'cuda:1'$"):
+        validate(TrainConfig(device="cuda:1"))  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^--device cuda: CUDA is not available here"):
+            validate(TrainConfig(device="cuda"))
+    validate(TrainConfig(device="cpu"))
 
 
 def test_patch_size_that_does_not_divide_the_data_set_s_images_fails_before_training(

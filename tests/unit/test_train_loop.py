@@ -105,6 +105,69 @@ def test_resume_equals_an_uninterrupted_run_bitwise(tmp_path: Path) -> None:
     assert without_timing(records(straight)) == without_timing(records(resumed))
 
 
+# A checkpoint between two logging steps: the window of the record after it began before the checkpoint.
+OFF_THE_LOG = dict(steps=8, log_interval=3, ckpt_interval=4, val_interval=0, optimizer="periodic_row_muon")
+
+
+def test_a_resume_off_a_logging_step_writes_the_log_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_config(straight, **OFF_THE_LOG))
+    train(tiny_config(resumed, **OFF_THE_LOG), stop_after=5)  # "killed" after step 5, its checkpoint at 4
+    train(tiny_config(resumed, resume=str(resumed), **OFF_THE_LOG))
+    # The record of step 6 averages steps 4 to 6 in both: loss, gradient norm and the share of spectral steps
+    # (PeriodicRowMuon takes one in three, so a window of steps 5 and 6 alone would have none).
+    log = [r for r in without_timing(records(resumed)) if r["kind"] == "train"]
+    assert [r["step"] for r in log] == [3, 6, 8]
+    assert log[1]["refresh"]["spectral_fraction"] == round(1 / 3, 4)
+    assert without_timing(records(straight)) == without_timing(records(resumed))
+    # The window travels in the checkpoint's progress (not among meta.json's top-level counters).
+    meta = json.loads((resumed / "checkpoints/step_0000004/meta.json").read_text())
+    assert meta["progress"]["log_window"]["steps"] == 1 and "log_window" not in meta
+
+
+def test_a_checkpoint_saved_without_the_log_window_still_resumes(tmp_path: Path) -> None:
+    from dimuon.dit.checkpoint import file_record
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_config(straight, **OFF_THE_LOG))
+    train(tiny_config(resumed, **OFF_THE_LOG), stop_after=5)
+    # Made as a checkpoint written before the window was kept: no log_window in its progress.
+    ckpt = resumed / "checkpoints/step_0000004"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    del state["progress"]["log_window"]
+    torch.save(state, ckpt / "state.pt")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["progress"]["log_window"]
+    meta["files"]["state.pt"] = file_record(ckpt / "state.pt")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+    train(tiny_config(resumed, resume=str(resumed), **OFF_THE_LOG))
+    a = torch.load(straight / "checkpoints/step_0000008/state.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoints/step_0000008/state.pt", weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # Its first record after the resume starts an empty window: steps 5 and 6 only, the rest as before.
+    log_a = [r for r in without_timing(records(straight)) if r["kind"] == "train"]
+    log_b = [r for r in without_timing(records(resumed)) if r["kind"] == "train"]
+    assert [r["step"] for r in log_b] == [3, 6, 8]
+    assert log_b[1]["refresh"]["spectral_fraction"] == 0.0 and log_b[1]["loss"] != log_a[1]["loss"]
+    assert [log_a[0], log_a[2]] == [log_b[0], log_b[2]]
+
+
+def test_a_saved_log_window_gives_each_rank_its_own_loss_sum_or_their_mean_at_another_world_size() -> None:
+    from dimuon.train.distributed import DistEnv
+    from dimuon.train.records import Window
+
+    cpu = torch.device("cpu")
+    window = Window()
+    window.steps, window.loss, window.grad_norm = 2, torch.tensor(3.0), torch.tensor(0.5)
+    state = window.state(DistEnv(0, 1, cpu), {}, {}, {"w": [1, 2]})
+    assert state["loss"] == [3.0] and state["refresh"] == {"w": [1, 2]}
+    state["loss"] = [3.0, 5.0]  # as two ranks saved it
+    assert Window.restored(state, DistEnv(1, 2, cpu)).loss == 5.0
+    assert Window.restored(state, DistEnv(0, 1, cpu)).loss == 4.0  # the record's mean over ranks is kept
+    assert Window.restored(None, DistEnv(0, 1, cpu)) == Window()
+
+
 def test_resume_through_the_cli_keeps_the_saved_config_and_extends_the_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny_config(run, steps=4, schedule="constant"))

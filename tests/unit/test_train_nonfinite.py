@@ -231,3 +231,24 @@ def test_the_streak_of_skipped_steps_goes_on_across_a_resume(
     assert train_main([*flags(data, out, steps=4, **common), "--resume", str(out)]) == 1
     err = capsys.readouterr().err
     assert "step 3 of 4: " in err and "That makes 3 skipped steps in a row" in err  # as an unbroken run stops
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "periodic_row_muon"])  # the host's check, the optimizer's vote
+def test_a_step_skipped_before_a_checkpoint_off_the_log_is_counted_in_the_resumed_run_s_record(
+    optimizer: str, tmp_path: Path
+) -> None:
+    from tests.train_runs import without_timing
+
+    data = tmp_path / "data.npz"
+    arrays(data)
+    index = build_dataset("arrays", "train", path=data).index
+    row = int(index[BatchSchedule(len(index), 8, 0).indices(3)[0]])  # drawn by step 4 alone (5 steps: one epoch)
+    arrays(data, bad_rows=(row,))
+    common = dict(optimizer=optimizer, nonfinite="skip", steps=5, log_interval=3, ckpt_interval=4)
+    train(config(data, tmp_path / "straight", **common))
+    train(config(data, tmp_path / "resumed", **common), stop_after=4)  # the window at the checkpoint: steps 4
+    train(config(data, tmp_path / "resumed", resume=str(tmp_path / "resumed"), **common))
+    straight, resumed = (without_timing(records(tmp_path / run)) for run in ("straight", "resumed"))
+    assert [(r["step"], r["skipped_steps"]) for r in resumed if r["kind"] == "train"] == [(3, 0), (5, 1)]
+    assert [r["step"] for r in resumed if r["kind"] == "nonfinite"] == [4]
+    assert straight == resumed

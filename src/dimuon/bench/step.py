@@ -15,14 +15,12 @@ Run ``dimuon bench step --help`` (or ``python -m dimuon.bench.step --help``).
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,11 +36,19 @@ from dimuon.bench.report import (
     train_results,
 )
 from dimuon.dit import DIT_MODELS
+from dimuon.dit.checkpoint import CheckpointError
 from dimuon.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from dimuon.optim import OPTIMIZERS
 from dimuon.optim.build import LABELS, ONE_PROCESS_ONLY
+from dimuon.train.config import ConfigError
+from dimuon.train.optim_options import accepted_parameters
+from dimuon.train.plan import TrainPlan, resolve
+from dimuon.train.run import parse_config
 
 DEFAULT_OPTIMIZERS = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
+# The option that sets an optimizer's period, in the optimizer's own spelling (--optim.k, --optim.period, and the
+# adaptive schedule's longest interval --optim.k-max).
+PERIOD_OPTIONS = ("k", "period", "k_max")
 
 
 @dataclass
@@ -79,31 +85,36 @@ class Config:
     """Show a progress bar over the runs."""
 
 
-def period_of(optimizer: str, train_args: Sequence[str] = ()) -> int:
-    """Steps after which the optimizer's schedule repeats (1 for non-periodic ones; the adaptive schedule's longest
-    interval, ``k_max``): its default, or the value its ``train_args`` set (``--optim.k 4``, ``--optim.period=4``)."""
-    cls = OPTIMIZERS.get(optimizer)
-    if cls is None or not isinstance(cls, type):
-        return 1
-    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
-    for key in ("k", "period", "k_max"):
+def train_plan(cfg: Config, optimizer: str) -> TrainPlan:
+    """One optimizer's runs as ``dimuon train`` reads them at start-up: their flags (:func:`run_flags`, with
+    ``--steps`` and ``--log-interval`` at their defaults, as the window is not known yet) parsed and checked by
+    the training command's own :func:`~dimuon.train.run.parse_config` and :func:`~dimuon.train.plan.resolve`.
+    ValueError names the optimizer's --train-args / --train-args-of and the bad flag as ``dimuon train`` does (a
+    flag its parser refuses: in its message, printed just before)."""
+    where = f"--train-args / --train-args-of {optimizer}"
+    argv = run_flags(cfg, optimizer, cfg.out / "runs" / run_name(optimizer, 1))
+    try:
+        return resolve(parse_config(argv))
+    except SystemExit:
+        raise ValueError(f"{where}: dimuon train refuses these flags (its message above names the flag)") from None
+    except (ConfigError, CheckpointError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def period_of(plan: TrainPlan) -> int:
+    """Steps after which the run's optimizer schedule repeats (1 for non-periodic ones; the adaptive schedule's
+    longest interval, ``k_max``): the option as the run's flags set it, else the optimizer's default."""
+    defaults = {name: p.default for name, (p, _) in accepted_parameters(OPTIMIZERS[plan.optimizer.name]).items()}
+    for key in PERIOD_OPTIONS:
         if isinstance(defaults.get(key), int):
-            flag, period = f"--optim.{key.replace('_', '-')}", int(defaults[key])
-            for i, arg in enumerate(train_args):  # the last one given wins, as the parser takes it
-                value = train_args[i + 1] if arg == flag and i + 1 < len(train_args) else None
-                value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else value
-                if value is not None:
-                    if not value.isdigit() or int(value) < 1:
-                        raise ValueError(f"{optimizer}'s {flag} must be an integer >= 1, got {value!r}")
-                    period = int(value)
-            return period
+            return int(plan.optimizer.kwargs.get(key, defaults[key]))
     return 1
 
 
 def window_steps(cfg: Config, optimizer: str) -> int:
     """Steps per log window: the smallest multiple of the optimizer's period (as its flags set it) that is at
     least --window."""
-    period = period_of(optimizer, extra_train_args(cfg).get(optimizer, ()))
+    period = period_of(train_plan(cfg, optimizer))
     return period * math.ceil(cfg.window / period)
 
 
@@ -129,8 +140,8 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
-    for name, args in extra_train_args(cfg).items():
-        period_of(name, args)
+    for name in cfg.optimizers:  # every run's flags, as dimuon train checks them at start-up
+        train_plan(cfg, name)
 
 
 def extra_train_args(cfg: Config) -> dict[str, list[str]]:
@@ -149,10 +160,11 @@ def run_name(optimizer: str, world: int, repeat: int = 0) -> str:
     return f"{optimizer}-w{world}" + (f"-r{repeat}" if repeat else "")
 
 
-def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> list[str]:
-    """The ``dimuon train`` command of one run: whole windows, the end-of-run hooks made cheap."""
-    window = window_steps(cfg, optimizer)
-    train = [
+def run_flags(cfg: Config, optimizer: str, run_dir: Path, window: int | None = None) -> list[str]:
+    """The ``dimuon train`` flags of one run: whole windows, the end-of-run hooks made cheap, then --train-args
+    and the optimizer's --train-args-of (the last given wins); without ``window``, no --steps or --log-interval."""
+    windows = [] if window is None else ["--steps", str(window * (1 + cfg.windows)), "--log-interval", str(window)]
+    return [
         "--out",
         str(run_dir),
         "--overwrite",
@@ -165,12 +177,9 @@ def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> lis
         cfg.dataset,
         "--batch-size",
         str(cfg.batch_size),
-        "--steps",
-        str(window * (1 + cfg.windows)),
+        *windows,
         "--warmup-steps",
         "1",
-        "--log-interval",
-        str(window),
         "--val-interval",
         "0",
         "--val-samples",
@@ -181,8 +190,13 @@ def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> lis
         "10",
         "--sample-steps",
         "2",
+        *extra_train_args(cfg)[optimizer],
     ]
-    train += extra_train_args(cfg)[optimizer]
+
+
+def train_command(cfg: Config, optimizer: str, world: int, run_dir: Path) -> list[str]:
+    """The ``dimuon train`` command of one run (:func:`run_flags`), in one process or under torchrun."""
+    train = run_flags(cfg, optimizer, run_dir, window_steps(cfg, optimizer))
     if world == 1:
         if cfg.threads is not None:
             train += ["--threads", str(cfg.threads)]

@@ -9,6 +9,7 @@ directory, which ``list_checkpoints`` ignores and the next save removes.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from dimuon.io import (
 from dimuon.train.distributed import DistEnv, all_gather_objects, barrier, on_main
 
 __all__ = [
+    "LOG_WINDOW",
     "CheckpointWriteError",
     "checkpoint_bytes",
     "drop_superseded",
@@ -52,6 +54,11 @@ __all__ = [
     "save_checkpoint",
     "set_aside_checkpoints_after",
 ]
+
+
+# The key of ``progress`` that holds the running log window (the sums since the last train record); a checkpoint
+# written before it was kept has none, and its run resumes with an empty window.
+LOG_WINDOW = "log_window"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,13 +109,14 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: EMA,
-    progress: dict[str, float],
+    progress: dict[str, Any],
     meta: dict[str, Any],
     env: DistEnv,
 ) -> Path:
     """Write the checkpoint after ``step`` steps atomically (every rank calls this); return its directory.
 
-    ``progress`` holds run counters restored on resume (e.g. ``active_time_s``); ``meta`` holds the
+    ``progress`` holds run counters restored on resume (e.g. ``active_time_s``; the log window under
+    :data:`LOG_WINDOW`, the same on every rank); ``meta`` holds the
     run description stored in ``meta.json`` (config, data set, model, ...). A failed write raises
     :class:`CheckpointWriteError` on every rank and leaves no partial checkpoint behind.
     """
@@ -125,7 +133,7 @@ def save_checkpoint(
             "kind": "dcp" if env.distributed else "single",
             "step": step,
             "world_size": env.world,
-            **progress,
+            **{k: v for k, v in progress.items() if k != LOG_WINDOW},  # the counters, at the top level too
             "progress": dict(progress),
             **meta,
             "files": files,
@@ -167,7 +175,7 @@ def _save_single(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: EMA,
-    progress: dict[str, float],
+    progress: dict[str, Any],
     rng: list[list[torch.Tensor]],
 ) -> dict[str, Any]:
     state = {
@@ -186,7 +194,7 @@ def _dcp_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: EMA,
-    progress: dict[str, float],
+    progress: dict[str, Any],
     rng: list[list[torch.Tensor]],
 ) -> dict[str, Any]:
     """The nested dict DCP saves and loads in place (model and optimizer keyed by parameter names)."""
@@ -203,7 +211,7 @@ def _save_dcp(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: EMA,
-    progress: dict[str, float],
+    progress: dict[str, Any],
     rng: list[list[torch.Tensor]],
     env: DistEnv,
 ) -> dict[str, Any]:
@@ -332,7 +340,7 @@ def _load_dcp(
     optimizer: torch.optim.Optimizer,
     ema: EMA,
     env: DistEnv,
-) -> tuple[dict[str, float], list[list[torch.Tensor]]]:
+) -> tuple[dict[str, Any], list[list[torch.Tensor]]]:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     try:
@@ -340,7 +348,7 @@ def _load_dcp(
             model,
             optimizer,
             ema,
-            {k: 0.0 for k in meta.get("progress", {})},
+            copy.deepcopy(meta.get("progress", {})),  # the saved structure (the log window nests), loaded over
             saved_rng_template(ckpt_dir, int(meta["world_size"])),
         )
         dcp_load(state, ckpt_dir, no_dist=not env.distributed)

@@ -15,15 +15,14 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import Any, Literal, get_args
 
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS, dit_arch
 from dimuon.dit.parallel import Parallelism
 from dimuon.io import to_json
 from dimuon.metrics.eval_settings import EvalSettings, check_eval_settings
+from dimuon.metrics.series import check_device
 from dimuon.optim import OPTIMIZERS
 from dimuon.optim.build import ONE_PROCESS_ONLY
 from dimuon.train.optim_options import OPTION_SPECS, OptimOptions, accepted_parameters, options_from_dict
@@ -47,6 +46,8 @@ __all__ = [
 ]
 
 RESUME_AUTO = "auto"  # --resume auto: continue the run in --out if it has one, else start it
+TrainDevice = Literal["auto", "cpu", "cuda"]  # --device: every rank takes its own GPU (cuda:LOCAL_RANK) under cuda
+TRAIN_DEVICES: tuple[str, ...] = get_args(TrainDevice)
 
 
 class ConfigError(ValueError):
@@ -176,7 +177,7 @@ class TrainConfig:
     the data or the data order cannot change."""
     overwrite: bool = False
     """Start afresh in an --out that already holds a run (its old files are deleted)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: TrainDevice = "auto"
     """auto: cuda if available, else cpu."""
     threads: int | None = None
     """CPU intra-op threads per process (default: torch's)."""
@@ -288,8 +289,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(cfg.cfg_scale >= 0, f"--cfg-scale must be >= 0, got {cfg.cfg_scale}")
     if cfg.threads is not None:
         _check_positive_int("--threads", cfg.threads)
-    if cfg.device == "cuda":
-        _require(torch.cuda.is_available(), "--device cuda was asked for, but CUDA is not available")
+    _check_device(cfg.device)
     _require(bool(cfg.out), "--out must name a directory")
     _require(
         not (cfg.resume == RESUME_AUTO and cfg.overwrite),
@@ -299,6 +299,16 @@ def validate(cfg: TrainConfig) -> None:
     _validate_data(cfg)
     _validate_eval(cfg)
     _validate_parallel(cfg)
+
+
+def _check_device(device: str) -> None:
+    """``--device``: one of the names training takes (each rank picks its own GPU, so ``cuda``, not ``cuda:N``),
+    and one this machine has, as every command checks it (:func:`dimuon.metrics.series.check_device`)."""
+    _check_choice("--device", device, TRAIN_DEVICES)
+    try:
+        check_device(device, "--device")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_data(cfg: TrainConfig) -> None:

@@ -61,7 +61,10 @@ from dimuon.train.records import (
     RunLog,
     StepTimes,
     Window,
+    add_counts,
+    add_refresh_counts,
     phase_seconds,
+    refresh_counts,
     train_record,
     validation_record,
 )
@@ -212,6 +215,7 @@ class Trainer:
 
         self.clock, self.start = RunClock(), 0
         self.guard = NonFiniteGuard(cfg.nonfinite, cfg.skip_limit)
+        self.window = Window()  # sums over the steps since the last train record
         if self.resume_from is not None:
             restored = ckpt.load_training_state(
                 self.resume_from, model=self.model, optimizer=self.opt, ema=self.ema, env=env
@@ -220,6 +224,8 @@ class Trainer:
             self.guard.skipped = int(restored["progress"].get("skipped_steps", 0))
             # The streak too: --skip-limit counts the skips in a row across a resume, as an unbroken run does.
             self.guard.in_a_row = int(restored["progress"].get("skipped_in_a_row", 0))
+            # And the steps since the last train record before the checkpoint: the next record averages them too.
+            self.window = Window.restored(restored["progress"].get(ckpt.LOG_WINDOW), env)
         on_main(lambda: self.take_lock(create=True), env)  # a new run: before anything is written
         on_main(lambda: prepare_run_dir(layout, plan.record, plan.resume, self.start, cfg.overwrite), env)
 
@@ -236,7 +242,6 @@ class Trainer:
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
         self.summary: dict[str, Any] = {"run_dir": str(layout.root), "step": self.start, "skipped_steps": 0}
         self.saved_at = self.start  # the step of the newest checkpoint (the resumed one to begin with)
-        self.window = Window()
 
     # ----------------------------------------------------------------------------------------------
     # The loop
@@ -415,16 +420,8 @@ class Trainer:
     def log_train(self, done: int) -> None:
         """The ``train`` record of the steps since the last one (and the optimizer's communication)."""
         self.settle()
-        by_dim = self.comm_stats(by_mesh_dim=True)  # read before optimizer_stats resets the counts
-        rec = train_record(
-            self.window,
-            done,
-            self.lr,
-            self.data.batches,
-            self.env,
-            self.optimizer_stats("comm_stats"),
-            self.optimizer_stats("refresh_stats"),
-        )
+        comm, by_dim, refresh = self.window_stats(reset=True)
+        rec = train_record(self.window, done, self.lr, self.data.batches, self.env, comm, refresh)
         if by_dim:  # the optimizer's bytes per mesh dimension (sharded runs)
             rec["comm_bytes_per_step_by_mesh_dim"] = {
                 dim: sum(v["bytes"] for v in kinds.values()) / (self.window.steps + self.window.skipped)
@@ -485,10 +482,12 @@ class Trainer:
         """Save the training state (every rank), keep the newest checkpoints, redraw the loss plots."""
         t = time.perf_counter()
         self.settle()  # the count saved is every step's so far
+        comm, by_dim, refresh = self.window_stats(reset=False)  # the window goes on after the save
         progress = {
             **self.clock.progress(),
             "skipped_steps": self.guard.skipped,
             "skipped_in_a_row": self.guard.in_a_row,
+            ckpt.LOG_WINDOW: self.window.state(self.env, comm, by_dim, refresh_counts(refresh)),
         }
         path = ckpt.save_checkpoint(
             self.layout.root,
@@ -611,14 +610,24 @@ class Trainer:
             return {}
         return stats(by_mesh_dim=True) if by_mesh_dim else stats()
 
-    def optimizer_stats(self, name: str) -> dict[str, Any]:
+    def optimizer_stats(self, name: str, reset: bool = True) -> dict[str, Any]:
         """The optimizer's ``name()`` statistics since their last reset (its collectives for ``comm_stats``, its
-        spectral steps for ``refresh_stats``), then reset; empty for optimizers that do not keep them."""
-        stats, reset = getattr(self.opt, name, None), getattr(self.opt, f"reset_{name}", None)
+        spectral steps for ``refresh_stats``), then reset unless ``reset`` is False; empty for optimizers that do
+        not keep them."""
+        stats, reset_stats = getattr(self.opt, name, None), getattr(self.opt, f"reset_{name}", None)
         out = stats() if stats is not None else {}
-        if reset is not None:
-            reset()
+        if reset and reset_stats is not None:
+            reset_stats()
         return out
+
+    def window_stats(self, reset: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The optimizer's statistics of the window's steps, those carried from before a resume added: its
+        collectives per kind and per mesh dimension, and its ``refresh_stats()``; ``reset``: its counts start again
+        (at a train record, not at a checkpoint)."""
+        by_dim = add_counts(self.window.comm_by_mesh_dim, self.comm_stats(by_mesh_dim=True))  # before the reset
+        comm = add_counts(self.window.comm, self.optimizer_stats("comm_stats", reset))
+        refresh = add_refresh_counts(self.window.refresh, self.optimizer_stats("refresh_stats", reset))
+        return comm, by_dim, refresh
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,10 +19,20 @@ from dimuon.data import BatchSchedule
 from dimuon.dit import EMA
 from dimuon.dit import validation_loss as flow_validation_loss
 from dimuon.io import JsonlLog
-from dimuon.train.distributed import DistEnv, mean_over_ranks
+from dimuon.train.distributed import DistEnv, all_gather_objects, mean_over_ranks
 from dimuon.train.logger import TensorBoardLog
 
-__all__ = ["RunClock", "RunLog", "StepTimes", "Window", "train_record", "validation_record"]
+__all__ = [
+    "RunClock",
+    "RunLog",
+    "StepTimes",
+    "Window",
+    "add_counts",
+    "add_refresh_counts",
+    "refresh_counts",
+    "train_record",
+    "validation_record",
+]
 
 
 @dataclass
@@ -70,7 +80,14 @@ def phase_seconds(spans: list[float]) -> tuple[float, float, float]:
 
 @dataclass
 class Window:
-    """Sums over the steps since the last training record (losses over the steps taken, times over all)."""
+    """Sums over the steps since the last training record (losses over the steps taken, times over all).
+
+    A checkpoint keeps the window (:meth:`state`) and a resumed run starts from it (:meth:`restored`), so the
+    first record after a resume covers the same steps, with the same sums, as the uninterrupted run's: the loss
+    and gradient-norm sums go through the checkpoint as floats that hold the running float32 sums exactly.
+    The optimizer's statistics of the steps before the resume (``comm``, ``comm_by_mesh_dim``, ``refresh``) come
+    back with it, to be added to the optimizer's own at the next record.
+    """
 
     steps: int = 0  # steps taken
     skipped: int = 0  # steps skipped for a non-finite loss or gradient (--nonfinite skip)
@@ -82,6 +99,64 @@ class Window:
     step_s: float = 0.0
     pending: list[Any] = field(default_factory=list)  # (step, vote, loss, grad_norm) of steps not yet read
     events: list[Any] = field(default_factory=list)  # CUDA events of each step's phases, not yet read
+    # The optimizer's statistics of the window's steps before a resume (its comm_stats() without and with
+    # by_mesh_dim, its spectral-step counts as refresh_counts() gives them); empty otherwise.
+    comm: dict[str, Any] = field(default_factory=dict)
+    comm_by_mesh_dim: dict[str, Any] = field(default_factory=dict)
+    refresh: dict[str, list[int]] = field(default_factory=dict)
+
+    def state(
+        self,
+        env: DistEnv,
+        comm: dict[str, Any],
+        comm_by_mesh_dim: dict[str, Any],
+        refresh: dict[str, list[int]],
+    ) -> dict[str, Any]:
+        """The window as a checkpoint's ``progress`` keeps it (every rank calls this; plain numbers, lists and
+        dicts, the same on every rank): each rank's loss sum in rank order, the rest as rank 0 has it. The step
+        counts and the gradient norm are global, and only rank 0 writes records, so its times and the
+        optimizer statistics given (this window's so far, carried ones included) are the ones that matter.
+        The votes must have been read (:meth:`settle`)."""
+        assert not self.pending, "settle the window before saving it"
+        self.read_events()
+        losses = all_gather_objects(float(self.loss), env)
+        mine = {
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "loss": losses,
+            "grad_norm": float(self.grad_norm),
+            "data_s": self.data_s,
+            "fwd_bwd_s": self.fwd_bwd_s,
+            "opt_s": self.opt_s,
+            "step_s": self.step_s,
+            "comm": comm,
+            "comm_by_mesh_dim": comm_by_mesh_dim,
+            "refresh": refresh,
+        }
+        return all_gather_objects(mine, env)[0]
+
+    @classmethod
+    def restored(cls, state: dict[str, Any] | None, env: DistEnv) -> Window:
+        """The window a checkpoint saved (:meth:`state`), for this rank; an empty one for a checkpoint without
+        it. At another world size than the saved one every rank takes the mean of the saved loss sums, which
+        keeps the record's mean over ranks."""
+        if not state:
+            return cls()
+        losses = [float(x) for x in state["loss"]]
+        loss = losses[env.rank] if len(losses) == env.world else sum(losses) / len(losses)
+        return cls(
+            steps=int(state["steps"]),
+            skipped=int(state["skipped"]),
+            loss=loss,
+            grad_norm=float(state["grad_norm"]),
+            data_s=float(state["data_s"]),
+            fwd_bwd_s=float(state["fwd_bwd_s"]),
+            opt_s=float(state["opt_s"]),
+            step_s=float(state["step_s"]),
+            comm=dict(state.get("comm") or {}),
+            comm_by_mesh_dim=dict(state.get("comm_by_mesh_dim") or {}),
+            refresh={name: [int(s), int(n)] for name, (s, n) in (state.get("refresh") or {}).items()},
+        )
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, times: StepTimes) -> None:
         """Account one step (the loss stays a tensor: no device sync per step)."""
@@ -160,7 +235,7 @@ def train_record(
         "epoch": round(batches.num_epochs(done), 4),
         "lr": lr,
         "loss": mean_over_ranks(loss, env) if taken else None,
-        "grad_norm": float(window.grad_norm) / taken if taken and isinstance(window.grad_norm, torch.Tensor) else None,
+        "grad_norm": float(window.grad_norm) / taken if taken else None,
         "skipped_steps": window.skipped,
         "step_ms": 1e3 * window.step_s / n,
         "data_ms": 1e3 * window.data_s / n,
@@ -176,6 +251,45 @@ def train_record(
             "matrices": {name: round(m["fraction"], 4) for name, m in refresh["matrices"].items()},
         }
     return rec
+
+
+def add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two nested dicts of counts added key by key (a key of one of them alone kept as it is)."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = add_counts(out[key], value)
+        else:
+            out[key] = out[key] + value
+    return out
+
+
+def refresh_counts(stats: dict[str, Any]) -> dict[str, list[int]]:
+    """``{matrix: [spectral steps, steps]}`` of an optimizer's ``refresh_stats()`` (empty without any)."""
+    return {name: [m["spectral"], m["steps"]] for name, m in stats.get("matrices", {}).items()}
+
+
+def add_refresh_counts(counts: dict[str, list[int]], stats: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``refresh_stats()`` with the spectral-step ``counts`` of earlier steps added, its fractions
+    computed over both (``stats`` as it is when there are none)."""
+    if not counts:
+        return stats
+    total = {name: list(c) for name, c in counts.items()}
+    for name, (spectral, steps) in refresh_counts(stats).items():
+        c = total.setdefault(name, [0, 0])
+        c[0] += spectral
+        c[1] += steps
+    matrices = {name: {"spectral": s, "steps": n, "fraction": s / n} for name, (s, n) in total.items()}
+    spectral = sum(s for s, _ in total.values())
+    steps = sum(n for _, n in total.values())
+    return {
+        "spectral_fraction": spectral / steps if steps else 0.0,
+        "spectral": spectral,
+        "steps": steps,
+        "matrices": matrices,
+    }
 
 
 def validation_record(
