@@ -16,6 +16,8 @@ from dimuon.train.config import (
     config_to_dict,
     validate,
 )
+from dimuon.train.distributed import DataParallel, DistEnv
+from dimuon.train.loop import open_data
 from dimuon.train.lr_schedule import lr_factor
 from dimuon.train.plan import data_spec, resolve
 from dimuon.train.run import main, parse_config
@@ -119,6 +121,30 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
     cfg = config_from_dict(saved)
     assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp) == (1, -1, 1)
     assert parse_config(["--parallel.tp", "2", "--parallel.dp-shard", "2"]).parallel.tp == 2
+
+
+def test_configs_saved_before_the_validation_subset_choice_load_as_the_first_items() -> None:
+    saved = config_to_dict(TrainConfig())
+    assert saved["val_subset"] == "balanced"
+    del saved["val_subset"]  # such runs scored the split's first --val-samples images
+    assert config_from_dict(saved).val_subset == "first"
+    assert parse_config(["--val-subset", "first"]).val_subset == "first"
+    with pytest.raises(ConfigError, match=r"^--val-subset must be balanced or first, got 'random'$"):
+        validate(TrainConfig(val_subset="random"))  # type: ignore[arg-type]
+
+
+def test_the_validation_images_take_the_classes_in_turn(tmp_path) -> None:
+    # MNIST's val split is in class order: its first 256 images are digits 0-4 only.
+    data = open_data(
+        resolve(TrainConfig(out=str(tmp_path / "run"))), DistEnv(0, 1, torch.device("cpu")), DataParallel(0, 1)
+    )
+    assert len(data.val_y) == 256 and torch.bincount(data.val_y, minlength=10).min() >= 25
+    first = open_data(
+        resolve(TrainConfig(out=str(tmp_path / "run"), val_subset="first")),
+        DistEnv(0, 1, torch.device("cpu")),
+        DataParallel(0, 1),
+    )
+    assert (torch.bincount(first.val_y, minlength=10) == 0).sum() >= 4
 
 
 @pytest.mark.parametrize(

@@ -19,15 +19,18 @@ from dimuon.data.datasets import (
     load_arrays,
     split_indices,
 )
+from dimuon.data.subsets import BALANCED_SUBSET, balanced_subset
 from dimuon.data.validation import DataError, describe_item, find_problems, problems_message
 
 __all__ = [
+    "BALANCED_SUBSET",
     "DATASETS",
     "ArrayDataset",
     "BatchSchedule",
     "DataError",
     "DataSpec",
     "ImageFolderDataset",
+    "balanced_subset",
     "build_dataset",
     "check_image_shape",
     "describe_item",

@@ -147,6 +147,9 @@ class TrainConfig:
     """Steps between validation losses (0: only at the end)."""
     val_samples: int = 256
     """Held-out images used for the validation loss (0: the whole split)."""
+    val_subset: Literal["balanced", "first"] = "balanced"
+    """Which --val-samples images: balanced (the classes in turn) or first (the split's first, which in a
+    class-ordered split are its first classes; what runs took before this flag existed)."""
     val_seed: int = 0
     """Seed of the fixed validation noise."""
     sample_interval: int = 0
@@ -207,6 +210,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
         value = optim.pop("nonfinite")
         data.setdefault("nonfinite", value if value is not None else "raise")
     parallel = dict(data.pop("parallel", {}) or {})  # runs of earlier versions have none: FSDP over all ranks
+    data.setdefault("val_subset", "first")  # saved before the choice existed: those runs took the first items
     unknown = sorted(
         (set(data) - _field_names(TrainConfig))
         | {f"optim.{k}" for k in set(optim) - _field_names(OptimOptions)}
@@ -284,6 +288,7 @@ def validate(cfg: TrainConfig) -> None:
         ("--keep-checkpoints", cfg.keep_checkpoints),
     ):
         _check_positive_int(flag, value, 0)
+    _require(cfg.val_subset in ("balanced", "first"), f"--val-subset must be balanced or first, got {cfg.val_subset!r}")
     _check_positive_int("--sample-count", cfg.sample_count)
     _check_positive_int("--sample-steps", cfg.sample_steps)
     _require(cfg.cfg_scale >= 0, f"--cfg-scale must be >= 0, got {cfg.cfg_scale}")

@@ -32,7 +32,15 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from dimuon.data import BatchSchedule, DataSpec, describe_item, find_problems, get_batch, problems_message
+from dimuon.data import (
+    BatchSchedule,
+    DataSpec,
+    balanced_subset,
+    describe_item,
+    find_problems,
+    get_batch,
+    problems_message,
+)
 from dimuon.dit import EMA, TimestepDist, flow_loss, sample
 from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.dit.parallel import clip_grad_norm as clip_grad_norm_over_meshes
@@ -158,7 +166,9 @@ def open_data(plan: TrainPlan, env: DistEnv, dp: DataParallel) -> TrainData:
     if n_val == 0:
         raise ConfigError(f"{where} has an empty validation split")
     batches = BatchSchedule(len(train_set), cfg.batch_size, cfg.seed, dp.rank, dp.world)
-    val_x, val_y = get_batch(val_set, np.arange(n_val))
+    # The classes in turn: a split's first items are often its first classes only (MNIST's are in class order).
+    val_idx = balanced_subset(val_set.labels, n_val) if cfg.val_subset == "balanced" else np.arange(n_val)
+    val_x, val_y = get_batch(val_set, val_idx)
     return TrainData(train_set, batches, val_x, val_y, spec)
 
 
