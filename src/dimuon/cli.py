@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(USAGE)
+            return 0
         if not rest or rest[0] not in BENCHMARKS:
             got = repr(rest[0]) if rest else "nothing"
             print(f"dimuon bench: expected one of {sorted(BENCHMARKS)}, got {got}\n\n{USAGE}", file=sys.stderr)

@@ -175,3 +175,21 @@ def test_bad_options_are_refused_before_any_rank_starts(capsys):
     assert "--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT" in capsys.readouterr().err
     assert comm.main(["--mesh", "tp4", "--model", "DiT-T/2"]) == 2
     assert "--parallel.tp (4) must divide the model's 2 attention heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--threads", "-1"], "--threads must be >= 1 (or left out: 1 per spawned rank), got -1"),
+        (["--threads", "0"], "--threads must be >= 1 (or left out: 1 per spawned rank), got 0"),  # ran 1, said 0
+        (["--bucket-mb", "-1"], "--bucket-mb must be a positive number of MiB, got -1.0"),
+        (["--bucket-mb", "0"], "--bucket-mb must be a positive number of MiB, got 0.0"),
+        (["--timeout-s", "-5"], "--timeout-s must be >= 0 seconds (0: no limit), got -5.0"),
+    ],
+)
+def test_threads_bucket_and_timeout_are_checked_before_any_rank_starts(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr("dimuon.bench.launch.run_gloo", lambda *a, **k: pytest.fail("started ranks"))
+    out = tmp_path / "c.json"
+    assert comm.main([*flags, "--model", "DiT-T/2", "--world", "2", "--no-peers", "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

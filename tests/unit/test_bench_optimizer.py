@@ -155,6 +155,43 @@ def test_no_peers_and_bad_peer_names(tmp_path, capsys):
     assert "--peers got unknown peer(s) ['sgd']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "DiT-Q/2"], "--model must be one of: DiT-T/2, "),
+        (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+        (["--repeats-of", "muon=0"], "--repeats-of expects NAME=N with NAME in "),
+        (["--warmup-of", "muon=-1"], "--warmup-of expects NAME=N with NAME in "),
+        (["--ns-repeats", "0"], "--ns-repeats must be an integer >= 1, got 0"),
+        (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+        (["--k", "0"], "--k must be an integer >= 1, got 0"),
+        (["--period", "0"], "--period must be an integer >= 1, got 0"),
+        (["--bp-blocks", "0"], "--bp-blocks must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_values_stop_at_start_up_naming_the_flag(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(bench, "build_model", lambda cfg: pytest.fail("built a model"))
+    out = tmp_path / "o.json"
+    assert bench.main([*flags, "--no-peers", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(f"dimuon bench optimizer: {message}")
+    assert not out.exists()
+
+
+def test_the_load_average_at_end_is_read_at_the_end(tmp_path, monkeypatch):
+    reads = iter(range(1, 1000))
+    monkeypatch.setattr("os.getloadavg", lambda: (float(next(reads)),) * 3)
+    out = tmp_path / "r.json"
+    only = ["--skip", *(n for n in bench.OPTIMIZERS if n not in ("adamw_foreach", "muon")), "--no-peers"]
+    assert bench.main([*TINY, *only, "--no-ns-rate", "--out", str(out)]) == 0
+    machine = json.loads(out.read_text())["machine"]
+    last = next(reads) - 1  # the number of reads made
+    assert machine["load_average_at_start"] == [1.0] * 3 and machine["load_average"] == [float(last)] * 3 and last > 1
+    assert f"load average [1.0, 1.0, 1.0] at start, [{last}.0, {last}.0, {last}.0] at end" in bench.render(
+        json.loads(out.read_text())
+    )
+
+
 def test_bad_override_names_the_flag():
     with pytest.raises(ValueError, match="--repeats-of expects NAME=N"):
         bench.parse_overrides(["sgd=3"], "--repeats-of")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -16,7 +17,9 @@ import pytest
 
 from dimuon.bench import quality, quality_report, quality_runs
 from dimuon.bench.quality_config import Config, QualityEval, RunSpec
+from dimuon.io import to_json
 from dimuon.metrics.eval_settings import sampling_settings
+from dimuon.train.config import config_to_dict
 from dimuon.train.run import parse_config
 
 SPACE = "classifier-digits8-0123abcd"
@@ -92,16 +95,10 @@ def fabricate_run(cfg: Config, spec: RunSpec, last_step: int | None = None) -> P
     last = cfg.steps if last_step is None else last_step
     run_dir = cfg.out / "runs" / spec.name
     (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-    config = {
-        "model": cfg.model,
-        "dataset": cfg.dataset,
-        "batch_size": cfg.batch_size,
-        "steps": cfg.steps,
-        "optimizer": spec.optimizer,
-        "lr": spec.lr,
-        "seed": spec.seed,
-    }
-    (run_dir / "config.json").write_text(json.dumps(config))
+    # the config dimuon train records: its command's flags as its parser reads them
+    cmd = quality_runs.train_command(cfg, spec, quality.train_args_of(cfg).get(spec.optimizer, []))
+    config = config_to_dict(parse_config(cmd[len(quality_runs.TRAIN) :]))
+    (run_dir / "config.json").write_text(to_json(config))
     step_ms, final = STEP_MS[spec.optimizer], FINAL_FD[spec.optimizer, spec.lr] + 2 * spec.seed
     records = [
         {
@@ -325,7 +322,7 @@ def test_run_mode_follows_the_files(tmp_path):
     fabricate_run(cfg, spec)
     assert quality_runs.run_mode(run_dir, cfg.eval, cfg.steps) == "done"
     other = dataclasses.replace(cfg.eval, num_samples=40)  # another series: the last step is not scored in it
-    assert quality_runs.run_mode(run_dir, other, cfg.steps) == "resume"
+    assert quality_runs.run_mode(run_dir, other, cfg.steps) == "evaluate"  # trained that far: dimuon eval scores it
 
 
 def test_a_run_of_another_task_is_refused(tmp_path):
@@ -338,6 +335,112 @@ def test_a_run_of_another_task_is_refused(tmp_path):
     assert "model 'DiT-T/2' (asked for 'DiT-T/4')" in reason
     outcome = quality_runs.execute(changed, spec, [])
     assert outcome.action == "refused" and outcome.command is None and "another --out" in outcome.error
+
+
+def test_a_run_trained_with_other_train_args_is_refused_not_reused(tmp_path, fake_training, monkeypatch):
+    """The run's config.json (as dimuon train recorded it) is held against this grid's command for it: other
+    --train-args / --train-args-of refuse it, naming the run and the flags; how it is continued or evaluated
+    does not."""
+    cfg = tiny_config(
+        tmp_path,
+        optimizers=("adamw", "periodic_row_muon/kx"),
+        lrs=(1e-2,),
+        train_args="--ema-decay 0.5",
+        train_args_of=("periodic_row_muon/kx=--optim.k 2",),
+    )
+    monkeypatch.setitem(FINAL_FD, ("periodic_row_muon/kx", 1e-2), 33.0)
+    monkeypatch.setitem(STEP_MS, "periodic_row_muon/kx", 12.0)
+    monkeypatch.setitem(OPT_MS, "periodic_row_muon/kx", 4.0)
+    specs = quality.expand_grid(cfg)
+    for spec in specs:
+        fabricate_run(cfg, spec)
+    extra = quality.train_args_of(cfg)
+    assert [
+        quality_runs.foreign_run(quality_runs.run_directory(cfg, s), cfg, s, extra[s.optimizer]) for s in specs
+    ] == [
+        None,
+        None,
+    ]
+    # threads, jobs, progress and the evaluation settings may change: the run is still this grid's
+    same = replace(cfg, threads=2, jobs=2, eval=replace(cfg.eval, num_samples=30, interval=4))
+    assert all(
+        quality_runs.foreign_run(quality_runs.run_directory(same, s), same, s, extra[s.optimizer]) is None
+        for s in specs
+    )
+
+    changed = replace(cfg, train_args="--ema-decay 0.999", train_args_of=("periodic_row_muon/kx=--optim.k 4",))
+    record = quality.run(changed)
+    assert fake_training == []  # nothing launched: neither skipped as finished nor resumed under the new flags
+    adamw, prm = record["runs"]
+    assert (adamw["action"], adamw["status"], prm["action"], prm["status"]) == (
+        "refused",
+        "failed",
+        "refused",
+        "failed",
+    )
+    assert (
+        f"{adamw['run_dir']} holds a run trained with other flags than this grid's for adamw-lr0.01-s0"
+        in adamw["error"]
+    )
+    assert "--ema-decay 0.5 (asked for 0.999)" in adamw["error"] and "--optim.k" not in adamw["error"]
+    assert "--optim.k 2 (asked for 4)" in prm["error"] and "another --out" in prm["error"]
+    assert adamw["fd"] is None and prm["fd"] is None  # the old runs' numbers are not reported as the new flags'
+
+
+def test_a_finished_run_is_evaluated_with_new_eval_settings_not_resumed(tmp_path, monkeypatch):
+    """A run trained to its last step whose last step is not scored with this invocation's --eval.* settings:
+    dimuon train --resume would have no step to take (and evaluate nothing), so dimuon eval scores it."""
+    cfg = tiny_config(tmp_path, optimizers=("adamw",), lrs=(1e-2,))
+    spec = RunSpec("adamw", 1e-2, 0)
+    fabricate_run(cfg, spec)
+    other = replace(cfg, eval=replace(cfg.eval, num_samples=30))
+    calls = []
+
+    def launch(cmd, log_path, threads):
+        calls.append(list(cmd))
+        if cmd[3] == "eval":
+            fabricate_run(other, spec)  # the series of the new settings, as dimuon eval writes it
+        return 0  # dimuon train --resume at the last step exits 0 having done nothing
+
+    monkeypatch.setattr(quality_runs, "launch", launch)
+    (row,) = quality.run(other)["runs"]
+    (cmd,) = calls
+    assert cmd[1:5] == ["-m", "dimuon.cli", "eval", "--run"] and cmd[5] == row["run_dir"]
+    assert cmd[cmd.index("--num-samples") + 1] == "30" and "--interval" not in " ".join(cmd)
+    assert cmd[cmd.index("--cache-dir") + 1] == str(cfg.out / "feature_cache")  # the grid's one cache
+    assert (row["action"], row["status"], row["eval_step"]) == ("evaluated", "ok", 4)
+    assert row["launched"].endswith("--no-progress") and " train " in row["command"]
+    calls.clear()
+    (row,) = quality.run(other)["runs"]
+    assert calls == [] and row["action"] == "skipped"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"train_args": "--ema-decay lots"}, "--train-args / --train-args-of adamw: dimuon train refuses these flags"),
+        (
+            {"train_args_of": ("muon=--optim.k 3",)},
+            "--train-args / --train-args-of muon: --optimizer muon rejects its options",
+        ),
+        ({"train_args": "--skip-limit 3"}, "--train-args / --train-args-of adamw: --skip-limit 3 has no effect here"),
+    ],
+)
+def test_train_args_dimuon_train_refuses_stop_the_grid_before_any_run(
+    tmp_path, fake_training, capsys, changes, message
+):
+    cfg = tiny_config(tmp_path / "bench", **changes)
+    with pytest.raises(quality.FlagError, match="^" + re.escape(message)):
+        quality.check_config(cfg)
+    code = quality.main([*TINY, "--out", str(cfg.out), "--optimizers", "adamw", "muon", *flag_args(changes)])
+    assert code == 2 and fake_training == [] and not (cfg.out / "runs").exists()
+    assert f"dimuon bench quality: error: {message}" in capsys.readouterr().err
+
+
+def flag_args(changes: dict) -> list[str]:
+    """The command-line flags of a tiny_config change of train_args / train_args_of."""
+    out = [f"--train-args={changes['train_args']}"] if "train_args" in changes else []
+    return out + (["--train-args-of", *changes["train_args_of"]] if "train_args_of" in changes else [])
 
 
 def test_run_row_reads_costs_and_scores(tmp_path):
@@ -584,7 +687,7 @@ def test_interrupted_runs_resume_and_unstarted_ones_restart(tmp_path, fake_train
 
 def test_end_to_end_tiny_grid(tmp_path, capsys):
     out = tmp_path / "bench"
-    # --optim.k belongs to periodic_row_muon: AdamW's run fails at start-up, the other one goes on.
+    # Two tensor-parallel ranks pass the start-up check but not one process: AdamW's run fails, the other goes on.
     args = [
         *TINY,
         "--out",
@@ -593,13 +696,13 @@ def test_end_to_end_tiny_grid(tmp_path, capsys):
         "adamw",
         "periodic_row_muon",
         "--train-args-of",
-        "adamw=--optim.k 2",
+        "adamw=--parallel.tp 2",
         "periodic_row_muon=--optim.k 2",
     ]
     assert quality.main(args) == 1
     captured = capsys.readouterr()
     assert "run adamw-lr0.01-s0 failed: dimuon train exited with status 2" in captured.err
-    assert "rejects its options" in captured.err  # the tail of the run's log
+    assert "must divide the world size 1" in captured.err  # the tail of the run's log
     record = json.loads((out / "results.json").read_text())
     adamw, prm = record["runs"]
     assert adamw["name"] == "adamw-lr0.01-s0" and adamw["status"] == "failed" and adamw["fd"] is None
@@ -616,10 +719,22 @@ def test_end_to_end_tiny_grid(tmp_path, capsys):
 
     assert quality.main(args) == 1  # finished run skipped, the failing one tried and reported again
     again = json.loads((out / "results.json").read_text())
-    assert [r["action"] for r in again["runs"]] == ["started", "skipped"]
+    assert [r["action"] for r in again["runs"]] == ["restarted", "skipped"]  # its own flags: reused
     assert again["runs"][1]["fd"] == prm["fd"]
     log = (out / "runs" / prm["name"] / quality_runs.LOG_NAME).read_text()
     assert log.count("$ ") == 1 and "dimuon train: done, step 4" in log
+
+    # Other --eval.* settings: the run trained to its last step is scored with them by dimuon eval, not resumed
+    # (dimuon train would have no step left to take, so it would not evaluate), and the rerun after that skips it.
+    other = list(args)
+    other[other.index("--eval.num-samples") + 1] = "30"
+    assert quality.main(other) == 1
+    evaluated = json.loads((out / "results.json").read_text())["runs"][1]
+    assert (evaluated["action"], evaluated["status"], evaluated["eval_step"]) == ("evaluated", "ok", 4)
+    assert " -m dimuon.cli eval --run " in evaluated["launched"] and "--num-samples 30" in evaluated["launched"]
+    assert evaluated["command"] == prm["command"].replace("--eval.num-samples 20", "--eval.num-samples 30")
+    assert quality.main(other) == 1
+    assert json.loads((out / "results.json").read_text())["runs"][1]["action"] == "skipped"
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
+import tyro
 
 from dimuon.bench import step
 from dimuon.cli import main as cli_main
@@ -109,6 +111,40 @@ def test_bad_flags_stop_before_anything_runs(
     assert cli_main(["bench", "step", "--out", str(tmp_path / "out"), *flags]) == 2
     assert capsys.readouterr().err.startswith(f"dimuon bench step: error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_train_args_take_the_documented_form_and_the_record_command_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--train-args '--precision bf16'`` (a value that starts with --) parses, and the record's command is
+    shell-quoted: split as a shell splits it, it gives the same flags."""
+    seen: list[str] = []
+
+    def measure(cfg: step.Config, optimizer: str, world: int, repeat: int = 0) -> dict:
+        seen.append(cfg.train_args)
+        return {
+            "optimizer": optimizer,
+            "label": optimizer,
+            "world": world,
+            "window": 6,
+            "status": "not run",
+            "error": "-",
+        }
+
+    monkeypatch.setattr(step, "measure", measure)
+    out = tmp_path / "out"
+    flags = ["--worlds", "1", "--optimizers", "adamw", "--no-progress", "--out", str(out)]
+    assert cli_main(["bench", "step", *flags, "--train-args", "--precision bf16"]) == 0
+    assert seen == ["--precision bf16"]
+    command = shlex.split(json.loads((out / "results.json").read_text())["command"])
+    assert command[:3] == ["dimuon", "bench", "step"]
+    assert tyro.cli(step.Config, args=command[3:]).train_args == "--precision bf16"
+
+
+def test_bench_help_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--help", "-h"):
+        assert cli_main(["bench", flag]) == 0
+        assert "bench step" in capsys.readouterr().out
 
 
 def test_train_args_of_reach_only_their_optimizer(tmp_path: Path) -> None:

@@ -6,10 +6,13 @@ import json
 
 import pytest
 
+from dimuon.bench import optimizer as optimizer_bench
 from dimuon.bench import traffic
+from dimuon.bench.peers import muon_and_rest
 from dimuon.optim import fused
 
 TINY = ["--model", "DiT-S/2", "--depth", "1", "--hidden-size", "32", "--num-heads", "2"]
+CFG = {"model": "DiT-S/2", "depth": 1, "hidden_size": 32, "num_heads": 2}  # TINY as a Config
 
 
 @pytest.mark.skipif(not fused.triton_available(), reason="needs triton")
@@ -40,6 +43,20 @@ def test_each_pass_of_a_rownorm_step_moves_what_its_formula_says(tmp_path, capsy
     per_muon = {row: rows[row]["transfers_per_muon_element"] for row in ("rownorm_step_eager", "rownorm_step_fused")}
     assert per_muon["rownorm_step_fused"] < 0.7 * per_muon["rownorm_step_eager"]
     assert "x fused AdamW" in capsys.readouterr().out and (tmp_path / "t.md").read_text().startswith("DiT-S/2")
+
+
+def test_per_muon_element_books_only_the_muon_matrices_traffic(tmp_path):
+    """The non-finite vote takes the norm of every gradient: its reads of the AdamW group's gradients (and the
+    norms it makes of them) are that group's traffic, not the Muon matrices'."""
+    out = tmp_path / "t.json"
+    assert traffic.main([*TINY, "--rows", "rownorm_step_eager", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    row, model = record["rows"]["rownorm_step_eager"], record["model"]
+    muon, rest = muon_and_rest(optimizer_bench.build_model(optimizer_bench.Config(**CFG)))
+    vote_on_rest = 4 * (model["params"] - model["muon_params"]) + 4 * len(rest)  # the gradients read, norms made
+    assert row["by_op"]["_foreach_norm"]["bytes"] == 4 * model["params"] + 4 * (len(rest) + len(muon))
+    moved = row["bytes_read"] + row["bytes_written"] - row["by_op"]["_fused_adamw_"]["bytes"]
+    assert row["transfers_per_muon_element"] * 4 * model["muon_params"] == pytest.approx(moved - vote_on_rest, abs=1)
 
 
 def test_an_unknown_row_is_refused_naming_the_choices(tmp_path, capsys):

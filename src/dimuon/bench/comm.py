@@ -27,6 +27,7 @@ Run ``dimuon bench comm --help`` (or ``python -m dimuon.bench.comm --help``).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -155,7 +156,7 @@ class Config:
     seed: int = 0
     """Seed of the model initialization and the random gradients."""
     timeout_s: float = 3600.0
-    """A spawned rank still running after this many seconds dumps its stacks and fails the run."""
+    """A spawned rank still running after this many seconds dumps its stacks and fails the run (0: no limit)."""
     out: Path = Path("runs/bench/comm.json")
     """Where the JSON record goes (written atomically)."""
     trace_dir: Path | None = None
@@ -214,6 +215,12 @@ def check_config(cfg: Config) -> None:
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (or left out: 1 per spawned rank), got {cfg.threads}")
+    if not (math.isfinite(cfg.bucket_mb) and cfg.bucket_mb > 0):
+        raise ValueError(f"--bucket-mb must be a positive number of MiB, got {cfg.bucket_mb}")
+    if not (cfg.timeout_s >= 0):  # NaN too
+        raise ValueError(f"--timeout-s must be >= 0 seconds (0: no limit), got {cfg.timeout_s}")
     arch = build_arch(cfg)  # raises on an unknown registry name
     if arch["hidden_size"] % arch["num_heads"]:
         raise ValueError(f"--num-heads {arch['num_heads']} must divide the hidden size {arch['hidden_size']}")

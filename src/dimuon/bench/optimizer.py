@@ -47,6 +47,7 @@ from dimuon.bench.peers.registry import Paired, adamw_for_rest
 from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info, print_report
 from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
 from dimuon.bench.variants import Variant
+from dimuon.dit import DIT_MODELS
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
 from dimuon.optim import build, linalg, param_groups, per_head_splits
@@ -170,14 +171,14 @@ class Config:
 # ----------------------------------------------------------------------------------------- setup
 
 
-def parse_overrides(items: Sequence[str], flag: str) -> dict[str, int]:
-    """``("name=3", ...)`` -> ``{"name": 3}``, naming the flag and the valid names on a mistake."""
+def parse_overrides(items: Sequence[str], flag: str, minimum: int = 0) -> dict[str, int]:
+    """``("name=3", ...)`` -> ``{"name": 3}``, naming the flag, the valid names and the least N on a mistake."""
     names = [*OPTIMIZERS, *PEERS]
     out: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or name not in names or not value.strip().isdigit():
-            raise ValueError(f"{flag} expects NAME=N with NAME in {names}, got {item!r}")
+        if not sep or name not in names or not value.strip().isdigit() or int(value) < minimum:
+            raise ValueError(f"{flag} expects NAME=N with NAME in {names} and N >= {minimum}, got {item!r}")
         out[name] = int(value)
     return out
 
@@ -447,7 +448,8 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         f"{m['name']} with {m['depth']} blocks (hidden {m['hidden_size']}): {m['params'] / 1e6:.1f}M parameters, "
         f"{m['muon_params'] / 1e6:.1f}M in {m['muon_matrices']} Muon matrices; "
         f"torch {machine['torch']}, {where}; "
-        f"load average {machine.get('load_average_at_start')} at start, {machine.get('load_average')} at end",
+        f"load average {machine.get('load_average_at_start')} at start, {machine.get('load_average')} "
+        + ("when this partial record was written" if record.get("partial") else "at end"),
         "",
     ]
     rows = []
@@ -563,20 +565,36 @@ def check_config(cfg: Config) -> None:
     unknown = set(cfg.time_last) - set(OPTIMIZERS) - set(PEERS)
     if unknown:
         raise ValueError(f"--time-last got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
-    parse_overrides(cfg.repeats_of, "--repeats-of")
+    parse_overrides(cfg.repeats_of, "--repeats-of", minimum=1)
     parse_overrides(cfg.warmup_of, "--warmup-of")
+    if cfg.model not in DIT_MODELS:
+        raise ValueError(f"--model must be one of: {', '.join(DIT_MODELS)}; got {cfg.model!r}")
+    for flag, value, low in (
+        ("--repeats", cfg.repeats, 1),
+        ("--warmup", cfg.warmup, 0),
+        ("--ns-repeats", cfg.ns_repeats, 1),
+        ("--threads", cfg.threads, 1),
+        ("--k", cfg.k, 1),
+        ("--period", cfg.period, 1),
+        ("--bp-blocks", cfg.bp_blocks, 1),
+        ("--depth", cfg.depth, 1),
+        ("--hidden-size", cfg.hidden_size, 1),
+        ("--num-heads", cfg.num_heads, 1),
+    ):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be an integer >= {low}, got {value}")
 
 
 def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     check_config(cfg)
-    repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of")
+    repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of", minimum=1)
     warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
     names = [n for n in OPTIMIZERS if n not in cfg.skip and (cfg.device == "cuda" or n not in FUSED_ONLY)]
     peer_names = [] if cfg.no_peers else [n for n in cfg.peers if n not in cfg.skip]
     # the rows timed after the others (and the FLOP rate), one at a time: see Config.time_last
     last = [n for n in dict.fromkeys(cfg.time_last) if n in names or n in peer_names]
     machine = machine_info(argv)
-    load_at_start = load_average()
+    load_at_start = machine["load_average"]  # the record's load_average is read again as each write is made
     model = build_model(cfg)
     snapshot = GradientSnapshot(model.parameters())
     sync = synchronizer(cfg.device)
@@ -635,6 +653,8 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         optimizers = summarize(cfg, ordered, peers, machine["cpu_flags"])
         return {
             **fixed,
+            # read as this record is written: the end of the run in the final record (the start is kept apart)
+            "machine": {**fixed["machine"], "load_average": load_average()},
             "peers": {name: {**s.to_dict(), "start_s": started.get(name)} for name, s in peers.items()},
             "partial": partial,
             "pending": list(pending),

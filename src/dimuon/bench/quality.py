@@ -8,8 +8,10 @@ takes the learning rate with the lowest mean EMA validation loss over seeds (``-
 and sets it against AdamW's, and records how flat that choice is.
 
 Runs live in ``<out>/runs/<optimizer>-lr<lr>-s<seed>/`` with their output in ``train.log``. A rerun
-skips the finished runs (last step evaluated), resumes the interrupted ones from their newest
-checkpoint and reports failed ones without stopping the others. Outputs: ``<out>/results.json``,
+skips the finished runs (last step evaluated), scores with ``dimuon eval`` the ones trained to their last step
+but not evaluated with these ``--eval.*`` settings, resumes the interrupted ones from their newest checkpoint,
+refuses a run directory trained with other ``dimuon train`` flags than this grid's, and reports failed ones
+without stopping the others. Outputs: ``<out>/results.json``,
 ``<out>/results.md``, ``<out>/fd_vs_lr.png`` and ``<out>/best_lr/`` (``dimuon eval --compare`` of
 each optimizer's best-lr runs: FD against step and against active training time).
 
@@ -51,8 +53,9 @@ from dimuon.bench.quality_runs import (
     load_record,
     run_grid,
     threads_per_run,
+    train_plan,
 )
-from dimuon.bench.report import machine_info, named_values
+from dimuon.bench.report import join_flag_values, machine_info, named_values
 from dimuon.data import DATASETS
 from dimuon.dit import DIT_MODELS
 from dimuon.io import unwritable_reason, write_json_atomic, write_text_atomic
@@ -217,8 +220,13 @@ def check_config(cfg: Config) -> None:
             load_record(cfg.keep_rows_of)
         except ValueError as exc:
             raise FlagError(f"--keep-rows-of: {exc}") from None
-    train_args_of(cfg)
-    expand_grid(cfg)
+    extra = train_args_of(cfg)
+    specs = expand_grid(cfg)
+    for entry in cfg.optimizers:  # every run's flags, as dimuon train checks them at start-up
+        try:
+            train_plan(cfg, next(s for s in specs if s.optimizer == entry), extra[entry])
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
 
 
 def notes(cfg: Config) -> list[str]:
@@ -257,7 +265,9 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     for note in retrained:
         print(f"dimuon bench quality: note: {note}", file=sys.stderr)
     todo = [s for s in specs if s.name not in kept]
-    outcomes = [inspect_run(cfg, s) for s in todo] if cfg.report_only else run_grid(cfg, todo, extra)
+    outcomes = (
+        [inspect_run(cfg, s, extra[s.optimizer]) for s in todo] if cfg.report_only else run_grid(cfg, todo, extra)
+    )
     made = {o.spec.name: run_row(cfg, o, extra[o.spec.optimizer]) for o in outcomes}
     rows = [kept_row(cfg, s, kept[s.name], extra[s.optimizer]) if s.name in kept else made[s.name] for s in specs]
     summary = optimizer_summary(rows, cfg.optimizers, cfg.select_by)
@@ -299,19 +309,6 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     write_json_atomic(cfg.out / "results.json", record)
     write_text_atomic(cfg.out / "results.md", render(record, markdown=True) + "\n")
     return record
-
-
-def join_flag_values(args: Sequence[str], flags: Sequence[str] = ("--train-args",)) -> list[str]:
-    """``--train-args '--x 1'`` -> ``--train-args=--x 1``: a value that starts with -- is taken as the value."""
-    out: list[str] = []
-    it = iter(args)
-    for arg in it:
-        out.append(arg)
-        if arg in flags:
-            value = next(it, None)
-            if value is not None:
-                out[-1] = f"{arg}={value}"
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

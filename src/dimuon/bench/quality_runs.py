@@ -1,8 +1,9 @@
 """Launching and tracking the training runs of ``dimuon bench quality``: each grid point is one
 ``dimuon train`` process, its ``--eval.*`` flags spelled out, writing into ``<out>/runs/<name>/``
 with its output in ``train.log``. This module builds that command, reads a run directory to decide
-what this invocation does with it (skip it when its last step is evaluated, resume it from its
-newest checkpoint, restart one that never reached a checkpoint, refuse one of another task), runs the
+what this invocation does with it (skip it when its last step is evaluated, evaluate one trained to its last
+step with ``dimuon eval`` when the ``--eval.*`` settings are new to it, resume it from its newest checkpoint,
+restart one that never reached a checkpoint, refuse one of another task or trained with other flags), runs the
 processes ``--jobs`` at a time and reports each failure with the tail of its log. It is kept apart
 from the flag checking and from the report so that the subprocess and run-directory logic stands on
 its own, and tests can replace ``launch`` with fabricated runs.
@@ -28,10 +29,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from dimuon.bench.quality_config import Config, RunSpec, run_directory
+from dimuon.bench.report import check_train_flags
 from dimuon.dit.checkpoint import list_checkpoints
 from dimuon.io import RunLayout
 from dimuon.metrics.eval_settings import EvalSettings
 from dimuon.metrics.results import load_results, ok_entries, pick_series
+from dimuon.train.config import ConfigError, changed_on_resume
+from dimuon.train.plan import TrainPlan
 from dimuon.train.stop import STOP_SIGNALS
 
 LOG_NAME = "train.log"
@@ -39,12 +43,16 @@ TAIL_LINES = 15
 # dimuon train's exit status after a stop signal saved its state (dimuon.train.stop), and the signal's name.
 STOPPED = {128 + sig: sig.name for sig in STOP_SIGNALS}
 # What a run in each mode is reported as having been.
-ACTIONS = {"new": "started", "resume": "resumed", "restart": "restarted"}
+ACTIONS = {"new": "started", "resume": "resumed", "restart": "restarted", "evaluate": "evaluated"}
+# The launcher of every run's ``dimuon train`` (its flags follow), and of ``dimuon eval``.
+TRAIN = (sys.executable, "-m", "dimuon.cli", "train")
+EVAL = (sys.executable, "-m", "dimuon.cli", "eval")
 
 
 @dataclass
 class Outcome:
-    """What this invocation did with one run (skipped, started, resumed, restarted, refused) and how it ended."""
+    """What this invocation did with one run (skipped, started, resumed, restarted, evaluated, refused) and how it
+    ended."""
 
     spec: RunSpec
     action: str
@@ -66,15 +74,18 @@ def threads_per_run(cfg: Config) -> int | None:
     return max(1, (os.cpu_count() or 1) // cfg.jobs)
 
 
-def eval_flags(cfg: Config) -> list[str]:
-    """Every evaluation setting as a ``dimuon train --eval.*`` flag, spelled out so each run records it."""
+def eval_flags(cfg: Config, prefix: str = "--eval.") -> list[str]:
+    """Every evaluation setting as a ``dimuon train --eval.*`` flag, spelled out so each run records it; with
+    ``prefix`` ``--``, as the flags of ``dimuon eval`` (which has no interval: it scores the checkpoints)."""
     values = {f.name: getattr(cfg.eval, f.name) for f in fields(cfg.eval)}
     values.update(interval=eval_interval(cfg), cache_dir=cfg.eval.cache_dir or cfg.out / "feature_cache")
+    if prefix != "--eval.":
+        del values["interval"]
     flags: list[str] = []
     for name, value in values.items():
-        flag = "--eval." + name.replace("_", "-")
+        flag = prefix + name.replace("_", "-")
         if isinstance(value, bool):
-            flags.append(flag if value else "--eval.no-" + name.replace("_", "-"))
+            flags.append(flag if value else prefix + "no-" + name.replace("_", "-"))
         elif value is not None:
             flags += [flag, str(value)]
     return flags
@@ -84,10 +95,7 @@ def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = 
     """The ``dimuon train`` command of one run; ``mode`` resume continues it, restart replaces its files."""
     run_dir = run_directory(cfg, spec)
     cmd = [
-        sys.executable,
-        "-m",
-        "dimuon.cli",
-        "train",
+        *TRAIN,
         "--out",
         str(run_dir),
         "--optimizer",
@@ -117,6 +125,23 @@ def train_command(cfg: Config, spec: RunSpec, extra: Sequence[str], mode: str = 
     return cmd
 
 
+def train_plan(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> TrainPlan:
+    """The run of ``spec`` as ``dimuon train`` reads its flags (:func:`train_command`) at start-up; ValueError
+    naming the optimizer's --train-args / --train-args-of and the flag ``dimuon train`` refuses."""
+    argv = train_command(cfg, spec, extra)[len(TRAIN) :]
+    return check_train_flags(argv, f"--train-args / --train-args-of {spec.optimizer}")
+
+
+def eval_command(cfg: Config, spec: RunSpec, device: str = "auto") -> list[str]:
+    """The ``dimuon eval`` command that scores a run's checkpoints with this grid's ``--eval.*`` settings (on
+    ``device``, the one the run trained on), into the series an evaluation during training would have written."""
+    cmd = [*EVAL, "--run", str(run_directory(cfg, spec)), *eval_flags(cfg, prefix="--"), "--device", device]
+    threads = threads_per_run(cfg)
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    return [*cmd, "--no-progress"]
+
+
 def find_series(run_dir: Path, settings: EvalSettings) -> dict[str, Any] | None:
     """The run's evaluation series made with ``settings``, or None while it has none."""
     path = RunLayout(run_dir).results
@@ -139,18 +164,27 @@ def is_finished(run_dir: Path, settings: EvalSettings, steps: int) -> bool:
 
 
 def run_mode(run_dir: Path, settings: EvalSettings, steps: int) -> str:
-    """done (last step evaluated), resume (a complete checkpoint), restart (files, no checkpoint) or new."""
+    """done (last step evaluated), evaluate (trained to the last step, which is not evaluated with ``settings``),
+    resume (a complete checkpoint before it), restart (files, no checkpoint) or new."""
     if is_finished(run_dir, settings, steps):
         return "done"
-    if list_checkpoints(run_dir):
-        return "resume"
+    checkpoints = list_checkpoints(run_dir)
+    if checkpoints:
+        return "evaluate" if checkpoints[-1][0] >= steps else "resume"
     if run_dir.is_dir() and any(p.name != LOG_NAME for p in run_dir.iterdir()):
         return "restart"
     return "new"
 
 
-def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
-    """Why ``run_dir`` holds a run of another task, grid point or a longer schedule (not to be reused), else None."""
+# What may differ between a run's config.json and this grid's command for the run to be reused: how it is
+# continued and shown (dimuon train's own HOW_CONTINUED aside), its threads, and its evaluation settings (a run
+# trained to its last step is evaluated with the new ones, see :func:`run_mode`); --steps has its own rule.
+REUSE_IGNORES = ("--progress", "--threads", "--steps")
+REUSE_IGNORES_PREFIX = "--eval."
+
+
+def saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config a run directory's ``dimuon train`` recorded (config.json), None without a readable one."""
     path = RunLayout(run_dir).config
     if not path.is_file():
         return None
@@ -158,20 +192,38 @@ def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec) -> str | None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # a torn config is rewritten by the restarted run
-    want = {
-        "model": cfg.model,
-        "dataset": cfg.dataset,
-        "batch_size": cfg.batch_size,
-        "optimizer": spec.base,
-        "lr": spec.lr,
-        "seed": spec.seed,
-    }
-    diff = [f"{k} {saved.get(k)!r} (asked for {v!r})" for k, v in want.items() if saved.get(k) != v]
+    return saved if isinstance(saved, dict) else None
+
+
+def foreign_run(run_dir: Path, cfg: Config, spec: RunSpec, extra: Sequence[str] = ()) -> str | None:
+    """Why ``run_dir`` holds a run of another task, grid point, a longer schedule or other ``dimuon train`` flags
+    (not to be reused), else None. The run's config.json is held against this grid's command for it
+    (:func:`train_command` with ``extra``) as ``dimuon train`` parses it, the fields of :data:`REUSE_IGNORES`
+    aside."""
+    saved = saved_config(run_dir)
+    if saved is None:
+        return None
+    want = train_plan(cfg, spec, extra).record
+    try:
+        changed = changed_on_resume(saved, want)
+    except (ConfigError, TypeError) as exc:
+        return f"{run_dir} holds a config.json that is not one of this dimuon train ({exc}); {_ELSEWHERE}"
+    diff = [
+        f"{flag} {was!r} (asked for {now!r})"
+        for flag, (was, now) in changed.items()
+        if flag not in REUSE_IGNORES and not flag.startswith(REUSE_IGNORES_PREFIX)
+    ]
     if isinstance(saved.get("steps"), int) and saved["steps"] > cfg.steps:  # more steps continue a run; fewer cannot
-        diff.append(f"steps {saved['steps']} (asked for {cfg.steps})")
+        diff.append(f"--steps {saved['steps']} (asked for {cfg.steps})")
     if not diff:
         return None
-    return f"{run_dir} holds a run with {', '.join(diff)}; use another --out or delete that directory"
+    return (
+        f"{run_dir} holds a run trained with other flags than this grid's for {spec.name}: {', '.join(diff)}; "
+        f"{_ELSEWHERE}"
+    )
+
+
+_ELSEWHERE = "use another --out, or delete that directory to train the run again with these flags"
 
 
 # ``dimuon train`` flags whose value is a path, which differs between checkouts of the same grid
@@ -295,11 +347,11 @@ def launch(
             raise
 
 
-def _settled(cfg: Config, spec: RunSpec) -> tuple[Outcome | None, str]:
+def _settled(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> tuple[Outcome | None, str]:
     """A run's :func:`run_mode`, and its outcome when nothing is to be launched for it (another task's
-    directory: refused; its last step evaluated: skipped)."""
+    directory, or a run trained with other flags: refused; its last step evaluated: skipped)."""
     run_dir = run_directory(cfg, spec)
-    foreign = foreign_run(run_dir, cfg, spec)
+    foreign = foreign_run(run_dir, cfg, spec, extra)
     if foreign is not None:
         return Outcome(spec, "refused", error=foreign), "refused"
     mode = run_mode(run_dir, cfg.eval, cfg.steps)
@@ -307,30 +359,35 @@ def _settled(cfg: Config, spec: RunSpec) -> tuple[Outcome | None, str]:
 
 
 def execute(cfg: Config, spec: RunSpec, extra: Sequence[str]) -> Outcome:
-    """Bring one run to its evaluated last step: skip it if it is there, else start, resume or restart it."""
-    settled, mode = _settled(cfg, spec)
+    """Bring one run to its evaluated last step: skip it if it is there, evaluate it if it is trained that far,
+    else start, resume or restart it."""
+    settled, mode = _settled(cfg, spec, extra)
     if settled is not None:
         return settled
     run_dir = run_directory(cfg, spec)
-    cmd = train_command(cfg, spec, extra, mode)
+    if mode == "evaluate":  # dimuon train has no step left to take, so it would not evaluate
+        device = (saved_config(run_dir) or {}).get("device") or "auto"
+        cmd, tool = eval_command(cfg, spec, str(device)), "dimuon eval"
+    else:
+        cmd, tool = train_command(cfg, spec, extra, mode), "dimuon train"
     start = time.perf_counter()
     try:
         code = launch(cmd, run_dir / LOG_NAME, threads_per_run(cfg))
     except OSError as exc:
         return Outcome(spec, ACTIONS[mode], cmd, None, time.perf_counter() - start, f"could not start: {exc}")
     outcome = Outcome(spec, ACTIONS[mode], cmd, code, time.perf_counter() - start)
-    if code in STOPPED:
+    if code in STOPPED and mode != "evaluate":
         outcome.error = f"dimuon train stopped on {STOPPED[code]} after a checkpoint; the same command resumes it"
     elif code != 0:
-        outcome.error = f"dimuon train exited with status {code}"
+        outcome.error = f"{tool} exited with status {code}"
     elif not is_finished(run_dir, cfg.eval, cfg.steps):
-        outcome.error = f"dimuon train finished without an evaluation of step {cfg.steps} with these --eval.* settings"
+        outcome.error = f"{tool} finished without an evaluation of step {cfg.steps} with these --eval.* settings"
     return outcome
 
 
-def inspect_run(cfg: Config, spec: RunSpec) -> Outcome:
+def inspect_run(cfg: Config, spec: RunSpec, extra: Sequence[str] = ()) -> Outcome:
     """What :func:`execute` would find, launching nothing: a finished run is skipped, any other is unfinished."""
-    settled, _ = _settled(cfg, spec)
+    settled, _ = _settled(cfg, spec, extra)
     return settled or Outcome(
         spec, "not run", error=f"not finished (step {cfg.steps} not evaluated; --report-only launches nothing)"
     )

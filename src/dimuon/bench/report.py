@@ -17,7 +17,11 @@ from typing import Any, TypeVar
 import torch
 import tyro
 
+from dimuon.dit.checkpoint import CheckpointError
 from dimuon.io import read_jsonl, write_text_atomic
+from dimuon.train.config import ConfigError
+from dimuon.train.plan import TrainPlan, resolve
+from dimuon.train.run import parse_config
 
 C = TypeVar("C")
 
@@ -191,6 +195,33 @@ def named_values(items: Sequence[str], flag: str, names: Sequence[str], form: st
             raise ValueError(f"{flag} names {name} twice")
         out[name] = value
     return out
+
+
+def join_flag_values(args: Sequence[str], flags: Sequence[str] = ("--train-args",)) -> list[str]:
+    """``--train-args '--x 1'`` -> ``--train-args=--x 1``: the word after one of ``flags`` is that flag's value,
+    even when it starts with -- (which the flag parser would otherwise read as the next flag)."""
+    out: list[str] = []
+    it = iter(args)
+    for arg in it:
+        out.append(arg)
+        if arg in flags:
+            value = next(it, None)
+            if value is not None:
+                out[-1] = f"{arg}={value}"
+    return out
+
+
+def check_train_flags(argv: Sequence[str], where: str) -> TrainPlan:
+    """``dimuon train`` flags as that command reads them at start-up: parsed by its
+    :func:`~dimuon.train.run.parse_config` and checked by :func:`~dimuon.train.plan.resolve`. ValueError
+    starting with ``where`` (the benchmark's flags that supplied them) names the bad flag as ``dimuon train`` does
+    (a flag its parser refuses: in the parser's message, printed just before)."""
+    try:
+        return resolve(parse_config(list(argv)))
+    except SystemExit:
+        raise ValueError(f"{where}: dimuon train refuses these flags (its message above names the flag)") from None
+    except (ConfigError, CheckpointError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Callable[[C], None]) -> C | None:

@@ -29,21 +29,20 @@ from tqdm.auto import tqdm
 
 from dimuon.bench.quality_runs import launch, log_tail
 from dimuon.bench.report import (
+    check_train_flags,
     format_markdown_table,
+    join_flag_values,
     machine_info,
     named_values,
     parse_bench_flags,
     train_results,
 )
 from dimuon.dit import DIT_MODELS
-from dimuon.dit.checkpoint import CheckpointError
 from dimuon.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from dimuon.optim import OPTIMIZERS
 from dimuon.optim.build import LABELS, ONE_PROCESS_ONLY
-from dimuon.train.config import ConfigError
 from dimuon.train.optim_options import accepted_parameters
-from dimuon.train.plan import TrainPlan, resolve
-from dimuon.train.run import parse_config
+from dimuon.train.plan import TrainPlan
 
 DEFAULT_OPTIMIZERS = ("adamw", "torch_muon", "muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
 # The option that sets an optimizer's period, in the optimizer's own spelling (--optim.k, --optim.period, and the
@@ -87,18 +86,11 @@ class Config:
 
 def train_plan(cfg: Config, optimizer: str) -> TrainPlan:
     """One optimizer's runs as ``dimuon train`` reads them at start-up: their flags (:func:`run_flags`, with
-    ``--steps`` and ``--log-interval`` at their defaults, as the window is not known yet) parsed and checked by
-    the training command's own :func:`~dimuon.train.run.parse_config` and :func:`~dimuon.train.plan.resolve`.
-    ValueError names the optimizer's --train-args / --train-args-of and the bad flag as ``dimuon train`` does (a
-    flag its parser refuses: in its message, printed just before)."""
-    where = f"--train-args / --train-args-of {optimizer}"
+    ``--steps`` and ``--log-interval`` at their defaults, as the window is not known yet) checked by
+    :func:`~dimuon.bench.report.check_train_flags`. ValueError names the optimizer's --train-args /
+    --train-args-of and the bad flag as ``dimuon train`` does."""
     argv = run_flags(cfg, optimizer, cfg.out / "runs" / run_name(optimizer, 1))
-    try:
-        return resolve(parse_config(argv))
-    except SystemExit:
-        raise ValueError(f"{where}: dimuon train refuses these flags (its message above names the flag)") from None
-    except (ConfigError, CheckpointError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
+    return check_train_flags(argv, f"--train-args / --train-args-of {optimizer}")
 
 
 def period_of(plan: TrainPlan) -> int:
@@ -378,7 +370,7 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     title = f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}"
     record = {
         "benchmark": "step",
-        "command": "dimuon bench step " + " ".join(argv or []),
+        "command": shlex.join(["dimuon", "bench", "step", *(argv or [])]),
         "machine": machine_info(argv),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "rows": rows,
@@ -393,7 +385,7 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench step``: 0 when every run that was due finished, 1 otherwise, 2 on bad flags."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = join_flag_values(sys.argv[1:] if argv is None else argv)
     cfg = parse_bench_flags(Config, args, "dimuon bench step", check_config)
     if cfg is None:
         return 2

@@ -10,8 +10,9 @@ step from the same gradients:
 
 - ``adamw_fused``: torch's fused AdamW on every parameter (one op: 7 transfers per element);
 - ``rownorm_step_eager`` and ``rownorm_step_fused``: PeriodicRowMuon's RowNorm step (its spectral first step
-  taken uncounted) with ``kernels="torch"`` and ``kernels="triton"``. Its AdamW group's fused op is booked
-  apart, so "per Muon element" is the Muon matrices' traffic over their elements.
+  taken uncounted) with ``kernels="torch"`` and ``kernels="triton"``. Its AdamW group's traffic is booked
+  apart: its fused op, and its tensors' share of an op over every parameter's gradient (the non-finite vote's
+  norms), so "per Muon element" is the Muon matrices' traffic over their elements.
 
 "transfers per element" is bytes over (elements x 4 bytes): the number of fp32 passes. Run ``dimuon bench
 traffic --help``.
@@ -78,7 +79,8 @@ class Config:
 
 @dataclass
 class Book:
-    """Bytes read and written and launches of one step, the AdamW group's fused op apart."""
+    """Bytes read and written and launches of one step, the AdamW group's apart: its fused op, and the bytes of
+    its tensors (``adamw_storages``: the storages of its parameters and gradients) in any other op."""
 
     read: int = 0
     written: int = 0
@@ -86,18 +88,26 @@ class Book:
     adamw_read: int = 0
     adamw_written: int = 0
     by_op: dict[str, list[int]] = field(default_factory=dict)  # op -> [launches, bytes]
+    adamw_storages: frozenset[int] = frozenset()
 
-    def add(self, op: str, read: int, written: int, launches: int = 1) -> None:
+    def add(self, op: str, read: int, written: int, launches: int = 1, adamw: tuple[int, int] = (0, 0)) -> None:
+        """Book an op; ``adamw`` is the (read, written) share of ``read`` and ``written`` on the AdamW group."""
         if op in _ADAMW_OPS:
-            self.adamw_read += read
-            self.adamw_written += written
-        else:
-            self.read += read
-            self.written += written
+            adamw = (read, written)
+        self.adamw_read += adamw[0]
+        self.adamw_written += adamw[1]
+        self.read += read - adamw[0]
+        self.written += written - adamw[1]
         self.launches += launches
         entry = self.by_op.setdefault(op, [0, 0])
         entry[0] += launches
         entry[1] += read + written
+
+    def nbytes(self, value: Any) -> tuple[int, int]:
+        """Bytes of the tensors in ``value``: all of them, and those of the AdamW group."""
+        tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, Tensor)]
+        adamw = [t for t in tensors if self.adamw_storages and t.untyped_storage().data_ptr() in self.adamw_storages]
+        return _nbytes(tensors), _nbytes(adamw)
 
 
 def _nbytes(value: Any) -> int:
@@ -120,22 +130,42 @@ class _Traffic(TorchDispatchMode):
         name = func.overloadpacket.__name__
         schema = func._schema
         values = [*zip(schema.arguments, args), *((a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs)]
-        read = written = 0
+        read = written = adamw_read = adamw_written = 0
         for arg, value in values:
-            nbytes = _nbytes(value)
+            nbytes, adamw = self.book.nbytes(value)
             writes = arg.alias_info is not None and arg.alias_info.is_write and (name, arg.name) not in _READ_ONLY
             if writes:
                 written += nbytes
+                adamw_written += adamw
             if not (writes and (arg.name == "out" or (name in _WRITE_ONLY and arg.name == "self"))):
                 read += nbytes
-        written += sum(_nbytes(o) for r, o in zip(schema.returns, _returns(out)) if r.alias_info is None)
+                adamw_read += adamw
+        made = [o for r, o in zip(schema.returns, _returns(out)) if r.alias_info is None]
+        written += _nbytes(made)
+        adamw_written += _made_for_adamw(self.book, args, made)
         if written:  # something was made or changed: a kernel on a GPU
-            self.book.add(name, read, written)
+            self.book.add(name, read, written, adamw=(adamw_read, adamw_written))
         return out
 
 
 def _returns(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
+
+
+def _made_for_adamw(book: Book, args: Sequence[Any], made: Sequence[Any]) -> int:
+    """Bytes of a list op's new outputs that belong to the AdamW group: output ``i`` of each returned list is
+    made from tensor ``i`` of the op's first list argument (a foreach op's norms, say)."""
+    inputs = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor)), None)
+    if inputs is None or not book.adamw_storages:
+        return 0
+    ours = [book.nbytes(t)[1] > 0 for t in inputs]
+    return sum(
+        _nbytes(o[i])
+        for o in made
+        if isinstance(o, (list, tuple)) and len(o) == len(inputs)
+        for i in range(len(o))
+        if ours[i]
+    )
 
 
 @contextlib.contextmanager
@@ -170,9 +200,10 @@ def _fused_booked(book: Book, mode: _Traffic) -> Iterator[None]:
         fused.momentum_, fused.update_ = momentum, update
 
 
-def count_step(step: Callable[[], None]) -> Book:
-    """One call of ``step`` booked, in the accelerator's form of the step."""
-    book = Book()
+def count_step(step: Callable[[], None], adamw_tensors: Sequence[Tensor] = ()) -> Book:
+    """One call of ``step`` booked, in the accelerator's form of the step; the bytes of ``adamw_tensors`` (the
+    AdamW group's parameters and gradients) apart."""
+    book = Book(adamw_storages=frozenset(t.untyped_storage().data_ptr() for t in adamw_tensors))
     original = devices.cpu_path
     devices.cpu_path = lambda device: False
     try:
@@ -196,7 +227,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = optimizer_bench.build_model(opt_cfg)
     snapshot = GradientSnapshot(model.parameters())
     table = optimizer_bench.variants(opt_cfg)
-    muon_params, _ = muon_and_rest(model)
+    muon_params, rest = muon_and_rest(model)
     elements = sum(p.numel() for p in model.parameters())
     muon_elements = sum(p.numel() for p in muon_params)
     rows: dict[str, Any] = {}
@@ -208,7 +239,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             snapshot.restore()
             opt.step()
         snapshot.restore()
-        book = count_step(opt.step)
+        book = count_step(opt.step, [*rest, *(p.grad for p in rest if p.grad is not None)])
         total = book.read + book.written + book.adamw_read + book.adamw_written
         muon_bytes = book.read + book.written
         rows[row] = {
