@@ -172,12 +172,21 @@ def construction(rank: int, world: int) -> dict:
 
     key = "fsdp2xtp2"
     mesh = meshes()[key]
-    model, opt = make(key, mesh, "muon", {"refresh": "owner"})
+    flattened = []  # DeviceMesh._flatten calls while the optimizer is built: none (it would register on the mesh)
+    flatten = DeviceMesh._flatten
+
+    def recorded(self, *args, **kwargs):
+        flattened.append(1)
+        return flatten(self, *args, **kwargs)
+
+    with mock.patch.object(DeviceMesh, "_flatten", recorded):
+        model, opt = make(key, mesh, "muon", {"refresh": "owner"})
     engine = opt._engine
     prepared = {
         "engine": type(engine).__name__,
         "placements": len(engine._placements),
-        "flattened": len(engine._flat_meshes),
+        "flattened": len(engine._flat_groups),
+        "mesh_flattened": len(flattened) + len(mesh._get_root_mesh()._flatten_mapping),
     }
     made = {"new_group": 0, "flatten": 0, "derive_layout": 0}
 

@@ -92,7 +92,7 @@ def step_reads(rank: int, world: int) -> dict:
                         "votes": [
                             (c.kind, c.group, c.world, c.dtype)
                             for c in tally.collectives
-                            if (c.kind, c.dtype) == ("all_reduce", "int32")
+                            if (c.kind, c.dtype) == ("all_reduce", "uint8")
                         ],
                         "world_group": dist.group.WORLD.group_name,
                         "skipped": opt.skipped_steps,

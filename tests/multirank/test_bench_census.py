@@ -16,7 +16,9 @@ pytestmark = pytest.mark.multirank
 
 WORLD = 4
 F32 = 4
-VOTE = ("all_reduce", "int32")  # the 4-byte non-finite vote: one over the world where the parameters span it
+# The 4-byte vote (non-finite gradients, and whether the sets of Muon gradients changed: four one-byte flags): one
+# all-reduce over the world where the parameters span it.
+VOTE = ("all_reduce", "uint8")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +127,7 @@ def test_block_steps_and_rownorm_on_whole_rows_issue_nothing_but_the_vote(record
 
 def test_payload_dtypes_are_the_documented_ones(record):
     # Spectral refreshes send Newton-Schulz's dtype where it is narrower than the momentum (bf16 here);
-    # RowNorm sums and staleness sums travel in fp32, votes as int32.
+    # RowNorm sums and staleness sums travel in fp32, votes as four uint8 flags.
     for job, case in _cases(record):
         for c in case["collectives"]:
             if c["kind"] in ("all_gather", "all_to_all", "broadcast"):

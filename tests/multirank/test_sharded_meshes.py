@@ -130,9 +130,14 @@ def test_layouts_and_process_groups_are_made_at_construction_not_in_the_first_st
     for r in spawned:
         c = r["construction"]
         muon_weights = len(ms.LAYERS)  # every weight is in a Muon group here
-        # every weight's mesh flattened for the dp+tp refresh (FSDP2 hands each parameter its own mesh object;
-        # torch returns the one flattened mesh for all of them)
-        assert c["prepared"] == {"engine": "ShardedEngine", "placements": muon_weights, "flattened": muon_weights}
+        # every weight's mesh has its dp+tp group (FSDP2 hands each parameter its own mesh object; the engine makes
+        # the group once), made without DeviceMesh._flatten, which would register a flattened mesh on the user's mesh
+        assert c["prepared"] == {
+            "engine": "ShardedEngine",
+            "placements": muon_weights,
+            "flattened": muon_weights,
+            "mesh_flattened": 0,
+        }
         assert c["first_step"] == {"new_group": 0, "flatten": 0, "derive_layout": 0}
         assert c["same_engine"]
 

@@ -212,3 +212,53 @@ def test_broadcasts_go_out_as_one_group_launch_where_the_backend_groups(monkeypa
         one_each = counter.stats()["broadcast"]
     assert (grouped["calls"], grouped["launches"], grouped["bytes"]) == (3, 1, 4 * (3 + 2))  # rank 1 sends the 5
     assert (one_each["calls"], one_each["launches"], one_each["bytes"]) == (3, 3, 4 * (3 + 2))
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule"),
+    [("muon", {}), ("periodic_row_muon", {"k": 2}), ("muon_bp", {"period": 2}), ("adaptive_row_muon", {})],
+)
+def test_an_fp64_parameter_steps_alike_beside_an_fp32_one_of_its_shape(name, schedule):
+    # Parameters are independent: an fp64 one steps bit for bit as alone when an fp32 one of its shape shares its
+    # group. Its Nesterov momentum keeps its own fp64 batch (not the fp32 neighbour's), and Newton-Schulz batches
+    # only matrices of one dtype (an fp64 one stacked into an fp32 batch was rounded).
+    def run(neighbour: bool):
+        g = torch.Generator().manual_seed(0)
+        w64 = nn.Parameter(torch.randn(8, 6, generator=g, dtype=torch.float64) * 0.1)
+        w32 = nn.Parameter(torch.randn(8, 6, generator=g) * 0.1)
+        params = [("w32", w32), ("w64", w64)] if neighbour else [("w64", w64)]
+        opt = build(name, params, lr=0.05, ns_dtype=torch.float64, **schedule)
+        for t in range(4):
+            gen = torch.Generator().manual_seed(100 + t)
+            w64.grad = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+            w32.grad = torch.randn(8, 6, generator=gen)
+            opt.step()
+        return w64.detach().clone(), {key[3] for key in opt._workspace}
+
+    alone, _ = run(False)
+    beside, slot_dtypes = run(True)
+    assert slot_dtypes == {torch.float32, torch.float64}  # one Nesterov batch per dtype
+    assert torch.equal(alone, beside)
+
+
+def test_the_flattened_group_of_a_stage_submesh_is_made_without_touching_the_mesh():
+    # torch's fake backend (the census's, for 64 and 256 ranks in one process): a (pp, dp, tp) mesh whose (dp, tp)
+    # submesh both dimensions of a parameter shard. Every rank makes every stage's group, in one order; none is
+    # registered on the mesh (torch's redistribute would take it, and gets uneven (Shard(d), Shard(d)) wrong).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dimuon.bench.census import fake_rank
+    from dimuon.optim.distributed.sharded import flattened_group
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with fake_rank(5, 8):
+        root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        stage = root["dp", "tp"]
+        group = flattened_group(stage, (0, 1))
+        assert dist.get_process_group_ranks(group) == [4, 5, 6, 7]
+        assert flattened_group(root["dp", "tp"], (0, 1)) is group  # made once, for every mesh object alike
+        assert dist.get_process_group_ranks(flattened_group(root["pp", "tp"], (0, 1))) == [0, 1, 4, 5]
+        assert flattened_group(root, (0, 1, 2)) is dist.group.WORLD  # the world's own group: nothing made
+        assert root._flatten_mapping == {}

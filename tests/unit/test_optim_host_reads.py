@@ -174,3 +174,49 @@ def test_the_skip_count_stays_on_the_device_until_read_and_loads_from_a_number()
     fresh = make("periodic_row_muon", nonfinite="skip")[1]
     fresh.load_state_dict(saved)  # an int per group, as every checkpoint holds it
     assert fresh.skipped_steps == 2
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_a_sharded_step_reads_the_host_only_where_the_set_of_muon_gradients_changes(name):
+    # Under a sharded engine the ranks must step the same Muon parameters: the vote carries whether each rank's set
+    # of gradients changed since the last step, still in its one 4-byte all-reduce. A step whose set did not change
+    # reads nothing (with "skip"); one where it changed reads the vote, and where every rank's changed, the ranks
+    # agree on the new set with one more all-reduce. On torch's fake backend the collectives leave every flag as
+    # this rank voted it, as if every rank had dropped the same gradient: its parameter is then left alone.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dimuon.bench.census import fake_rank
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    cls, schedule = FAMILY[name]
+    with fake_rank(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        gen = torch.Generator().manual_seed(0)
+        params = {
+            n: nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)], src_data_rank=None))
+            for n, s in {"w0": (8, 6), "w1": (6, 8), "w2": (10, 4)}.items()
+        }
+        opt = cls(list(params.items()), lr=0.02, ns_dtype=torch.float32, nonfinite="skip", refresh="gather", **schedule)
+        reads, votes = [], []
+        for t, dropped in enumerate([(), (), ("w0",), ("w0",), (), ()]):
+            for n, p in params.items():
+                g = torch.zeros(p.shape) if n not in dropped else None
+                p.grad = None if g is None else distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+            before = params["w0"].to_local().clone()
+            with count_collectives(CallCounter()) as counter, tracing(counter) as tally:
+                opt.step()
+            reads.append(sum(n for site, n in tally.read_sites.items() if SIGNAL_SITE not in site))
+            votes.append([(c.kind, c.dtype, c.buffer_bytes) for c in tally.collectives if c.kind == "all_reduce"][:2])
+            if dropped:  # every rank dropped it: left alone, as one process leaves a parameter without gradient
+                assert torch.equal(params["w0"].to_local(), before), t
+        assert reads == [0, 0, 2, 0, 2, 0]  # the vote and the agreement, where the set changed
+        vote = ("all_reduce", "uint8", 4)  # [taken, finite, unchanged, changed]
+        agree = ("all_reduce", "uint8", 6)  # two flags per Muon parameter: has a gradient, has none
+        for t, found in enumerate(votes):
+            assert found[0] == vote, (t, found)
+            if t in (2, 4):
+                assert found[1] == agree, (t, found)
+        assert opt.skipped_steps == 0

@@ -82,7 +82,7 @@ from dimuon.optim.core import local_tensor
 from dimuon.optim.distributed import engine as engine_module
 from dimuon.optim.distributed import sharded as sharded_module
 from dimuon.optim.distributed.engine import col_split_sizes_to_ranges, split_sizes_to_ranges
-from dimuon.optim.distributed.sharded import mesh_coordinates
+from dimuon.optim.distributed.sharded import flattened_group, mesh_coordinates
 from dimuon.optim.linalg import default_ns_dtype, newton_schulz_products
 
 PROG = "dimuon bench census"
@@ -122,7 +122,15 @@ LAYOUTS: dict[str, str] = {
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 SHORT = {"all_gather": "ag", "all_reduce": "ar", "all_to_all": "a2a", "broadcast": "bc", "reduce_scatter": "rs"}
-DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "int64": "i64", "bool": "b"}
+DTYPE_SHORT = {
+    "float32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "bool": "b",
+}
 
 
 @dataclass
@@ -742,8 +750,8 @@ def group_labels(mesh: Any, layout: str) -> dict[str, str]:
         names = mesh.mesh_dim_names
         for d in range(mesh.ndim):
             labels[mesh.get_group(d).group_name] = names[d]
-        if layout == "fsdp_tp":  # the group both dimensions shard (the engine flattens the mesh at its first step)
-            labels.setdefault(mesh._flatten().get_group(0).group_name, "+".join(names))
+        if layout == "fsdp_tp":  # the group both dimensions shard: the engine's own, which leaves the mesh as it was
+            labels.setdefault(flattened_group(mesh, range(mesh.ndim)).group_name, "+".join(names))
     labels.setdefault(dist.group.WORLD.group_name, "world")
     return labels
 

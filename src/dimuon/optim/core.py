@@ -107,11 +107,37 @@ class _Verdicts:
     finite: Tensor
 
 
+@dataclass
+class _GradientPlan:
+    """Which Muon parameters have a gradient on this rank, against the set every rank agreed on at the last step
+    (sharded engines only: the ranks must hand the engine the same jobs, and none can see another's gradients
+    without a collective). ``params`` are every Muon parameter as (group, index, parameter), in group order;
+    ``held`` and ``agreed`` one flag each; ``codes`` the vote's two rows (:meth:`MuonFamily._gradient_plan`)."""
+
+    params: list[tuple[int, int, Tensor]]
+    universe: tuple[int, ...]
+    held: tuple[bool, ...]
+    agreed: tuple[bool, ...]
+    changed: bool
+    codes: tuple[Tensor, Tensor]
+
+
+@dataclass
+class _Vote:
+    """One step's vote: ``ok`` (0-d bool on the device, the step is taken), this rank's verdicts, and under a
+    sharded engine the four flags every rank AND-ed (``[taken, finite, unchanged, changed]``) and the plan."""
+
+    ok: Tensor
+    verdicts: _Verdicts
+    flags: Tensor | None = None
+    plan: _GradientPlan | None = None
+
+
 class _StepContext:
     """What the core lends its schedule at one step (:class:`~dimuon.optim.schedules.StepContext`): the state, the
     engine, and the one host read, which carries the vote of ``nonfinite="raise"`` where the schedule reads."""
 
-    def __init__(self, opt: MuonFamily, vote: tuple[Tensor, _Verdicts] | None) -> None:
+    def __init__(self, opt: MuonFamily, vote: _Vote | None) -> None:
         self.state = opt.state
         self.engine = opt._get_engine()
         self.scratch = opt._schedule_scratch
@@ -121,18 +147,16 @@ class _StepContext:
     def read(self, values: Tensor) -> list[float]:
         if self._vote is None:
             return values.tolist()
-        ok, verdicts = self._vote
-        self._vote = None
-        read = torch.cat([values, self._opt._vote_values(ok, verdicts).to(values)]).tolist()  # one read for both
-        self._opt._check_vote(read[len(values) :], verdicts)
+        vote, self._vote = self._vote, None
+        read = torch.cat([values, self._opt._vote_values(vote).to(values)]).tolist()  # one read for both
+        self._opt._check_late_vote(read[len(values) :], vote)
         return read[: len(values)]
 
     def settle(self) -> None:
         """Read the vote now where the schedule's decision did not."""
         if self._vote is not None:
-            ok, verdicts = self._vote
-            self._vote = None
-            self._opt._check_vote(self._opt._vote_values(ok, verdicts).tolist(), verdicts)
+            vote, self._vote = self._vote, None
+            self._opt._check_late_vote(self._opt._vote_values(vote).tolist(), vote)
 
 
 class ForeignGroupKeyWarning(UserWarning):
@@ -440,6 +464,10 @@ class MuonFamily(torch.optim.Optimizer):
         # the last step's vote and the steps skipped since the last read, counted on the device; a dict that
         # ``step`` fills, not attributes it sets (dynamo compiles item stores into an optimizer's dicts everywhere)
         self._votes: dict[str, Tensor | None] = {"last": None, "pending_skips": None}
+        # Under a sharded engine: the Muon parameters (by id) and which of them every rank agreed to step at the last
+        # step, and the vote's constant rows per (changed, device) (:meth:`_gradient_plan`); dicts, as above.
+        self._grad_sets: dict[str, Any] = {}
+        self._vote_codes: dict[tuple[bool, torch.device], tuple[Tensor, Tensor]] = {}
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
         # The CPU's Newton-Schulz temporaries and directions, lent within a step and kept between steps.
@@ -730,6 +758,8 @@ class MuonFamily(torch.optim.Optimizer):
             "_engine_params": (),
             "_refresh_counts": {},
             "_votes": {"last": None, "pending_skips": None},
+            "_grad_sets": {},
+            "_vote_codes": {},
             "_workspace": {},
             "_tables": fused.Tables(),
             "_map_buffers": Workspace(),
@@ -958,9 +988,144 @@ class MuonFamily(torch.optim.Optimizer):
         return flag, _Verdicts(owners, torch.cat(verdicts) if verdicts else flag[None][:0])
 
     @staticmethod
-    def _vote_values(ok: Tensor, verdicts: _Verdicts) -> Tensor:
-        """``[vote, this rank's verdict per gradient...]`` as floats (1 finite): what ``"raise"`` reads, once."""
-        return torch.cat([ok.reshape(1), verdicts.finite]).to(torch.float32)
+    def _vote_values(vote: _Vote) -> Tensor:
+        """``[vote, this rank's verdict per gradient...]`` as floats (1 finite): what ``"raise"`` reads, once; under a
+        sharded engine ``[vote, finite, unchanged, changed, verdicts...]`` (the flags every rank AND-ed)."""
+        parts = [vote.ok.reshape(1)] + ([vote.flags[1:]] if vote.flags is not None else []) + [vote.verdicts.finite]
+        return torch.cat(parts).to(torch.float32)
+
+    # ----------------------------------------------------------------- which Muon parameters step
+    def _gradient_plan(self, engine: DirectionEngine, device: torch.device) -> _GradientPlan | None:
+        """Which Muon parameters have a gradient here, against the set the ranks agreed on at the last step (None for
+        the local engine, whose one process decides alone).
+
+        The ranks hand a sharded engine the same jobs, or their collectives differ (gloo aborts, NCCL hangs), and a
+        rank cannot see another's gradients without communicating. So each rank compares its set with the agreed
+        one (at first every Muon parameter that requires a gradient) and adds two flags to the step's vote, which
+        stays one 4-byte all-reduce: ``[taken, finite, unchanged, changed]``, every flag AND-ed over the ranks
+        (``taken`` is ``finite and unchanged`` of this rank, the step's ``ok`` where no rank's set changed). The
+        host reads nothing for it where this rank's set did not change (:meth:`_settle_gradients`)."""
+        if isinstance(engine, LocalEngine):
+            return None
+        params = [
+            (gi, i, p)
+            for gi, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+            for i, p in enumerate(group["params"])
+        ]
+        universe = tuple(id(p) for _, _, p in params)
+        held = tuple(p.grad is not None for _, _, p in params)
+        known = self._grad_sets.get("agreed")
+        if known is not None and known[0] == universe:
+            agreed = known[1]
+        else:  # new parameters (the first step, a group added, parameters replaced): all that require a gradient
+            agreed = tuple(p.requires_grad for _, _, p in params)
+        changed = held != agreed
+        codes = self._vote_codes.get((changed, device))
+        if codes is None:  # the vote's two rows, made once: where this rank's gradients are finite, and where not
+            same = not changed
+            codes = self._vote_codes[(changed, device)] = (
+                torch.tensor([same, True, same, changed], dtype=torch.bool, device=device),
+                torch.tensor([False, False, same, changed], dtype=torch.bool, device=device),
+            )
+        return _GradientPlan(params, universe, held, agreed, changed, codes)
+
+    def _settle_gradients(self, vote: _Vote, values: Sequence[float], read_now: bool) -> None:
+        """Agree on the Muon parameters to step from the vote as this rank read it, ``values`` (this rank's set of
+        gradients changed, or ``"raise"`` reads it now anyway), the same on every rank by construction:
+
+        - no rank's set changed: the agreed set again (a rank whose set did not change reads nothing);
+        - every rank's set changed (so every rank reads this): one more all-reduce, of a has-a-gradient and a
+          has-none flag per Muon parameter, and the parameters some rank has a gradient for; where the ranks
+          disagree on one, the step is not taken;
+        - some did and some did not: the agreed set again, and the step is not taken (the ranks whose set did not
+          change cannot know it, and step masked by the vote).
+
+        A step not taken for a parameter whose gradient is None on some ranks only raises a RuntimeError naming
+        it with ``"raise"`` (on every rank: each reads the vote, here or with the schedule's signals) and warns
+        with ``"skip"`` (where this rank knows it), the step then counted as skipped on every rank."""
+        plan, flags = vote.plan, vote.flags
+        assert plan is not None and flags is not None
+        if values[0] > 0:  # taken: no rank's set changed, every gradient finite (a meta read, the census's, is inf)
+            return
+        unchanged, changed = values[2] > 0, values[3] > 0
+        bad: list[int] | None = None  # the parameters the ranks disagree on, where every rank knows them
+        if changed:  # every rank's set changed: every rank is here
+            have, none = self._gradient_census(plan)
+            plan.agreed = tuple(not n for n in none)
+            bad = [k for k, (h, n) in enumerate(zip(have, none)) if not (h or n)]
+            # The vote again: every rank's finiteness, or (disagreeing) a false flag: no rank is unchanged here.
+            vote.ok = flags[1] if not bad else flags[2]
+        elif not unchanged and read_now:  # some ranks' sets changed, and every rank reads the vote now
+            bad = self._disagreements(plan)
+        self._grad_sets["agreed"] = (plan.universe, plan.agreed)
+        if bad or (not changed and not unchanged):
+            if self.nonfinite == "raise":
+                if bad is not None:  # every rank knows which: each raises the same error
+                    raise RuntimeError(self._missing_gradient_message(plan, bad))
+                # else this rank alone knows: every rank raises when it reads the vote with the schedule's signals
+            else:
+                message = self._missing_gradient_message(plan, bad) if bad else self._local_mismatch_message(plan)
+                warnings.warn(f"{message}; nonfinite='skip': the step is skipped on every rank", stacklevel=3)
+        if read_now:
+            self._check_vote([values[1], *values[4:]], vote.verdicts)  # non-finite gradients, as without flags
+
+    def _gradient_census(self, plan: _GradientPlan) -> tuple[list[bool], list[bool]]:
+        """Per Muon parameter, whether every rank has a gradient for it and whether none has: one all-reduce of two
+        flags per parameter and one read, where every rank must know (every rank calls it, at the same point)."""
+        n = len(plan.held)
+        if n == 0:
+            return [], []
+        flags = torch.tensor(plan.held + tuple(not h for h in plan.held), dtype=torch.bool, device=plan.codes[0].device)
+        both = self._get_engine().all_true(flags).tolist()
+        return [v > 0 for v in both[:n]], [v > 0 for v in both[n:]]
+
+    def _disagreements(self, plan: _GradientPlan) -> list[int]:
+        """The Muon parameters whose gradient is None on some ranks only (a collective: every rank calls it)."""
+        have, none = self._gradient_census(plan)
+        return [k for k, (h, n) in enumerate(zip(have, none)) if not (h or n)]
+
+    def _param_label(self, gi: int, i: int) -> str:
+        group = self.param_groups[gi]
+        name = self._param_name(group, i, gi)
+        return name if group.get("param_names") else f"{name} with shape {tuple(group['params'][i].shape)}"
+
+    def _missing_gradient_message(self, plan: _GradientPlan, bad: Sequence[int]) -> str:
+        names = [self._param_label(*plan.params[k][:2]) for k in bad]
+        return (
+            f"the gradient of {_some_names(names)} is None on some ranks and not on others, so the ranks would step "
+            "different parameters (their collectives would not match); every rank must have a gradient for a Muon "
+            "parameter, or none may. The step was not taken and the momentum is unchanged"
+        )
+
+    def _local_mismatch_message(self, plan: _GradientPlan) -> str:
+        """What this rank knows where some ranks' sets of gradients changed and others' did not: the others hold the
+        agreed set, so a parameter of it without a gradient here has one there, and the other way round."""
+        pairs = list(zip(plan.held, plan.agreed))
+        missing = [self._param_label(*plan.params[k][:2]) for k, (h, a) in enumerate(pairs) if a and not h]
+        extra = [self._param_label(*plan.params[k][:2]) for k, (h, a) in enumerate(pairs) if h and not a]
+        parts = []
+        if missing:
+            parts.append(f"this rank has no gradient for {_some_names(missing)}, which other ranks have")
+        if extra:
+            parts.append(f"this rank has a gradient for {_some_names(extra)}, which other ranks have not")
+        return (
+            f"{'; '.join(parts)}: the gradient of a Muon parameter is None on some ranks and not on others, so the "
+            "ranks would step different parameters; every rank must have a gradient for it, or none may"
+        )
+
+    def _check_late_vote(self, values: Sequence[float], vote: _Vote) -> None:
+        """The vote read with the schedule's signals (``"raise"``; every rank reads it there): a RuntimeError naming
+        the parameter where some ranks' sets of gradients changed and others' did not, else :meth:`_check_vote`."""
+        if vote.flags is None:
+            self._check_vote(values, vote.verdicts)
+            return
+        if values[0] > 0:  # taken (a meta tensor's read, the census's plan pass, reads as inf)
+            return
+        if not values[2] > 0 and not values[3] > 0:  # some ranks' sets changed and others' did not
+            assert vote.plan is not None
+            raise RuntimeError(self._missing_gradient_message(vote.plan, self._disagreements(vote.plan)))
+        self._check_vote([values[1], *values[4:]], vote.verdicts)
 
     def _check_vote(self, values: Sequence[float], verdicts: _Verdicts) -> None:
         """Raise, naming this rank's first non-finite gradient, where the vote read as ``values`` failed."""
@@ -996,6 +1161,11 @@ class MuonFamily(torch.optim.Optimizer):
         references unchanged where it fails) and the host reads nothing. With ``"raise"`` the host reads the vote
         once and raises before anything is touched; a per-matrix schedule reads it with its staleness signals
         (still one read), after the masked momentum update and before any weight moves.
+
+        Under a sharded engine the same 4 bytes also tell whether any rank's set of Muon parameters with a gradient
+        changed since the last step, so that every rank steps the same ones (:meth:`_settle_gradients`): a gradient
+        None on every rank leaves its parameter alone, one None on some ranks only raises a RuntimeError naming it
+        (``"raise"``) or skips the step on every rank (``"skip"``). Only a step where the set changes reads more.
         """
         loss = None
         if closure is not None:
@@ -1005,21 +1175,39 @@ class MuonFamily(torch.optim.Optimizer):
         if self._map_buffers is not None and not torch.compiler.is_compiling():  # a compiled step borrows nothing
             self._map_buffers.release()  # the last step's directions and temporaries are done with
         local, verdicts = self._local_grads_finite()
-        ok = self._get_engine().all_true(local)
+        engine = self._get_engine()
+        plan = self._gradient_plan(engine, local.device)
+        if plan is None:
+            vote = _Vote(engine.all_true(local), verdicts)
+        else:  # [taken, finite, unchanged, changed], AND-ed over the ranks: still one 4-byte all-reduce
+            flags = engine.all_true(torch.where(local, *plan.codes))
+            vote = _Vote(flags[0], verdicts, flags, plan)
         # "raise" and a schedule that reads nothing to decide: the one read now, then the plain kernels. Otherwise
         # the step is masked (and under "raise" the vote is read with the schedule's signals).
         read_now = self.nonfinite == "raise" and not self.schedule.reads_signals
-        if read_now:  # the vote and this rank's verdicts, one host read
-            self._check_vote(self._vote_values(ok, verdicts).tolist(), verdicts)
+        if plan is not None and (plan.changed or read_now):  # the ranks agree on the Muon parameters to step
+            # one read: the vote, its flags and this rank's verdicts
+            self._settle_gradients(vote, self._vote_values(vote).tolist(), read_now)
+        elif read_now:  # the vote and this rank's verdicts, one host read
+            self._check_vote(self._vote_values(vote).tolist(), verdicts)
+        ok = vote.ok
         mask = None if read_now else ok
         self._votes["last"] = ok
         if self.nonfinite == "skip":
             skipped = (~ok).to(torch.int64)  # a device counter: read when skipped_steps is read or the state saved
             pending = self._votes["pending_skips"]
             self._votes["pending_skips"] = skipped if pending is None else pending + skipped
+        agreed: dict[int, list[Tensor]] = {}  # under a sharded engine, the Muon parameters every rank steps
+        if plan is not None:
+            for (gi, _, p), step_it in zip(plan.params, plan.agreed):
+                if step_it:
+                    agreed.setdefault(gi, []).append(p)
         stepped, works = [], []
         for gi, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            if plan is not None and group["algorithm"] == "muon":
+                params = agreed.get(gi, [])
+            else:
+                params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             stepped.append(group)
@@ -1027,7 +1215,7 @@ class MuonFamily(torch.optim.Optimizer):
                 self._adamw_step(group, params, mask)
             else:
                 works.append(self._muon_work(gi, group, params, mask))
-        ctx = _StepContext(self, (ok, verdicts) if self.nonfinite == "raise" and not read_now else None)
+        ctx = _StepContext(self, vote if self.nonfinite == "raise" and not read_now else None)
         kinds = self.schedule.decide(works, ctx)
         ctx.settle()  # the vote, where the decision read nothing: raised on before any weight moves
         for work, work_kinds in zip(works, kinds):
@@ -1053,7 +1241,9 @@ class MuonFamily(torch.optim.Optimizer):
             if group["step"] == 0 or "momentum_buffer" not in state:  # made, or remade after a move, before step 1
                 state = self._param_state(p, group)
             bufs.append(local_tensor(state["momentum_buffer"]))
-            grads.append(local_tensor(p.grad))
+            # A parameter the ranks agreed to step without a gradient here: the ranks disagree on it, so the vote
+            # failed on every rank and the step is masked; zeros stand in (finite, then replaced by M).
+            grads.append(local_tensor(p.grad) if p.grad is not None else torch.zeros_like(bufs[-1]))
         if bufs and fused.fuses(self.kernels, bufs[0].device) and fused.launchable(*grads, *bufs):
             # One launch: M <- lerp(M, G, 1 - beta) and U <- lerp(G, M, beta), G masked by the vote in the kernel.
             flat = [b.view(b.shape[0], math.prod(b.shape[1:])) for b in bufs]
@@ -1231,14 +1421,14 @@ class MuonFamily(torch.optim.Optimizer):
         return out
 
     def _nesterov_slots(self, gi: int, flat: Sequence[Tensor]) -> list[Tensor]:
-        """Where the Nesterov momenta of group ``gi`` go: per parameter a row of one ``(B, r, c)`` buffer per shape
-        of its 2-D momentum view in ``flat`` (kept from step to step on the CPU)."""
-        by_shape: dict[tuple[int, ...], list[int]] = {}
+        """Where the Nesterov momenta of group ``gi`` go: per parameter a row of one ``(B, r, c)`` buffer per shape,
+        dtype and device of its 2-D momentum view in ``flat`` (kept from step to step on the CPU). The dtype is the
+        momentum's: an fp64 parameter's ``U`` is never rounded into an fp32 neighbour's buffer."""
+        classes: dict[tuple[Any, ...], list[int]] = {}
         for i, b in enumerate(flat):
-            by_shape.setdefault(tuple(b.shape), []).append(i)
+            classes.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
         out: list[Tensor] = [flat[0]] * len(flat)
-        for shape, idx in by_shape.items():
-            dtype, device = flat[idx[0]].dtype, flat[idx[0]].device
+        for (shape, dtype, device), idx in classes.items():
             key = (gi, len(idx), shape, dtype, device)
             batch = self._workspace.get(key)
             if batch is None:

@@ -211,9 +211,10 @@ class Collectives:
         return values
 
     def all_true(self, flag: Tensor) -> Tensor:
-        """``flag`` (0-d bool) AND-ed over the ranks by one 4-byte all-reduce, on ``flag``'s device (no host read)."""
-        value = flag.to(torch.int32).reshape(1)
-        self.counter.record(self._key("all_reduce[check]"), 2 * 4 * (self.world - 1) // self.world)
+        """``flag`` AND-ed over the ranks by one all-reduce, on ``flag``'s device (no host read): a 0-d bool in 4
+        bytes, or each flag of a 1-D bool tensor (a contiguous one, AND-ed in place) in one byte."""
+        value = flag.to(torch.int32).reshape(1) if flag.dim() == 0 else flag.view(torch.uint8)
+        self.counter.record(self._key("all_reduce[check]"), 2 * _nbytes(value) * (self.world - 1) // self.world)
         _timed(
             self.counter,
             self._key("all_reduce[check]"),
@@ -221,7 +222,7 @@ class Collectives:
             (value,),
             lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group),
         )
-        return value[0] > 0
+        return value[0] > 0 if flag.dim() == 0 else value.view(torch.bool)
 
     def all_to_all(
         self,

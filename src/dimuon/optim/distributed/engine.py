@@ -149,8 +149,8 @@ class DirectionEngine(Protocol):
         ...
 
     def all_true(self, flag: Tensor) -> Tensor:
-        """``flag`` (a 0-d bool tensor) AND-ed over every process, as a 0-d bool tensor on ``flag``'s device:
-        no host read (every process must call it)."""
+        """``flag`` (a 0-d bool tensor, or a 1-D one of several flags) AND-ed over every process, elementwise, as a
+        bool tensor of its shape on ``flag``'s device: no host read (every process must call it)."""
         ...
 
     def comm_stats(self, by_mesh_dim: bool = False) -> dict[str, dict[str, Any]]:
@@ -270,19 +270,20 @@ def shape_classes(
 def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
-    Matrices of one exact shape share a batched call (tall ones are handled tall, never copied
-    transposed). Returns, in order, the scaled direction of each piece (fp32 or wider); with
+    Matrices of one exact shape and dtype share a batched call (tall ones are handled tall, never copied
+    transposed; an fp64 piece is never stacked into an fp32 batch). Returns, in order, the scaled direction of
+    each piece (fp32 or wider); with
     ``scaled=False`` (spectral maps only) Newton-Schulz's output as it is, in its compute dtype, for a caller
     that applies the lr scale later (an owner sending directions back in bf16).
     """
     out: list[Tensor | None] = [None] * len(pieces)
-    by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    by_shape: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
-        by_shape[tuple(piece.shape)].append(i)
+        by_shape[(*piece.shape, piece.dtype)].append(i)
     orthogonalize = compiled_newton_schulz() if config.ns_compile else newton_schulz
     ws = None if config.ns_compile else config.workspace  # a compiled graph allocates its own
     extra = {"buffers": ws} if ws is not None else {}
-    for (rows, cols), idx in by_shape.items():
+    for (rows, cols, _), idx in by_shape.items():
         view = batch_view([pieces[i] for i in idx])
         batch = view if view is not None else as_batch([pieces[i] for i in idx], ws)
         scale = lr_scale_factor(config.lr_scale, rows, cols)

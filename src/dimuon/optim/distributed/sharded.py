@@ -38,6 +38,7 @@ flattened) issues the same sequence, empty pieces included.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
@@ -141,6 +142,40 @@ def vote_groups(
     return list(groups.values())
 
 
+# The flattened process groups made so far, per enumeration of every group of one flattening (the same on every
+# rank): the default group they were made under, and the groups in that order. Shared by every engine of the
+# process, so that FSDP2's per-parameter meshes and a rebuilt engine take the groups made once.
+_FLAT_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[dist.ProcessGroup, list[dist.ProcessGroup]]] = {}
+
+
+def flattened_group(mesh, dims: Sequence[int]) -> dist.ProcessGroup:
+    """The process group over dimensions ``dims`` of ``mesh`` taken together, made without touching the mesh.
+
+    ``DeviceMesh._flatten`` would register the flattened mesh on the user's root mesh, and torch 2.13 then routes
+    its own redistributions through it: ``full_tensor()`` of an uneven ``(Shard(d), Shard(d))`` DTensor comes back
+    with rows misplaced and zeros. So the groups are made here as torch would make them, without the mesh: the
+    same enumeration of every flattened group of the root mesh (every rank computes the same list), each made by
+    ``dist.new_group`` on every rank in that order (a collective call of the default group, as the mesh's own
+    groups were), the one holding this rank returned. Where one flattened group spans the world, it is the default
+    group (torch's choice too), and nothing is made. Group ranks are in ascending global rank order."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    root = mesh._get_root_mesh()
+    layout = _MeshLayout([mesh._layout[d] for d in dims]).collapse()
+    rows = _MeshLayout([layout]).remap_to_tensor(root._rank_map).tolist()
+    enumeration = tuple(tuple(sorted(int(r) for r in row)) for row in rows)
+    world = dist.group.WORLD
+    if len(enumeration[0]) == dist.get_world_size():
+        return world
+    made = _FLAT_GROUPS.get(enumeration)
+    if made is None or made[0] is not world:  # none yet, or made under a default group since destroyed
+        label = "+".join(mesh.mesh_dim_names[d] for d in dims) if mesh.mesh_dim_names else "flattened"
+        groups = [dist.new_group(list(ranks), group_desc=f"dimuon_{label}") for ranks in enumeration]
+        made = _FLAT_GROUPS[enumeration] = (world, groups)
+    rank = dist.get_rank()
+    return next(group for ranks, group in zip(enumeration, made[1]) if rank in ranks)
+
+
 def _ns_cost(rows: int, cols: int) -> float:
     """Relative Newton-Schulz FLOPs of one matrix (oriented ``r <= c``): 5 x (2 r^2 c + r^3)."""
     r, c = oriented_shape(rows, cols)
@@ -239,7 +274,7 @@ class ShardedEngine:
         self.process_group = process_group  # for plain (replicated, e.g. DDP) parameters
         self.counter = CommCounter()
         self._comms: dict[int, Collectives] = {}
-        self._flat_meshes: dict[int, object] = {}
+        self._flat_groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}  # per mesh object and dims
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
@@ -263,15 +298,17 @@ class ShardedEngine:
         return self._comms[key]
 
     def _mesh_comm(self, mesh, dims: tuple[int, ...]) -> Collectives | None:
-        """Counted collectives over the given dimensions of ``mesh`` (a flattened group for two)."""
+        """Counted collectives over the given dimensions of ``mesh`` (a flattened group for two: made by every rank
+        for the same meshes in the same order, at construction, without registering it on the mesh)."""
         if not dims:
             return None
         if len(dims) == 1:
             return self._collectives(mesh.get_group(dims[0]), mesh_dim_label(mesh, dims))
-        flat = self._flat_meshes.get(id(mesh))
-        if flat is None:  # every rank flattens the same meshes in the same order (at its first step)
-            flat = self._flat_meshes[id(mesh)] = mesh._flatten()
-        return self._collectives(flat.get_group(0), mesh_dim_label(mesh, dims))
+        key = (id(mesh), tuple(dims))
+        flat = self._flat_groups.get(key)
+        if flat is None:
+            flat = self._flat_groups[key] = flattened_group(mesh, dims)
+        return self._collectives(flat, mesh_dim_label(mesh, dims))
 
     def agree_max(self, values: Tensor) -> Tensor:
         for comm in self._voters:  # the vote's groups: one all-reduce where the world is covered
@@ -279,7 +316,8 @@ class ShardedEngine:
         return values
 
     def all_true(self, flag: Tensor) -> Tensor:
-        for comm in self._voters:  # one 4-byte all-reduce where the world is covered (vote_groups)
+        """``flag`` (0-d, or 1-D: several flags, AND-ed elementwise) AND-ed over every rank that votes."""
+        for comm in self._voters:  # one all-reduce (4 bytes for the vote) where the world is covered (vote_groups)
             flag = comm.all_true(flag)
         return flag
 
@@ -503,12 +541,19 @@ class ShardedEngine:
         return ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
 
     def _buckets(self, placed: Sequence[Placed], config: MapConfig) -> list[tuple[Collectives, list[int]]]:
-        """Per shard group (in first-appearance order), buckets sized by the full (padded) matrices they
-        materialize on a rank, not by the pieces, so memory and overlap do not depend on the world size."""
+        """Per shard group and payload dtype (each in first-appearance order), buckets sized by the full (padded)
+        matrices they materialize on a rank, not by the pieces, so memory and overlap do not depend on the world
+        size. A bucket travels as one buffer, so its jobs share one payload dtype (as the owner refresh's classes
+        do): an fp64 momentum next to an fp32 one is not sent rounded to fp32."""
         out = []
         for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            sizes = [placed[i][1].pad * comm.world * self._payload_dtype(placed[i][0], config).itemsize for i in idx]
-            out += [(comm, [idx[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
+            payloads = {i: self._payload_dtype(placed[i][0], config) for i in idx}
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in idx:
+                by_dtype.setdefault(payloads[i], []).append(i)
+            for dtype, members in by_dtype.items():
+                sizes = [placed[i][1].pad * comm.world * dtype.itemsize for i in members]
+                out += [(comm, [members[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
         return out
 
     def _fulls(self, job: MatrixJob, plc: _Placement, tables: Tensor) -> Tensor:
@@ -774,9 +819,11 @@ class ShardedEngine:
     ) -> tuple[torch.dtype, dict[int, float] | None]:
         """The dtype an owner sends a bucket's directions back in, and per job the lr scale the receiver then
         applies: Newton-Schulz's own dtype, unscaled, where it is narrower than the directions and every job of
-        the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or wide)."""
-        wide = _wide(placed[idx[0]][0].update)
-        narrow = self._payload_dtype(placed[idx[0]][0], config)
+        the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or the widest
+        of the jobs' direction dtypes: one buffer carries them all, and an fp64 direction is not rounded to fp32)."""
+        wide = functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
+        narrows = {self._payload_dtype(placed[i][0], config) for i in idx}
+        narrow = narrows.pop() if len(narrows) == 1 else wide
         if self.comm_dtype is None and narrow.itemsize < wide.itemsize:
             scales = {}
             for i in idx:
@@ -809,7 +856,8 @@ class ShardedEngine:
         all-gather of every replica's pieces, padded to the largest replica's, all issued before any wait."""
         pending = []
         for comm, idx, owners in exchanges:
-            dtype = self.comm_dtype or _wide(placed[idx[0]][0].update)
+            # The widest direction dtype of the group's jobs: one buffer carries them all, none rounded.
+            dtype = self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
             owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
             mine = [out[i].reshape(-1) for i in owned[comm.rank]]
             pending.append((owned, _gather_segments(comm, placed, owned, mine, dtype)))
