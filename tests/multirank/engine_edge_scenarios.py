@@ -25,9 +25,19 @@ DROPS = {
     "every_rank": {1: {"*": ("w0",)}},  # every rank: w0 simply has no gradient at step 1 (torch skips it)
     "each_its_own": {1: {0: ("w0",), 1: ("w1",)}},  # every rank's set changed, and they differ
     "back_on_one_rank": {1: {"*": ("w0",)}, 2: {0: ("w0",)}},  # at step 2 rank 1 alone has w0's gradient again
+    # rank 1 alone at step 1, then w0 frozen on every rank (FROZEN): from then on the ranks agree, and step
+    "frozen_after_one_rank": {1: {1: ("w0",)}, 2: {"*": ("w0",)}, 3: {"*": ("w0",)}},
 }
+# The step from which a case's w0 no longer requires a gradient, on every rank.
+FROZEN = {"frozen_after_one_rank": 2}
 # Steps at which the ranks' sets differ (raised with "raise", skipped with "skip"); at the others they agree.
-MISMATCHED = {"one_rank": {1}, "every_rank": set(), "each_its_own": {1}, "back_on_one_rank": {2}}
+MISMATCHED = {
+    "one_rank": {1},
+    "every_rank": set(),
+    "each_its_own": {1},
+    "back_on_one_rank": {2},
+    "frozen_after_one_rank": {1},
+}
 OPTIMIZERS = {
     "muon_owner": ("muon", {"refresh": "owner"}),
     "muon_gather": ("muon", {"refresh": "gather"}),
@@ -76,6 +86,8 @@ def gradients(rank: int, world: int, cases: list[tuple[str, str, str, str]]) -> 
         opt = build(name, list(params.items()), lr=LR, ns_dtype=torch.float32, nonfinite=policy, **options)
         outcomes, caught = [], []
         for t in range(STEPS):
+            if t == FROZEN.get(drops):
+                params["w0"].requires_grad_(False)
             dropped = _dropped(drops, t, rank)
             for n, p in params.items():
                 full = _grad(n, SHAPES[n], t)

@@ -1020,6 +1020,9 @@ class MuonFamily(torch.optim.Optimizer):
             agreed = known[1]
         else:  # new parameters (the first step, a group added, parameters replaced): all that require a gradient
             agreed = tuple(p.requires_grad for _, _, p in params)
+            # kept on every rank now, at the same step: a rank that reads nothing at this step must not work it out
+            # again later, when requires_grad may have changed, while another rank kept it (their sets would differ)
+            self._grad_sets["agreed"] = (universe, agreed)
         changed = held != agreed
         codes = self._vote_codes.get((changed, device))
         if codes is None:  # the vote's two rows, made once: where this rank's gradients are finite, and where not
