@@ -109,14 +109,9 @@ class ArrayDataset(torch.utils.data.Dataset):
         self.source = source
         self.shards = list(shards)  # (file, rows) of each shard, in row order; empty for one source
         self.pixels = bool(np.issubdtype(images.dtype, np.integer))
-        if self.pixels and images.dtype != np.uint8 and images.size:
-            lo, hi = int(images.min()), int(images.max())
-            if lo < 0 or hi > 255:
-                raise ValueError(
-                    f"{source}: integer pixel arrays must hold values in 0..255 (they map to [-1, 1] as uint8 "
-                    f"does), but these {images.dtype} images hold {lo}..{hi}; rescale them to 0..255 (16-bit: "
-                    "divide by 257) or store floating-point values (used as they are, times scale)"
-                )
+        # Integer pixels other than uint8 are checked for 0..255 where they are read (the start-up check reads every
+        # item; a batch is checked as it is converted), not here: a memory-mapped array may be far larger than memory.
+        self._ranged = self.pixels and images.dtype != np.uint8
         bad = np.flatnonzero((self.labels < 0) | (self.labels >= self.num_classes))
         if len(bad):
             raise ValueError(
@@ -138,13 +133,26 @@ class ArrayDataset(torch.utils.data.Dataset):
 
     def find_problems(self, positions: Sequence[int]) -> list[str]:
         """Items among ``positions`` whose values are not finite (NaN or inf), each named by :meth:`describe`."""
-        if self.pixels:
-            return []  # integer pixels are always finite, and their range was checked on construction
         rows = self.index[np.asarray(positions, dtype=np.int64)]
+        if self.pixels:  # always finite; outside 0..255 where not uint8
+            if not self._ranged or not len(rows):
+                return []
+            flat = np.asarray(self.images[rows]).reshape(len(rows), -1)
+            out = np.flatnonzero((flat.min(axis=1) < 0) | (flat.max(axis=1) > 255))
+            return [f"{self.describe(int(positions[j]))} {self._range_problem(flat[j])}" for j in out]
         finite = np.isfinite(np.asarray(self.images[rows])).reshape(len(rows), -1).all(axis=1)
         return [f"{self.describe(int(positions[j]))} holds NaN or inf values" for j in np.flatnonzero(~finite)]
 
+    def _range_problem(self, values: np.ndarray) -> str:
+        return (
+            f"holds {self.images.dtype} pixels {int(values.min())}..{int(values.max())}, outside 0..255 (integer "
+            "pixel arrays map to [-1, 1] as uint8 does; rescale them to 0..255, 16-bit by dividing by 257, or store "
+            "floating-point values, used as they are times scale)"
+        )
+
     def _convert(self, arr: np.ndarray) -> Tensor:
+        if self._ranged and arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError(f"array data {self.source} {self._range_problem(np.asarray(arr))}")
         x = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: callers may modify it, shards may be read-only
         if self.pixels:
             return x / 127.5 - 1.0
