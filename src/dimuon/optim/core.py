@@ -1054,9 +1054,7 @@ class MuonFamily(torch.optim.Optimizer):
         unchanged, changed = values[2] > 0, values[3] > 0
         bad: list[int] | None = None  # the parameters the ranks disagree on, where every rank knows them
         if changed:  # every rank's set changed: every rank is here
-            have, none = self._gradient_census(plan)
-            plan.agreed = tuple(not n for n in none)
-            bad = [k for k, (h, n) in enumerate(zip(have, none)) if not (h or n)]
+            plan.agreed, bad = self._gradient_census(plan)
             # The vote again: every rank's finiteness, or (disagreeing) a false flag: no rank is unchanged here.
             vote.ok = flags[1] if not bad else flags[2]
         elif not unchanged and read_now:  # some ranks' sets changed, and every rank reads the vote now
@@ -1073,20 +1071,21 @@ class MuonFamily(torch.optim.Optimizer):
         if read_now:
             self._check_vote([values[1], *values[4:]], vote.verdicts)  # non-finite gradients, as without flags
 
-    def _gradient_census(self, plan: _GradientPlan) -> tuple[list[bool], list[bool]]:
-        """Per Muon parameter, whether every rank has a gradient for it and whether none has: one all-reduce of two
-        flags per parameter and one read, where every rank must know (every rank calls it, at the same point)."""
+    def _gradient_census(self, plan: _GradientPlan) -> tuple[tuple[bool, ...], list[int]]:
+        """The Muon parameters some rank has a gradient for (the set to step), and those whose gradient is None on
+        some ranks only: one all-reduce of a has-a-gradient and a has-none flag per parameter and one read, where
+        every rank must know (every rank calls it, at the same point)."""
         n = len(plan.held)
         if n == 0:
-            return [], []
+            return (), []
         flags = torch.tensor(plan.held + tuple(not h for h in plan.held), dtype=torch.bool, device=plan.codes[0].device)
         both = self._get_engine().all_true(flags).tolist()
-        return [v > 0 for v in both[:n]], [v > 0 for v in both[n:]]
+        every, none = [v > 0 for v in both[:n]], [v > 0 for v in both[n:]]
+        return tuple(not x for x in none), [k for k in range(n) if not (every[k] or none[k])]
 
     def _disagreements(self, plan: _GradientPlan) -> list[int]:
         """The Muon parameters whose gradient is None on some ranks only (a collective: every rank calls it)."""
-        have, none = self._gradient_census(plan)
-        return [k for k, (h, n) in enumerate(zip(have, none)) if not (h or n)]
+        return self._gradient_census(plan)[1]
 
     def _param_label(self, gi: int, i: int) -> str:
         group = self.param_groups[gi]
