@@ -9,4 +9,6 @@ Layers (imports only point down; ``tests/unit/test_layers.py`` checks every edge
   ``dimuon.optim``, the product, which imports nothing else of dimuon.
 """
 
+# The package's one version, a plain string literal: setuptools reads it from this file at build time
+# (pyproject.toml's [tool.setuptools.dynamic]), so the wheel's metadata and ``dimuon --version`` agree.
 __version__ = "0.1.0"
