@@ -1,8 +1,10 @@
-"""``dimuon train | sample | eval | bench <name>``: one entry point, one typed config per command.
+"""``dimuon train | sample | eval | groups | bench <name>``: one entry point, one typed config per command.
 
-Each command lives in its own module and parses its own flags; this file only dispatches, so
-``dimuon bench optimizer --help`` and ``python -m dimuon.bench.optimizer --help`` are the same. It is
-the top layer and imports no command until one is asked for (the one place that loads modules by name).
+Each command lives in its own module and parses its own flags (its ``parse``, which its ``main`` calls); this
+file only dispatches, so ``dimuon bench optimizer --help`` and ``python -m dimuon.bench.optimizer --help`` are
+the same. :func:`parse` returns a command line's checked config without running it (the docs' commands are
+checked with it). It is the top layer and imports no command until one is asked for (the one place that loads
+modules by name).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+
+import dimuon
 
 COMMANDS: dict[str, str] = {
     "train": "dimuon.train.run",
@@ -29,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
 }
 
 USAGE = """usage: dimuon <command> [options]
+       dimuon --version
 
 commands:
   train              train a DiT (single process, or under torchrun with FSDP2)
@@ -43,31 +48,65 @@ commands:
   bench traffic      bytes one memory-bound step moves (RowNorm eager and fused, fused AdamW), counted per op
   bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
-'dimuon <command> --help' lists each command's options."""
+'dimuon <command> --help' lists each command's options; 'dimuon --version' (-V) prints the version."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+def route(argv: Sequence[str]) -> tuple[str, str, list[str]]:
+    """``(prog, module, the command's own flags)`` of a command line (``["bench", "step", "--worlds", "1"]``).
+
+    SystemExit(0) after printing the usage (no command, ``-h``, ``--help``, ``bench --help``) or the version
+    (``-V``, ``--version``); SystemExit(2) after printing why for an unknown command or benchmark.
+    """
+    args = list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0
+        raise SystemExit(0)
+    if args[0] in ("-V", "--version"):
+        print(f"dimuon {dimuon.__version__}")
+        raise SystemExit(0)
     command, rest = args[0], args[1:]
     if command == "bench":
         if rest and rest[0] in ("-h", "--help"):
             print(USAGE)
-            return 0
+            raise SystemExit(0)
         if not rest or rest[0] not in BENCHMARKS:
             got = repr(rest[0]) if rest else "nothing"
             print(f"dimuon bench: expected one of {sorted(BENCHMARKS)}, got {got}\n\n{USAGE}", file=sys.stderr)
-            return 2
-        module, rest = BENCHMARKS[rest[0]], rest[1:]
-    elif command in COMMANDS:
-        module = COMMANDS[command]
-    else:
-        print(
-            f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr
-        )
-        return 2
+            raise SystemExit(2)
+        return f"dimuon bench {rest[0]}", BENCHMARKS[rest[0]], rest[1:]
+    if command in COMMANDS:
+        return f"dimuon {command}", COMMANDS[command], rest
+    print(f"dimuon: unknown command {command!r}; expected one of {[*COMMANDS, 'bench']}\n\n{USAGE}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse(argv: Sequence[str], *, saved_defaults: bool = True) -> object:
+    """The checked config of a ``dimuon`` command line (``["train", "--lr", "1e-3"]``), without running it.
+
+    Nothing is built, written or launched: the command module's ``parse`` reads the flags and runs those of its
+    start-up checks that write nothing and need no input files. SystemExit(2) after the message on stderr for a
+    flag the parser refuses or a value a check refuses (as ``dimuon <command>`` exits); SystemExit(0) after
+    printing the help, usage or version. ``saved_defaults=False``: ``dimuon train --resume RUN`` takes its
+    defaults from the flags' own instead of RUN's saved config, so a command naming a run that is not here is
+    checked for its flags alone.
+    """
+    prog, module, rest = route(argv)
+    command = importlib.import_module(module)
+    options = {} if saved_defaults or module != COMMANDS["train"] else {"saved_defaults": False}
+    try:
+        return command.parse(rest, **options)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dimuon``: run the command ``argv`` names; its exit status (0 after the usage or version,
+    2 for an unknown command)."""
+    try:
+        _, module, rest = route(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
     result = int(importlib.import_module(module).main(rest) or 0)
     leave_if_distributed(result)
     return result

@@ -31,7 +31,7 @@ from dimuon.log import run_command
 from dimuon.optim import DIT_FUSED_SPLITS, param_groups
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 
-__all__ = ["GroupsConfig", "group_table", "main"]
+__all__ = ["GroupsConfig", "group_table", "main", "parse"]
 
 
 @dataclass
@@ -235,13 +235,20 @@ def run(cfg: GroupsConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def parse(argv: Sequence[str]) -> GroupsConfig:
+    """``dimuon groups``'s flags, nothing built: SystemExit(2) for a flag the parser refuses, ValueError for a
+    --rule or --split that :func:`grouping_options` refuses (the model's own checks are left to the run)."""
+    cfg = tyro.cli(GroupsConfig, args=list(argv), prog="dimuon groups")
+    grouping_options(cfg)
+    return cfg
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon groups``: 0 printed, 2 bad flags or a model that does not build."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(GroupsConfig, args=args, prog="dimuon groups")
 
     def body() -> int:
-        run(cfg)
+        run(parse(args))
         return 0
 
     return run_command("dimuon groups", body, usage=(ValueError,), interrupted="nothing was written")

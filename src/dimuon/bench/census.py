@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
 from dimuon.bench.peers import CallCounter, CallRecord, GradientSnapshot, count_collectives
-from dimuon.bench.report import format_markdown_table, format_table, machine_info, parse_bench_flags
+from dimuon.bench.report import format_markdown_table, format_table, machine_info, parse_bench_flags, parse_or_none
 from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
@@ -1629,10 +1629,16 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed and checked by :func:`check_config`, nothing counted: SystemExit(2) for a flag the parser
+    refuses, ValueError for a value the check refuses."""
+    return parse_bench_flags(Config, argv, PROG, check_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench census`` and ``python -m dimuon.bench.census``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_bench_flags(Config, args, PROG, check_config)
+    cfg = parse_or_none(parse, args, PROG)
     if cfg is None:
         return 2
     record = run(cfg, args)

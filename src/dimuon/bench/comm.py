@@ -805,13 +805,21 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any] | None
     return record
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed and checked by :func:`check_config` and :func:`resolve_launcher` (which reads torchrun's
+    environment variables), no rank started: SystemExit(2) for a flag the parser refuses, ValueError for a value
+    a check refuses."""
+    cfg = tyro.cli(Config, args=list(argv), prog="dimuon bench comm")
+    check_config(cfg)
+    resolve_launcher(cfg)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench comm`` and ``python -m dimuon.bench.comm``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon bench comm")
     try:
-        check_config(cfg)
-        resolve_launcher(cfg)
+        cfg = parse(args)
     except ValueError as err:
         print(f"dimuon bench comm: {err}", file=sys.stderr)
         return 2

@@ -696,12 +696,19 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     return record
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed and checked by :func:`check_config` (which asks torch whether CUDA is here), nothing
+    built: SystemExit(2) for a flag the parser refuses, ValueError for a value the check refuses."""
+    cfg = tyro.cli(Config, args=list(argv), prog="dimuon bench optimizer")
+    check_config(cfg)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench optimizer`` and ``python -m dimuon.bench.optimizer``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon bench optimizer")
     try:
-        check_config(cfg)
+        cfg = parse(args)
     except ValueError as err:
         print(f"dimuon bench optimizer: {err}", file=sys.stderr)
         return 2

@@ -311,12 +311,19 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed (``--train-args '--flag value'`` taken as one value), nothing run: SystemExit(2) for a
+    flag the parser refuses. :func:`check_config` is left to :func:`run` (it looks at --out, --keep-rows-of
+    and the evaluation's files on disk)."""
+    return tyro.cli(Config, args=join_flag_values(argv), prog="dimuon bench quality")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench quality``; 0 when every run finished, 1 when some failed (or an output could
     not be written), 2 on bad flags, 130 when interrupted (Ctrl-C or SIGTERM: no further run starts, the running
     ones save a checkpoint and stop; a second interrupt kills them)."""
     args = join_flag_values(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon bench quality")
+    cfg = parse(args)
     configure("dimuon bench quality")
 
     def body() -> int:

@@ -224,16 +224,22 @@ def check_train_flags(argv: Sequence[str], where: str) -> TrainPlan:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Callable[[C], None]) -> C | None:
-    """A benchmark's flags parsed into ``config`` and checked by ``check``; None after printing
-    ``<prog>: error: ...`` for a value it refuses (the caller exits with status 2)."""
+def parse_bench_flags(config: type[C], args: Sequence[str], prog: str, check: Callable[[C], None]) -> C:
+    """A benchmark's flags parsed into ``config`` and checked by ``check``: SystemExit(2) for a flag the parser
+    refuses, ValueError (naming the flag) for a value ``check`` refuses."""
     cfg = tyro.cli(config, args=list(args), prog=prog)
+    check(cfg)
+    return cfg
+
+
+def parse_or_none(parse: Callable[[Sequence[str]], C], args: Sequence[str], prog: str) -> C | None:
+    """``parse(args)``, or None after printing ``<prog>: error: ...`` for a value its checks refuse (the caller
+    exits with status 2)."""
     try:
-        check(cfg)
+        return parse(args)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
-    return cfg
 
 
 def print_report(record: dict[str, Any], render: Callable[..., str], out: Path, markdown: Path | None) -> None:

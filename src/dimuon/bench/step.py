@@ -21,6 +21,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from dimuon.bench.report import (
     machine_info,
     named_values,
     parse_bench_flags,
+    parse_or_none,
     train_results,
 )
 from dimuon.dit import DIT_MODELS
@@ -383,10 +385,17 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed (``--train-args '--flag value'`` taken as one value) and checked by :func:`check_config`,
+    every run's flags by ``dimuon train``'s parser and plan, nothing run: SystemExit(2) for a flag a parser
+    refuses, ValueError for a value a check refuses."""
+    return parse_bench_flags(Config, join_flag_values(argv), "dimuon bench step", check_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench step``: 0 when every run that was due finished, 1 otherwise, 2 on bad flags."""
     args = join_flag_values(sys.argv[1:] if argv is None else argv)
-    cfg = parse_bench_flags(Config, args, "dimuon bench step", check_config)
+    cfg = parse_or_none(parse, args, "dimuon bench step")
     if cfg is None:
         return 2
     record = run(cfg, args)

@@ -289,10 +289,16 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     return f"{title}\n\n{fmt(header, body)}"
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed, nothing counted: SystemExit(2) for a flag the parser refuses (the --rows check is left to
+    :func:`run`, which also asks whether triton imports)."""
+    return tyro.cli(Config, args=list(argv), prog=PROG)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench traffic``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog=PROG)
+    cfg = parse(args)
     try:
         record = run(cfg, args)
     except ValueError as err:

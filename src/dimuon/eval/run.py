@@ -39,6 +39,7 @@ __all__ = [
     "check_config",
     "evaluate_checkpoints",
     "main",
+    "parse",
     "select_checkpoints",
 ]
 
@@ -223,11 +224,17 @@ def check_config(cfg: Config) -> None:
         _check_writable("--samples-cache", Path(cfg.samples_cache), "the samples cache")
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """``dimuon eval``'s flags, nothing run: SystemExit(2) for a flag the parser refuses. :func:`check_config`
+    is left to the run (it looks at --run and the output directories on disk)."""
+    return tyro.cli(Config, args=list(argv), prog="dimuon eval")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon eval`` and ``python -m dimuon.eval``: 0 done, 1 nothing evaluated or a failed
     write, 2 bad flags, 130 interrupted (a rerun continues: every scored checkpoint is saved at once)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(Config, args=args, prog="dimuon eval")
+    cfg = parse(args)
     configure("dimuon eval")
 
     def body() -> int:

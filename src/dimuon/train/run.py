@@ -23,7 +23,7 @@ from dimuon.train.loop import train
 from dimuon.train.resume import auto_resume_point, find_resume_point
 from dimuon.train.stop import RunStopped
 
-__all__ = ["main", "parse_config"]
+__all__ = ["main", "parse", "parse_config"]
 
 DESCRIPTION = """Train a class-conditional DiT with rectified flow.
 
@@ -56,13 +56,14 @@ def with_resume_value(argv: Sequence[str]) -> list[str]:
     return args
 
 
-def parse_config(argv: Sequence[str]) -> TrainConfig:
+def parse_config(argv: Sequence[str], *, saved_defaults: bool = True) -> TrainConfig:
     """Parse flags into a :class:`TrainConfig`; with ``--resume`` the run's saved config supplies the defaults
-    (with ``--resume auto``, only when the run in ``--out`` continues)."""
+    (with ``--resume auto``, only when the run in ``--out`` continues), unless ``saved_defaults`` is False (then
+    no run is read: the flags are checked alone)."""
     argv = with_resume_value(argv)
     default = TrainConfig()
     resume = _flag_value(argv, "--resume")
-    if resume is not None and "-h" not in argv and "--help" not in argv:
+    if saved_defaults and resume is not None and "-h" not in argv and "--help" not in argv:
         if resume == RESUME_AUTO:
             point = auto_resume_point(_flag_value(argv, "--out") or default.out).point
         else:
@@ -81,6 +82,17 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     return tyro.cli(TrainConfig, args=argv, default=default, prog="dimuon train", description=DESCRIPTION)
 
 
+def parse(argv: Sequence[str], *, saved_defaults: bool = True) -> TrainConfig:
+    """``dimuon train``'s flags as :func:`parse_config` reads them, nothing run: SystemExit(2) for a flag the
+    parser refuses, :class:`ConfigError` (a ValueError) for a ``--resume`` with nothing to continue. The
+    checks of :func:`~dimuon.train.plan.resolve` are left to the run (they read the data path, the run in
+    ``--out`` and evaluation weights)."""
+    try:
+        return parse_config(argv, saved_defaults=saved_defaults)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon train``: 0 done, 1 the run stopped early, 2 bad flags/data/checkpoint, 128 + the
     signal's number stopped by a signal (after a checkpoint, or at once on a second Ctrl-C: 130)."""
@@ -88,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure("dimuon train")
 
     def body() -> int:
-        train(parse_config(args))
+        train(parse(args))
         return 0
 
     return run_command(

@@ -17,7 +17,7 @@ from dimuon.io import save_grid, unwritable_reason
 from dimuon.log import run_command
 from dimuon.metrics.series import check_device
 
-__all__ = ["SampleConfig", "main"]
+__all__ = ["SampleConfig", "main", "parse"]
 
 
 @dataclass
@@ -93,10 +93,16 @@ def run(cfg: SampleConfig) -> torch.Tensor:
     return images
 
 
+def parse(argv: Sequence[str]) -> SampleConfig:
+    """``dimuon sample``'s flags, nothing run: SystemExit(2) for a flag the parser refuses. :func:`check_config`
+    is left to the run (it looks at --out on disk)."""
+    return tyro.cli(SampleConfig, args=list(argv), prog="dimuon sample")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon sample``: 0 done, 1 the grid could not be written, 2 bad flags or checkpoint."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = tyro.cli(SampleConfig, args=args, prog="dimuon sample")
+    cfg = parse(args)
 
     def body() -> int:
         run(cfg)
