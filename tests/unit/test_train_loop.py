@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,19 @@ def test_every_optimizer_trains_and_resumes_exactly(optimizer: str, options: dic
     b = torch.load(tmp_path / "b/checkpoints/step_0000004/state.pt", weights_only=True)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert not all(torch.equal(a["model"][k], a["ema"]["weights"][k]) for k in a["model"])
+
+
+def test_the_training_bar_rate_leaves_out_the_time_its_hooks_take() -> None:
+    from tqdm import tqdm
+
+    from dimuon.train.loop import bar_paused
+
+    bar = tqdm(total=10, file=io.StringIO(), mininterval=0)
+    bar.update(1)
+    before = bar.format_dict["elapsed"]
+    with bar_paused(bar):
+        time.sleep(0.3)  # a validation or a checkpoint
+    assert bar.format_dict["elapsed"] - before < 0.2  # the bar's clock did not run through the pause
+    bar.close()
+    with bar_paused(tqdm(total=1, disable=True)):  # a disabled bar (other ranks, --no-progress) has no clock
+        pass

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["PROGRESS_MIN_ITEMS", "DataError", "describe_item", "find_problems", "problems_message"]
+__all__ = ["PROGRESS_DELAY_S", "DataError", "describe_item", "find_problems", "problems_message"]
 
-PROGRESS_MIN_ITEMS = 2000  # a progress bar from this many items on (a few seconds of decoding)
+# A check still running after this many seconds shows a progress bar: decoding a folder of images does, an
+# in-memory array (MNIST: milliseconds) never does, so no bar reports a rate for work that takes no time.
+PROGRESS_DELAY_S = 2.0
 _CHUNK = 256
 _SHOWN = 10
 
@@ -49,7 +51,7 @@ def _generic_problems(dataset: Any, positions: Sequence[int]) -> list[str]:
 def find_problems(dataset: Any, part: int = 0, parts: int = 1, progress: bool = False, what: str = "data") -> list[str]:
     """One line per unusable item of this process's share (``part`` of ``parts`` contiguous shares).
 
-    A progress bar (``progress``) appears for shares of :data:`PROGRESS_MIN_ITEMS` items or more.
+    A progress bar (``progress``) appears once the check has run for :data:`PROGRESS_DELAY_S` seconds.
     """
     n = len(dataset)
     positions = np.arange(n * part // parts, n * (part + 1) // parts)
@@ -60,7 +62,8 @@ def find_problems(dataset: Any, part: int = 0, parts: int = 1, progress: bool = 
         desc=f"checking {what}",
         unit="item",
         dynamic_ncols=True,
-        disable=not progress or len(positions) < PROGRESS_MIN_ITEMS,
+        delay=PROGRESS_DELAY_S,
+        disable=not progress,
     ) as bar:
         for start in range(0, len(positions), _CHUNK):
             chunk = positions[start : start + _CHUNK]
