@@ -342,6 +342,8 @@ def test_build_names_and_options():
         build("sgd", model)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['period'\]"):
         build("periodic_row_muon", model, period=3)
+    with pytest.raises(TypeError, match=r"\['weight_decy'\] \('weight_decy': did you mean 'weight_decay'\?\)"):
+        build("muon", model, weight_decy=0.1)
 
 
 def test_old_state_dict_without_new_keys_loads():

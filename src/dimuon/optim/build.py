@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dimuon.optim.core import MuonFamily
+from dimuon.optim.core import MuonFamily, misspelling_hints
 from dimuon.optim.grouping import param_groups
 from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
 from dimuon.optim.torch_muon import TorchMuonAdamW
@@ -83,7 +83,11 @@ def build(name: str, params: nn.Module | Any, **opts: Any) -> torch.optim.Optimi
     accepted = _accepted_options(cls)
     unknown = set(opts) - accepted
     if unknown:
-        raise TypeError(f"optimizer {name!r} got unknown option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
+        raise TypeError(
+            f"optimizer {name!r} got unknown option(s) {sorted(unknown)}"
+            + misspelling_hints(unknown, accepted)
+            + f"; accepted: {sorted(accepted)}"
+        )
     if isinstance(params, nn.Module):
         if issubclass(cls, (MuonFamily, TorchMuonAdamW)):
             params = param_groups(params)

@@ -268,6 +268,14 @@ def misspelt_option(key: str, options: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
+def misspelling_hints(unknown: Iterable[str], options: Iterable[str]) -> str:
+    """`` ('weight_decy': did you mean 'weight_decay'?)`` for the unknown names that read as an option, or ``""``."""
+    options = sorted(options)
+    meant = {k: misspelt_option(k, options) for k in sorted(unknown)}
+    hints = "; ".join(f"{k!r}: did you mean {m!r}?" for k, m in meant.items() if m)
+    return f" ({hints})" if hints else ""
+
+
 class FlattenedParameterWarning(UserWarning):
     """A parameter with more than two dimensions in a "muon" group is updated as one (out, rest) matrix."""
 
@@ -422,11 +430,9 @@ class MuonFamily(torch.optim.Optimizer):
             signature = inspect.signature(MuonFamily.__init__).parameters.values()
             options = {q.name for q in signature if q.kind is q.KEYWORD_ONLY or q.kind is q.POSITIONAL_OR_KEYWORD}
             options = sorted((options - {"self", "params"}) | set(self._schedule_defaults()))
-            meant = {k: misspelt_option(k, options) for k in sorted(unknown)}
-            hints = "; ".join(f"{k!r}: did you mean {m!r}?" for k, m in meant.items() if m)
             raise TypeError(
                 f"{type(self).__name__} got unexpected argument(s) {sorted(unknown)}"
-                + (f" ({hints})" if hints else "")
+                + misspelling_hints(unknown, options)
                 + f"; it takes {options}"
             )
         defaults.update(schedule_options)
