@@ -67,6 +67,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -1100,6 +1101,13 @@ def _race_report():
     return race_report
 
 
+def step_command(record: Mapping[str, Any]) -> str:
+    """The command that made a ``dimuon bench step`` record, shell-quoted from its argv where the record keeps it
+    (records made before the command was quoted wrote ``--train-args-of muon_bp=--optim.blocks 4`` bare)."""
+    argv = record.get("machine", {}).get("argv")
+    return "dimuon bench step " + shlex.join(argv) if isinstance(argv, list) else record["command"]
+
+
 def report(args: argparse.Namespace) -> int:
     """``<report-dir>``: the race's numbers (race.json, race.md), its plots and a copy of every part's record,
     from whatever parts have finished (the main table from ``seeds``, or from ``sweep``'s seed 0 before it).
@@ -1305,7 +1313,7 @@ def report(args: argparse.Namespace) -> int:
         "ablation_machines": {part: rr.run_machines(records[part]) for part in ablations},
         "k_costs": k_costs,
         "refresh_frontier": frontier,
-        "step_command": step_record["command"] if step_record and basis == "side by side" else None,
+        "step_command": step_command(step_record) if step_record and basis == "side by side" else None,
         "fd_spread": fd_record,
     }
     outputs += [dest / "race.json", dest / "race.md"]
