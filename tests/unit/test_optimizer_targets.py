@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from tests.example_modules import import_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "optimizer_targets.py"
 
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("optimizer_targets", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["optimizer_targets"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return import_script("optimizer_targets")
 
 
 def _record(**medians: float) -> dict:

@@ -3,29 +3,19 @@ never reached), spreads over seeds, ablation tables and the FD cost of a longer 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from tests.example_modules import import_script
 from tests.race_records import record, row, write_run
 
 from dimuon.io import save_grid
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "race_report.py"
-
 
 def load_report():
     """scripts/race_report.py as the module ``race_report``, the name scripts/race.py imports it by."""
-    if "race_report" in sys.modules:
-        return sys.modules["race_report"]
-    spec = importlib.util.spec_from_file_location("race_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["race_report"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return import_script("race_report")
 
 
 rr = load_report()
