@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--fsdp-on-cpu", action="store_true",
-                        help="use accelerate's FSDP2 preparation on CPU processes too (it enables it on accelerators only)")
+                        help="use accelerate's FSDP2 preparation on CPU processes too (it does on accelerators only)")
     args = parser.parse_args()
     result = train(args.steps, args.batch_size, args.lr, fsdp_on_cpu=args.fsdp_on_cpu)
     if int(os.environ.get("RANK", "0")) == 0:

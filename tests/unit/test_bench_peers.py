@@ -140,7 +140,7 @@ CASES = [
 ]
 
 
-# The single-tensor calls that torch builds before 2.13 lack (the CUDA machine's torch may be older than the pin).
+# The single-tensor calls that torch builds before 2.13 lack (a CUDA machine's torch may be older than 2.13).
 ABSENT = {
     name
     for name, (module, attr) in {

@@ -30,8 +30,8 @@ within a 10-minute limit on one GPU for start-up, installing the wheels and the 
 overruns its budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its
 own, ``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
 training run's records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so
-kernels the tests compiled are not compiled again by the benchmark or the training run (a device machine starts
-bare: no later check finds it).
+kernels the tests compiled are not compiled again by the benchmark or the training run (a fresh machine starts
+without it).
 ``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
 working.
 
@@ -49,7 +49,7 @@ import tarfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +64,7 @@ from dimuon.bench.report import (
     gpu_info,
     machine_info,
     parse_bench_flags,
+    parse_or_none,
     train_results,
 )
 from dimuon.io import atomic_path, write_json_atomic
@@ -107,13 +108,14 @@ class Config:
     """Which parts to run (the others are recorded as not run)."""
     out: Path = Path("docs/results/gpu-check.json")
     """The JSON record (written atomically before the first part, as each part starts, after each and at the end;
-    on a device machine: --out "$OUT/gpu-check.json", so that a check stopped from outside still returns it)."""
+    on a machine with a time limit, point it at storage that outlives the machine: a check stopped from outside still
+    leaves every part it finished)."""
     work: Path = Path("runs/gpu-check")
     """Each part's log and outputs (the benchmark's JSON, the training run) and the compile cache (thousands of
-    files: not under $OUT on a device machine; --pack returns the logs and outputs)."""
+    files: keep it out of what is copied back from a machine; --pack gathers the logs and outputs)."""
     pack: Path | None = None
     """Also pack every part's log and outputs (not the compile cache) into DIR/gpu-check-logs.tgz after each part
-    and at the end, whatever the outcome (on a device machine: --pack "$OUT")."""
+    and at the end, whatever the outcome (a directory that outlives the machine)."""
     tests: Path = Path("tests")
     """The test directory, which --test-files are relative to."""
     test_files: tuple[str, ...] = CUDA_TEST_FILES
@@ -654,11 +656,17 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
     return write(status)  # with the signal handlers of before: a second signal acts as it would have
 
 
+def parse(argv: Sequence[str]) -> Config:
+    """The flags parsed and checked by :func:`check_config` (which asks torch whether CUDA is here), nothing run:
+    SystemExit(2) for a flag the parser refuses, ValueError for a value the check refuses."""
+    return parse_bench_flags(Config, argv, "dimuon bench gpu", check_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok, 1 otherwise (a part failed, overran
     its budget, or the check was interrupted), 2 on bad flags."""
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_bench_flags(Config, args, "dimuon bench gpu", check_config)
+    cfg = parse_or_none(parse, args, "dimuon bench gpu")
     if cfg is None:
         return 2
     record = run(cfg, args)
