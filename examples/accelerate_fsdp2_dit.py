@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 
-def train(steps: int = 6, batch_size: int = 8, lr: float = 0.01, seed: int = 0, fsdp_on_cpu: bool = False
-          ) -> dict[str, Any]:
+def train(
+    steps: int = 6, batch_size: int = 8, lr: float = 0.01, seed: int = 0, fsdp_on_cpu: bool = False
+) -> dict[str, Any]:
     """Train ``steps`` steps; return the losses and the full (gathered) weights on every process.
 
     accelerate turns its FSDP plugin on for accelerators only; ``fsdp_on_cpu`` sets the distributed type it
@@ -42,13 +43,18 @@ def train(steps: int = 6, batch_size: int = 8, lr: float = 0.01, seed: int = 0, 
     from dimuon.optim import PeriodicRowMuon, param_groups
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["BasicTransformerBlock"],
-        # diffusers' DiT reads block 0's label/time embedder again after the last block: keep blocks gathered
-        # until backward, or that read would meet resharded parameters.
-        reshard_after_forward=False,
-    ) if distributed else None
+    plugin = (
+        FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["BasicTransformerBlock"],
+            # diffusers' DiT reads block 0's label/time embedder again after the last block: keep blocks gathered
+            # until backward, or that read would meet resharded parameters.
+            reshard_after_forward=False,
+        )
+        if distributed
+        else None
+    )
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=plugin)
     if distributed and fsdp_on_cpu and accelerator.distributed_type == DistributedType.MULTI_CPU:
         accelerator.state.distributed_type = DistributedType.FSDP
@@ -75,8 +81,10 @@ def train(steps: int = 6, batch_size: int = 8, lr: float = 0.01, seed: int = 0, 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(accelerator.reduce(loss.detach(), reduction="mean")))
-    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-               for name, p in model.named_parameters()}
+    weights = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+        for name, p in model.named_parameters()
+    }
     placements = sorted({str(getattr(p, "placements", "plain")) for p in model.parameters()})
     return {"losses": losses, "weights": weights, "placements": placements, "muon": muon}
 
@@ -86,8 +94,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--fsdp-on-cpu", action="store_true",
-                        help="use accelerate's FSDP2 preparation on CPU processes too (it does on accelerators only)")
+    parser.add_argument(
+        "--fsdp-on-cpu",
+        action="store_true",
+        help="use accelerate's FSDP2 preparation on CPU processes too (it does on accelerators only)",
+    )
     args = parser.parse_args()
     result = train(args.steps, args.batch_size, args.lr, fsdp_on_cpu=args.fsdp_on_cpu)
     if int(os.environ.get("RANK", "0")) == 0:

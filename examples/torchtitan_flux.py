@@ -40,8 +40,9 @@ from dimuon.integrations.torchtitan import DimuonOptimizersContainer, default_di
 FLUX_INPUTS_AND_OUTPUT = r"^(img_in|txt_in|time_in\.in_layer|vector_in\.in_layer|final_layer\.linear)\."
 
 
-def periodic_row_muon(lr: float = 1e-4, k: int = 3, gamma: float = 0.15, weight_decay: float = 0.1
-                      ) -> DimuonOptimizersContainer.Config:
+def periodic_row_muon(
+    lr: float = 1e-4, k: int = 3, gamma: float = 0.15, weight_decay: float = 0.1
+) -> DimuonOptimizersContainer.Config:
     """PeriodicRowMuon by dimuon's grouping of Flux (its AdamW group at the same lr and weight decay)."""
     return default_dimuon("PeriodicRowMuon", lr=lr, k=k, gamma=gamma, weight_decay=weight_decay)
 
@@ -53,12 +54,17 @@ def muon_by_patterns(lr: float = 1e-4, weight_decay: float = 0.1) -> DimuonOptim
 
     adamw = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}
     muon = {"lr": lr, "weight_decay": weight_decay}
-    return DimuonOptimizersContainer.Config(grouping="patterns", param_groups=[
-        ParamGroupConfig(pattern=FLUX_INPUTS_AND_OUTPUT, optimizer_name="AdamW", optimizer_kwargs=adamw),
-        ParamGroupConfig(pattern=r"(\.bias|norm\.weight)$", optimizer_name="AdamW", optimizer_kwargs=adamw),
-        ParamGroupConfig(pattern=r"qkv\.weight$", optimizer_name="Muon", optimizer_kwargs={**muon, "split_sizes": 3}),
-        ParamGroupConfig(pattern=r".*", optimizer_name="Muon", optimizer_kwargs=muon),
-    ])
+    return DimuonOptimizersContainer.Config(
+        grouping="patterns",
+        param_groups=[
+            ParamGroupConfig(pattern=FLUX_INPUTS_AND_OUTPUT, optimizer_name="AdamW", optimizer_kwargs=adamw),
+            ParamGroupConfig(pattern=r"(\.bias|norm\.weight)$", optimizer_name="AdamW", optimizer_kwargs=adamw),
+            ParamGroupConfig(
+                pattern=r"qkv\.weight$", optimizer_name="Muon", optimizer_kwargs={**muon, "split_sizes": 3}
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name="Muon", optimizer_kwargs=muon),
+        ],
+    )
 
 
 def with_torch_2_13_sharding(config: Any) -> Any:

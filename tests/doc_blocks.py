@@ -361,6 +361,54 @@ def links(text: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+# ------------------------------------------------------------------------------------------------ tables
+
+TABLE_RULE = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(?:\|\s*:?-{3,}:?\s*)*\|?\s*$")
+
+
+def table_cells(line: str) -> list[str]:
+    """The cells of a Markdown table row: split on ``|`` outside code spans and escapes, outer pipes dropped."""
+    inner = line.strip()
+    inner = inner[1:] if inner.startswith("|") else inner
+    inner = inner[:-1] if inner.endswith("|") and not inner.endswith("\\|") else inner
+    cells, cell, in_code, i = [], "", False, 0
+    while i < len(inner):
+        ch = inner[i]
+        if ch == "\\" and i + 1 < len(inner):
+            cell += inner[i : i + 2]
+            i += 2
+            continue
+        if ch == "`":
+            in_code = not in_code
+        if ch == "|" and not in_code:
+            cells.append(cell)
+            cell = ""
+        else:
+            cell += ch
+        i += 1
+    return [*cells, cell]
+
+
+def table_failures(page: str, root: Path = REPO) -> list[str]:
+    """``page:line: ...`` for every Markdown table whose rule or rows have another number of cells than its header
+    (GitHub renders no table under a short rule, and drops or pads cells of a row that differs)."""
+    lines = masked_prose((root / page).read_text(encoding="utf-8")).splitlines()
+    failures = []
+    for i in range(1, len(lines)):
+        if not (TABLE_RULE.match(lines[i]) and "|" in lines[i] and lines[i - 1].lstrip().startswith("|")):
+            continue
+        width = len(table_cells(lines[i - 1]))
+        j = i
+        while j < len(lines) and lines[j].lstrip().startswith("|"):
+            if len(table_cells(lines[j])) != width:
+                what = "rule" if j == i else "row"
+                failures.append(
+                    f"{page}:{j + 1}: the table's {what} has {len(table_cells(lines[j]))} cells, its header {width}"
+                )
+            j += 1
+    return failures
+
+
 def link_failures(page: str, root: Path = REPO) -> list[str]:
     """Every relative link of ``page`` (relative to ``root``) that names no file, or an anchor no heading of its
     Markdown target has (``page:line: target: why``). External links (a scheme, ``//``) are not checked."""

@@ -324,3 +324,12 @@ def test_the_rownorm_and_block_rows_time_steps_of_their_kind_only():
         for _ in range(3):
             assert {k for k in opt.step_kinds() if k is not None} == {kind}, name
             step()
+
+
+def test_a_table_takes_one_alignment_per_column() -> None:
+    from dimuon.bench.report import format_markdown_table, format_table
+
+    assert format_markdown_table(["a", "b"], [[1, 2]]).splitlines()[1] == "| --- | ---: |"
+    for render in (format_table, format_markdown_table):
+        with pytest.raises(ValueError, match=r"2 column alignments for 3 columns"):
+            render(["a", "b", "c"], [[1, 2, 3]], right=[False, True])  # Markdown would draw no table

@@ -74,6 +74,12 @@ def test_links(page: str) -> None:
 
 
 @pytest.mark.parametrize("page", db.doc_pages())
+def test_tables(page: str) -> None:
+    failures = db.table_failures(page)
+    assert not failures, "tables that do not render:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("page", db.doc_pages())
 def test_commands(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every dimuon command of the page parses with ``dimuon.cli.parse``, in this process. Inline spans holding a
     glob (``dimuon train --optim.*``), an ellipsis (``...``) or a ``<placeholder>`` are not commands and are left
@@ -103,6 +109,19 @@ def _write(root: Path, page: str, text: str) -> str:
     (root / page).parent.mkdir(parents=True, exist_ok=True)
     (root / page).write_text(text, encoding="utf-8")
     return page
+
+
+def test_tables_with_a_short_rule_or_a_ragged_row_are_found(tmp_path: Path) -> None:
+    good = "| `b | c` | d \\| e |\n| --- | ---: |\n| 1 | 2 |\n"  # a pipe in code or escaped splits nothing
+    bad = "| a | b | c |\n| --- | ---: |\n| 1 | 2 | 3 |\n\n| x | y |\n| --- | --- |\n| 1 | 2 | 3 |\n"
+    fenced = "```\n| a | b |\n| --- |\n```\n"
+    _write(tmp_path, "good.md", good + fenced)
+    _write(tmp_path, "bad.md", bad)
+    assert db.table_failures("good.md", tmp_path) == []
+    assert db.table_failures("bad.md", tmp_path) == [
+        "bad.md:2: the table's rule has 2 cells, its header 3",
+        "bad.md:7: the table's row has 3 cells, its header 2",
+    ]
 
 
 def test_links_that_lead_nowhere_are_found(tmp_path: Path) -> None:

@@ -1368,7 +1368,7 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     if refused:
         lines += ["", "Not traced: " + "; ".join(refused) + "."]
     lines += ["", ("## " if markdown else "") + "First step and refresh buffers (rank 0)", ""]
-    lines.append(table(BUFFER_HEADERS, buffer_rows(record), right=[False, True, *[True] * 5]))
+    lines.append(table(BUFFER_HEADERS, buffer_rows(record), right=[False, *[True] * 7]))
     rows = depth_rows(record)
     if rows:
         lines += ["", ("## " if markdown else "") + "Ops of RowNorm and block steps against the model's depth", ""]

@@ -122,12 +122,21 @@ def machine_info(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return info
 
 
+def _alignments(headers: Sequence[str], right: Sequence[bool] | None) -> list[bool]:
+    """One alignment per column (numbers, every column but the first, right-aligned by default); a list of another
+    length is refused: Markdown renders no table whose rule has fewer cells than its header."""
+    if right is None:
+        return [i > 0 for i in range(len(headers))]
+    if len(right) != len(headers):
+        raise ValueError(f"{len(right)} column alignments for {len(headers)} columns: {list(headers)}")
+    return list(right)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
     """A plain-text table with aligned columns (numbers right-aligned by default)."""
+    right = _alignments(headers, right)
     cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    if right is None:
-        right = [i > 0 for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
         return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right)).rstrip()
@@ -140,8 +149,7 @@ def format_markdown_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None
 ) -> str:
     """The same table as :func:`format_table`, as GitHub-flavoured Markdown (for docs)."""
-    if right is None:
-        right = [i > 0 for i in range(len(headers))]
+    right = _alignments(headers, right)
     rule = ["---:" if r else "---" for r in right]
     cells = [list(map(str, headers)), rule] + [["" if v is None else str(v) for v in row] for row in rows]
     return "\n".join("| " + " | ".join(row) + " |" for row in cells)
