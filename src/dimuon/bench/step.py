@@ -394,8 +394,9 @@ def parse(argv: Sequence[str]) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dimuon bench step``: 0 when every run that was due finished, 1 otherwise, 2 on bad flags."""
-    args = join_flag_values(sys.argv[1:] if argv is None else argv)
-    cfg = parse_or_none(parse, args, "dimuon bench step")
+    given = sys.argv[1:] if argv is None else argv
+    cfg = parse_or_none(parse, given, "dimuon bench step")  # parse joins the flag values itself
+    args = join_flag_values(given)  # the command line the record keeps
     if cfg is None:
         return 2
     record = run(cfg, args)
