@@ -118,3 +118,9 @@ def test_resuming_on_one_process_reshards_and_continues(runs: dict[str, Any]) ->
             assert diff.view(3, -1)[1].max() <= 1e-4, key
             diff = diff.view(3, -1)[0::2]
         assert diff.max() <= 1e-6, key
+
+
+def test_a_run_of_no_steps_is_refused_naming_the_flag() -> None:
+    command = [sys.executable, str(EXAMPLE), "--steps", "0"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--steps must be at least 1, got 0" in refused.stderr, refused.stderr
