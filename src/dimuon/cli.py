@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "sample": "dimuon.train.sample",
     "eval": "dimuon.eval.run",
     "groups": "dimuon.groups",
+    "plan": "dimuon.plan.command",
 }
 BENCHMARKS: dict[str, str] = {
     "optimizer": "dimuon.bench.optimizer",
@@ -40,6 +41,7 @@ commands:
   sample             sample images from a checkpoint
   eval               generation quality (FD, precision/recall/density/coverage) over a run's checkpoints
   groups             which parameters of a model go to Muon and which to AdamW, and why
+  plan               predict a training step on a GPU cluster for every optimizer (a model, from the census)
   bench optimizer    optimizer step time on DiT parameter shapes
   bench comm         logical communication and step time of the optimizers on 4 gloo ranks
   bench quality      generation quality and training cost of the optimizers over an lr x seed grid

@@ -72,7 +72,7 @@ from dimuon.bench.peers import CallCounter, CallRecord, GradientSnapshot, count_
 from dimuon.bench.report import format_markdown_table, format_table, machine_info, parse_bench_flags, parse_or_none
 from dimuon.bench.variants import Variant
 from dimuon.dit.model import DiT, dit_arch
-from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
+from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, shard_block_lists, tp_process_group
 from dimuon.io import write_json_atomic, write_text_atomic
 from dimuon.optim import DEFAULT_BUCKET_MB, StepKind, build, param_groups
 from dimuon.optim import adaptive as adaptive_module
@@ -207,6 +207,7 @@ class Job:
     keys: tuple[str, ...]
     fake: bool
     tag: str = ""  # "depth=6" for the extra depths
+    builder: Callable[[], nn.Module] | None = None  # another model than dimuon's DiT (fake groups only, no TP)
 
 
 def layout_degrees(layout: str, world: int) -> Parallelism | None:
@@ -673,6 +674,8 @@ def build_job_model(cfg: Config, job: Job, materialize: bool = True) -> tuple[nn
     pieces on the CPU with ``to_empty`` (zeros), so a rank holds only its shard."""
     kwargs = dict(**job.arch, input_size=cfg.input_size, in_channels=4, num_classes=cfg.num_classes)
     _forget_meshes()  # a mesh built before (here, or as another fake rank) must not leak into this model's specs
+    if job.builder is not None:
+        return _build_other_model(job, materialize)
     if job.fake:
         with torch.device("meta"):
             model = DiT(**kwargs)
@@ -692,6 +695,26 @@ def build_job_model(cfg: Config, job: Job, materialize: bool = True) -> tuple[nn
             for p in model.parameters():
                 local_tensor(p).zero_()
     return model, mesh, group
+
+
+def _build_other_model(job: Job, materialize: bool) -> tuple[nn.Module, Any, Any]:
+    """``job.builder``'s model on the meta device, FSDP2 over its block lists then the root
+    (:func:`dimuon.dit.parallel.shard_block_lists`); tensor parallelism needs a model's own plan, which only
+    dimuon's DiT has here."""
+    if not job.fake or materialize:
+        raise ValueError("a model from a builder is counted on fake process groups only, on the meta device")
+    with torch.device("meta"):
+        model = job.builder()
+    if job.par is None:
+        return model, None, dist.group.WORLD
+    if job.par.tp > 1:
+        raise ValueError(
+            "tensor parallelism needs the model's own plan, which only dimuon's DiT has here: use the fsdp, hsdp "
+            "or replicated layout for this model"
+        )
+    mesh = build_mesh(job.par, "cpu")
+    shard_block_lists(model, mesh)
+    return model, mesh, None
 
 
 def set_gradients(model: nn.Module, job: Job, seed: int) -> None:
@@ -714,13 +737,18 @@ def set_gradients(model: nn.Module, job: Job, seed: int) -> None:
 
 
 def make_optimizer(
-    cfg: Config, key: str, model: nn.Module, group: Any, engines: dict[str, Any] | None = None
+    cfg: Config,
+    key: str,
+    model: nn.Module,
+    group: Any,
+    engines: dict[str, Any] | None = None,
+    variant: Variant | None = None,
 ) -> torch.optim.Optimizer:
     """Configuration ``key`` over ``model`` (``group``: the process group of its plain parameters). With
     ``engines`` (a plan pass) over the Muon groups alone (the AdamW group issues no collective and no
     Newton-Schulz), on one sharded engine per refresh strategy kept in ``engines``, so each parameter's layout
     is derived once per rank, not once per configuration."""
-    v = VARIANTS[key]
+    v = VARIANTS[key] if variant is None else variant
     opts = {**v.options, "lr": cfg.lr}
     if v.name == "adamw":
         return build(v.name, model, **opts)
@@ -732,14 +760,16 @@ def make_optimizer(
 
     groups = [g for g in param_groups(model) if g["algorithm"] == "muon"]
     refresh = opts.get("refresh", DEFAULT_REFRESH)
-    if refresh not in engines:
-        engines[refresh] = ShardedEngine(
+    replicas = opts.get("replica_refresh", "repeat")
+    if (refresh, replicas) not in engines:
+        engines[refresh, replicas] = ShardedEngine(
             refresh=refresh,
+            replica_refresh=replicas,
             bucket_mb=cfg.bucket_mb,
             process_group=group,
             params=[p for g in groups for _, p in g["params"]],
         )
-    return build(v.name, groups, engine=engines[refresh], **opts)
+    return build(v.name, groups, engine=engines[refresh, replicas], **opts)
 
 
 def group_labels(mesh: Any, layout: str) -> dict[str, str]:
@@ -810,13 +840,28 @@ def _record(tally: Tally, opt: Any, kind: str) -> dict[str, Any]:
 
 
 def trace_job(
-    cfg: Config, job: Job, counter: CallCounter, mode: NsMode, advance: Callable[[], None] = lambda: None
+    cfg: Config,
+    job: Job,
+    counter: CallCounter,
+    mode: NsMode,
+    advance: Callable[[], None] = lambda: None,
+    keys: Sequence[str] | None = None,
+    probe: Callable[[], contextlib.AbstractContextManager[dict[str, Any]]] | None = None,
+    ops: bool | None = None,
+    warmup: bool | None = None,
+    variants: dict[str, Variant] | None = None,
 ) -> dict[str, Any]:
     """This rank's records of every configuration of ``job`` (``counter`` must be counting): with ``mode``
     ``real`` or ``stub`` a full pass (warm-up step, then the recorded steps with their ops and host reads);
-    with ``plan`` the configurations of :data:`PLAN_VARIANTS`, for their collective sequences and Newton-Schulz
-    batches only (:func:`tracing`)."""
+    with ``plan`` the configurations of :data:`PLAN_VARIANTS` (or ``keys``), for their collective sequences and
+    Newton-Schulz batches only (:func:`tracing`). ``probe``, where given, is entered around every recorded step
+    and the dict it yields (filled when it exits) is merged into that step's record; ``ops`` (default: not in a
+    plan pass) counts the dispatched ops and host reads too; ``warmup`` (default: not in a plan pass) takes the
+    untimed first step before the recorded ones, so they hold no one-time setup; ``variants`` (default
+    :data:`VARIANTS`) names the configurations ``job.keys`` and ``keys`` refer to."""
+    table = VARIANTS if variants is None else variants
     plan = mode == "plan"
+    plan_keys = PLAN_VARIANTS if keys is None else tuple(keys)
     model, mesh, group = build_job_model(cfg, job, materialize=not (plan and job.fake))
     set_gradients(model, job, cfg.seed)
     snapshot = GradientSnapshot(model.parameters())
@@ -825,12 +870,12 @@ def trace_job(
     setup_s: float | None = None
     construction_s: float | None = None
     for key in job.keys:
-        v = VARIANTS[key]
-        if plan and key not in PLAN_VARIANTS:
+        v = table[key]
+        if plan and key not in plan_keys:
             continue
         try:
             start = time.perf_counter()
-            opt = make_optimizer(cfg, key, model, group, engines if plan else None)
+            opt = make_optimizer(cfg, key, model, group, engines if plan else None, v)
             if construction_s is None and v.name != "adamw" and not plan:
                 construction_s = time.perf_counter() - start  # layouts and process groups, made at construction
         except ValueError as err:  # a layout the optimizer refuses, with its reason
@@ -838,7 +883,7 @@ def trace_job(
             advance()
             continue
         _meta_state(opt)
-        if not plan:  # the engine's one-time setup (each parameter's layout), then back to the initial state
+        if (not plan) if warmup is None else warmup:  # the engine's one-time setup, then back to the initial state
             initial = copy.deepcopy(opt.state_dict())
             snapshot.restore()
             start = time.perf_counter()
@@ -857,10 +902,13 @@ def trace_job(
                 opt.reset_comm_stats()
                 opt.reset_refresh_stats()
             kind = _step_kind(opt)
-            with tracing(counter, ns=mode, ops=not plan, memo_layouts=plan) as tally:
+            with (
+                tracing(counter, ns=mode, ops=not plan if ops is None else ops, memo_layouts=plan) as tally,
+                probe() if probe is not None else contextlib.nullcontext({}) as extra,
+            ):
                 opt.step()
             if t in v.steps:
-                steps.append({"step": t, **_record(tally, opt, kind)})
+                steps.append({"step": t, **_record(tally, opt, kind), **extra})
         records[key] = {"steps": steps}
         del opt
         advance()

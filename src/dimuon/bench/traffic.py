@@ -200,17 +200,24 @@ def _fused_booked(book: Book, mode: _Traffic) -> Iterator[None]:
         fused.momentum_, fused.update_ = momentum, update
 
 
-def count_step(step: Callable[[], None], adamw_tensors: Sequence[Tensor] = ()) -> Book:
-    """One call of ``step`` booked, in the accelerator's form of the step; the bytes of ``adamw_tensors`` (the
-    AdamW group's parameters and gradients) apart."""
+@contextlib.contextmanager
+def booking(adamw_tensors: Sequence[Tensor] = ()) -> Iterator[Book]:
+    """Every op of the body booked, in the accelerator's form of the step; the bytes of ``adamw_tensors`` (the
+    AdamW group's parameters and gradients) apart. Works on the meta device: bytes come from shapes."""
     book = Book(adamw_storages=frozenset(t.untyped_storage().data_ptr() for t in adamw_tensors))
     original = devices.cpu_path
     devices.cpu_path = lambda device: False
     try:
         with _Traffic(book) as mode, _fused_booked(book, mode):
-            step()
+            yield book
     finally:
         devices.cpu_path = original
+
+
+def count_step(step: Callable[[], None], adamw_tensors: Sequence[Tensor] = ()) -> Book:
+    """One call of ``step`` booked (:func:`booking`)."""
+    with booking(adamw_tensors) as book:
+        step()
     return book
 
 

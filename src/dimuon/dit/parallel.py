@@ -41,6 +41,7 @@ __all__ = [
     "build_mesh",
     "checkpointable",
     "clip_grad_norm",
+    "shard_block_lists",
     "tensor_parallel_dit",
     "tp_process_group",
 ]
@@ -205,6 +206,24 @@ def apply_parallelism(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False
     )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=root)
+    return model
+
+
+def shard_block_lists(model: nn.Module, mesh: Any) -> nn.Module:
+    """FSDP2 on any model as torchtitan lays out a transformer: every child of each outermost ``nn.ModuleList``
+    that holds parameters (a model's blocks: ``blocks``, ``transformer_blocks``, ``single_transformer_blocks``...),
+    then the root, over every dimension of ``mesh`` (HSDP on a 2-D mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(f"{s}.") for s in sharded):
+            continue
+        for i, child in enumerate(module):
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+                sharded.append(f"{name}.{i}" if name else str(i))
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 __all__ = ["Layout", "Piece", "Span", "derive_layout", "is_dtensor", "placement_words"]
@@ -177,35 +176,56 @@ def _is_strided(p: Any) -> bool:
     return isinstance(p, _StridedShard)
 
 
-def _split(idx: Tensor, placement: Any, size: int, coord: int) -> Tensor:
-    """Indices that coordinate ``coord`` of a mesh dimension of ``size`` keeps (torch.chunk at every level)."""
+Runs = tuple[tuple[int, int], ...]  # global indices as runs [start, stop), in local order
 
-    def chunk(t: Tensor, n: int, i: int) -> Tensor:
-        parts = torch.chunk(t, n) if t.numel() else ()
-        return parts[i] if i < len(parts) else t[:0]
 
+def _take(runs: Runs, begin: int, end: int) -> Runs:
+    """Elements ``[begin, end)`` of the concatenated runs."""
+    out, offset = [], 0
+    for a, b in runs:
+        lo, hi = max(begin, offset), min(end, offset + b - a)
+        if lo < hi:
+            out.append((a + lo - offset, a + hi - offset))
+        offset += b - a
+    return tuple(out)
+
+
+def _chunk(runs: Runs, n: int, i: int) -> Runs:
+    """``torch.chunk(indices, n)[i]`` (empty where torch makes fewer chunks), on runs: chunks of ceil(len / n)."""
+    size = -(-sum(b - a for a, b in runs) // n)
+    return _take(runs, i * size, (i + 1) * size)
+
+
+def _split(runs: Runs, placement: Any, size: int, coord: int) -> Runs:
+    """Indices that coordinate ``coord`` of a mesh dimension of ``size`` keeps (torch.chunk at every level).
+
+    On runs of indices, not index tensors: every rank derives every shard-group member's piece of every parameter
+    (params x W calls at the first step), so each is O(runs), not O(length) or O(W)."""
     if _is_strided(placement):
         sf = int(placement.split_factor)
-        return torch.cat([chunk(chunk(idx, sf, j), size, coord) for j in range(sf)])
-    return chunk(idx, size, coord)
+        return tuple(r for j in range(sf) for r in _chunk(_chunk(runs, sf, j), size, coord))
+    return _chunk(runs, size, coord)
 
 
-def _indices(length: int, dim: int, placements: Sequence[Any], mesh: Any, coord: Sequence[int]) -> Tensor:
-    idx = torch.arange(length, device="cpu")  # metadata: on the CPU whatever the default device
+def _indices(length: int, dim: int, placements: Sequence[Any], mesh: Any, coord: Sequence[int]) -> Runs:
+    runs: Runs = ((0, length),) if length else ()
     for mesh_dim, p in enumerate(placements):
         if _placement_dim(p) == dim:
-            idx = _split(idx, p, mesh.size(mesh_dim), coord[mesh_dim])
-    return idx
+            runs = _split(runs, p, mesh.size(mesh_dim), coord[mesh_dim])
+    return runs
 
 
-def _spans(idx: Tensor, unit: int) -> tuple[Span, ...]:
-    """Runs of consecutive global indices, scaled by ``unit`` matrix columns per index."""
-    if idx.numel() == 0:
-        return ()
-    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    stops = [*breaks, idx.numel()]
-    return tuple(Span(int(idx[a]) * unit, (int(idx[b - 1]) + 1) * unit, a * unit) for a, b in zip(starts, stops))
+def _spans(runs: Runs, unit: int) -> tuple[Span, ...]:
+    """Runs of consecutive global indices (adjacent runs merged), scaled by ``unit`` matrix columns per index."""
+    merged: list[list[int]] = []
+    local = 0
+    for a, b in runs:
+        if merged and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b, local])
+        local += b - a
+    return tuple(Span(a * unit, b * unit, at * unit) for a, b, at in merged)
 
 
 def placement_words(param: Any) -> str:
