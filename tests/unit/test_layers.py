@@ -1,7 +1,8 @@
 """The layering of the package: every import inside ``dimuon`` points down (or within its own package).
 
 ```
-cli.py                       dimuon train | sample | eval | groups | bench: loads the commands lazily
+cli.py                       dimuon train | sample | eval | groups | plan | bench: loads the commands lazily
+  plan/                      counts with bench's census, builds models as groups.py does
   bench/                     may also drive the other two commands (bench quality runs dimuon train
   train/  eval/  groups.py   and dimuon eval --compare); train and eval never import each other
     metrics/                 may import data and dit
@@ -33,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "eval": LOW | BLOCKS | {"optim"},
     "bench": LOW | BLOCKS | {"optim", "train", "eval"},
     "groups": LOW | BLOCKS | {"optim"},
+    "plan": LOW | BLOCKS | {"optim", "bench", "groups"},
     "integrations": {"optim"},
     "cli": set(),
     "__init__": set(),
