@@ -182,6 +182,11 @@ def test_a_world_size_gets_the_meshes_of_a_cluster():
     assert census.mesh_words(census.layout_degrees("fsdp_tp", 8)) == "4x2 (dp_shard x tp)"
     assert census.mesh_words(census.layout_degrees("hsdp", 8)) == "2x4 (dp_replicate x dp_shard)"
     assert census.layout_degrees("replicated", 8) is None
+    assert census.mesh_words(census.layout_degrees("hsdp_tp", 256)) == "4x8x8 (dp_replicate x dp_shard x tp)"
+    assert census.mesh_words(census.layout_degrees("hsdp_tp_s4", 256)) == "8x4x8 (dp_replicate x dp_shard x tp)"
+    assert census.mesh_words(census.layout_degrees("hsdp_tp", 8)) == "2x2x2 (dp_replicate x dp_shard x tp)"
+    with pytest.raises(ValueError, match="HSDP x TP needs two replicas of 8 x 8 ranks or more, got 64"):
+        census.layout_degrees("hsdp_tp", 64)
     with pytest.raises(ValueError, match="HSDP needs"):
         census.layout_degrees("hsdp", 2)
     assert census.ranks_to_trace(256, None) == list(range(256))
@@ -208,3 +213,26 @@ def test_bad_flags_are_refused_by_name(flags, message, capsys):
 def test_the_command_is_registered():
     assert cli.BENCHMARKS["census"] == "dimuon.bench.census"
     assert "bench census" in cli.USAGE
+
+
+def test_a_3d_mesh_is_counted_per_dimension_with_every_rank_s_work_from_the_owner_plan(tmp_path):
+    """HSDP x TP (2 x 2 x 2) on the fake group: the owner refresh inside the flattened dp_shard+tp group, no byte
+    across replicas, the same sequence on every rank, every rank's Newton-Schulz derived and checked."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    flags = [
+        *TINY[: TINY.index("--fake-worlds") + 1],
+        "8",
+        *TINY[TINY.index("--fake-worlds") + 2 : TINY.index("--optimizers")],
+    ]
+    out = tmp_path / "census3d"
+    assert census.main([*flags, "--optimizers", "muon_owner", "prm_k3", "--layouts", "hsdp_tp", "--out", str(out)]) == 0
+    job = json.loads((out / "census.json").read_text())["jobs"][0]
+    assert job["mesh"] == "2x2x2 (dp_replicate x dp_shard x tp)"
+    owner = next(c for c in job["cases"] if c["optimizer"] == "muon_owner")
+    # matrices of the TP plan talk in the group both sharding dimensions make; the others (adaLN) in dp_shard
+    assert {c["group"] for c in owner["collectives"] if c["kind"] == "all_to_all"} == {"dp_shard+tp", "dp_shard"}
+    assert "dp_replicate" not in owner["own"] and owner["same_sequence_on_all_ranks"]
+    assert owner["ns_flops_over"] == "all 8 ranks, from the owner plan" and owner["ns_flops_plan"]["matches_traced"]
+    rownorm = next(c for c in job["cases"] if c["optimizer"] == "prm_k3" and c["kind"] == "rownorm")
+    assert {c["kind"] for c in rownorm["collectives"]} == {"all_reduce"} and "dp_replicate" not in rownorm["own"]

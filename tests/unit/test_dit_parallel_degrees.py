@@ -22,7 +22,7 @@ def test_dp_shard_takes_the_rest_of_the_world():
             "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp = 1 x 3 x 1 = 3 must equal the world size 4",
         ),
         ((3, -1, 1), 4, "--parallel.dp-replicate (3) x --parallel.tp (1) must divide the world size 4"),
-        ((2, 1, 2), 4, "--parallel.dp-replicate > 1 with --parallel.tp > 1 is not supported"),
+        ((2, 1, 2), 4, "--parallel.dp-replicate 2 with --parallel.dp-shard 1 would shard over the replicas"),
         ((1, 0, 1), 4, "--parallel.dp-shard must be >= 1 or -1"),
         ((2, -1, 1), 2, "--parallel.dp-replicate 2 with --parallel.dp-shard 1 would shard over the replicas"),
         ((4, 1, 1), 4, "--parallel.dp-replicate 4 with --parallel.dp-shard 1 would shard over the replicas"),
@@ -38,3 +38,8 @@ def test_tensor_parallel_degree_must_split_heads_and_mlp():
     Parallelism(tp=2).check_model(hidden_size=64, num_heads=2, mlp_hidden=256)
     with pytest.raises(ValueError, match=r"--parallel.tp \(4\) must divide the model's 2 attention heads"):
         Parallelism(tp=4).check_model(hidden_size=64, num_heads=2, mlp_hidden=256)
+
+
+def test_hsdp_over_tensor_parallelism_is_a_3d_mesh():
+    par = Parallelism(2, -1, 2).resolve(8)
+    assert par.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))

@@ -323,3 +323,12 @@ def test_the_readme_quotes_the_study():
     assert f"Muon {100 * min(owner):+.1f}% to {100 * max(owner):+.1f}% with dimuon's owner refresh" in sentence
     assert f"{100 * min(gather):+.1f}% to {100 * max(gather):+.1f}% with the paper's gather refresh" in sentence
     assert study["samples_per_gpu"] == 4 and "4 samples per GPU" in sentence
+
+
+def test_plan_takes_hsdp_over_tensor_parallelism():
+    cfg = command.parse(["--model", "DiT-XL/2", "--gpus", "256", "--layout", "hsdp_tp", "--global-batch", "256"])
+    assert command.degrees(cfg).dims == (("dp_replicate", 4), ("dp_shard", 8), ("tp", 8))
+    with pytest.raises(ValueError, match=r"--layout hsdp_tp needs --dp-shard \(8\) x --tp \(8\)"):
+        command.parse(["--model", "DiT-XL/2", "--gpus", "64", "--layout", "hsdp_tp", "--global-batch", "64"])
+    with pytest.raises(ValueError, match=r"--tp \(8\) must divide the model's 59 attention heads"):
+        command.parse(["--model", "DiT-15B", "--layout", "hsdp_tp", "--global-batch", "256"])

@@ -121,6 +121,8 @@ def test_configs_saved_before_parallel_degrees_load_as_fsdp_over_all_ranks() -> 
     cfg = config_from_dict(saved)
     assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp) == (1, -1, 1)
     assert parse_config(["--parallel.tp", "2", "--parallel.dp-shard", "2"]).parallel.tp == 2
+    three = parse_config(["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2", "--parallel.tp", "2"]).parallel
+    assert (three.dp_replicate, three.dp_shard, three.tp) == (2, 2, 2)  # HSDP over tensor parallelism: a 3-D mesh
 
 
 def test_configs_saved_before_the_validation_subset_choice_load_as_the_first_items() -> None:
@@ -172,7 +174,6 @@ def test_the_validation_images_take_the_classes_in_turn(tmp_path) -> None:
         (["--parallel.tp", "3"], "--parallel.tp (3) must divide the model's 4 attention heads"),
         (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
-        (["--parallel.dp-replicate", "2", "--parallel.tp", "2"], "--parallel.dp-replicate > 1 with --parallel.tp > 1"),
         (["--optimizer", "torch_muon", "--parallel.tp", "2"], "--optimizer torch_muon runs in one process only"),
         (
             ["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],

@@ -119,7 +119,11 @@ LAYOUTS: dict[str, str] = {
     "tp": "tensor parallel over every rank (dimuon.dit.parallel's plan), plain tensors outside it",
     "fsdp_tp": "FSDP over tensor parallel, tp = 2 up to 8 ranks, 8 beyond",
     "replicated": "plain tensors on every rank, process_group = the world (DDP)",
+    "hsdp_tp": "HSDP over tensor parallel (3-D): tp and shard groups of 2 up to 8 ranks, 8 beyond, replicas the rest",
+    "hsdp_tp_s4": "HSDP over tensor parallel (3-D): tp 2 up to 8 ranks, 8 beyond; shard groups of 2, 4 beyond",
 }
+# The layouts a census takes unless --layouts names others (the 3-D ones on request: 8 gloo ranks each).
+DEFAULT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp", "replicated")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 SHORT = {"all_gather": "ag", "all_reduce": "ar", "all_to_all": "a2a", "broadcast": "bc", "reduce_scatter": "rs"}
 DTYPE_SHORT = {
@@ -161,8 +165,9 @@ class Config:
     ops_depths: tuple[int, ...] = (6,)
     """Further depths of the gloo model at the smallest gloo world, for the ops of RowNorm and block steps
     (PeriodicRowMuon and MuonBP) against the number of parameters; () for none."""
-    layouts: tuple[str, ...] = tuple(LAYOUTS)
-    """Layouts, from: fsdp hsdp tp fsdp_tp replicated (one a world size or model cannot take gets a reason)."""
+    layouts: tuple[str, ...] = DEFAULT_LAYOUTS
+    """Layouts, from: fsdp hsdp tp fsdp_tp replicated hsdp_tp hsdp_tp_s4 (one a world size or model cannot take gets
+    a reason)."""
     optimizers: tuple[str, ...] = tuple(VARIANTS)
     """Configurations, from: adamw muon_gather muon_owner prm_k3 prm_k3_skip muon_bp_p5 adaptive adaptive_skip
     adaptive_lag."""
@@ -228,6 +233,12 @@ def layout_degrees(layout: str, world: int) -> Parallelism | None:
         return Parallelism(1, world // tp, tp).resolve(world)
     if layout == "replicated":
         return None
+    if layout in ("hsdp_tp", "hsdp_tp_s4"):
+        tp = 2 if world <= 8 else 8
+        shard = 2 if world <= 8 else (8 if layout == "hsdp_tp" else 4)
+        if world % (tp * shard) or world < 2 * tp * shard:
+            raise ValueError(f"HSDP x TP needs two replicas of {shard} x {tp} ranks or more, got {world}")
+        return Parallelism(world // (tp * shard), shard, tp).resolve(world)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -780,8 +791,9 @@ def group_labels(mesh: Any, layout: str) -> dict[str, str]:
         names = mesh.mesh_dim_names
         for d in range(mesh.ndim):
             labels[mesh.get_group(d).group_name] = names[d]
-        if layout == "fsdp_tp":  # the group both dimensions shard: the engine's own, which leaves the mesh as it was
-            labels.setdefault(flattened_group(mesh, range(mesh.ndim)).group_name, "+".join(names))
+        shard = [d for d in range(mesh.ndim) if names[d] != "dp_replicate"]
+        if len(shard) > 1:  # the group both sharding dimensions make: the engine's own, the mesh left as it was
+            labels.setdefault(flattened_group(mesh, shard).group_name, "+".join(names[d] for d in shard))
     labels.setdefault(dist.group.WORLD.group_name, "world")
     return labels
 

@@ -5,8 +5,9 @@ dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard`` and ``tp
 
 - ``dp_shard`` alone: FSDP2 (every block, then the root); ``dp_replicate x dp_shard``: HSDP (replicas of
   a sharded model, e.g. one replica per node); ``tp`` alone: tensor parallelism; ``dp_shard x tp``:
-  FSDP over tensor parallelism. The optimizer supports meshes of at most two dimensions, so the three
-  together (and ``dp_replicate`` with ``tp``, which needs DDP over TP) are refused at start-up.
+  FSDP over tensor parallelism; all three: HSDP over tensor parallelism, the 3-D mesh large DiTs train on
+  (replicas across groups of nodes, FSDP inside a group, TP inside a node). ``dp_replicate`` without
+  ``dp_shard`` (DDP) is refused at start-up: FSDP2 would shard over a lone data-parallel dimension.
 
 The tensor-parallel plan (per block; docs/training.md, "Parallelism"):
 
@@ -90,13 +91,9 @@ class Parallelism:
         return resolved
 
     def check_mesh(self) -> None:
-        """The mesh limit, the one place it is written: HSDP over tensor parallelism would be a 3-D mesh, and the
-        optimizer's layouts take two dimensions (``dimuon.optim.distributed.layout``); ValueError names the flags."""
-        if self.tp > 1 and self.dp_replicate > 1:
-            raise ValueError(
-                f"{FLAGS['dp_replicate']} > 1 with {FLAGS['tp']} > 1 is not supported: HSDP over tensor parallelism is "
-                "a 3-D mesh (the optimizer supports two dimensions); use --parallel.dp-shard with --parallel.tp"
-            )
+        """The mesh limit, the one place it is written: every combination of the three degrees builds a mesh of at
+        most three dimensions, one replicating and two sharding (HSDP over tensor parallelism), which the
+        optimizer's layouts take (``dimuon.optim.distributed.layout``); nothing is refused here today."""
 
     def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
         """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""

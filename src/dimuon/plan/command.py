@@ -78,13 +78,14 @@ class Config:
     """GPUs per node, joined by NVLink."""
     gpu: Literal["h100", "h200", "b200", "a100"] = "h100"
     """GPU profile: peaks from the vendor's datasheet (docs/plan.md, "GPU profiles")."""
-    layout: Literal["fsdp", "hsdp", "fsdp_tp", "tp", "replicated"] = "fsdp"
+    layout: Literal["fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "tp", "replicated"] = "fsdp"
     """fsdp: FSDP2 over every GPU; hsdp: replicas of FSDP groups (--dp-shard per group); fsdp_tp: FSDP over
-    tensor parallelism (--tp); tp: tensor parallelism over every GPU; replicated: DDP."""
+    tensor parallelism (--tp); hsdp_tp: replicas of FSDP x TP groups (--dp-shard x --tp, a 3-D mesh); tp: tensor
+    parallelism over every GPU; replicated: DDP."""
     dp_shard: int | None = None
-    """FSDP group size for hsdp (default: GPUs per node)."""
+    """FSDP group size for hsdp (default: GPUs per node) and hsdp_tp (default: 8)."""
     tp: int | None = None
-    """Tensor-parallel degree for fsdp_tp (default: GPUs per node)."""
+    """Tensor-parallel degree for fsdp_tp and hsdp_tp (default: GPUs per node)."""
     global_batch: int = 256
     """Samples per optimizer step, over all GPUs."""
     image_size: int = 512
@@ -133,7 +134,10 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--image-size / 8 must be a multiple of the patch size {arch['patch_size']}")
     par = degrees(cfg)
     if par is not None:
-        par.check_model(arch["hidden_size"], arch["num_heads"], 4 * arch["hidden_size"])
+        try:
+            par.check_model(arch["hidden_size"], arch["num_heads"], 4 * arch["hidden_size"])
+        except ValueError as err:  # the training flag's name, as this command spells it
+            raise ValueError(str(err).replace("--parallel.tp", "--tp")) from None
     if cfg.global_batch % data_parallel(cfg, par):
         raise ValueError(
             f"--global-batch ({cfg.global_batch}) must be a multiple of the data-parallel degree "
@@ -159,7 +163,7 @@ def check_other_model(cfg: Config) -> None:
     for flag, value in (("--hidden-size", cfg.hidden_size), ("--depth", cfg.depth), ("--heads", cfg.heads)):
         if value is not None:
             raise ValueError(f"{flag} shapes dimuon's DiT; with --diffusers or --builder use --config")
-    if cfg.layout in ("tp", "fsdp_tp"):
+    if cfg.layout in ("tp", "fsdp_tp", "hsdp_tp"):
         raise ValueError(
             f"--layout {cfg.layout} needs the model's tensor-parallel plan, which only dimuon's DiT has here: "
             "use fsdp, hsdp or replicated"
@@ -205,6 +209,14 @@ def degrees(cfg: Config) -> Parallelism | None:
             raise ValueError(f"--layout hsdp needs --dp-shard ({shard}) to divide --gpus ({w}) with 2 replicas or more")
         return Parallelism(w // shard, shard, 1).resolve(w)
     tp = cfg.tp or min(node, w)
+    if cfg.layout == "hsdp_tp":
+        shard = cfg.dp_shard or 8
+        if w % (shard * tp) or w < 2 * shard * tp:
+            raise ValueError(
+                f"--layout hsdp_tp needs --dp-shard ({shard}) x --tp ({tp}) to divide --gpus ({w}) with 2 replicas "
+                "or more"
+            )
+        return Parallelism(w // (shard * tp), shard, tp).resolve(w)
     if w % tp or w == tp:
         raise ValueError(f"--layout fsdp_tp needs --tp ({tp}) to divide --gpus ({w}) with 2 FSDP ranks or more")
     return Parallelism(1, w // tp, tp).resolve(w)

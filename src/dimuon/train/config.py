@@ -60,7 +60,7 @@ class ParallelOptions:
 
     dp_shard alone is FSDP2; dp_replicate x dp_shard is HSDP (e.g. one replica per node, sharded within
     it); tp splits attention heads and MLP units over ranks (docs/training.md, "Parallelism"); dp_shard x tp
-    is FSDP over tensor parallelism. dp_replicate with tp (a 3-D mesh) is refused.
+    is FSDP over tensor parallelism; all three is HSDP over tensor parallelism (a 3-D mesh).
     """
 
     dp_replicate: int = 1

@@ -8,12 +8,13 @@ DTensor defines it: first cut into ``split_factor`` pieces, cut each piece into 
 size, and give coordinate ``i`` the ``i``-th cut of every piece. A rank's rows (and columns) are
 then a list of :class:`Span` (a global range and where it starts in the local tensor).
 
-Supported, on 1-D and 2-D meshes: ``Shard(0)``, ``Shard(1)``, ``Replicate()``, and
-``_StridedShard`` on one tensor dimension (what FSDP2 makes of a tensor-parallel ``Shard(0)``,
-and a head-wise ``_StridedShard(0, 3)`` for a fused qkv weight). Everything else (3-D meshes,
-``Partial``, ``Shard(d)`` for ``d > 1``, two ``_StridedShard`` on one dimension, whose data torch
-itself does not lay out as the placements say) is refused by :func:`derive_layout` with an error
-that names the parameter and its placements.
+Supported, on meshes of one to three dimensions with at most two that shard (HSDP over tensor parallelism:
+``dp_replicate x dp_shard x tp``): ``Shard(0)``, ``Shard(1)``, ``Replicate()``, and ``_StridedShard`` on one
+tensor dimension (what FSDP2 makes of a tensor-parallel ``Shard(0)``, and a head-wise ``_StridedShard(0, 3)`` for
+a fused qkv weight). Everything else (4-D meshes, three sharding dimensions, context-, expert- or pipeline-parallel
+dimensions, ``Partial``, ``Shard(d)`` for ``d > 1``, two ``_StridedShard`` on one dimension, whose data torch
+itself does not lay out as the placements say) is refused by :func:`derive_layout` with an error that names the
+parameter and its placements.
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def _is_strided(p: Any) -> bool:
     return isinstance(p, _StridedShard)
 
 
+# Words of mesh dimension names that mark a parallelism the sharded step does not take (torchtitan's "cp", "ep",
+# "pp", "dp_shard_cp"...): their parameters need each rank's own handling (experts, pipeline stages).
+OTHER_PARALLELISM = frozenset({"cp", "ep", "pp", "etp", "context", "expert", "pipeline"})
+
 Runs = tuple[tuple[int, int], ...]  # global indices as runs [start, stop), in local order
 
 
@@ -236,10 +241,10 @@ def placement_words(param: Any) -> str:
 def _refuse(name: str, what: str, param: Any) -> ValueError:
     return ValueError(
         f"parameter {name!r} has placements {tuple(param.placements)} on a {_mesh_words(param.device_mesh)}: {what}. "
-        "dimuon's Muon family supports DTensor parameters on 1-D and 2-D meshes with Shard(0), Shard(1), "
-        "Replicate() and the _StridedShard that FSDP2 makes over tensor parallelism: FSDP, HSDP "
-        "(Replicate(), Shard(0)), tensor parallel (Shard(0) colwise, Shard(1) rowwise) and FSDP x TP; "
-        "put other parameters in an 'adamw' group"
+        "dimuon's Muon family supports DTensor parameters on 1-D, 2-D and 3-D meshes (at most two dimensions "
+        "sharding) with Shard(0), Shard(1), Replicate() and the _StridedShard that FSDP2 makes over tensor "
+        "parallelism: FSDP, HSDP (Replicate(), Shard(0)), tensor parallel (Shard(0) colwise, Shard(1) rowwise), "
+        "FSDP x TP and HSDP x TP; put other parameters in an 'adamw' group"
     )
 
 
@@ -249,8 +254,17 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     Raises ValueError naming the parameter and its placements when the layout is not supported.
     """
     mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim > 2:
+    if mesh.ndim > 3:
         raise _refuse(name, f"{mesh.ndim}-D meshes are not supported", param)
+    for dim_name in mesh.mesh_dim_names or ():
+        kinds = OTHER_PARALLELISM.intersection(dim_name.lower().replace("-", "_").split("_"))
+        if kinds:
+            raise _refuse(
+                name,
+                f"mesh dimension {dim_name!r} is a {'/'.join(sorted(kinds))} dimension (context, expert or pipeline "
+                "parallelism), which the sharded Muon step does not take",
+                param,
+            )
     dims: list[int | None] = []
     for p in placements:
         try:
@@ -259,6 +273,8 @@ def derive_layout(param: Tensor, name: str) -> Layout:
             raise _refuse(name, f"{type(p).__name__} placements are not supported", param) from None
     if any(d is not None and d > 1 for d in dims):
         raise _refuse(name, "Shard(d) for d > 1 shards inside the flattened columns", param)
+    if sum(d is not None for d in dims) > 2:
+        raise _refuse(name, "three mesh dimensions shard it (at most two may: HSDP x TP replicates over one)", param)
     for d in (ROWS, COLS):
         strided = [p for p, pd in zip(placements, dims) if pd == d and _is_strided(p)]
         if len(strided) > 1:
