@@ -36,6 +36,19 @@ def per_test_time_limit() -> Iterator[None]:
         signal.signal(signal.SIGALRM, before)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the tests' process however it was started: a shell without job control
+    starts a background job with SIGINT ignored, which the run would keep (dimuon leaves an ignored signal ignored)
+    and the stop tests would then see no Ctrl-C at all. Put back after the session."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, before)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``$DIMUON_TEST_LOG``: one JSON line per test outcome (its call, or a setup that failed or skipped)."""
     path = os.environ.get(TEST_LOG_ENV)
