@@ -20,7 +20,16 @@ from tqdm.auto import tqdm
 
 from dimuon.bench.report import format_markdown_table, machine_info
 from dimuon.io import write_json_atomic, write_text_atomic
-from dimuon.plan.command import ADAPTIVE_RATE, PAPER_SIZES, Config, degrees, model_arch, recommend
+from dimuon.plan.command import (
+    ADAPTIVE_RATE,
+    PAPER_SIZES,
+    TABLE_HEAD,
+    Config,
+    degrees,
+    model_arch,
+    recommend,
+    table_rows,
+)
 from dimuon.plan.counts import KindCounts, StepCounts, count_step
 from dimuon.plan.hardware import EFFICIENCY_SOURCES, Efficiency, gpu_profile
 from dimuon.plan.step_time import OPTIMIZERS, Cluster, optimizer_mix, step_breakdowns, summary_row
@@ -240,14 +249,6 @@ def plot(record: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    return [
-        [r["label"], f"{r['step_ms']:.1f}", f"{r['optimizer_ms']:.1f}", f"{r['exposed_comm_ms']:.1f}",
-         f"{100 * r['overhead_over_adamw']:+.1f}%"]
-        for r in rows
-    ]  # fmt: skip
-
-
 def markdown(record: dict[str, Any]) -> str:
     """The study as docs/results/plan/study.md shows it."""
     out = [
@@ -286,8 +287,7 @@ def markdown(record: dict[str, Any]) -> str:
     out.append(f"## 32 x 8 H100, HSDP (groups of 8), global batch {record['global_batch']}\n")
     for model, s in record["scale"].items():
         out.append(f"### {model} ({s['params'] / 1e9:.2f}B)\n")
-        out.append(format_markdown_table(["optimizer", "step ms", "optimizer ms", "exposed comm ms", "over AdamW"],
-                                         _table_rows(s["rows"])))  # fmt: skip
+        out.append(format_markdown_table(TABLE_HEAD, table_rows(s["rows"])))
         out.append(f"\nRecommended: {s['recommendation']}.\n")
     out.append(f"## Across 8 to 1024 GPUs, {record['samples_per_gpu']} samples per GPU: step time over AdamW\n")
     names = ("muon_gather", "muon_owner", "prm_k3_gather", "prm_k3_owner", "prm_k4_owner", "muon_bp_p5", "adaptive")

@@ -323,6 +323,16 @@ def test_the_readme_quotes_the_study():
     assert f"Muon {100 * min(owner):+.1f}% to {100 * max(owner):+.1f}% with dimuon's owner refresh" in sentence
     assert f"{100 * min(gather):+.1f}% to {100 * max(gather):+.1f}% with the paper's gather refresh" in sentence
     assert study["samples_per_gpu"] == 4 and "4 samples per GPU" in sentence
+    # the validation residuals beside the prediction: one sample per GPU, the paper's batch being unstated
+    rows = {r["model"]: r for r in study["validation"][0]["rows"]}
+    assert study["validation"][0]["samples_per_gpu"] == 1
+    cut = min(r["comm_cut_model"] for r in rows.values())
+    assert f"communication cut ({100 * cut:.1f}% against 66.7%)" in sentence
+    small, large = rows["DiT-1.3B"], rows["DiT-9B"]
+    assert (
+        f"{small['muon_model']:.2f} and {large['muon_model']:.2f} against {small['muon_paper']:.2f} and "
+        f"{large['muon_paper']:.2f}"
+    ) in sentence
 
 
 def test_plan_takes_hsdp_over_tensor_parallelism():
@@ -332,3 +342,14 @@ def test_plan_takes_hsdp_over_tensor_parallelism():
         command.parse(["--model", "DiT-XL/2", "--gpus", "64", "--layout", "hsdp_tp", "--global-batch", "64"])
     with pytest.raises(ValueError, match=r"--tp \(8\) must divide the model's 59 attention heads"):
         command.parse(["--model", "DiT-15B", "--layout", "hsdp_tp", "--global-batch", "256"])
+
+
+def test_a_model_that_does_not_build_or_a_missing_record_is_named(capsys, tmp_path):
+    """A --builder that does not import ends the command with its flag named, before any counting; a --calibrate
+    file that is not there, and a bad --bucket-mb under --builder, are refused when the flags are read."""
+    assert command.main(["--builder", "no_such_module:make", "--gpus", "8", "--global-batch", "8"]) == 2
+    assert "--builder no_such_module:make: No module named 'no_such_module'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--calibrate .*: no such file"):
+        command.parse(["--calibrate", str(tmp_path / "missing.json")])
+    with pytest.raises(ValueError, match="--bucket-mb must be > 0"):
+        command.parse(["--builder", "dimuon.dit.model:DiT", "--bucket-mb", "0"])

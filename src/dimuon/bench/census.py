@@ -862,6 +862,7 @@ def trace_job(
     ops: bool | None = None,
     warmup: bool | None = None,
     variants: dict[str, Variant] | None = None,
+    inspect: Callable[[nn.Module], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """This rank's records of every configuration of ``job`` (``counter`` must be counting): with ``mode``
     ``real`` or ``stub`` a full pass (warm-up step, then the recorded steps with their ops and host reads);
@@ -870,7 +871,8 @@ def trace_job(
     and the dict it yields (filled when it exits) is merged into that step's record; ``ops`` (default: not in a
     plan pass) counts the dispatched ops and host reads too; ``warmup`` (default: not in a plan pass) takes the
     untimed first step before the recorded ones, so they hold no one-time setup; ``variants`` (default
-    :data:`VARIANTS`) names the configurations ``job.keys`` and ``keys`` refer to."""
+    :data:`VARIANTS`) names the configurations ``job.keys`` and ``keys`` refer to; ``inspect``, where given, is called
+    with the laid-out model once every configuration is traced, its dict kept as ``info["inspected"]``."""
     table = VARIANTS if variants is None else variants
     plan = mode == "plan"
     plan_keys = PLAN_VARIANTS if keys is None else tuple(keys)
@@ -941,6 +943,8 @@ def trace_job(
         "mesh_ranks": None if mesh is None else mesh.mesh.tolist(),
         "construction_s": construction_s,
     }
+    if inspect is not None:
+        info["inspected"] = inspect(model)
     del model, snapshot, engines
     gc.collect()
     return {"records": records, "info": info}

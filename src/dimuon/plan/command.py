@@ -119,9 +119,28 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if cfg.tokens is not None and cfg.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {cfg.tokens}")
-    if cfg.diffusers or cfg.builder:
+    if not cfg.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.calibrate is not None and not cfg.calibrate.is_file():
+        raise ValueError(f"--calibrate {cfg.calibrate}: no such file")
+    arch = None if cfg.diffusers or cfg.builder else check_dit(cfg)
+    if arch is None:
         check_other_model(cfg)
-        return
+    par = degrees(cfg)
+    if par is not None and arch is not None:
+        try:
+            par.check_model(arch["hidden_size"], arch["num_heads"], 4 * arch["hidden_size"])
+        except ValueError as err:  # the training flag's name, as this command spells it
+            raise ValueError(str(err).replace("--parallel.tp", "--tp")) from None
+    if cfg.global_batch % data_parallel(cfg, par):
+        raise ValueError(
+            f"--global-batch ({cfg.global_batch}) must be a multiple of the data-parallel degree "
+            f"{data_parallel(cfg, par)}"
+        )
+
+
+def check_dit(cfg: Config) -> dict[str, int]:
+    """dimuon's DiT: no other model's flag, a shape whose heads divide its width, a latent its patch divides."""
     if cfg.config or cfg.config_file or cfg.tokens is not None:
         raise ValueError(
             "--config, --config-file and --tokens go with --diffusers or --builder; dimuon's DiT takes --hidden-size, "
@@ -132,21 +151,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--heads ({arch['num_heads']}) must divide --hidden-size ({arch['hidden_size']})")
     if (cfg.image_size // 8) % arch["patch_size"]:
         raise ValueError(f"--image-size / 8 must be a multiple of the patch size {arch['patch_size']}")
-    par = degrees(cfg)
-    if par is not None:
-        try:
-            par.check_model(arch["hidden_size"], arch["num_heads"], 4 * arch["hidden_size"])
-        except ValueError as err:  # the training flag's name, as this command spells it
-            raise ValueError(str(err).replace("--parallel.tp", "--tp")) from None
-    if cfg.global_batch % data_parallel(cfg, par):
-        raise ValueError(
-            f"--global-batch ({cfg.global_batch}) must be a multiple of the data-parallel degree "
-            f"{data_parallel(cfg, par)}"
-        )
-    if not cfg.bucket_mb > 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    if cfg.calibrate is not None and not cfg.calibrate.is_file():
-        raise ValueError(f"--calibrate {cfg.calibrate}: no such file")
+    return arch
 
 
 def _groups_config(cfg: Config) -> Any:
@@ -157,7 +162,7 @@ def _groups_config(cfg: Config) -> Any:
 
 def check_other_model(cfg: Config) -> None:
     """A --diffusers or --builder model: one source, no DiT-only flag, a layout FSDP2 can take (whether it builds
-    is the first thing :func:`predict` finds, before any counting)."""
+    is the first thing the counting finds: it builds the model before anything else)."""
     if cfg.diffusers and cfg.builder:
         raise ValueError("give one of --diffusers and --builder, not both")
     for flag, value in (("--hidden-size", cfg.hidden_size), ("--depth", cfg.depth), ("--heads", cfg.heads)):
@@ -167,11 +172,6 @@ def check_other_model(cfg: Config) -> None:
         raise ValueError(
             f"--layout {cfg.layout} needs the model's tensor-parallel plan, which only dimuon's DiT has here: "
             "use fsdp, hsdp or replicated"
-        )
-    if cfg.global_batch % data_parallel(cfg, degrees(cfg)):
-        raise ValueError(
-            f"--global-batch ({cfg.global_batch}) must be a multiple of the data-parallel degree "
-            f"{data_parallel(cfg, degrees(cfg))}"
         )
 
 
@@ -229,8 +229,6 @@ def data_parallel(cfg: Config, par: Parallelism | None) -> int:
 def predict(cfg: Config, counts: StepCounts | None = None, eff: Efficiency | None = None) -> dict[str, Any]:
     """Count (unless ``counts`` is given) and predict: the record ``--json`` writes."""
     words, arch, builder = model_source(cfg)
-    if builder is not None:
-        builder()  # on the meta device: a model that does not build says so (naming the flag) before counting
     par = degrees(cfg)
     gpu = gpu_profile(cfg.gpu)
     eff = (eff or Efficiency()).checked()
@@ -299,13 +297,20 @@ def recommend(b: dict[str, Breakdown]) -> str:
     )
 
 
-def render(record: dict[str, Any]) -> str:
-    head = ["optimizer", "step ms", "optimizer ms", "exposed comm ms", "over AdamW"]
-    rows = [
+TABLE_HEAD = ["optimizer", "step ms", "optimizer ms", "exposed comm ms", "over AdamW"]
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Each optimizer's :func:`summary_row` as a table row under :data:`TABLE_HEAD`."""
+    return [
         [r["label"], f"{r['step_ms']:.1f}", f"{r['optimizer_ms']:.1f}", f"{r['exposed_comm_ms']:.1f}",
          f"{100 * r['overhead_over_adamw']:+.1f}%"]
-        for r in record["rows"]
+        for r in rows
     ]  # fmt: skip
+
+
+def render(record: dict[str, Any]) -> str:
+    head, rows = TABLE_HEAD, table_rows(record["rows"])
     c = record["config"]
     mesh = " x ".join(f"{n} {s}" for n, s in record["mesh"]) or "replicated"
     title = (
@@ -347,7 +352,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["PAPER_SIZES", "Config", "degrees", "main", "model_arch", "parse", "predict", "recommend", "render"]
+__all__ = [
+    "PAPER_SIZES",
+    "TABLE_HEAD",
+    "Config",
+    "degrees",
+    "main",
+    "model_arch",
+    "parse",
+    "predict",
+    "recommend",
+    "render",
+    "table_rows",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -140,12 +140,17 @@ def _gpu_kernels() -> Iterator[None]:
         fused.fuses, fused.momentum_, fused.update_ = saved
 
 
+def _book_bytes(book: Any) -> int:
+    """Every byte a booked step read and wrote, its AdamW group's included."""
+    return book.read + book.written + book.adamw_read + book.adamw_written
+
+
 @contextlib.contextmanager
 def _traffic_probe() -> Iterator[dict[str, Any]]:
     found: dict[str, Any] = {}
     with booking() as book:
         yield found
-    found["traffic_bytes"] = book.read + book.written + book.adamw_read + book.adamw_written
+    found["traffic_bytes"] = _book_bytes(book)
     found["traffic_launches"] = book.launches
 
 
@@ -181,8 +186,7 @@ def _adamw_counts(model: nn.Module) -> KindCounts:
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
         )  # fmt: skip
-    total = book.read + book.written + book.adamw_read + book.adamw_written
-    return KindCounts([], 0.0, 0.0, 0.0, total, book.launches, 0, 0)
+    return KindCounts([], 0.0, 0.0, 0.0, _book_bytes(book), book.launches, 0, 0)
 
 
 def count_step(
@@ -221,13 +225,25 @@ def count_step(
         _gpu_kernels() if fused_kernels else contextlib.nullcontext(),
     ):
         traced = census.trace_job(
-            cfg, job, counter, "plan", keys=keys, probe=_traffic_probe, ops=True, warmup=True, variants=VARIANTS
+            cfg,
+            job,
+            counter,
+            "plan",
+            keys=keys,
+            probe=_traffic_probe,
+            ops=True,
+            warmup=True,
+            variants=VARIANTS,
+            inspect=lambda model: {
+                "layout": layout_comm(model, par),
+                "adamw": _adamw_counts(model),
+                "muon_params": sum(
+                    p.numel() for g in param_groups(model) if g["algorithm"] == "muon" for _, p in g["params"]
+                ),
+            },
         )
-        model, _, _ = census.build_job_model(cfg, job, materialize=False)
-        layout = layout_comm(model, par)
-        adamw = _adamw_counts(model)
-        muon_params = sum(p.numel() for g in param_groups(model) if g["algorithm"] == "muon" for _, p in g["params"])
     info, records = traced["info"], traced["records"]
+    layout, adamw, muon_params = (info["inspected"][k] for k in ("layout", "adamw", "muon_params"))
     tokens = tokens_per_sample or (input_size // arch["patch_size"]) ** 2
     kinds, refused = {}, {}
     for kind, (key, index) in traced_kinds.items():

@@ -188,9 +188,7 @@ def step_breakdowns(
     samples on the counted layout."""
     if optimizers is None:
         optimizers = optimizers_for(counts.dims)
-    spans = mesh_spans(counts.dims, cluster.gpus_per_node) if counts.dims else mesh_spans((), cluster.gpus_per_node)
-    if not counts.dims:
-        spans = {"world": mesh_spans((("world", counts.world),), cluster.gpus_per_node)["world"]}
+    spans = mesh_spans(counts.dims or (("world", counts.world),), cluster.gpus_per_node)  # replicated: the world
     dims = dict(counts.dims)
     data_parallel = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) if counts.dims else counts.world
     samples = global_batch / data_parallel
