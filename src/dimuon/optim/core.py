@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from dimuon.optim import devices, fused
+from dimuon.optim import classes, devices, fused
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
@@ -97,6 +97,8 @@ class _MuonWork:
     jobs: list[MatrixJob]
     config: MapConfig
     keys: list[str]  # each parameter's name in refresh_stats()
+    plan: classes.GroupPlan | None = None  # where the step takes the class path: the plan and its U batches
+    batches: list[Tensor] | None = None
 
 
 @dataclass
@@ -461,7 +463,7 @@ class MuonFamily(torch.optim.Optimizer):
             "replica_refresh": replica_refresh,
         }
         self._engine: DirectionEngine | None = engine
-        self._engine_params: tuple[tuple[int, bool], ...] = ()  # the parameters the engine was built for
+        self._engine_params: tuple[tuple[int, ...], tuple[type, ...]] | tuple[()] = ()  # what the engine was built for
         self._engine_given = engine is not None
         self._constructing = True
         self._flattened: list[str] = []
@@ -474,6 +476,9 @@ class MuonFamily(torch.optim.Optimizer):
         # step, and the vote's constant rows per (changed, device) (:meth:`_gradient_plan`); dicts, as above.
         self._grad_sets: dict[str, Any] = {}
         self._vote_codes: dict[tuple[bool, torch.device], tuple[Tensor, Tensor]] = {}
+        # Per Muon group: its plan by shape class (dimuon.optim.classes), made with the group, remade where a load
+        # or a replaced parameter changes it; None where the group takes the per-job path.
+        self._plans: dict[int, classes.GroupPlan | None] = {}
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
         # The CPU's Newton-Schulz temporaries and directions, lent within a step and kept between steps.
@@ -484,6 +489,7 @@ class MuonFamily(torch.optim.Optimizer):
         self._warn_flattened(stacklevel=4)
         self._warn_foreign_keys(stacklevel=4)
         self._prepare_engine()
+        self._make_plans()
 
     # ----------------------------------------------------------------- configuration
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -592,6 +598,7 @@ class MuonFamily(torch.optim.Optimizer):
             if not self._engine_given:
                 self._engine = None  # the engine learns the new parameters' process groups
                 self._prepare_engine()
+            self._make_plans()
             self._warn_flattened(stacklevel=3)
             self._warn_foreign_keys(stacklevel=3)
 
@@ -767,6 +774,7 @@ class MuonFamily(torch.optim.Optimizer):
             "_grad_sets": {},
             "_vote_codes": {},
             "_workspace": {},
+            "_plans": {},
             "_tables": fused.Tables(),
             "_map_buffers": Workspace(),
             "_schedule_scratch": {},
@@ -812,6 +820,7 @@ class MuonFamily(torch.optim.Optimizer):
                 if now.dtype != kept.dtype:
                     self.state[p][name] = kept.to(device=now.device)
             self._schedule_scratch = {}  # what the schedule kept for its next step belongs to the run before
+            self._make_plans()  # the loaded momenta are new tensors
             for group in self.param_groups:
                 for key, value in self._schedule_defaults().items():
                     group.setdefault(key, value)  # an option added after the state_dict was saved
@@ -922,7 +931,7 @@ class MuonFamily(torch.optim.Optimizer):
         engine derives each parameter's layout from the parameters it is handed, per parameter object.
         """
         params = [p for g in self.param_groups for p in g["params"]]
-        current = tuple((id(p), is_dtensor(p)) for p in params)
+        current = (tuple(map(id, params)), tuple(map(type, params)))  # which tensors, and which are DTensors
         if self._engine is None or (not self._engine_given and current != self._engine_params):
             self._drop_stale_state(params)
             if self.engine_options["process_group"] is not None or any(is_dtensor(p) for p in params):
@@ -972,10 +981,13 @@ class MuonFamily(torch.optim.Optimizer):
         propagates); and the verdict per local gradient, for the error message (:meth:`_vote_values`)."""
         params = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
         device = local_tensor(params[0][2]).device if params else torch.device("cpu")
+        if isinstance(self._get_engine(), LocalEngine):  # plain tensors: a gradient is its own local data
+            found = [(gi, i, p.grad) for gi, i, p in params if p.grad is not None]
+        else:
+            found = [(gi, i, local_tensor(p.grad)) for gi, i, p in params if p.grad is not None]
         grads: dict[torch.device, list[tuple[int, int, Tensor]]] = {}
-        for gi, i, p in params:
-            g = local_tensor(p.grad) if p.grad is not None else None
-            if g is not None and g.numel() > 0:  # an empty local shard has nothing to check
+        for gi, i, g in found:
+            if g.numel() > 0:  # an empty local shard has nothing to check
                 grads.setdefault(g.device, []).append((gi, i, g))
         flag = torch.ones((), dtype=torch.bool, device=device)
         owners: list[tuple[int, int]] = []
@@ -1240,6 +1252,11 @@ class MuonFamily(torch.optim.Optimizer):
         (:func:`masked_gradients`), after which a failed vote leaves ``M`` bitwise unchanged (``lerp(M, M, w) = M``)
         and ``U = M`` finite, and a passed one computes what the unmasked step does, bit for bit. A NaN never
         reaches a kernel whose result is kept."""
+        plan = self._group_plan(gi, group, params)
+        if plan is not None:
+            return self._class_work(group, plan, mask)
+        if group["step"] == 0:
+            self._plans.pop(gi, None)  # the first step may remake the momenta: the plan is made again after it
         beta = group["momentum"]
         names = group.get("param_names")
         index = {id(p): i for i, p in enumerate(group["params"])}
@@ -1286,10 +1303,13 @@ class MuonFamily(torch.optim.Optimizer):
                     matrix_rows=rows if stacked else None,
                 )
             )
-        # The CPU keeps the maps' large buffers from step to step (a fresh one is paged in again at every step);
-        # accelerators' allocators cache them already, and a compiled step allocates inside its graph.
-        cpu = bool(bufs) and devices.cpu_path(bufs[0].device) and not torch.compiler.is_compiling()
-        config = MapConfig(
+        return _MuonWork(group, params, jobs, self._map_config(group, bufs[0].device if bufs else None), keys)
+
+    def _map_config(self, group: dict[str, Any], device: torch.device | None) -> MapConfig:
+        """The maps' options of ``group``. The CPU keeps the maps' large buffers from step to step (a fresh one is
+        paged in again at every step); accelerators' allocators cache them; a compiled step allocates in its graph."""
+        cpu = device is not None and devices.cpu_path(device) and not torch.compiler.is_compiling()
+        return MapConfig(
             ns_steps=group["ns_steps"],
             ns_coefficients=group["ns_coefficients"],
             ns_algorithm=group["ns_algorithm"],
@@ -1298,7 +1318,95 @@ class MuonFamily(torch.optim.Optimizer):
             ns_compile=self.ns_compile,
             workspace=self._map_buffers if cpu else None,
         )
-        return _MuonWork(group, params, jobs, config, keys)
+
+    # ----------------------------------------------------------------- the class path (dimuon.optim.classes)
+    def _make_plans(self) -> None:
+        """Every Muon group's plan by shape class, where the step can take the class path: a single process (the
+        local engine), a schedule that decides per group, the eager kernels, contiguous plain parameters."""
+        self._plans = {}
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] == "muon" and group["params"]:
+                self._plans[gi] = self._make_plan(gi, group)
+
+    def _make_plan(self, gi: int, group: dict[str, Any]) -> classes.GroupPlan | None:
+        params = group["params"]
+        schedule = type(self.schedule)
+        fixed = schedule.decide is Schedule.decide and schedule.after_step is Schedule.after_step
+        if not fixed or type(self._engine) is not LocalEngine or fused.fuses(self.kernels, params[0].device):
+            return None
+        states = [self.state.get(p, {}) for p in params]
+        if any("momentum_buffer" not in st or not p.is_contiguous() for p, st in zip(params, states)):
+            return None  # parameters on the meta device, or not laid out as their matrices
+        names = group.get("param_names")
+        return classes.make_plan(
+            group,
+            [st["momentum_buffer"] for st in states],
+            [names[i] if names else f"params[{i}]" for i in range(len(params))],
+            [self._param_name(group, i, gi) for i in range(len(params))],
+        )
+
+    def _group_plan(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> classes.GroupPlan | None:
+        """Group ``gi``'s plan where this step takes the class path (every parameter has a gradient, the state is
+        made), else None; made here only after the first step (which may remake the momenta), and where parameters
+        were replaced or matrix options changed since."""
+        if group["step"] == 0 or len(params) != len(group["params"]):
+            return None
+        plan = self._plans[gi] if gi in self._plans else self._make_plan(gi, group)  # made after the first step
+        if plan is not None and (plan.ids != tuple(map(id, params)) or plan.options != classes.plan_options(group)):
+            plan = self._make_plan(gi, group)
+        self._plans[gi] = plan
+        return plan
+
+    def _class_work(self, group: dict[str, Any], plan: classes.GroupPlan, mask: Tensor | None) -> _MuonWork:
+        """:meth:`_muon_work` by shape class: the momenta in one list op, ``U`` in one batch per class."""
+        beta = group["momentum"]
+        grads = [p.grad for p in plan.params]
+        if mask is None:
+            grads = [g.to(b.dtype) for g, b in zip(grads, plan.bufs)]
+        else:
+            grads = classes.masked_gradients(plan, mask, grads)
+        # M <- beta*M + (1-beta)*G  (EMA form)
+        torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
+        batches = classes.nesterov_batches(plan, grads, beta, group["nesterov"])
+        config = self._map_config(group, plan.classes[0].device)
+        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
+
+    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> None:
+        """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update."""
+        group, plan, batches = work.group, work.plan, work.batches
+        assert plan is not None and batches is not None
+        lr, wd = group_lr(group), group["weight_decay"]
+        if wd != 0:
+            decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
+            if mask is not None:
+                decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
+            torch._foreach_mul_(plan.params, decay)
+        step_size = lr * self.schedule.multiplier(kind, group)
+        keep = mask.to(torch.float32) if mask is not None else None
+        ws, us, fs, plain_ws, ds = [], [], [], [], []
+        if kind is StepKind.ROWNORM:
+            made = [classes.row_factors_by_class(c, b, work.config) for c, b in zip(plan.classes, batches)]
+        else:
+            made = classes.spectral_directions(plan.classes, batches, kind, work.config)
+        for cls, batch, d in zip(plan.classes, batches, made):
+            n = len(cls.params)
+            if kind is StepKind.ROWNORM and cls.tiled is not None:  # W <- W - step U factor: no direction written
+                ws += cls.params
+                us += batch.view(n, *cls.shape).unbind(0)
+                fs += cls.factor_view(d if keep is None else d * keep).unbind(0)
+                continue
+            dtype = cls.params[0].dtype
+            d = d if d.dtype == dtype else d.to(dtype)  # cast only where the weight is narrower (bf16)
+            plain_ws += cls.params
+            ds += (d if keep is None else d * keep).reshape(n, *cls.shape).unbind(0)
+        if ws and isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (value takes numbers only)
+            torch._foreach_addcmul_(ws, us, torch._foreach_mul(fs, -step_size))
+        elif ws:
+            torch._foreach_addcmul_(ws, us, fs, value=-step_size)
+        if plain_ws and isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (alpha takes numbers only)
+            torch._foreach_sub_(plain_ws, torch._foreach_mul(ds, step_size))
+        elif plain_ws:
+            torch._foreach_add_(plain_ws, ds, alpha=-step_size)
 
     def _muon_apply(self, work: _MuonWork, kinds: Sequence[StepKind], mask: Tensor | None, ctx: _StepContext) -> None:
         """Directions for each kind's jobs (one engine call per kind present), then the weight update.
@@ -1307,6 +1415,10 @@ class MuonFamily(torch.optim.Optimizer):
         multiplied by the mask (one list op: exact, ``D * 1 = D``; finite ``D * 0 = 0``, ``U`` being finite) before
         the usual update: a passed vote moves the weights bit for bit as the unmasked step, a failed one not at all.
         """
+        if work.plan is not None:  # a schedule that decides per group: one kind
+            self._class_apply(work, kinds[0], mask)
+            self._count_kinds(work, kinds)
+            return
         group, engine = work.group, self._get_engine()
         lr, wd = group_lr(group), group["weight_decay"]
         weights = [local_tensor(p) for p in work.params]

@@ -1,0 +1,274 @@
+"""The single-process step by shape class: a group's matrices planned once, then one batch per class each step.
+
+A Muon group's parameters of one shape, dtype and device are one :class:`ShapeClass`: their Nesterov momenta lie in
+one ``(B, rows, cols)`` buffer, every map takes the whole class as one batch, and the weights move in one list op
+per step kind. What is static about a matrix (its view as a matrix, its split and stacked ranges, the regions each
+step kind maps, where its momentum lives) is worked out when the plan is made (:func:`make_plan`), so a step's
+Python grows with classes and step kinds, not with matrices. The values are those of
+:class:`~dimuon.optim.distributed.engine.LocalEngine` on the same jobs, op for op (the golden-steps test holds
+them); sharded engines, the fused kernels and schedules that decide per matrix take the per-job path instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dimuon.optim import devices
+from dimuon.optim.distributed import engine as engine_module  # its newton_schulz, as the op census patches it
+from dimuon.optim.distributed.engine import (
+    MapConfig,
+    MatrixJob,
+    Region,
+    block_grid,
+    col_split_sizes_to_ranges,
+    map_regions,
+    split_sizes_to_ranges,
+    stacked_ranges,
+)
+from dimuon.optim.linalg import lr_scale_factor, row_factors
+from dimuon.optim.schedules import StepKind
+
+# Below this many elements a gradient's masking is launch-bound on an accelerator: stacked per class (core.py's rule).
+MASK_BATCH_NUMEL = 1 << 20
+
+
+@dataclass
+class ShapeClass:
+    """The stepped matrices of one group alike in parameter shape and dtype and device: one batch at every step."""
+
+    params: list[Tensor]
+    shape: tuple[int, ...]  # the parameter's shape
+    rows: int  # of its matrix (a stacked parameter's ``(count*rows, cols)`` view)
+    cols: int
+    lead: int  # leading dimensions of ``shape`` that make the matrix's rows (2 when stacked)
+    dtype: torch.dtype  # the momentum's
+    device: torch.device
+    regions: dict[StepKind, list[Region]]  # what each step kind maps: the logical matrices, or their blocks
+    tiled: str | None  # "rows" or "cols" where RowNorm's factors tile the matrix (the direction never written)
+    alone: bool  # its gradients are masked one by one (the CPU, or large ones), else stacked
+
+    def factor_view(self, f: Tensor) -> Tensor:
+        """A ``(B, rows, 1)`` or ``(B, 1, cols)`` RowNorm factor shaped to broadcast against the parameters."""
+        ones = (1,) * (len(self.shape) - self.lead)
+        if self.tiled == "rows":
+            return f.view(len(self.params), *self.shape[: self.lead], *ones)
+        return f.view(len(self.params), *((1,) * self.lead), *self.shape[self.lead :])
+
+
+@dataclass
+class GroupPlan:
+    """A Muon group's matrices as the step takes them: valid while the group holds ``ids`` with ``options``."""
+
+    ids: tuple[int, ...]
+    options: tuple[Any, ...]
+    classes: list[ShapeClass]
+    params: list[Tensor]  # class after class
+    bufs: list[Tensor]  # their momentum buffers, in the same order
+    jobs: list[MatrixJob]  # per parameter in group order, for the schedule's decision (their updates unset)
+    keys: list[str]  # per parameter in group order, its name in refresh_stats()
+    slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
+
+
+def plan_options(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The group options the plan is made from: a plan is remade where one changes."""
+    return (group["split_sizes"], group["col_split_sizes"], group["stacked"], group.get("blocks", 1))
+
+
+def _tiling(regions: Sequence[Region], rows: int, cols: int) -> str | None:
+    """How RowNorm's per-region factors tile the matrix (LocalEngine's compose_row_direction, decided once)."""
+    factor = [(r1 - r0, 1) if r1 - r0 <= c1 - c0 else (1, c1 - c0) for r0, r1, c0, c1 in regions]
+    by_rows = all(f == (r1 - r0, 1) and (c0, c1) == (0, cols) for (r0, r1, c0, c1), f in zip(regions, factor))
+    by_cols = all(f == (1, c1 - c0) and (r0, r1) == (0, rows) for (r0, r1, c0, c1), f in zip(regions, factor))
+    edges = [(r0, r1) if by_rows else (c0, c1) for r0, r1, c0, c1 in regions]
+    tiles = all(a[1] == b[0] for a, b in pairwise(edges)) and edges[0][0] == 0
+    tiles = tiles and edges[-1][1] == (rows if by_rows else cols)
+    if not (by_rows or by_cols) or not tiles:
+        return None
+    return "rows" if by_rows else "cols"
+
+
+def _job(p: Tensor, group: dict[str, Any], name: str) -> MatrixJob:
+    """The engine's job of parameter ``p`` without its update (the static part): as core.py's step makes it."""
+    stacked = group["stacked"]
+    if stacked:  # (count, rows, cols...) stacked matrices: their (count*rows, cols) view
+        count, rows, cols = p.shape[0], p.shape[1], math.prod(p.shape[2:])
+    else:  # one (shape[0], rest) matrix, as a conv weight is flattened
+        count, rows, cols = 1, p.shape[0], math.prod(p.shape[1:])
+    splits = split_sizes_to_ranges(rows, group["split_sizes"], name)
+    return MatrixJob(
+        name=name,
+        update=None,  # type: ignore[arg-type]
+        rows=count * rows,
+        cols=cols,
+        splits=stacked_ranges(count, rows, splits) if stacked else splits,
+        blocks=block_grid(group.get("blocks", 1)),
+        meta={"param": p},
+        col_splits=col_split_sizes_to_ranges(cols, group["col_split_sizes"], name),
+        matrix_rows=rows if stacked else None,
+    )
+
+
+def make_plan(group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str]) -> GroupPlan:
+    """The plan of a Muon group whose parameters (plain tensors) have the momentum buffers ``bufs``."""
+    params = list(group["params"])
+    jobs = [_job(p, group, name) for p, name in zip(params, names)]
+    members: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, b) in enumerate(zip(params, bufs)):
+        members.setdefault((tuple(p.shape), p.dtype, b.dtype, b.device), []).append(i)
+    classes, order = [], []
+    for (shape, _, dtype, device), idx in members.items():
+        job = jobs[idx[0]]
+        regions = {kind: map_regions(job, kind) for kind in StepKind}
+        row_regions = job.regions()
+        numel = math.prod(shape)
+        classes.append(
+            ShapeClass(
+                params=[params[i] for i in idx],
+                shape=shape,
+                rows=job.rows,
+                cols=job.cols,
+                lead=2 if group["stacked"] else 1,
+                dtype=dtype,
+                device=device,
+                regions={**regions, StepKind.ROWNORM: row_regions},
+                tiled=_tiling(row_regions, job.rows, job.cols),
+                alone=devices.cpu_path(device) or numel > MASK_BATCH_NUMEL,
+            )
+        )
+        order += idx
+    return GroupPlan(
+        ids=tuple(map(id, params)),
+        options=plan_options(group),
+        classes=classes,
+        params=[params[i] for i in order],
+        bufs=[bufs[i] for i in order],
+        jobs=jobs,
+        keys=list(keys),
+    )
+
+
+def masked_gradients(plan: GroupPlan, mask: Tensor, grads: Sequence[Tensor]) -> list[Tensor]:
+    """``where(mask, G, M)`` per gradient (class order), one ``where`` per class where its gradients are small on
+    an accelerator: core.py's :func:`~dimuon.optim.core.masked_gradients`, classes known in advance."""
+    out: list[Tensor] = []
+    start = 0
+    for cls in plan.classes:
+        stop = start + len(cls.params)
+        gs, ms = grads[start:stop], plan.bufs[start:stop]
+        if cls.alone or len(gs) == 1:
+            out += [torch.where(mask, g, m) for g, m in zip(gs, ms)]
+        else:
+            out += torch.where(mask, torch.stack(gs), torch.stack(ms)).unbind(0)
+        start = stop
+    return out
+
+
+def nesterov_batches(plan: GroupPlan, grads: Sequence[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
+    """Per class, its ``(B, rows, cols)`` batch of ``U``: ``lerp(G, M, beta)`` written into one buffer per class
+    (kept between steps on the CPU), or with Nesterov off the momenta stacked (``U = M``)."""
+    batches: list[Tensor] = []
+    start = 0
+    for ci, cls in enumerate(plan.classes):
+        stop = start + len(cls.params)
+        ms = [b.view(cls.rows, cls.cols) for b in plan.bufs[start:stop]]
+        if not nesterov:
+            batches.append(torch.stack(ms))
+            start = stop
+            continue
+        cpu = devices.cpu_path(cls.device)
+        batch = plan.slots.get(ci) if cpu else None
+        if batch is None:
+            batch = torch.empty((len(ms), cls.rows, cls.cols), dtype=cls.dtype, device=cls.device)
+            if cpu:
+                plan.slots[ci] = batch
+        out = batch.unbind(0)
+        gs = [g.reshape(cls.rows, cls.cols) for g in grads[start:stop]]
+        if cpu:  # one pass per matrix: U <- lerp(G, M, beta)
+            for g, m, u in zip(gs, ms, out):
+                torch.lerp(g, m, beta, out=u)
+        else:  # two list ops: U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
+            torch._foreach_copy_(out, gs)
+            torch._foreach_lerp_(out, ms, beta)
+        batches.append(batch)
+        start = stop
+    return batches
+
+
+def _map(batch: Tensor, kind: StepKind, config: MapConfig, rows: int, cols: int) -> Tensor:
+    """The scaled direction of a ``(B, rows, cols)`` batch at a spectral or block step (``apply_map_batched``'s
+    arithmetic on one shape)."""
+    ws = None if config.ns_compile else config.workspace
+    orthogonalize = engine_module.compiled_newton_schulz() if config.ns_compile else engine_module.newton_schulz
+    extra = {"buffers": ws} if ws is not None else {}
+    scale = lr_scale_factor(config.lr_scale, rows, cols)
+    result = orthogonalize(
+        batch,
+        steps=config.ns_steps,
+        coefficients=config.ns_coefficients,
+        algorithm=config.ns_algorithm,
+        dtype=config.ns_dtype,
+        **extra,
+    )
+    wide = torch.promote_types(result.dtype, torch.float32)
+    if result.dtype == wide:
+        return result.mul_(scale)
+    if ws is None:
+        return result.to(wide).mul_(scale)
+    narrow, result = result, ws.empty(result.shape, wide, result.device)
+    result.copy_(narrow).mul_(scale)
+    ws.give_back(narrow)
+    return result
+
+
+def spectral_directions(
+    classes: Sequence[ShapeClass], batches: Sequence[Tensor], kind: StepKind, config: MapConfig
+) -> list[Tensor]:
+    """Per class, the ``(B, rows, cols)`` directions of a spectral or block step: every region of one shape and
+    dtype in the group orthogonalized in one batch, each class's regions then assembled."""
+    buckets: dict[tuple[Any, ...], list[tuple[int, Region]]] = {}
+    for ci, cls in enumerate(classes):
+        for r0, r1, c0, c1 in cls.regions[kind]:
+            buckets.setdefault((r1 - r0, c1 - c0, cls.dtype), []).append((ci, (r0, r1, c0, c1)))
+    parts: list[list[tuple[Region, Tensor]]] = [[] for _ in classes]
+    for (rows, cols, _), members in buckets.items():
+        pieces = [batches[ci][:, r0:r1, c0:c1] for ci, (r0, r1, c0, c1) in members]
+        contiguous_rows = members[0][1][2:] == (0, classes[members[0][0]].cols)
+        if len(pieces) == 1 and contiguous_rows:
+            batch = pieces[0]  # rows of one buffer, evenly spaced: a view, as the engine takes it
+        else:
+            batch = torch.cat([p.contiguous() for p in pieces]) if len(pieces) > 1 else pieces[0].contiguous()
+        result = _map(batch, kind, config, rows, cols)
+        for (ci, region), part in zip(members, result.split([len(classes[ci].params) for ci, _ in members])):
+            parts[ci].append((region, part))
+    out = []
+    for cls, regions in zip(classes, parts):
+        if len(regions) == 1 and regions[0][0] == (0, cls.rows, 0, cls.cols):
+            out.append(regions[0][1])
+            continue
+        whole = torch.empty((len(cls.params), cls.rows, cls.cols), dtype=regions[0][1].dtype, device=cls.device)
+        torch._foreach_copy_([whole[:, r0:r1, c0:c1] for (r0, r1, c0, c1), _ in regions], [d for _, d in regions])
+        out.append(whole)
+    return out
+
+
+def row_factors_by_class(cls: ShapeClass, batch: Tensor, config: MapConfig) -> Tensor:
+    """A tiled class's RowNorm factors, ``(B, rows, 1)`` or ``(B, 1, cols)`` (the shape scale folded in), or an
+    untiled class's direction written region by region."""
+    regions = cls.regions[StepKind.ROWNORM]
+    factors = [
+        row_factors(batch[:, r0:r1, c0:c1], scale=lr_scale_factor(config.lr_scale, r1 - r0, c1 - c0))
+        for r0, r1, c0, c1 in regions
+    ]
+    if cls.tiled is not None:
+        return factors[0] if len(factors) == 1 else torch.cat(factors, dim=1 if cls.tiled == "rows" else 2)
+    out = torch.zeros(batch.shape, dtype=factors[0].dtype, device=batch.device)
+    for (r0, r1, c0, c1), f in zip(regions, factors):
+        torch.mul(batch[:, r0:r1, c0:c1], f, out=out[:, r0:r1, c0:c1])
+    return out
