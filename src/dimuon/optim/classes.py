@@ -71,8 +71,9 @@ class GroupPlan:
     classes: list[ShapeClass]
     params: list[Tensor]  # class after class
     bufs: list[Tensor]  # their momentum buffers, in the same order
-    jobs: list[MatrixJob]  # per parameter in group order, for the schedule's decision (their updates unset)
-    keys: list[str]  # per parameter in group order, its name in refresh_stats()
+    jobs: list[MatrixJob]  # per parameter in the same order, made once (each step sets their updates)
+    keys: list[str]  # per parameter in the same order, its name in refresh_stats()
+    fixed: bool  # the schedule decides per group: the step maps by class, else its jobs go to the engine
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
 
 
@@ -115,8 +116,11 @@ def _job(p: Tensor, group: dict[str, Any], name: str) -> MatrixJob:
     )
 
 
-def make_plan(group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str]) -> GroupPlan:
-    """The plan of a Muon group whose parameters (plain tensors) have the momentum buffers ``bufs``."""
+def make_plan(
+    group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str], fixed: bool
+) -> GroupPlan:
+    """The plan of a Muon group whose parameters (plain tensors) have the momentum buffers ``bufs``; ``fixed``:
+    its schedule decides one kind for the whole group."""
     params = list(group["params"])
     jobs = [_job(p, group, name) for p, name in zip(params, names)]
     members: dict[tuple[Any, ...], list[int]] = {}
@@ -149,8 +153,9 @@ def make_plan(group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str
         classes=classes,
         params=[params[i] for i in order],
         bufs=[bufs[i] for i in order],
-        jobs=jobs,
-        keys=list(keys),
+        jobs=[jobs[i] for i in order],
+        keys=[keys[i] for i in order],
+        fixed=fixed,
     )
 
 

@@ -1322,7 +1322,8 @@ class MuonFamily(torch.optim.Optimizer):
     # ----------------------------------------------------------------- the class path (dimuon.optim.classes)
     def _make_plans(self) -> None:
         """Every Muon group's plan by shape class, where the step can take the class path: a single process (the
-        local engine), a schedule that decides per group, the eager kernels, contiguous plain parameters."""
+        local engine), the eager kernels, contiguous plain parameters (a schedule that decides per matrix takes
+        the momenta and jobs from it, then maps job by job)."""
         self._plans = {}
         for gi, group in enumerate(self.param_groups):
             if group["algorithm"] == "muon" and group["params"]:
@@ -1332,7 +1333,7 @@ class MuonFamily(torch.optim.Optimizer):
         params = group["params"]
         schedule = type(self.schedule)
         fixed = schedule.decide is Schedule.decide and schedule.after_step is Schedule.after_step
-        if not fixed or type(self._engine) is not LocalEngine or fused.fuses(self.kernels, params[0].device):
+        if type(self._engine) is not LocalEngine or fused.fuses(self.kernels, params[0].device):
             return None
         states = [self.state.get(p, {}) for p in params]
         if any("momentum_buffer" not in st or not p.is_contiguous() for p, st in zip(params, states)):
@@ -1343,6 +1344,7 @@ class MuonFamily(torch.optim.Optimizer):
             [st["momentum_buffer"] for st in states],
             [names[i] if names else f"params[{i}]" for i in range(len(params))],
             [self._param_name(group, i, gi) for i in range(len(params))],
+            fixed,
         )
 
     def _group_plan(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> classes.GroupPlan | None:
@@ -1369,7 +1371,11 @@ class MuonFamily(torch.optim.Optimizer):
         torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
         batches = classes.nesterov_batches(plan, grads, beta, group["nesterov"])
         config = self._map_config(group, plan.classes[0].device)
-        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
+        if plan.fixed:
+            return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
+        for job, u in zip(plan.jobs, [u for batch in batches for u in batch.unbind(0)]):
+            job.update = u  # a schedule that decides per matrix: the engine maps job by job
+        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys)
 
     def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> None:
         """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update."""
@@ -1421,7 +1427,8 @@ class MuonFamily(torch.optim.Optimizer):
             return
         group, engine = work.group, self._get_engine()
         lr, wd = group_lr(group), group["weight_decay"]
-        weights = [local_tensor(p) for p in work.params]
+        plain = isinstance(engine, LocalEngine)  # no DTensors: a weight is its own local data
+        weights = list(work.params) if plain else [local_tensor(p) for p in work.params]
         directions: list[Tensor | None] = [None] * len(work.jobs)
         # Per kind present: one engine call, then one list update of the weights it moves (every matrix of a kind
         # shares the step size lr * mult, as the engine's directions carry their shape scale).
