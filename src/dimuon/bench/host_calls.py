@@ -3,12 +3,14 @@
 On an accelerator the kernels of a step on small matrices take next to no time and the step is the Python that
 dispatches them; its calls should grow with groups, shape classes and step kinds, not with matrices. This counts
 them in the accelerator's form of the step (:func:`dimuon.optim.devices.cpu_path` off) on tiny DiT-like blocks
-(qkv, proj, fc1, fc2, adaLN: five matrices a block), as ``python -m dimuon.bench.host_calls`` prints.
+(qkv, proj, fc1, fc2, adaLN: five matrices a block), as ``python -m dimuon.bench.host_calls [--ms]`` prints
+(``--ms``: the median host time per step too, unprofiled).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -62,31 +64,55 @@ def tiny_blocks(blocks: int, width: int = 8) -> list[torch.nn.Parameter]:
     return params
 
 
-def step_calls(name: str, matrices: int, steps: int = 6, warmup: int = 2, **options: Any) -> tuple[float, float]:
-    """Mean calls into dimuon and mean host milliseconds per step of optimizer ``name`` on ``matrices`` tiny
-    matrices (a multiple of 5), over ``steps`` steps after ``warmup``, in the accelerator form."""
+OPTIONS: dict[str, dict[str, Any]] = {"muon_bp": {"blocks": 2}}  # block steps that cut the matrices
+
+
+def _stepping(name: str, matrices: int, **options: Any) -> torch.optim.Optimizer:
+    """Optimizer ``name`` on ``matrices`` tiny matrices (a multiple of 5) and one AdamW bias, gradients set."""
     params = tiny_blocks(matrices // 5)
     bias = torch.nn.Parameter(torch.zeros(8))
     bias.grad = torch.ones(8)
     groups = [{"params": params}, {"params": [bias], "algorithm": "adamw"}]
+    return build(name, groups, lr=1e-3, **{**OPTIONS.get(name, {}), **options})
+
+
+def step_calls(name: str, matrices: int, steps: int = 6, warmup: int = 2, **options: Any) -> float:
+    """Mean calls into dimuon per step of optimizer ``name`` on ``matrices`` tiny matrices, over ``steps`` steps
+    after ``warmup``, in the accelerator form."""
     with accelerator_form():
-        opt = build(name, groups, lr=1e-3, **options)
+        opt = _stepping(name, matrices, **options)
         for _ in range(warmup):
             opt.step()
-        calls, start = 0, time.perf_counter()
+        return sum(count_calls(opt.step) for _ in range(steps)) / steps
+
+
+def step_ms(name: str, matrices: int, steps: int = 30, warmup: int = 3, **options: Any) -> float:
+    """Median host milliseconds per step, as :func:`step_calls` steps (tiny tensors: the host's work is the step)."""
+    with accelerator_form():
+        opt = _stepping(name, matrices, **options)
+        for _ in range(warmup):
+            opt.step()
+        times = []
         for _ in range(steps):
-            calls += count_calls(opt.step)
-        seconds = time.perf_counter() - start
-    return calls / steps, 1e3 * seconds / steps
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
-    """Print the table: calls per step at 20, 140 and 560 matrices for each optimizer."""
+    """Print calls per step (and host ms with ``--ms``) at 20, 140 and 560 matrices for each optimizer."""
     sizes = (20, 140, 560)
-    print(f"{'optimizer':<20}" + "".join(f"{n:>10}" for n in sizes) + "   140/20")
+    timed = "--ms" in sys.argv
+    print(
+        f"{'optimizer':<20}" + "".join(f"{n:>10}" for n in sizes) + "   140/20" + ("   ms@20   ms@140" if timed else "")
+    )
     for name in OPTIMIZERS:
-        counts = [step_calls(name, n, nonfinite="skip")[0] for n in sizes]
-        print(f"{name:<20}" + "".join(f"{c:>10.0f}" for c in counts) + f"   {counts[1] / counts[0]:.2f}x")
+        counts = [step_calls(name, n, nonfinite="skip") for n in sizes]
+        row = f"{name:<20}" + "".join(f"{c:>10.0f}" for c in counts) + f"   {counts[1] / counts[0]:.2f}x"
+        if timed:
+            row += "".join(f"{step_ms(name, n, nonfinite='skip'):>8.2f}" for n in sizes[:2])
+        print(row)
 
 
 if __name__ == "__main__":
