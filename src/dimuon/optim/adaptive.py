@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dimuon.optim.core import local_tensor, matrix_shape
+from dimuon.optim.common import local_tensor, matrix_shape
 from dimuon.optim.distributed.engine import (
     MatrixJob,
     RowRange,

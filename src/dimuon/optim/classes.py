@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import devices
+from dimuon.optim.common import StepKind
 from dimuon.optim.distributed import engine as engine_module  # its newton_schulz, as the op census patches it
 from dimuon.optim.distributed.engine import (
     MapConfig,
@@ -33,7 +34,6 @@ from dimuon.optim.distributed.engine import (
     stacked_ranges,
 )
 from dimuon.optim.linalg import lr_scale_factor, row_factors
-from dimuon.optim.schedules import StepKind
 
 # Below this many elements a gradient's masking is launch-bound on an accelerator: stacked per class (core.py's rule).
 MASK_BATCH_NUMEL = 1 << 20

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, ClassVar, Literal, TypedDict, get_args
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from torch import Tensor
@@ -26,6 +26,15 @@ from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from dimuon.optim import classes, devices, fused
+from dimuon.optim.common import (
+    ALGORITHMS,
+    NONFINITE_POLICIES,
+    Nonfinite,
+    StepKind,
+    group_lr,
+    local_tensor,
+    matrix_shape,
+)
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
@@ -54,13 +63,9 @@ from dimuon.optim.linalg import (
     NsAlgorithm,
     NsCoefficients,
 )
-from dimuon.optim.schedules import Schedule, StepKind
+from dimuon.optim.schedules import Schedule
 from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
 from dimuon.optim.workspace import Workspace
-
-ALGORITHMS = ("muon", "adamw")
-Nonfinite = Literal["raise", "skip"]
-NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
 
 # Keys a parameter group may carry besides its options: "params", torch's "param_names", the keys torch's LR
 # schedulers write into every group (OneCycleLR's and CyclicLR's among them), a free "name", and the counters
@@ -280,26 +285,6 @@ def misspelling_hints(unknown: Iterable[str], options: Iterable[str]) -> str:
 
 class FlattenedParameterWarning(UserWarning):
     """A parameter with more than two dimensions in a "muon" group is updated as one (out, rest) matrix."""
-
-
-def group_lr(group: dict[str, Any]) -> float | Tensor:
-    """A group's lr as the step uses it: a number, or a 0-d Tensor (a view of a one-element lr of any shape, so a
-    scheduler's in-place ``fill_`` still reaches it)."""
-    lr = group["lr"]
-    return lr.view(()) if isinstance(lr, Tensor) and lr.dim() != 0 else lr
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The process-local data of a (possibly DTensor) tensor."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
-    """``(count, rows, cols)`` of the matrices parameter ``p`` holds: one ``(shape[0], rest)`` matrix (a conv
-    weight's flattening), or with ``stacked`` ``shape[0]`` matrices of ``(shape[1], rest)``."""
-    if stacked:
-        return p.shape[0], p.shape[1], math.prod(p.shape[2:])
-    return 1, p.shape[0], math.prod(p.shape[1:])
 
 
 # Below this many elements a gradient's masking is launch-bound on an accelerator (a launch costs more than the

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from dimuon.optim.core import ALGORITHMS
+from dimuon.optim.common import ALGORITHMS
 
 Rule = tuple[str, "str | Mapping[str, Any]"]
 

@@ -13,25 +13,17 @@ Adding a schedule is one subclass here (or in a module of its own), one optimize
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from dimuon.optim.common import StepKind
 from dimuon.optim.validation import check_number
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from dimuon.optim.distributed.engine import DirectionEngine, MatrixJob
-
-
-class StepKind(str, enum.Enum):
-    """The direction map of one step."""
-
-    SPECTRAL = "spectral"  # Newton-Schulz on the whole matrix
-    ROWNORM = "rownorm"  # each oriented row normalized
-    BLOCK = "block"  # Newton-Schulz on each row block (shard) on its own
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
+from dimuon.optim.common import StepKind
 from dimuon.optim.linalg import (
     compiled_newton_schulz,
     lr_scale_factor,
@@ -26,7 +27,6 @@ from dimuon.optim.linalg import (
     row_factors,
     row_normalize,
 )
-from dimuon.optim.schedules import StepKind
 from dimuon.optim.workspace import Workspace
 
 RowRange = tuple[int, int]

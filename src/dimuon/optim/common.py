@@ -1,0 +1,48 @@
+"""What every part of the optimizer shares: the step kinds, the group algorithms, the non-finite policies and the
+few helpers that read a parameter as the step sees it. It imports nothing of dimuon's but the layout's DTensor test,
+so any module can use it without an import circle."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, Literal, get_args
+
+from torch import Tensor
+
+from dimuon.optim.distributed.layout import is_dtensor
+
+
+class StepKind(str, enum.Enum):
+    """The direction map of one step."""
+
+    SPECTRAL = "spectral"  # Newton-Schulz on the whole matrix
+    ROWNORM = "rownorm"  # each oriented row normalized
+    BLOCK = "block"  # Newton-Schulz on each row block (shard) on its own
+
+
+ALGORITHMS = ("muon", "adamw")
+
+Nonfinite = Literal["raise", "skip"]
+
+NONFINITE_POLICIES: tuple[str, ...] = get_args(Nonfinite)
+
+
+def group_lr(group: dict[str, Any]) -> float | Tensor:
+    """A group's lr as the step uses it: a number, or a 0-d Tensor (a view of a one-element lr of any shape, so a
+    scheduler's in-place ``fill_`` still reaches it)."""
+    lr = group["lr"]
+    return lr.view(()) if isinstance(lr, Tensor) and lr.dim() != 0 else lr
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The process-local data of a (possibly DTensor) tensor."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
+    """``(count, rows, cols)`` of the matrices parameter ``p`` holds: one ``(shape[0], rest)`` matrix (a conv
+    weight's flattening), or with ``stacked`` ``shape[0]`` matrices of ``(shape[1], rest)``."""
+    if stacked:
+        return p.shape[0], p.shape[1], math.prod(p.shape[2:])
+    return 1, p.shape[0], math.prod(p.shape[1:])
