@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 from torch import Tensor
@@ -46,3 +47,9 @@ def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:
     if stacked:
         return p.shape[0], p.shape[1], math.prod(p.shape[2:])
     return 1, p.shape[0], math.prod(p.shape[1:])
+
+
+def _some_names(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, quoted, and how many more there are."""
+    listed = ", ".join(repr(n) for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
