@@ -29,11 +29,13 @@ def run(model: nn.Module, step, opt: torch.optim.Optimizer, steps: int) -> None:
 
 
 def test_fused_adamw_group_matches_foreach_and_is_the_default_on_cpu(monkeypatch):
-    import dimuon.optim.core as core
+    import dimuon.optim.adamw_group as adamw_group
 
     kernels = []
-    adamw = core.adamw_functional
-    monkeypatch.setattr(core, "adamw_functional", lambda *a, **kw: kernels.append(kw["fused"]) or adamw(*a, **kw))
+    adamw = adamw_group.adamw_functional
+    monkeypatch.setattr(
+        adamw_group, "adamw_functional", lambda *a, **kw: kernels.append(kw["fused"]) or adamw(*a, **kw)
+    )
     models = [small_model() for _ in range(3)]
     opts = [build("muon", m, lr=0.02, weight_decay=0.1, adamw_fused=f) for m, f in zip(models, (True, False, None))]
     for m, o in zip(models, opts):
