@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dimuon.optim import devices
-from dimuon.optim.common import StepKind
+from dimuon.optim import devices, fused
+from dimuon.optim.common import StepKind, group_lr
 from dimuon.optim.distributed import engine as engine_module  # its newton_schulz, as the op census patches it
 from dimuon.optim.distributed.engine import (
+    LocalEngine,
     MapConfig,
     MatrixJob,
     Region,
@@ -34,8 +35,10 @@ from dimuon.optim.distributed.engine import (
     stacked_ranges,
 )
 from dimuon.optim.linalg import lr_scale_factor, row_factors
+from dimuon.optim.schedules import Schedule
 
-# Below this many elements a gradient's masking is launch-bound on an accelerator: stacked per class (core.py's rule).
+# Below this many elements a gradient's masking is launch-bound on an accelerator (a launch costs more than the
+# four extra passes of stacking it with its momentum): such gradients of one shape are masked in one ``where``.
 MASK_BATCH_NUMEL = 1 << 20
 
 
@@ -75,6 +78,19 @@ class GroupPlan:
     keys: list[str]  # per parameter in the same order, its name in refresh_stats()
     fixed: bool  # the schedule decides per group: the step maps by class, else its jobs go to the engine
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
+
+
+@dataclass
+class _MuonWork:
+    """One Muon group's step between the momentum update and the weight update."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    jobs: list[MatrixJob]
+    config: MapConfig
+    keys: list[str]  # each parameter's name in refresh_stats()
+    plan: GroupPlan | None = None  # where the step takes the class path: the plan and its U batches
+    batches: list[Tensor] | None = None
 
 
 def plan_options(group: dict[str, Any]) -> tuple[Any, ...]:
@@ -161,7 +177,7 @@ def make_plan(
 
 def masked_gradients(plan: GroupPlan, mask: Tensor, grads: Sequence[Tensor]) -> list[Tensor]:
     """``where(mask, G, M)`` per gradient (class order), one ``where`` per class where its gradients are small on
-    an accelerator: core.py's :func:`~dimuon.optim.core.masked_gradients`, classes known in advance."""
+    an accelerator: :func:`dimuon.optim.per_job.masked_gradients`, classes known in advance."""
     out: list[Tensor] = []
     start = 0
     for cls in plan.classes:
@@ -277,3 +293,108 @@ def row_factors_by_class(cls: ShapeClass, batch: Tensor, config: MapConfig) -> T
     for (r0, r1, c0, c1), f in zip(regions, factors):
         torch.mul(batch[:, r0:r1, c0:c1], f, out=out[:, r0:r1, c0:c1])
     return out
+
+
+class ClassStep:
+    """The class path's share of the optimizer: its plans, made with the groups, and the step they take."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    schedule: Schedule
+    kernels: str
+    _engine: Any
+    _plans: dict[int, GroupPlan | None]
+
+    def _make_plans(self) -> None:
+        """Every Muon group's plan by shape class, where the step can take the class path: a single process (the
+        local engine), the eager kernels, contiguous plain parameters (a schedule that decides per matrix takes
+        the momenta and jobs from it, then maps job by job)."""
+        self._plans = {}
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] == "muon" and group["params"]:
+                self._plans[gi] = self._make_plan(gi, group)
+
+    def _make_plan(self, gi: int, group: dict[str, Any]) -> GroupPlan | None:
+        params = group["params"]
+        schedule = type(self.schedule)
+        fixed = schedule.decide is Schedule.decide and schedule.after_step is Schedule.after_step
+        if type(self._engine) is not LocalEngine or fused.fuses(self.kernels, params[0].device):
+            return None
+        states = [self.state.get(p, {}) for p in params]
+        if any("momentum_buffer" not in st or not p.is_contiguous() for p, st in zip(params, states)):
+            return None  # parameters on the meta device, or not laid out as their matrices
+        names = group.get("param_names")
+        return make_plan(
+            group,
+            [st["momentum_buffer"] for st in states],
+            [names[i] if names else f"params[{i}]" for i in range(len(params))],
+            [self._param_name(group, i, gi) for i in range(len(params))],
+            fixed,
+        )
+
+    def _group_plan(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> GroupPlan | None:
+        """Group ``gi``'s plan where this step takes the class path (every parameter has a gradient, the state is
+        made), else None; made here only after the first step (which may remake the momenta), and where parameters
+        were replaced or matrix options changed since."""
+        if group["step"] == 0 or len(params) != len(group["params"]):
+            return None
+        plan = self._plans[gi] if gi in self._plans else self._make_plan(gi, group)  # made after the first step
+        if plan is not None and (plan.ids != tuple(map(id, params)) or plan.options != plan_options(group)):
+            plan = self._make_plan(gi, group)
+        self._plans[gi] = plan
+        return plan
+
+    def _class_work(self, group: dict[str, Any], plan: GroupPlan, mask: Tensor | None) -> _MuonWork:
+        """:meth:`_muon_work` by shape class: the momenta in one list op, ``U`` in one batch per class."""
+        beta = group["momentum"]
+        grads = [p.grad for p in plan.params]
+        if mask is None:
+            grads = [g.to(b.dtype) for g, b in zip(grads, plan.bufs)]
+        else:
+            grads = masked_gradients(plan, mask, grads)
+        # M <- beta*M + (1-beta)*G  (EMA form)
+        torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
+        batches = nesterov_batches(plan, grads, beta, group["nesterov"])
+        config = self._map_config(group, plan.classes[0].device)
+        if plan.fixed:
+            return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
+        for job, u in zip(plan.jobs, [u for batch in batches for u in batch.unbind(0)]):
+            job.update = u  # a schedule that decides per matrix: the engine maps job by job
+        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys)
+
+    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> None:
+        """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update."""
+        group, plan, batches = work.group, work.plan, work.batches
+        assert plan is not None and batches is not None
+        lr, wd = group_lr(group), group["weight_decay"]
+        if wd != 0:
+            decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
+            if mask is not None:
+                decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
+            torch._foreach_mul_(plan.params, decay)
+        step_size = lr * self.schedule.multiplier(kind, group)
+        keep = mask.to(torch.float32) if mask is not None else None
+        ws, us, fs, plain_ws, ds = [], [], [], [], []
+        if kind is StepKind.ROWNORM:
+            made = [row_factors_by_class(c, b, work.config) for c, b in zip(plan.classes, batches)]
+        else:
+            made = spectral_directions(plan.classes, batches, kind, work.config)
+        for cls, batch, d in zip(plan.classes, batches, made):
+            n = len(cls.params)
+            if kind is StepKind.ROWNORM and cls.tiled is not None:  # W <- W - step U factor: no direction written
+                ws += cls.params
+                us += batch.view(n, *cls.shape).unbind(0)
+                fs += cls.factor_view(d if keep is None else d * keep).unbind(0)
+                continue
+            dtype = cls.params[0].dtype
+            d = d if d.dtype == dtype else d.to(dtype)  # cast only where the weight is narrower (bf16)
+            plain_ws += cls.params
+            ds += (d if keep is None else d * keep).reshape(n, *cls.shape).unbind(0)
+        if ws and isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (value takes numbers only)
+            torch._foreach_addcmul_(ws, us, torch._foreach_mul(fs, -step_size))
+        elif ws:
+            torch._foreach_addcmul_(ws, us, fs, value=-step_size)
+        if plain_ws and isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (alpha takes numbers only)
+            torch._foreach_sub_(plain_ws, torch._foreach_mul(ds, step_size))
+        elif plain_ws:
+            torch._foreach_add_(plain_ws, ds, alpha=-step_size)

@@ -14,10 +14,12 @@ from typing import Any, TypedDict
 import torch
 
 from dimuon.optim import fused
-from dimuon.optim.common import ALGORITHMS, Nonfinite, StepKind, local_tensor, matrix_shape
+from dimuon.optim.common import ALGORITHMS, NONFINITE_POLICIES, Nonfinite, StepKind, local_tensor, matrix_shape
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
+    REFRESH_STRATEGIES,
+    REPLICA_REFRESH_STRATEGIES,
     DirectionEngine,
     Refresh,
     ReplicaRefresh,
@@ -299,3 +301,28 @@ class GroupOptions:
     def _param_name(group: dict[str, Any], i: int, gi: int) -> str:
         names = group.get("param_names")
         return names[i] if names else f"params[{i}] of group {gi}"
+
+
+def check_runtime_options(
+    nonfinite: Any,
+    refresh: Any,
+    replica_refresh: Any,
+    bucket_mb: Any,
+    comm_dtype: Any,
+    ns_compile: Any,
+    adamw_fused: Any,
+    kernels: Any,
+) -> None:
+    """The options of the optimizer as a whole (:data:`_RUNTIME_DEFAULTS`, :data:`_ENGINE_DEFAULTS`), each error
+    naming the option."""
+    check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    check_choice("refresh", refresh, REFRESH_STRATEGIES)
+    check_choice("replica_refresh", replica_refresh, REPLICA_REFRESH_STRATEGIES)
+    check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
+    if not isinstance(ns_compile, bool):
+        raise TypeError(f"ns_compile must be a bool, got {ns_compile!r}")
+    if adamw_fused is not None and not isinstance(adamw_fused, bool):
+        raise TypeError(f"adamw_fused must be None, True or False, got {adamw_fused!r}")
+    fused.check_kernels(kernels)
