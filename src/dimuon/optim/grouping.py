@@ -224,14 +224,7 @@ def param_groups(
         split_sizes = heads.with_split_sizes(split_sizes)
     head_cols = {name: opts["col_split_sizes"] for name, opts in (heads.rules if heads else {}).items()}
     prefix = wrapper_prefix(model)
-    # Every place that holds each parameter (a weight tied between modules, or a module used twice, has several),
-    # in registration order: (its name there, the module holding it, that module's parent).
-    owners: dict[int, list[tuple[str, nn.Module, nn.Module | None]]] = {}
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for mod_name, module in modules.items():
-        parent = modules.get(mod_name.rpartition(".")[0]) if mod_name else None
-        for p_name, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            owners.setdefault(id(p), []).append((f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
+    owners = _places(model)
     groups: dict[tuple, dict[str, Any]] = {}
     seen: set[int] = set()
     matched: set[str] = set()
@@ -242,14 +235,7 @@ def param_groups(
         places = owners[id(p)]
         # Rules and patterns see every name of the parameter (as given and as the network names it).
         names = tuple(dict.fromkeys(n for alias, _, _ in places for n in (alias, role_name(alias, prefix))))
-        options: dict[str, Any] = {}
-        why = ""
-        for pattern, opts in normalized:
-            if _matches(names, pattern):
-                options = dict(opts)
-                why = f"user rule {pattern!r}"
-                matched.add(pattern)
-                break
+        options, why = _first_rule(names, normalized, matched)
         algorithm, role = _tied_role(p, places, prefix)
         role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
         if role_pattern is not None:
@@ -275,6 +261,29 @@ def param_groups(
             stacklevel=2,
         )
     return list(groups.values())
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, nn.Module | None]]]:
+    """Every place that holds each parameter (a weight tied between modules, or a module used twice, has several),
+    in registration order: (its name there, the module holding it, that module's parent)."""
+    owners: dict[int, list[tuple[str, nn.Module, nn.Module | None]]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for mod_name, module in modules.items():
+        parent = modules.get(mod_name.rpartition(".")[0]) if mod_name else None
+        for p_name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((f"{mod_name}.{p_name}" if mod_name else p_name, module, parent))
+    return owners
+
+
+def _first_rule(
+    names: Sequence[str], normalized: Sequence[tuple[str, dict[str, Any]]], matched: set[str]
+) -> tuple[dict[str, Any], str]:
+    """The options of the first rule matching any of ``names`` and why (``matched`` gains its pattern), or none."""
+    for pattern, opts in normalized:
+        if _matches(names, pattern):
+            matched.add(pattern)
+            return dict(opts), f"user rule {pattern!r}"
+    return {}, ""
 
 
 def describe_groups(groups: Sequence[Mapping[str, Any]]) -> str:

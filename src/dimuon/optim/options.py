@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any, TypedDict
 
 import torch
+from torch import Tensor
 
 from dimuon.optim import fused
 from dimuon.optim.common import ALGORITHMS, NONFINITE_POLICIES, Nonfinite, StepKind, local_tensor, matrix_shape
@@ -248,30 +249,35 @@ class GroupOptions:
             split_sizes_to_ranges(rows, group["split_sizes"], pname)
             col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
             if is_dtensor(p):
-                layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
-                if group["stacked"] and layout.col_dims:
-                    raise ValueError(
-                        f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
-                        "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
-                        "shard only the leading dimension (FSDP2's Shard(0)) or replicate it"
-                    )
-                col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
-                if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
-                    raise ValueError(
-                        f"col_split_sizes for parameter {pname!r} under {type(self).__name__}: its "
-                        f"{placement_words(p)} split its columns, and {type(self).__name__}'s "
-                        f"{'/'.join(k.value for k in self.schedule.kinds if k is not StepKind.SPECTRAL)} steps cut "
-                        "column chunks out of each rank's rows, so they need whole rows on every rank (FSDP, HSDP, "
-                        "Shard(0) tensor parallelism); use muon for it (its spectral steps assemble whole "
-                        "matrices), drop col_split_sizes, or a layout that keeps its rows whole"
-                    )
-                if self.schedule.whole_rows and layout.col_dims:
-                    raise ValueError(
-                        f"{type(self).__name__} {self.schedule.whole_rows}, so its matrices may be "
-                        f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
-                        f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
-                        "plan for its layer"
-                    )
+                self._check_sharded(p, pname, group, cols)
+
+    def _check_sharded(self, p: Tensor, pname: str, group: dict[str, Any], cols: int) -> None:
+        """A DTensor parameter's placements against its group's options and the schedule (a clear error now, not
+        at the first step)."""
+        layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
+        if group["stacked"] and layout.col_dims:
+            raise ValueError(
+                f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
+                "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
+                "shard only the leading dimension (FSDP2's Shard(0)) or replicate it"
+            )
+        col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
+        if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
+            raise ValueError(
+                f"col_split_sizes for parameter {pname!r} under {type(self).__name__}: its "
+                f"{placement_words(p)} split its columns, and {type(self).__name__}'s "
+                f"{'/'.join(k.value for k in self.schedule.kinds if k is not StepKind.SPECTRAL)} steps cut "
+                "column chunks out of each rank's rows, so they need whole rows on every rank (FSDP, HSDP, "
+                "Shard(0) tensor parallelism); use muon for it (its spectral steps assemble whole "
+                "matrices), drop col_split_sizes, or a layout that keeps its rows whole"
+            )
+        if self.schedule.whole_rows and layout.col_dims:
+            raise ValueError(
+                f"{type(self).__name__} {self.schedule.whole_rows}, so its matrices may be "
+                f"sharded by rows only (FSDP, HSDP, Shard(0) tensor parallelism); parameter {pname!r} is "
+                f"split by columns ({tuple(p.placements)}): use periodic_row_muon for it, or a row-wise "
+                "plan for its layer"
+            )
 
     def _warn_foreign_keys(self, stacklevel: int) -> None:
         """One warning for the group keys dimuon ignores, gathered since the last one."""

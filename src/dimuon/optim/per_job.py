@@ -165,25 +165,11 @@ class PerJobStep:
         lr, wd = group_lr(group), group["weight_decay"]
         plain = isinstance(engine, LocalEngine)  # no DTensors: a weight is its own local data
         weights = list(work.params) if plain else [local_tensor(p) for p in work.params]
-        directions: list[Tensor | None] = [None] * len(work.jobs)
         # Per kind present: one engine call, then one list update of the weights it moves (every matrix of a kind
         # shares the step size lr * mult, as the engine's directions carry their shape scale).
         chosen_by_kind = {kind: [i for i, k in enumerate(kinds) if k is kind] for kind in StepKind}
         chosen_by_kind = {kind: chosen for kind, chosen in chosen_by_kind.items() if chosen}
-        row_scaled: dict[int, RowScaled] = {}  # RowNorm directions left as U * factor: folded into the update
-        for kind, chosen in chosen_by_kind.items():
-            jobs = [work.jobs[i] for i in chosen]
-            made = (
-                engine.row_directions(jobs, work.config)
-                if kind is StepKind.ROWNORM and hasattr(engine, "row_directions")
-                else engine.directions(jobs, kind, work.config)
-            )
-            for i, d in zip(chosen, made):
-                if isinstance(d, RowScaled) and _matrix_view(weights[i], d.update) is None:
-                    d = d.materialize()  # a weight that is no view of its matrix (non-contiguous): written out
-                if isinstance(d, RowScaled):
-                    row_scaled[i] = d
-                directions[i] = d
+        directions, row_scaled = self._job_directions(work, weights, chosen_by_kind)
         done = self._fused_apply(work, weights, directions, chosen_by_kind, mask)
         if done:  # the rest take the eager form below
             chosen_by_kind = {k: [i for i in c if i not in done] for k, c in chosen_by_kind.items()}
@@ -219,6 +205,29 @@ class PerJobStep:
                 torch._foreach_add_(ws, ds, alpha=-step_size)
         self._count_kinds(work, kinds)
         self.schedule.after_step(work, kinds, directions, mask, ctx)
+
+    def _job_directions(
+        self, work: _MuonWork, weights: Sequence[Tensor], chosen_by_kind: dict[StepKind, list[int]]
+    ) -> tuple[list[RowDirection | None], dict[int, RowScaled]]:
+        """The engine's direction of every job, one call per kind; and the RowNorm directions left as
+        ``U * factor`` (folded into the update, never written), by job."""
+        engine = self._get_engine()
+        directions: list[RowDirection | None] = [None] * len(work.jobs)
+        row_scaled: dict[int, RowScaled] = {}
+        for kind, chosen in chosen_by_kind.items():
+            jobs = [work.jobs[i] for i in chosen]
+            made = (
+                engine.row_directions(jobs, work.config)
+                if kind is StepKind.ROWNORM and hasattr(engine, "row_directions")
+                else engine.directions(jobs, kind, work.config)
+            )
+            for i, d in zip(chosen, made):
+                if isinstance(d, RowScaled) and _matrix_view(weights[i], d.update) is None:
+                    d = d.materialize()  # a weight that is no view of its matrix (non-contiguous): written out
+                if isinstance(d, RowScaled):
+                    row_scaled[i] = d
+                directions[i] = d
+        return directions, row_scaled
 
     def _fused_apply(
         self,
