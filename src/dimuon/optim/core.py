@@ -43,14 +43,17 @@ from dimuon.optim.linalg import (
     NsAlgorithm,
     NsCoefficients,
 )
-from dimuon.optim.options import FlattenedParameterWarning as FlattenedParameterWarning  # re-exported
-from dimuon.optim.options import ForeignGroupKeyWarning as ForeignGroupKeyWarning
 from dimuon.optim.options import (
+    _ENGINE_DEFAULTS,
+    GROUP_ARGUMENTS,
+    MATRIX_DEFAULTS,
     GroupOptions,
     _same_value,
     check_runtime_options,
     misspelling_hints,
 )
+from dimuon.optim.options import FlattenedParameterWarning as FlattenedParameterWarning  # re-exported
+from dimuon.optim.options import ForeignGroupKeyWarning as ForeignGroupKeyWarning
 from dimuon.optim.options import MuonOptions as MuonOptions
 from dimuon.optim.options import misspelt_option as misspelt_option
 from dimuon.optim.per_job import MASK_BATCH_NUMEL as MASK_BATCH_NUMEL  # re-exported
@@ -127,24 +130,14 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
-        defaults: dict[str, Any] = dict(
-            algorithm="muon",
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            lr_scale=lr_scale,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_algorithm=ns_algorithm,
-            adamw_betas=tuple(adamw_betas),
-            adamw_eps=adamw_eps,
-            split_sizes=None,
-            col_split_sizes=None,
-            stacked=False,
+        given = dict(locals())
+        defaults: dict[str, Any] = {
+            "algorithm": "muon",
+            **{key: given[key] for key in GROUP_ARGUMENTS},
+            "adamw_betas": tuple(adamw_betas),
+            **MATRIX_DEFAULTS,
             **self._schedule_defaults(),
-        )
+        }
         self._refuse_unknown(schedule_options)
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
@@ -156,13 +149,7 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         self.adamw_fused = adamw_fused
         self.kernels = kernels
         self._tables = fused.Tables()  # the fused kernels' address tables, kept on the device between steps
-        self.engine_options = {
-            "refresh": refresh,
-            "bucket_mb": bucket_mb,
-            "comm_dtype": comm_dtype,
-            "process_group": process_group,
-            "replica_refresh": replica_refresh,
-        }
+        self.engine_options = {key: given[key] for key in _ENGINE_DEFAULTS}
         self._engine: DirectionEngine | None = engine
         self._engine_params: tuple[tuple[int, ...], tuple[type, ...]] | tuple[()] = ()  # what the engine was built for
         self._engine_given = engine is not None

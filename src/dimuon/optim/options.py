@@ -48,6 +48,23 @@ _TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspe
 # (checked in this order: the splits cut the matrices that ``stacked`` makes).
 _MATRIX_GROUP_OPTIONS = ("stacked", "split_sizes", "col_split_sizes")
 
+# The group options the constructor takes as arguments, in the order a group holds them (then the matrix options,
+# set per group only, then the schedule's).
+GROUP_ARGUMENTS = (
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "lr_scale",
+    "ns_coefficients",
+    "ns_steps",
+    "ns_dtype",
+    "ns_algorithm",
+    "adamw_betas",
+    "adamw_eps",
+)
+MATRIX_DEFAULTS: dict[str, Any] = {"split_sizes": None, "col_split_sizes": None, "stacked": False}
+
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
 _RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None, "kernels": "auto"}
