@@ -46,6 +46,7 @@ class AdamWGroup:
         the vote failed (it then leaves parameters and moments untouched and torch takes the step counters back),
         and elsewhere :meth:`_masked_adamw` runs."""
         fused = self.adamw_fused if self.adamw_fused is not None else self._fused_supported(params)
+        fused = fused and not torch.compiler.is_compiling()  # torch's fused kernel is not traced: a graph fuses itself
         if mask is not None and not fused:
             self._masked_adamw(group, params, mask)
             return

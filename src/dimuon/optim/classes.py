@@ -291,7 +291,10 @@ def row_factors_by_class(cls: ShapeClass, batch: Tensor, config: MapConfig) -> T
         return factors[0] if len(factors) == 1 else torch.cat(factors, dim=1 if cls.tiled == "rows" else 2)
     out = torch.zeros(batch.shape, dtype=factors[0].dtype, device=batch.device)
     for (r0, r1, c0, c1), f in zip(regions, factors):
-        torch.mul(batch[:, r0:r1, c0:c1], f, out=out[:, r0:r1, c0:c1])
+        if torch.compiler.is_compiling():  # a graph takes no strided out=: the product, then a copy (same values)
+            out[:, r0:r1, c0:c1] = batch[:, r0:r1, c0:c1] * f
+        else:
+            torch.mul(batch[:, r0:r1, c0:c1], f, out=out[:, r0:r1, c0:c1])
     return out
 
 

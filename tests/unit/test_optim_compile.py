@@ -1,0 +1,85 @@
+"""``torch.compile(opt.step, fullgraph=True)``: no graph break and one graph per step kind once warm, the eager
+step's values; the settings that read the device on the host at every step break the graph there.
+
+Dynamo's graphs are run by a counting backend here (the traced ops, run as they are); inductor's code is checked
+under ``slow`` (its C++ compile takes tens of seconds on a CPU).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from golden_steps import OPTIMIZERS, make_optimizer, make_params, set_grads
+
+STEPS = 11  # eager steps 0-1 make the state; compiled steps 2-10 (2 skipped: a NaN) take every kind 3 times
+KINDS = {"muon": 1, "periodic_row_muon": 2, "muon_bp": 2}
+ADAMW = ("bias", "norm")
+
+
+def _run(name: str, compiled: bool, backend: object = "eager") -> tuple[dict, list[int]]:
+    """The weights after STEPS steps (from step 2 on compiled) and the graphs compiled after each step."""
+    torch._dynamo.reset()
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(1)
+        return gm.forward if backend == "eager" else torch._inductor.compile(gm, inputs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps = make_params()
+        opt = make_optimizer(name, ps, "skip")
+        step = torch.compile(opt.step, fullgraph=True, backend=counting) if compiled else opt.step
+        seen = []
+        for t in range(STEPS):
+            set_grads(ps, t, "skip")
+            (step if t >= 2 else opt.step)()
+            seen.append(len(graphs))
+    return {n: p.detach().clone() for n, p in ps.items()}, seen
+
+
+def _check(name: str, backend: object, exact: bool) -> None:
+    want, _ = _run(name, compiled=False)
+    got, seen = _run(name, compiled=True, backend=backend)
+    # torch adds "capturable" to each group at the first compiled call and the step counter turns dynamic at the
+    # second: two warm-up graphs, then one per step kind, and none after the first period
+    assert seen[-1] <= KINDS[name] + 2, seen
+    assert seen[-1] == seen[-1 - int(OPTIMIZERS[name].get("k", OPTIMIZERS[name].get("period", 1)))], seen
+    for key, value in want.items():
+        if exact and key not in ADAMW:
+            assert torch.equal(got[key], value), key
+        else:  # the eager AdamW group takes torch's fused kernel, which a graph does not trace
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_muon_step_is_one_graph_and_the_eager_values() -> None:
+    _check("muon", "eager", exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["periodic_row_muon", "muon_bp"])
+def test_compiled_step_is_one_graph_per_kind_and_the_eager_values(name: str) -> None:
+    _check(name, "eager", exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KINDS))
+def test_inductor_step_keeps_the_eager_values(name: str) -> None:
+    _check(name, "inductor", exact=False)
+
+
+@pytest.mark.parametrize(("name", "nonfinite"), [("muon", "raise"), ("adaptive_row_muon", "skip")])
+def test_host_reads_are_the_one_graph_break(name: str, nonfinite: str) -> None:
+    """``nonfinite="raise"`` reads the vote on the host at every step, and AdaptiveRowMuon its signals (its matrices
+    go to the engine job by job, whose batching reads storage offsets): a plain ``torch.compile`` breaks the graph
+    there (the eager values: test_optim_execution.py), ``fullgraph=True`` refuses them."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps = make_params()
+        opt = make_optimizer(name, ps, nonfinite)
+        set_grads(ps, 0, "raise")
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(opt.step, fullgraph=True, backend="eager")()
