@@ -215,14 +215,9 @@ def param_groups(
     options but no algorithm keeps it. A rule that matches no parameter is named in a warning (a misspelt pattern
     would otherwise change nothing, silently).
     """
-    from dimuon.optim.heads import per_head_splits
-
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     normalized = [(pat, _normalize_rule(pat, val)) for pat, val in rule_list]
-    heads = per_head_splits(model) if per_head else None
-    if heads is not None:  # per-head rows first: they refine a fused split (3H chunks of a qkv rather than 3)
-        split_sizes = heads.with_split_sizes(split_sizes)
-    head_cols = {name: opts["col_split_sizes"] for name, opts in (heads.rules if heads else {}).items()}
+    split_sizes, head_cols = _head_splits(model, per_head, split_sizes)
     prefix = wrapper_prefix(model)
     owners = _places(model)
     groups: dict[tuple, dict[str, Any]] = {}
@@ -236,31 +231,60 @@ def param_groups(
         # Rules and patterns see every name of the parameter (as given and as the network names it).
         names = tuple(dict.fromkeys(n for alias, _, _ in places for n in (alias, role_name(alias, prefix))))
         options, why = _first_rule(names, normalized, matched)
-        algorithm, role = _tied_role(p, places, prefix)
-        role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
-        if role_pattern is not None:
-            algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
+        algorithm, role = _role(p, places, prefix, names, roles)
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
             reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
         options.setdefault("algorithm", algorithm)
-        if options["algorithm"] == "muon":
-            split = _match_split(names, split_sizes)
-            if split is not None:
-                options.setdefault("split_sizes", split)  # a rule's own split wins
-            if name in head_cols:
-                options.setdefault("col_split_sizes", head_cols[name])
+        if options["algorithm"] == "muon":  # a rule's own splits win
+            _set_splits(options, _match_split(names, split_sizes), head_cols.get(name))
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         group = groups.setdefault(key, {"params": [], **options})
         group["params"].append((name, p))
-    unmatched = [pat for pat, _ in normalized if pat not in matched]
+    _warn_unmatched([pat for pat, _ in normalized if pat not in matched])
+    return list(groups.values())
+
+
+def _head_splits(
+    model: nn.Module, per_head: bool, split_sizes: Mapping[str, int | Sequence[int]] | None
+) -> tuple[Mapping[str, int | Sequence[int]] | None, dict[str, Any]]:
+    """``split_sizes`` refined by the per-head rows (3H chunks of a fused qkv rather than 3), and the per-head
+    column splits by parameter name, where ``per_head``."""
+    if not per_head:
+        return split_sizes, {}
+    from dimuon.optim.heads import per_head_splits
+
+    heads = per_head_splits(model)
+    return heads.with_split_sizes(split_sizes), {name: opts["col_split_sizes"] for name, opts in heads.rules.items()}
+
+
+def _role(
+    p: nn.Parameter, places: Sequence[Any], prefix: str, names: Sequence[str], roles: Mapping[str, str] | None
+) -> tuple[str, str]:
+    """The default algorithm of a parameter and why: by its role in the network (tied ones as their most
+    table-like place), or by the first of ``roles`` matching one of its names."""
+    role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
+    if role_pattern is not None:
+        return roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
+    return _tied_role(p, places, prefix)
+
+
+def _set_splits(options: dict[str, Any], split: Any, head_cols: Any) -> None:
+    """A Muon parameter's row and column splits where its rule set none."""
+    if split is not None:
+        options.setdefault("split_sizes", split)
+    if head_cols is not None:
+        options.setdefault("col_split_sizes", head_cols)
+
+
+def _warn_unmatched(unmatched: list[str]) -> None:
+    """Name the rules that matched no parameter: a misspelt pattern would otherwise change nothing, silently."""
     if unmatched:
         warnings.warn(
             f"param_groups: rule(s) {unmatched} matched no trainable parameter, so they change nothing; patterns "
             "are fnmatch globs on parameter names, e.g. 'blocks.*.attn.qkv.weight'",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    return list(groups.values())
 
 
 def _places(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, nn.Module | None]]]:
