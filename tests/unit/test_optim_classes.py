@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from golden_steps import OPTIMIZERS, make_optimizer, make_params, set_grads
+from golden_steps import OPTIMIZERS, make_groups, make_optimizer, make_params, set_grads
 
 from dimuon.optim import build
 from dimuon.optim.distributed.engine import LocalEngine
@@ -82,4 +82,21 @@ def test_a_load_remakes_the_plans() -> None:
     assert all(buf is a.state[p]["momentum_buffer"] for p, buf in zip(plan.params, plan.bufs))
     for step in range(2, 5):
         _step_both(ps, a, qs, b, step)
+    _same(ps, qs)
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+@pytest.mark.parametrize("name", ["muon", "periodic_row_muon"])
+def test_class_path_through_the_fused_kernels(name: str, nonfinite: str) -> None:
+    """The fused kernels (Triton's interpreter on the CPU) by class: the per-job path's weights, bit for bit."""
+    pytest.importorskip("triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps, qs = make_params(), make_params()
+        options = dict(OPTIMIZERS[name], lr=0.02, weight_decay=0.1, nonfinite=nonfinite, kernels="triton")
+        a = build(name, make_groups(ps), **options)
+        b = build(name, make_groups(qs), engine=PerJob(), **options)
+        for step in range(5):
+            _step_both(ps, a, qs, b, step)
+    assert all(plan is not None and plan.launchable for plan in a._plans.values())
     _same(ps, qs)

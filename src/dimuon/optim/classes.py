@@ -78,6 +78,7 @@ class GroupPlan:
     keys: list[str]  # per parameter in the same order, its name in refresh_stats()
     fixed: bool  # the schedule decides per group: the step maps by class, else its jobs go to the engine
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
+    launchable: bool = False  # the fused kernels can take its parameters and momenta (dtypes, layout, one device)
 
 
 @dataclass
@@ -194,24 +195,16 @@ def masked_gradients(plan: GroupPlan, mask: Tensor, grads: Sequence[Tensor]) -> 
 def nesterov_batches(plan: GroupPlan, grads: Sequence[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
     """Per class, its ``(B, rows, cols)`` batch of ``U``: ``lerp(G, M, beta)`` written into one buffer per class
     (kept between steps on the CPU), or with Nesterov off the momenta stacked (``U = M``)."""
+    if not nesterov:
+        return stacked_momenta(plan)
     batches: list[Tensor] = []
     start = 0
-    for ci, cls in enumerate(plan.classes):
+    for batch, cls in zip(u_batches(plan), plan.classes):
         stop = start + len(cls.params)
         ms = [b.view(cls.rows, cls.cols) for b in plan.bufs[start:stop]]
-        if not nesterov:
-            batches.append(torch.stack(ms))
-            start = stop
-            continue
-        cpu = devices.cpu_path(cls.device)
-        batch = plan.slots.get(ci) if cpu else None
-        if batch is None:
-            batch = torch.empty((len(ms), cls.rows, cls.cols), dtype=cls.dtype, device=cls.device)
-            if cpu:
-                plan.slots[ci] = batch
         out = batch.unbind(0)
         gs = [g.reshape(cls.rows, cls.cols) for g in grads[start:stop]]
-        if cpu:  # one pass per matrix: U <- lerp(G, M, beta)
+        if devices.cpu_path(cls.device):  # one pass per matrix: U <- lerp(G, M, beta)
             for g, m, u in zip(gs, ms, out):
                 torch.lerp(g, m, beta, out=u)
         else:  # two list ops: U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
@@ -220,6 +213,42 @@ def nesterov_batches(plan: GroupPlan, grads: Sequence[Tensor], beta: float, nest
         batches.append(batch)
         start = stop
     return batches
+
+
+def u_batches(plan: GroupPlan) -> list[Tensor]:
+    """Per class, the ``(B, rows, cols)`` buffer its Nesterov momenta are written into (kept between steps on the
+    CPU, where a fresh one would be paged in again; an accelerator's allocator caches it)."""
+    batches = []
+    for ci, cls in enumerate(plan.classes):
+        cpu = devices.cpu_path(cls.device)
+        batch = plan.slots.get(ci) if cpu else None
+        if batch is None:
+            batch = torch.empty((len(cls.params), cls.rows, cls.cols), dtype=cls.dtype, device=cls.device)
+            if cpu:
+                plan.slots[ci] = batch
+        batches.append(batch)
+    return batches
+
+
+def stacked_momenta(plan: GroupPlan) -> list[Tensor]:
+    """Per class, its momenta stacked as a ``(B, rows, cols)`` batch: ``U = M`` with Nesterov off."""
+    out, start = [], 0
+    for cls in plan.classes:
+        stop = start + len(cls.params)
+        out.append(torch.stack([b.view(cls.rows, cls.cols) for b in plan.bufs[start:stop]]))
+        start = stop
+    return out
+
+
+def grads_launchable(plan: GroupPlan, grads: Sequence[Tensor]) -> bool:
+    """Whether the fused kernels take these gradients too (the parameters and momenta are checked with the plan),
+    without a Python call per gradient."""
+    return (
+        plan.launchable
+        and all(map(Tensor.is_contiguous, grads))
+        and {g.dtype for g in grads} <= set(fused._DTYPES)
+        and {g.device for g in grads} == {plan.classes[0].device}
+    )
 
 
 def _map(batch: Tensor, kind: StepKind, config: MapConfig, rows: int, cols: int) -> Tensor:
@@ -321,19 +350,21 @@ class ClassStep:
         params = group["params"]
         schedule = type(self.schedule)
         fixed = schedule.decide is Schedule.decide and schedule.after_step is Schedule.after_step
-        if type(self._engine) is not LocalEngine or fused.fuses(self.kernels, params[0].device):
+        if type(self._engine) is not LocalEngine:
             return None
         states = [self.state.get(p, {}) for p in params]
         if any("momentum_buffer" not in st or not p.is_contiguous() for p, st in zip(params, states)):
             return None  # parameters on the meta device, or not laid out as their matrices
         names = group.get("param_names")
-        return make_plan(
+        plan = make_plan(
             group,
             [st["momentum_buffer"] for st in states],
             [names[i] if names else f"params[{i}]" for i in range(len(params))],
             [self._param_name(group, i, gi) for i in range(len(params))],
             fixed,
         )
+        plan.launchable = fused.launchable(*plan.params, *plan.bufs)
+        return plan
 
     def _group_plan(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> GroupPlan | None:
         """Group ``gi``'s plan where this step takes the class path (every parameter has a gradient, the state is
@@ -351,13 +382,20 @@ class ClassStep:
         """:meth:`_muon_work` by shape class: the momenta in one list op, ``U`` in one batch per class."""
         beta = group["momentum"]
         grads = [p.grad for p in plan.params]
-        if mask is None:
-            grads = [g.to(b.dtype) for g, b in zip(grads, plan.bufs)]
+        if fused.fuses(self.kernels, plan.classes[0].device) and grads_launchable(plan, grads):
+            # One launch: M <- lerp(M, G, 1 - beta) and U <- lerp(G, M, beta), G masked by the vote in the kernel.
+            slots = u_batches(plan) if group["nesterov"] else None
+            outs = [u for b in slots for u in b.unbind(0)] if slots is not None else None
+            fused.momentum_(self._tables, grads, plan.bufs, outs, beta, mask)
+            batches = slots if slots is not None else stacked_momenta(plan)  # U, or U = M as updated
         else:
-            grads = masked_gradients(plan, mask, grads)
-        # M <- beta*M + (1-beta)*G  (EMA form)
-        torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
-        batches = nesterov_batches(plan, grads, beta, group["nesterov"])
+            if mask is None:
+                grads = [g.to(b.dtype) for g, b in zip(grads, plan.bufs)]
+            else:
+                grads = masked_gradients(plan, mask, grads)
+            # M <- beta*M + (1-beta)*G  (EMA form)
+            torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
+            batches = nesterov_batches(plan, grads, beta, group["nesterov"])
         config = self._map_config(group, plan.classes[0].device)
         if plan.fixed:
             return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
@@ -370,6 +408,12 @@ class ClassStep:
         group, plan, batches = work.group, work.plan, work.batches
         assert plan is not None and batches is not None
         lr, wd = group_lr(group), group["weight_decay"]
+        if kind is StepKind.ROWNORM:
+            made = [row_factors_by_class(c, b, work.config) for c, b in zip(plan.classes, batches)]
+        else:
+            made = spectral_directions(plan.classes, batches, kind, work.config)
+        if self._fused_class_apply(work, kind, made, mask):
+            return
         if wd != 0:
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
             if mask is not None:
@@ -378,10 +422,6 @@ class ClassStep:
         step_size = lr * self.schedule.multiplier(kind, group)
         keep = mask.to(torch.float32) if mask is not None else None
         ws, us, fs, plain_ws, ds = [], [], [], [], []
-        if kind is StepKind.ROWNORM:
-            made = [row_factors_by_class(c, b, work.config) for c, b in zip(plan.classes, batches)]
-        else:
-            made = spectral_directions(plan.classes, batches, kind, work.config)
         for cls, batch, d in zip(plan.classes, batches, made):
             n = len(cls.params)
             if kind is StepKind.ROWNORM and cls.tiled is not None:  # W <- W - step U factor: no direction written
@@ -401,3 +441,27 @@ class ClassStep:
             torch._foreach_sub_(plain_ws, torch._foreach_mul(ds, step_size))
         elif plain_ws:
             torch._foreach_add_(plain_ws, ds, alpha=-step_size)
+
+    def _fused_class_apply(self, work: _MuonWork, kind: StepKind, made: Sequence[Tensor], mask: Tensor | None) -> bool:
+        """``W <- (1 - lr wd) W - step D f`` for the whole group in the fused kernel (one launch per dtype pair), where
+        it takes the step; False where the eager list ops must (per_job.py's _fused_apply, by class)."""
+        group, plan, batches = work.group, work.plan, work.batches
+        assert plan is not None and batches is not None
+        lr, wd = group_lr(group), group["weight_decay"]
+        device = plan.classes[0].device
+        if not (plan.launchable and fused.fuses(self.kernels, device)) or (isinstance(lr, Tensor) and wd != 0):
+            return False  # a Tensor lr's decay would be a device number too: the eager form takes it
+        rows = [kind is StepKind.ROWNORM and cls.tiled is not None for cls in plan.classes]
+        wanted = [torch.float32 if tiled else d.dtype for tiled, d in zip(rows, made)]
+        if any(d.dtype != want or want not in fused._DTYPES for d, want in zip(made, wanted)):
+            return False
+        if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
+            lr = float(lr)  # a host number: no device read
+        ws, ds, fs = [], [], []
+        for cls, batch, d, tiled in zip(plan.classes, batches, made, rows):
+            ws += cls.params
+            ds += (batch if tiled else d).unbind(0)  # U with its factor, or the direction itself
+            fs += d.unbind(0) if tiled else [None] * len(cls.params)
+        step = lr * self.schedule.multiplier(kind, group)
+        fused.update_(self._tables, ws, ds, fs, step, 1.0 - float(lr) * wd if wd else 1.0, mask)
+        return True
