@@ -57,6 +57,11 @@ INPUT_OUTPUT_PATTERNS: tuple[str, ...] = (
     "lm_head.*",
 )
 
+# The final layer's conditioning map (shift and scale from the conditioning vector, as every block's adaLN
+# modulation): a hidden linear map for Muon, whatever the model names it (checked before INPUT_OUTPUT_PATTERNS, whose
+# ``proj_out*`` would take diffusers' DiT's ``proj_out_1`` for an output projection).
+FINAL_MODULATION_PATTERNS: tuple[str, ...] = ("final_layer.adaLN_modulation.*", "proj_out_1.*", "norm_out.linear.*")
+
 # The first layer of an MLP that reads sinusoidal features (a timestep's, a guidance scale's): a linear named
 # one of FIRST_LAYER_NAMES directly under a module whose own name holds one of SINUSOIDAL_WORDS or is one of
 # SINUSOIDAL_MODULES (``time_embedder.linear_1``, ``guidance_embedder.linear_1``, ``time_embedding.0``, ...).
@@ -111,6 +116,12 @@ def default_role(name: str, param: nn.Parameter, module: nn.Module, parent: nn.M
         return "adamw", "a bias, gain or scalar (fewer than 2 dimensions)"
     if not is_matrix_weight(name, module):
         return "adamw", f"not the weight of a linear map or convolution ({type(module).__name__}.{name.split('.')[-1]})"
+    modulation = next((pat for pat in FINAL_MODULATION_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
+    if modulation is not None:
+        return (
+            "muon",
+            f"the final layer's conditioning map, a hidden linear map as every adaLN (name matches {modulation!r})",
+        )
     pattern = next((pat for pat in INPUT_OUTPUT_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
     if pattern is not None:
         return "adamw", f"an input or output layer (name matches {pattern!r})"
