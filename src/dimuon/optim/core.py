@@ -54,6 +54,7 @@ from dimuon.optim.linalg import (
     NsAlgorithm,
     NsCoefficients,
 )
+from dimuon.optim.names import network_names
 from dimuon.optim.schedules import Schedule, StepKind
 from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
 from dimuon.optim.workspace import Workspace
@@ -195,14 +196,6 @@ def _unique_names(names: Any, count: int) -> list[str] | None:
     return list(names)
 
 
-def _network_names(names: Sequence[str]) -> list[str]:
-    """``names`` without the name parts wrappers insert (``torch.compile``'s ``_orig_mod``, activation
-    checkpointing's: :data:`dimuon.optim.grouping.WRAPPER_PARTS`)."""
-    from dimuon.optim.grouping import role_name
-
-    return [role_name(name) for name in names]
-
-
 def _some_names(names: Sequence[str], shown: int = 3) -> str:
     """The first ``shown`` of ``names``, quoted, and how many more there are."""
     listed = ", ".join(repr(n) for n in names[:shown])
@@ -216,8 +209,9 @@ def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, 
     A saved group names its parameters by ``param_names`` (as :func:`dimuon.optim.param_groups` makes them), or
     by its keys where they are names (``torch.distributed.checkpoint``'s ``set_state_dict`` keys the state by
     parameter name and has listed it in this optimizer's order already). Where both sides name every parameter
-    once and the names are the same (compared as given, else without the name parts wrappers insert, so that a
-    model saved under ``torch.compile`` resumes without it), the state moves with its name and the group keeps the
+    once and the names are the same (compared as given, else as the network names them,
+    :func:`dimuon.optim.names.network_names`, so that a model saved under DDP or ``torch.compile`` resumes bare and
+    the other way round), the state moves with its name and the group keeps the
     optimizer's ``param_names``; other names refuse the load with a ValueError naming them (except the
     checkpoint's own keys, which may spell a name otherwise and were matched by it). Where either side has no
     (unique) names, the group loads by position, as torch loads it."""
@@ -231,8 +225,8 @@ def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, 
         if mine is None or theirs is None or len(mine) != len(theirs):
             continue  # by position (a group of another size is refused by the caller)
         ours, others = mine, theirs
-        if set(ours) != set(others):  # as the network names them: a model saved compiled, resumed without
-            ours, others = _network_names(mine), _network_names(theirs)
+        if set(ours) != set(others):  # as the network names them: a model saved under DDP or compiled, resumed bare
+            ours, others = network_names(mine, theirs)
         if set(ours) != set(others) or len(set(ours)) != len(ours) or len(set(others)) != len(others):
             if by_key:  # the checkpoint's names for the parameters, already matched to this optimizer's order
                 matched[gi] = {**saved, "param_names": mine}
