@@ -13,7 +13,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dimuon.optim import (
+    AdaptiveRowMuon,
     Muon,
+    MuonBP,
     PeriodicRowMuon,
     param_groups,
 )
@@ -120,3 +122,24 @@ def test_names_that_only_a_wrapper_part_tells_apart_are_refused_by_name() -> Non
     other = Muon([{"params": [a, b], "param_names": ["x.w", "y.w"]}], lr=0.02)
     with pytest.raises(ValueError, match=r"'blk._orig_mod.w' and 'blk.w' are both 'blk.w' without wrappers"):
         opt.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "key", "value"),
+    [
+        (PeriodicRowMuon, {"k": 3.0}, "k", 3),
+        (MuonBP, {"period": 4.0, "blocks": (2.0, 1.0)}, "blocks", (2, 1)),
+        (AdaptiveRowMuon, {"k_min": 2.0, "k_max": 6.0}, "k_max", 6),
+        (Muon, {"ns_steps": 4.0}, "ns_steps", 5 - 1),
+    ],
+)
+def test_integral_floats_from_a_config_are_taken_as_ints(cls, options, key, value) -> None:
+    opt = cls(param_groups(Net()), lr=0.02, **options)
+    for recorded in (opt.defaults[key], opt.param_groups[0][key]):
+        assert recorded == value and type(recorded) is type(value)
+        if isinstance(value, tuple):
+            assert all(type(v) is int for v in recorded)
+    group = cls([{"params": [nn.Parameter(torch.randn(4, 4))], **options}], lr=0.02).param_groups[0]
+    assert type(group[key]) is type(value)  # a group's own option too
+    with pytest.raises(TypeError, match=rf"^{key} must be an int, got 3.5 \(float\)"):
+        cls(param_groups(Net()), lr=0.02, **{key: 3.5})

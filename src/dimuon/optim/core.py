@@ -56,7 +56,14 @@ from dimuon.optim.linalg import (
 )
 from dimuon.optim.names import network_names
 from dimuon.optim.schedules import Schedule, StepKind
-from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
+from dimuon.optim.validation import (
+    check_choice,
+    check_lr,
+    check_number,
+    check_split,
+    integer_options,
+    take_integral_floats,
+)
 from dimuon.optim.workspace import Workspace
 
 ALGORITHMS = ("muon", "adamw")
@@ -513,6 +520,7 @@ class MuonFamily(torch.optim.Optimizer):
 
     def _validate_options(self, g: dict[str, Any], where: str) -> None:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""
+        take_integral_floats(g, integer_options(self._schedule_defaults()))
         check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
         check_lr(g["lr"], where)
         check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
