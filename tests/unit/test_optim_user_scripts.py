@@ -13,10 +13,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dimuon.optim import (
+    OPTIMIZERS,
     AdaptiveRowMuon,
     Muon,
     MuonBP,
     PeriodicRowMuon,
+    build,
     param_groups,
 )
 
@@ -143,3 +145,15 @@ def test_integral_floats_from_a_config_are_taken_as_ints(cls, options, key, valu
     assert type(group[key]) is type(value)  # a group's own option too
     with pytest.raises(TypeError, match=rf"^{key} must be an int, got 3.5 \(float\)"):
         cls(param_groups(Net()), lr=0.02, **{key: 3.5})
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "adamw"])
+def test_a_model_passed_where_parameters_go_is_refused_pointing_at_param_groups(name) -> None:
+    model = Net()
+    with pytest.raises(
+        TypeError,
+        match=r"takes parameters or parameter groups, not a model \(Net\): pass "
+        r"dimuon.optim.param_groups\(model\)",
+    ):
+        OPTIMIZERS[name](model, lr=0.02)
+    assert type(build(name, model, lr=0.02)) is OPTIMIZERS[name]  # build takes the model and groups it

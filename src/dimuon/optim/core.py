@@ -60,6 +60,7 @@ from dimuon.optim.validation import (
     check_choice,
     check_lr,
     check_number,
+    check_params,
     check_split,
     integer_options,
     take_integral_floats,
@@ -408,6 +409,7 @@ class MuonFamily(torch.optim.Optimizer):
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
+        check_params(params, type(self).__name__)
         defaults: dict[str, Any] = dict(
             algorithm="muon",
             lr=lr,

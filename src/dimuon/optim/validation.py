@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 
 def check_number(
@@ -61,6 +62,17 @@ def take_integral_floats(options: dict[str, Any], keys: Iterable[str]) -> None:
     for key in keys:
         if key in options:
             options[key] = _integral(options[key])
+
+
+def check_params(params: Any, optimizer: str) -> None:
+    """Refuse a model passed where parameters go, pointing at its grouping (torch's own error, "'DiT' object is
+    not iterable", names neither)."""
+    if isinstance(params, Module):
+        raise TypeError(
+            f"{optimizer} takes parameters or parameter groups, not a model ({type(params).__name__}): pass "
+            f"dimuon.optim.param_groups(model) (Muon for hidden matrices, AdamW for the rest), model.parameters(), or "
+            f"the model to dimuon.optim.build(name, model)"
+        )
 
 
 def check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
