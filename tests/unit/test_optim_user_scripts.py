@@ -5,6 +5,7 @@ before the model's parameters were replaced."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dimuon.optim import (
     AdaptiveRowMuon,
     Muon,
     MuonBP,
+    NoGradientWarning,
     PeriodicRowMuon,
     build,
     param_groups,
@@ -157,3 +159,22 @@ def test_a_model_passed_where_parameters_go_is_refused_pointing_at_param_groups(
     ):
         OPTIMIZERS[name](model, lr=0.02)
     assert type(build(name, model, lr=0.02)) is OPTIMIZERS[name]  # build takes the model and groups it
+
+
+def test_a_step_with_no_gradient_anywhere_warns_once_naming_the_cause() -> None:
+    model = Net()
+    opt = PeriodicRowMuon(param_groups(model), lr=0.02)
+    for module in model.modules():  # what fully_shard or a move to another device does: new parameters
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(p.detach().clone()))
+    with pytest.warns(NoGradientWarning, match=r"found no gradient on any of its 8 parameters.*fully_shard") as seen:
+        _train(model, opt, steps=3)
+    assert len([w for w in seen if issubclass(w.category, NoGradientWarning)]) == 1
+    assert seen[0].filename == __file__  # it points at the script's step
+    fresh = PeriodicRowMuon(param_groups(model), lr=0.02)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoGradientWarning)
+        _train(model, fresh)  # built after: steps as usual, no warning
+        fresh.zero_grad()
+        model.final_layer.weight.grad = torch.ones_like(model.final_layer.weight)
+        fresh.step()  # one gradient of many: a step (frozen parts and unused layers are common)

@@ -46,6 +46,7 @@ from dimuon.optim.distributed.engine import (
     stacked_ranges,
 )
 from dimuon.optim.distributed.layout import derive_layout, is_dtensor, placement_words
+from dimuon.optim.gradients import warn_no_gradients
 from dimuon.optim.linalg import (
     COEFFICIENT_SETS,
     LR_SCALES,
@@ -1227,6 +1228,8 @@ class MuonFamily(torch.optim.Optimizer):
                 self._adamw_step(group, params, mask)
             else:
                 works.append(self._muon_work(gi, group, params, mask))
+        if not stepped:  # nothing had a gradient: the parameters held are most likely not the model's
+            warn_no_gradients(self, self.param_groups)
         ctx = _StepContext(self, vote if self.nonfinite == "raise" and not read_now else None)
         kinds = self.schedule.decide(works, ctx)
         ctx.settle()  # the vote, where the decision read nothing: raised on before any weight moves
