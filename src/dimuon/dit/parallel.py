@@ -101,9 +101,9 @@ class Parallelism:
         return resolved
 
     def check_mesh(self) -> None:
-        """The mesh limit, the one place it is written: every combination of the three degrees builds a mesh of at
-        most three dimensions, one replicating and two sharding (HSDP over tensor parallelism), which the
-        optimizer's layouts take (``dimuon.optim.distributed.layout``); nothing is refused here today."""
+        """The mesh limit, the one place it is written: the optimizer's layouts take a mesh of any number of
+        dimensions, judged by the placements (``dimuon.optim.distributed.layout``), so every combination of the
+        degrees is taken; nothing is refused here today."""
 
     def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
         """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""
