@@ -174,6 +174,7 @@ def test_the_validation_images_take_the_classes_in_turn(tmp_path) -> None:
         (["--parallel.tp", "3"], "--parallel.tp (3) must divide the model's 4 attention heads"),
         (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
+        (["--parallel.cp", "2"], "--parallel.cp must be 1, got 2: dimuon train does not split the DiT's token"),
         (["--optimizer", "torch_muon", "--parallel.tp", "2"], "--optimizer torch_muon runs in one process only"),
         (
             ["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],

@@ -47,37 +47,47 @@ __all__ = [
     "tp_process_group",
 ]
 
-FLAGS = {"dp_replicate": "--parallel.dp-replicate", "dp_shard": "--parallel.dp-shard", "tp": "--parallel.tp"}
+FLAGS = {
+    "dp_replicate": "--parallel.dp-replicate",
+    "dp_shard": "--parallel.dp-shard",
+    "cp": "--parallel.cp",
+    "tp": "--parallel.tp",
+}
 
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world."""
+    """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world. ``cp`` (context parallel)
+    lays out the mesh and FSDP over the flattened ``dp_shard x cp`` only: ``dimuon train`` refuses it above 1, the
+    census counts the optimizer on it."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    cp: int = 1
 
     def resolve(self, world: int) -> Parallelism:
         """The degrees with ``dp_shard`` filled in, checked against ``world``; a ValueError names the flags."""
-        for key in ("dp_replicate", "tp"):
+        for key in ("dp_replicate", "tp", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{FLAGS[key]} must be >= 1, got {getattr(self, key)}")
+        others = self.dp_replicate * self.tp * self.cp
+        cp_words = (f" x {FLAGS['cp']} ({self.cp})", f" x {FLAGS['cp']}", f" x {self.cp}") if self.cp > 1 else ("",) * 3
         dp_shard = self.dp_shard
         if dp_shard == -1:
-            if world % (self.dp_replicate * self.tp):
+            if world % others:
                 raise ValueError(
-                    f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}) "
+                    f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}){cp_words[0]} "
                     f"must divide the world size {world}"
                 )
-            dp_shard = world // (self.dp_replicate * self.tp)
+            dp_shard = world // others
         elif dp_shard < 1:
             raise ValueError(f"{FLAGS['dp_shard']} must be >= 1 or -1 (the rest of the world), got {dp_shard}")
-        resolved = Parallelism(self.dp_replicate, dp_shard, self.tp)
-        if resolved.dp_replicate * resolved.dp_shard * resolved.tp != world:
+        resolved = Parallelism(self.dp_replicate, dp_shard, self.tp, self.cp)
+        if dp_shard * others != world:
             raise ValueError(
-                f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']} = {self.dp_replicate} x {dp_shard} x "
-                f"{self.tp} = {self.dp_replicate * dp_shard * self.tp} must equal the world size {world}"
+                f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']}{cp_words[1]} = {self.dp_replicate} x "
+                f"{dp_shard} x {self.tp}{cp_words[2]} = {dp_shard * others} must equal the world size {world}"
             )
         resolved.check_mesh()
         if resolved.dp_replicate > 1 and resolved.dp_shard == 1:
@@ -91,9 +101,9 @@ class Parallelism:
         return resolved
 
     def check_mesh(self) -> None:
-        """The mesh limit, the one place it is written: every combination of the three degrees builds a mesh of at
-        most three dimensions, one replicating and two sharding (HSDP over tensor parallelism), which the
-        optimizer's layouts take (``dimuon.optim.distributed.layout``); nothing is refused here today."""
+        """The mesh limit, the one place it is written: the optimizer's layouts take a mesh of any number of
+        dimensions, judged by the placements (``dimuon.optim.distributed.layout``), so every combination of the
+        degrees is taken; nothing is refused here today."""
 
     def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
         """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""
@@ -105,8 +115,8 @@ class Parallelism:
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
-        """The mesh dimensions: those of degree > 1, in the order dp_replicate, dp_shard, tp."""
-        return tuple((k, getattr(self, k)) for k in ("dp_replicate", "dp_shard", "tp") if getattr(self, k) > 1)
+        """The mesh dimensions: those of degree > 1, in the order dp_replicate, dp_shard, cp, tp."""
+        return tuple((k, getattr(self, k)) for k in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(self, k) > 1)
 
 
 def build_mesh(par: Parallelism, device_type: str) -> Any:
@@ -193,7 +203,7 @@ def apply_parallelism(
     dp = tuple(name for name, _ in par.dims if name != "tp")
     if not dp:
         return model
-    dp_mesh = mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    dp_mesh = _data_mesh(mesh, dp)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement, mp_policy=policy)
@@ -204,6 +214,18 @@ def apply_parallelism(
     )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=root)
     return model
+
+
+def _data_mesh(mesh: Any, dp: tuple[str, ...]) -> Any:
+    """FSDP2's mesh over the data-parallel dimensions ``dp``; with ``cp``, data x context flattened into one shard
+    dimension (torchtitan's ``dp_shard_cp``), after ``dp_replicate`` for HSDP."""
+    if "cp" not in dp:
+        return mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = tuple(name for name in dp if name != "dp_replicate")
+    flat = mesh[shard]._flatten("_".join(shard)) if len(shard) > 1 else mesh[shard[0]]
+    return DeviceMesh._concatenate([mesh["dp_replicate"], flat]) if "dp_replicate" in dp else flat
 
 
 def shard_block_lists(model: nn.Module, mesh: Any) -> nn.Module:

@@ -69,6 +69,9 @@ class ParallelOptions:
     """Ranks each replica's parameters are sharded over (FSDP2); -1: what the other degrees leave of the world."""
     tp: int = 1
     """Tensor-parallel degree: must divide the attention heads and the MLP hidden units."""
+    cp: int = 1
+    """Context-parallel degree: only 1 (the DiT's training step does not split its token sequence; see
+    docs/distributed.md for the optimizer under context parallelism)."""
 
 
 @dataclass
@@ -361,10 +364,21 @@ def parallelism(cfg: TrainConfig, world: int | None = None) -> Parallelism:
     return par
 
 
+# Why --parallel.cp stays at 1: torch 2.13's context-parallel SDPA runs forward on CPU, but the backward of the CPU
+# flash kernel has no sharding rule (only the math kernel trains), and the DiT's loss is not split by tokens.
+CP_REFUSAL = (
+    "--parallel.cp must be 1, got {cp}: dimuon train does not split the DiT's token sequence over context-parallel "
+    "ranks (torch 2.13's context-parallel attention has no CPU backward for its default SDPA kernel); the "
+    "optimizers do take context-parallel layouts (FSDP over dp_shard x cp flattened, docs/distributed.md), so "
+    "train such a model with your own loop"
+)
+
+
 def _validate_parallel(cfg: TrainConfig) -> None:
     """Degrees in range and a tensor-parallel degree the model can use; the world size is checked at start-up."""
     _check_positive_int("--parallel.dp-replicate", cfg.parallel.dp_replicate)
     _check_positive_int("--parallel.tp", cfg.parallel.tp)
+    _require(cfg.parallel.cp == 1, CP_REFUSAL.format(cp=cfg.parallel.cp))
     _require(
         cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
         f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}",
