@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_counter_counts_dimuon_frames_and_not_torchs():
         assert host_probe.dimuon_calls(muon.step) > 50
         assert host_probe.dimuon_calls(adamw.step) == 0
     # the counter is the package test, not a count of everything: torch's own files under torch's directory
-    torch_dir = str(host_probe.Path(torch.__file__).parent)
+    torch_dir = str(Path(torch.__file__).parent)
     assert host_probe.dimuon_calls(adamw.step, package_dir=torch_dir) > 0
 
 

@@ -8,8 +8,9 @@ is recorded and the others still run. The timings come first, so that they are o
    row beside ``torch.optim.Muon``, the Newton-Schulz FLOP rate against ``torch.bmm`` in bf16 on the same shapes,
    then compiled Newton-Schulz, timed last so that its compilation cannot take the other rows with it);
 2. ``host``: ``dimuon bench host`` on the device: Python calls and host time per step on tiny matrices (20, 140,
-   560), eager, then ``torch.compile(opt.step)`` at 20 matrices in its default mode and, on CUDA, with
-   ``mode="reduce-overhead"`` (CUDA graphs), in one process (a compilation that fails is recorded with its error);
+   560), eager, then ``torch.compile(opt.step)`` at 20 matrices, on CUDA first with ``mode="reduce-overhead"``
+   (CUDA graphs), then in its default mode, in one process (a compilation that fails is recorded with its error;
+   the record is written after each size and mode);
 3. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU) of an explicit list
    of files, most GPU-specific first (:data:`CUDA_TEST_FILES`), so that a part stopped at its budget loses the
    least specific ones;
@@ -283,7 +284,7 @@ def host_command(cfg: Config, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "dimuon.bench.host", "--device", cfg.device, "--json", str(out), "--no-progress"]
     if cfg.quick:
         return [*cmd, "--quick"]
-    modes = ["default", "reduce-overhead"] if cfg.device == "cuda" else ["default"]
+    modes = ["reduce-overhead", "default"] if cfg.device == "cuda" else ["default"]  # CUDA graphs checked first
     return [*cmd, "--repeats", "5", "--compile-matrices", "20", "--compile-modes", *modes]
 
 

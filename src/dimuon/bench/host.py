@@ -13,11 +13,12 @@ host time per step (rounds interleaved over every row; medians per step kind and
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -178,17 +179,16 @@ def kind_of(opt: Any) -> str:
     return kinds[0].value if kinds else "step"
 
 
-def make_rows(cfg: Config, matrices: int, model: nn.Module, compiled: bool = False) -> list[Row]:
-    """The rows at one size: dimuon's optimizers eager and torch's baselines, or (``compiled``) dimuon's optimizers
-    under every compile mode."""
+def make_rows(cfg: Config, matrices: int, model: nn.Module, mode: str = "eager") -> list[Row]:
+    """The rows at one size: dimuon's optimizers eager and torch's baselines, or dimuon's optimizers compiled in
+    ``mode``."""
     rows = []
     for name in cfg.optimizers:
-        for mode in cfg.compile_modes if compiled else ("eager",):
-            opt = build(name, model, lr=1e-3, weight_decay=0.01)
-            step = opt.step if mode == "eager" else torch.compile(opt.step, mode=mode)
-            label = LABELS.get(name, name) + ("" if mode == "eager" else f" (compiled, {mode})")
-            rows.append(Row(row_name(name, mode), label, matrices, opt, step, period_of(name, opt), mode))
-    for name in () if compiled else cfg.baselines:
+        opt = build(name, model, lr=1e-3, weight_decay=0.01)
+        step = opt.step if mode == "eager" else torch.compile(opt.step, mode=mode)
+        label = LABELS.get(name, name) + ("" if mode == "eager" else f" (compiled, {mode})")
+        rows.append(Row(row_name(name, mode), label, matrices, opt, step, period_of(name, opt), mode))
+    for name in cfg.baselines if mode == "eager" else ():
         kind, options, label = BASELINES[name]
         opt = build(kind, model, lr=1e-3, weight_decay=0.01, **options)
         rows.append(Row(name, label, matrices, opt, opt.step, 1, dimuon=False))
@@ -257,10 +257,10 @@ def time_period(row: Row, sync: Callable[[], None], clock: Callable[[], float]) 
     row.samples.append(times)
 
 
-def measure_size(cfg: Config, matrices: int, bar: tqdm, compiled: bool = False) -> list[Row]:
-    """Every row at one size (eager, or compiled): built, warmed up, counted, then timed in interleaved rounds."""
+def measure_size(cfg: Config, matrices: int, bar: tqdm, mode: str = "eager") -> list[Row]:
+    """Every row at one size and mode: built, warmed up, counted, then timed in interleaved rounds."""
     model = make_model(matrices, cfg)
-    rows = make_rows(cfg, matrices, model, compiled)
+    rows = make_rows(cfg, matrices, model, mode)
     for row in rows:
         bar.set_postfix_str(f"{row.name} @ {matrices} (warm-up)")
         warm_up(row, cfg)
@@ -312,19 +312,29 @@ def row_record(row: Row) -> dict[str, Any]:
     }
 
 
-def _raise_recompile_limits() -> None:
-    """Every compiled row is the same ``step`` code on another optimizer: let dynamo keep a graph for each."""
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 4096)
+@contextlib.contextmanager
+def _recompile_limits(limit: int = 4096) -> Iterator[None]:
+    """Every compiled row is the same ``step`` code on another optimizer: let dynamo keep a graph for each while
+    the benchmark runs."""
+    config = torch._dynamo.config
+    names = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit")
+    saved = {name: getattr(config, name) for name in names if hasattr(config, name)}
+    for name in saved:
+        setattr(config, name, limit)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
-def run(cfg: Config, argv: Sequence[str] | None = None, on_size: Callable[[dict[str, Any]], None] | None = None):
+def run(
+    cfg: Config, argv: Sequence[str] | None = None, on_size: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Measure every size (the record passed to ``on_size`` after each, written where --json and --out say);
     returns the JSON record."""
     previous = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
-    _raise_recompile_limits()
     record: dict[str, Any] = {
         "benchmark": "host",
         "command": shlex.join([*PROG.split(), *(argv or [])]),
@@ -334,13 +344,15 @@ def run(cfg: Config, argv: Sequence[str] | None = None, on_size: Callable[[dict[
         "rows": [],
         "complete": False,
     }
-    phases = [(m, False) for m in cfg.matrices] + [(m, True) for m in cfg.compile_matrices if cfg.compile_modes]
+    # eager first, then each compile mode apart: the record written after each keeps what a hung compilation would not
+    phases = [(m, "eager") for m in cfg.matrices] + [(m, c) for c in cfg.compile_modes for m in cfg.compile_matrices]
     try:
         record["op_us"] = round(1e6 * op_seconds(cfg.device, clock=clock_of(cfg)), 3)
-        with accelerator_form(), tqdm(total=cfg.repeats * len(phases), desc="host", disable=not cfg.progress) as bar:
-            for i, (matrices, compiled) in enumerate(phases):  # eager first: a compilation that hangs keeps them
+        bar = tqdm(total=cfg.repeats * len(phases), desc="host", disable=not cfg.progress)
+        with accelerator_form(), _recompile_limits(), bar:
+            for i, (matrices, mode) in enumerate(phases):
                 torch.manual_seed(cfg.seed)
-                record["rows"] += [row_record(r) for r in measure_size(cfg, matrices, bar, compiled)]
+                record["rows"] += [row_record(r) for r in measure_size(cfg, matrices, bar, mode)]
                 record["complete"] = i == len(phases) - 1
                 if on_size is not None:
                     on_size(record)
