@@ -111,3 +111,17 @@ def test_the_plan_page_quotes_the_studys_demo_prediction():
     assert (
         f"{demo['model_ms'][0]:.1f} (the calibration point); {demo['model_ms'][1]:.1f} with `--host published`" in row
     )
+
+
+def test_host_term_comes_from_the_flag_or_a_gpu_check_records_host_part(tmp_path, monkeypatch):
+    from dimuon.bench import host as host_bench
+
+    monkeypatch.setattr(host_bench, "run", lambda cfg: _record(op_us=3.0))  # what this machine measured
+    measured, words = command.host_term(command.parse(["--host", "measure"]))
+    assert dict(measured.terms)["spectral_owner"].per_op_us == 3.0 and "this machine" in words
+    assert command.host_term(command.parse([])) == (None, "counted ops x host_op_us")
+    assert command.host_term(command.parse(["--host", "published"]))[0] is PUBLISHED_HOST
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"benchmark": "gpu-check", "parts": {"host": {"status": "ok", "results": _record()}}}))
+    fitted, words = command.host_term(command.parse(["--host", "published", "--calibrate", str(path)]))
+    assert fitted == host_model(_record(), str(path)) and "host part" in words  # the record wins over --host
