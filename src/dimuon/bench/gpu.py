@@ -37,8 +37,7 @@ than 5 s left is recorded as ``skipped`` and the record's status is ``budget spe
 overruns its budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its
 own, ``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
 training run's records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so
-kernels the tests compiled are not compiled again by the benchmark or the training run (a fresh machine starts
-without it).
+kernels one part compiled are not compiled again by the later parts (a fresh machine starts without it).
 ``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
 working.
 
