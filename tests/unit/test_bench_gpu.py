@@ -114,8 +114,10 @@ def test_a_short_budget_runs_the_timings_first_and_keeps_the_record(tmp_path: Pa
     parts = record["parts"]
     ran = [name for name, p in parts.items() if p["status"] != "skipped"]
     skipped = [name for name, p in parts.items() if p["status"] == "skipped"]
-    assert ran[:2] == ["bench", "host"] and skipped and ran + skipped == list(gpu.PARTS)  # skipped: the last ones
-    assert parts["bench"]["results"].get("optimizers")  # the optimizer timings kept, whole or partial
+    assert ran and skipped and ran + skipped == list(gpu.PARTS)  # the timings first; skipped: the last ones
+    bench = parts["bench"]
+    assert bench["status"] in ("ok", "timeout")  # a loaded machine may stop it at the budget: partial then
+    assert bench["results"].get("optimizers") if bench["status"] == "ok" else bench["results"]["partial"]
     for i, name in enumerate(ran):  # every part cut to what was left when it started
         assert parts[name]["budget_s"] <= budget - sum(parts[n]["seconds"] for n in ran[:i]) + 0.2
     assert record["status"] == "budget spent" and record["config"]["budget_s"] == budget
