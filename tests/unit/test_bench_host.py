@@ -20,6 +20,7 @@ QUICK = ["--quick", "--no-progress", "--width", "4"]
         (["--matrices", "7"], "--matrices must be positive multiples of 5"),
         (["--compile-modes", "fast"], r"--compile-modes must be from \['default', 'reduce-overhead'"),
         (["--compile-matrices", "40"], "--compile-matrices must be among --matrices"),
+        (["--compile-modes", "default", "--matrices", "10"], "--compile-matrices must be among --matrices"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--optimizers", "--baselines"], "nothing to measure"),
     ],
@@ -34,6 +35,10 @@ def test_an_unknown_optimizer_is_refused_by_the_parser(capsys):
         host.parse(["--optimizers", "sgd"])
     assert exc.value.code == 2
     assert "sgd" in capsys.readouterr().err
+
+
+def test_compile_sizes_are_not_checked_without_compiled_rows():
+    assert host.parse(["--matrices", "10", "--compile-modes"]).compile_modes == ()
 
 
 def test_main_reports_a_bad_flag_as_an_error_line(capsys):

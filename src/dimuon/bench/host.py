@@ -93,7 +93,7 @@ def check_config(cfg: Config) -> None:
     bad = [m for m in cfg.compile_modes if m not in COMPILE_MODES]
     if bad:
         raise ValueError(f"--compile-modes must be from {list(COMPILE_MODES)}, got {bad}")
-    if [m for m in cfg.compile_matrices if m not in cfg.matrices]:
+    if cfg.compile_modes and [m for m in cfg.compile_matrices if m not in cfg.matrices]:
         raise ValueError(f"--compile-matrices must be among --matrices {cfg.matrices}, got {cfg.compile_matrices}")
     for name, low in (("width", 2), ("repeats", 1), ("warmup", 1), ("threads", 1)):
         if getattr(cfg, name) < low:

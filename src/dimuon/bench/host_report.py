@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +88,11 @@ def _title(record: dict[str, Any]) -> str:
 
 def render(record: dict[str, Any], markdown: bool = False) -> str:
     """The record's tables: steps (calls and host ms per size) and, where compiled rows ran, compilation."""
-    fmt: Callable[[Sequence[str], Sequence[Sequence[Any]]], str] = format_markdown_table if markdown else format_table
+    fmt: Callable[..., str] = format_markdown_table if markdown else format_table
     parts = [_title(record), fmt(*step_rows(record))]
     header, body = compile_rows(record)
-    if body:
-        parts.append(fmt(header, body))
+    if body:  # status and error read as text
+        parts.append(fmt(header, body, [False, True, False, True, True, True, False]))
     if not record.get("complete", True):
         parts.append("(partial: the sizes measured so far)")
     return "\n\n".join(parts)
