@@ -1,6 +1,7 @@
 """`dimuon train --parallel.cp 2` on gloo ranks: context parallelism alone trains as one process, with FSDP
 (``dp_shard 2 x cp 2``) as its data-parallel twin (FSDP over 2 ranks), with tensor parallelism (``cp 2 x tp 2``) as
-one process, and a run resumed from its DCP checkpoint on the same layout continues as the uninterrupted one."""
+one process, HSDP sharded over ``cp`` (``dp_replicate 2 x cp 2``) as FSDP over 2 ranks, and a run resumed from its
+DCP checkpoint on the same layout continues as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -39,12 +40,22 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         sc.parallel_runs, 2, BASE, str(root), {"cp2": {"cp": 2}, "fsdp2": {}, "cp2_resumed": {"cp": 2, "resume": CKPT}}
     )
     run_gloo(
-        sc.parallel_runs, 4, BASE, str(root), {"fsdp2xcp2": {"dp_shard": 2, "cp": 2}, "cp2xtp2": {"cp": 2, "tp": 2}}
+        sc.parallel_runs,
+        4,
+        BASE,
+        str(root),
+        {
+            "fsdp2xcp2": {"dp_shard": 2, "cp": 2},
+            "hsdp2xcp2": {"dp_replicate": 2, "cp": 2},
+            "cp2xtp2": {"cp": 2, "tp": 2},
+        },
     )
     return root
 
 
-@pytest.mark.parametrize(("run", "twin"), [("cp2", "one"), ("cp2xtp2", "one"), ("fsdp2xcp2", "fsdp2")])
+@pytest.mark.parametrize(
+    ("run", "twin"), [("cp2", "one"), ("cp2xtp2", "one"), ("fsdp2xcp2", "fsdp2"), ("hsdp2xcp2", "fsdp2")]
+)
 def test_context_parallel_trains_as_its_data_parallel_twin(root: Path, run: str, twin: str) -> None:
     got, want = train_losses(root / run), train_losses(root / twin)
     assert len(got) == len(want) == BASE["steps"] // BASE["log_interval"]

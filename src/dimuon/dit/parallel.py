@@ -93,9 +93,10 @@ class Parallelism:
                 f"{dp_shard} x {self.tp}{cp_words[2]} = {dp_shard * others} must equal the world size {world}"
             )
         resolved.check_mesh()
-        if resolved.dp_replicate > 1 and resolved.dp_shard == 1:
+        if resolved.dp_replicate > 1 and resolved.dp_shard * resolved.cp == 1:
             # One data-parallel mesh dimension is sharded by FSDP2 whatever its name: this would run plain FSDP
-            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs.
+            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs;
+            # with cp > 1 FSDP shards over cp (dp_shard x cp flattened), which is HSDP.
             raise ValueError(
                 f"{FLAGS['dp_replicate']} {self.dp_replicate} with {FLAGS['dp_shard']} 1 would shard over the "
                 f"replicas (FSDP2 shards a lone data-parallel dimension): give {FLAGS['dp_shard']} >= 2 for HSDP, or "
