@@ -327,8 +327,9 @@ class DiT(nn.Module):
     def context_parallel(self, group: ProcessGroup | None) -> None:
         """Split the token sequence of training-mode forwards over ``group`` (None: whole sequences again).
 
-        Every rank of the group must get the same inputs; each keeps a contiguous chunk of the tokens after the
-        embeddings, attention gathers keys and values, and the output is gathered whole (``dimuon.dit.context``).
+        Every rank of the group must get the same inputs (and ``drop_labels``, or the same random state for the
+        label dropout); each keeps a contiguous chunk of the tokens after the embeddings, attention gathers keys and
+        values, and the output is gathered whole (``dimuon.dit.context``).
         Eval-mode forwards (validation, sampling) run the whole sequence on every rank and take any inputs.
         """
         if group is not None:
@@ -387,7 +388,7 @@ class DiT(nn.Module):
         y_emb = self.y_embedder(y, self.training, drop_labels)  # (N, D)
         c = t_emb + y_emb  # (N, D)
         for block in self.blocks:
-            x = block(x, c)  # (N, T, D)
+            x = block(x, c)  # (N, T, D), T/cp tokens under context parallelism
         x = self.final_layer(x, c)  # (N, T, p*p*C_out), T/cp tokens under context parallelism
         if cp is not None:
             x = gather_chunks(x, cp, dim=1)  # (N, T, p*p*C_out): the chunks of every rank, in order
