@@ -1,7 +1,7 @@
 """`dimuon train --parallel.cp 2` on gloo ranks: context parallelism alone trains as one process, with FSDP
 (``dp_shard 2 x cp 2``) as its data-parallel twin (FSDP over 2 ranks), with tensor parallelism (``cp 2 x tp 2``) as
 one process, HSDP sharded over ``cp`` (``dp_replicate 2 x cp 2``) as FSDP over 2 ranks, and a run resumed from its
-DCP checkpoint on the same layout continues as the uninterrupted one."""
+DCP checkpoint continues as the uninterrupted one, on the same layout and in one process."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def val_loss(run: Path) -> float:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("context")
-    run_gloo(sc.parallel_runs, 1, BASE, str(root), {"one": {}}, timeout_s=600)
     run_gloo(
         sc.parallel_runs, 2, BASE, str(root), {"cp2": {"cp": 2}, "fsdp2": {}, "cp2_resumed": {"cp": 2, "resume": CKPT}}
     )
+    run_gloo(sc.parallel_runs, 1, BASE, str(root), {"one": {}, "cp2_in_one": {"resume": CKPT}}, timeout_s=600)
     run_gloo(
         sc.parallel_runs,
         4,
@@ -66,3 +66,9 @@ def test_context_parallel_trains_as_its_data_parallel_twin(root: Path, run: str,
 def test_a_resume_on_the_context_parallel_layout_continues_the_run(root: Path) -> None:
     assert train_losses(root / "cp2_resumed")[-1] == pytest.approx(train_losses(root / "cp2")[-1], rel=1e-6)
     assert (root / "cp2_resumed" / "checkpoints" / "step_0000006").is_dir()
+
+
+def test_the_context_parallel_checkpoint_resumes_in_one_process(root: Path) -> None:
+    # cp 2 has one data-parallel rank, as one process: the same data and noise after the resume
+    assert train_losses(root / "cp2_in_one")[-1] == pytest.approx(train_losses(root / "cp2")[-1], rel=1e-5)
+    assert val_loss(root / "cp2_in_one") == pytest.approx(val_loss(root / "cp2"), rel=1e-6)
