@@ -3,8 +3,8 @@
 Each rank keeps one contiguous chunk of the tokens (after the patch and position embeddings). Everything per token
 (adaLN modulation, MLP, the final layer) runs on the chunk; attention gathers the keys and values of all chunks
 (one all-gather per block, with autograd) and attends from the local queries to every token, so no kernel of
-its own is needed: any SDPA kernel, on any device and process-group backend, computes it. The final layer's
-output chunks are gathered back into whole images.
+its own is needed: any SDPA kernel computes it, and its collectives (all-gather, reduce-scatter) are ones gloo and
+NCCL both have. The final layer's output chunks are gathered back into whole images.
 
 Gradients: an all-gather's backward sums every rank's gradient of the gathered tensor onto the rank that sent
 the chunk. Every rank of the group computes the same loss from the same gathered output, so each rank's
