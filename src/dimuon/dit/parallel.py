@@ -1,13 +1,17 @@
 """Parallelism for dimuon's DiT: degrees in torchtitan's style, one device mesh, the tensor-parallel plan, FSDP2.
 
-Degrees ``dp_replicate x dp_shard x tp`` multiply to the world size and build one mesh with the
-dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard`` and ``tp``:
+Degrees ``dp_replicate x dp_shard x cp x tp`` multiply to the world size and build one mesh with the
+dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``:
 
 - ``dp_shard`` alone: FSDP2 (every block, then the root); ``dp_replicate x dp_shard``: HSDP (replicas of
   a sharded model, e.g. one replica per node); ``tp`` alone: tensor parallelism; ``dp_shard x tp``:
   FSDP over tensor parallelism; all three: HSDP over tensor parallelism, the 3-D mesh large DiTs train on
   (replicas across groups of nodes, FSDP inside a group, TP inside a node). ``dp_replicate`` without
   ``dp_shard`` (DDP) is refused at start-up: FSDP2 would shard over a lone data-parallel dimension.
+- ``cp``: context parallelism. The ranks of a ``cp`` group train on the same samples, each on a contiguous chunk
+  of their tokens (``dimuon.dit.context``; attention gathers keys and values over ``cp``); FSDP2 shards over
+  ``dp_shard x cp`` flattened into one dimension (torchtitan's ``dp_shard_cp``), whose gradient mean is the
+  one-process gradient. It combines with the other degrees.
 
 The tensor-parallel plan (per block; docs/training.md, "Parallelism"):
 
@@ -58,8 +62,7 @@ FLAGS = {
 @dataclass(frozen=True)
 class Parallelism:
     """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world. ``cp`` (context parallel)
-    lays out the mesh and FSDP over the flattened ``dp_shard x cp`` only: ``dimuon train`` refuses it above 1, the
-    census counts the optimizer on it."""
+    splits every sample's tokens over its ranks, with FSDP over the flattened ``dp_shard x cp``."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -90,9 +93,10 @@ class Parallelism:
                 f"{dp_shard} x {self.tp}{cp_words[2]} = {dp_shard * others} must equal the world size {world}"
             )
         resolved.check_mesh()
-        if resolved.dp_replicate > 1 and resolved.dp_shard == 1:
+        if resolved.dp_replicate > 1 and resolved.dp_shard * resolved.cp == 1:
             # One data-parallel mesh dimension is sharded by FSDP2 whatever its name: this would run plain FSDP
-            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs.
+            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs;
+            # with cp > 1 FSDP shards over cp (dp_shard x cp flattened), which is HSDP.
             raise ValueError(
                 f"{FLAGS['dp_replicate']} {self.dp_replicate} with {FLAGS['dp_shard']} 1 would shard over the "
                 f"replicas (FSDP2 shards a lone data-parallel dimension): give {FLAGS['dp_shard']} >= 2 for HSDP, or "
@@ -190,8 +194,9 @@ def _fsdp_placement(param: nn.Parameter) -> Any:
 def apply_parallelism(
     model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True, param_dtype: torch.dtype | None = None
 ) -> nn.Module:
-    """Tensor parallelism over ``tp`` (if any), then FSDP2 over the data-parallel dimensions: every block,
-    then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded).
+    """Tensor parallelism over ``tp`` and the token split over ``cp`` (if any), then FSDP2 over the data-parallel
+    dimensions (``cp`` among them): every block, then the root (which also reshards after forward, so gradient-free
+    forwards leave parameters sharded).
 
     ``param_dtype`` (bf16 for ``--precision bf16``): FSDP2's ``MixedPrecisionPolicy`` all-gathers the parameters
     in that dtype and computes with them, and reduce-scatters the gradients in fp32 into the fp32 shards the
@@ -200,6 +205,8 @@ def apply_parallelism(
 
     if par.tp > 1:
         tensor_parallel_dit(model, mesh["tp"])
+    if par.cp > 1:
+        model.context_parallel(mesh["cp"].get_group())
     dp = tuple(name for name, _ in par.dims if name != "tp")
     if not dp:
         return model
