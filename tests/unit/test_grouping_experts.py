@@ -69,3 +69,11 @@ def test_dimuon_groups_counts_every_expert_as_a_matrix():
     rows = {r["name"]: r for r in group_table(MoEBlock())}
     assert rows["mlp.experts.gate_up_proj"]["matrices"] == [[16, 6]] * 4
     assert "stacked experts" in rows["mlp.experts.gate_up_proj"]["reason"]
+
+
+def test_experts_held_alone_keep_their_rule():
+    """A model whose one child is the experts module: the wrapper prefix it strips is the name that marks them."""
+    model = nn.Module()
+    model.experts = nn.Module()
+    model.experts.w1 = nn.Parameter(torch.randn(4, 16, 8))
+    assert _where(model) == {"experts.w1": {"algorithm": "muon", "stacked": True}}

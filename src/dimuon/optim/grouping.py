@@ -99,6 +99,7 @@ def is_matrix_weight(name: str, module: nn.Module) -> bool:
 # torchtitan's GroupedExperts (``moe.experts.w1``, ``moe.routed_experts.inner_experts.w1_EFD``), transformers' MoE
 # blocks (``mlp.experts.gate_up_proj``).
 EXPERTS_WORD = "experts"
+EXPERTS_ROLE = "stacked experts (E, m, n): each expert's matrix on its own (stacked=True)"
 
 
 def is_stacked_experts(name: str, param: nn.Parameter, module: nn.Module) -> bool:
@@ -125,7 +126,7 @@ def default_role(name: str, param: nn.Parameter, module: nn.Module, parent: nn.M
     if param.ndim < 2:
         return "adamw", "a bias, gain or scalar (fewer than 2 dimensions)"
     if is_stacked_experts(name, param, module):
-        return "muon", "stacked experts (E, m, n): each expert's matrix on its own (stacked=True)"
+        return "muon", EXPERTS_ROLE
     if not is_matrix_weight(name, module):
         return "adamw", f"not the weight of a linear map or convolution ({type(module).__name__}.{name.split('.')[-1]})"
     pattern = next((pat for pat in INPUT_OUTPUT_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
@@ -267,16 +268,18 @@ def param_groups(
                 why = f"user rule {pattern!r}"
                 matched.add(pattern)
                 break
-        algorithm, role = _tied_role(p, places, prefix)
+        # Stacked experts by any of its names: a wrapper prefix may be the experts module itself.
+        experts = any(
+            is_stacked_experts(n, p, module) for alias, module, _ in places for n in (alias, role_name(alias, prefix))
+        )
+        algorithm, role = ("muon", EXPERTS_ROLE) if experts else _tied_role(p, places, prefix)
         role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
         if role_pattern is not None:
             algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
             reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
         options.setdefault("algorithm", algorithm)
-        if options["algorithm"] == "muon" and any(
-            is_stacked_experts(role_name(alias, prefix), p, module) for alias, module, _ in places
-        ):
+        if options["algorithm"] == "muon" and experts:
             options.setdefault("stacked", True)  # a rule's own stacked wins
         if options["algorithm"] == "muon":
             split = _match_split(names, split_sizes)
