@@ -1,13 +1,14 @@
-"""Rank-side programs of the expert-parallel tests on 4 gloo ranks: a small mixture-of-experts layer (three stacked
-expert weights, wide and tall, 3 experts: uneven over the ranks; a router gate in AdamW; a dense projection in Muon)
-with its experts laid out as torchtitan lays them out, and one process with the same gradients as the oracle.
+"""Rank-side programs of the expert-parallel tests on 4 (and 8) gloo ranks: a small mixture-of-experts layer (three
+stacked expert weights, wide and tall, 3 experts: uneven over the ranks; a router gate in AdamW; a dense projection in
+Muon) with its experts laid out as torchtitan lays them out, and one process with the same gradients as the oracle.
 
 torchtitan (0.3.0, ``distributed/fsdp.py``) puts routed experts on the mesh ``(efsdp, ep)``: ``Shard(0)`` over
 ``ep``, then FSDP2 in its SPMD form over ``efsdp`` with ``Shard(1)`` where ``efsdp * ep`` exceeds the experts (else
 ``Shard(0)``, which torch makes a ``_StridedShard(0, sf=ep)``); it keeps ``efsdp`` of size 1 under expert
 parallelism alone. ``LAYOUTS``: ``ep4`` (``efsdp=1, ep=4``: one rank holds no expert), ``efsdp2xep2`` (each expert's
-rows split over ``efsdp``) and ``efsdp2xep2_rows0`` (FSDP's ``Shard(0)``: whole experts). The dense parameters are
-``Shard(0)`` over a mesh ``(dp_shard=4,)`` of the same ranks.
+rows split over ``efsdp``) and ``efsdp2xep2_rows0`` (FSDP's ``Shard(0)``: whole experts); on 8 ranks, HSDP over
+them (``dp_replicate=2, efsdp=2, ep=2``). The dense parameters are ``Shard(0)`` over a mesh ``(dp_shard=W,)`` of
+the same ranks.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ STEPS = 6
 LR = 0.02
 EXPERTS = 3
 LAYOUTS = {"ep4": ((1, 4), 1), "efsdp2xep2": ((2, 2), 1), "efsdp2xep2_rows0": ((2, 2), 0)}  # mesh, FSDP's dim
+# HSDP on 8 ranks: the experts' mesh (dp_replicate, efsdp, ep), each expert's rows split over efsdp.
+HSDP_LAYOUTS = {"hsdp2xefsdp2xep2": ((2, 2, 2), 1)}
 # MuonBP's one-process row blocks of each expert that reproduce each rank's rows under efsdp=2 (whole experts cut the
-# same grid locally), and of the dense projection over its 4 ranks.
-EXPERT_BLOCKS, DENSE_BLOCKS = 2, 4
+# same grid locally); the dense projection's are its ranks.
+EXPERT_BLOCKS = 2
 EXPERT_NAMES = ("experts.w1", "experts.w2", "experts.w3")
 
 
@@ -51,13 +54,14 @@ def _model() -> MoE:
     return MoE()
 
 
-def groups(model: MoE, optimizer: str, experts_only: bool = False) -> list[dict]:
-    """The experts stacked, the projection a plain Muon group (AdamW with ``experts_only``), the router in AdamW."""
+def groups(model: MoE, optimizer: str, experts_only: bool = False, world: int = 4) -> list[dict]:
+    """The experts stacked, the projection a plain Muon group (AdamW with ``experts_only``), the router in AdamW;
+    MuonBP's blocks as ``world`` ranks cut them."""
     named = dict(model.named_parameters())
     experts = {"params": [(n, named[n]) for n in EXPERT_NAMES], "stacked": True}
     dense = {"params": [("proj.weight", model.proj.weight)]}
     if optimizer == "muon_bp":
-        experts["blocks"], dense["blocks"] = EXPERT_BLOCKS, DENSE_BLOCKS
+        experts["blocks"], dense["blocks"] = EXPERT_BLOCKS, world
     adamw = {"params": [("gate.weight", model.gate.weight)], "algorithm": "adamw"}
     if experts_only:
         return [experts, {**adamw, "params": [*adamw["params"], *dense["params"]]}]
@@ -74,23 +78,22 @@ def shard(model: MoE, layout: str) -> MoE:
     from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    shape, fsdp_dim = LAYOUTS[layout]
+    shape, fsdp_dim = {**LAYOUTS, **HSDP_LAYOUTS}[layout]
+    hsdp = len(shape) == 3
+    names = ("dp_replicate", "efsdp", "ep") if hsdp else ("efsdp", "ep")
     if shape not in _MESHES:  # once per process: FSDP2 would see a second mesh of one layout as another mesh
-        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("efsdp", "ep"))
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     if "dense" not in _MESHES:
-        _MESHES["dense"] = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+        _MESHES["dense"] = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     sparse, dense = _MESHES[shape], _MESHES["dense"]
     for name, p in list(model.experts.named_parameters()):
         full = p.detach()
-        setattr(
-            model.experts,
-            name,
-            nn.Parameter(distribute_tensor(full, sparse, (Replicate(), Shard(0)), src_data_rank=None)),
-        )
+        where = (Replicate(),) * (len(shape) - 1) + (Shard(0),)
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(full, sparse, where, src_data_rank=None)))
     fully_shard(
         model.experts,
         mesh=sparse,
-        dp_mesh_dims=DataParallelMeshDims(shard="efsdp"),
+        dp_mesh_dims=DataParallelMeshDims(shard="efsdp", replicate="dp_replicate" if hsdp else None),
         shard_placement_fn=lambda _: Shard(fsdp_dim),
     )
     for module in (model.gate, model.proj):
@@ -151,18 +154,28 @@ def train(model: nn.Module, opt) -> tuple[list[dict], list[dict]]:
 def run(layout: str, optimizer: str, opts: dict, experts_only: bool = False) -> dict:
     model = shard(_model(), layout)
     opt = build(
-        optimizer, groups(model, optimizer, experts_only), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts
+        optimizer,
+        groups(model, optimizer, experts_only, dist.get_world_size()),
+        lr=LR,
+        weight_decay=0.05,
+        ns_dtype=torch.float32,
+        **opts,
     )
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
     stats, refreshes = train(model, opt)
     return {"params": full_params(model), "stats": stats, "refreshes": refreshes, "placements": placements}
 
 
-def reference(optimizer: str, opts: dict, experts_only: bool = False) -> tuple[dict, list[dict]]:
+def reference(optimizer: str, opts: dict, experts_only: bool = False, world: int = 4) -> tuple[dict, list[dict]]:
     model = _model()
-    local = {k: v for k, v in opts.items() if k != "refresh"}
+    local = {k: v for k, v in opts.items() if k not in ("refresh", "replica_refresh")}
     opt = build(
-        optimizer, groups(model, optimizer, experts_only), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **local
+        optimizer,
+        groups(model, optimizer, experts_only, world),
+        lr=LR,
+        weight_decay=0.05,
+        ns_dtype=torch.float32,
+        **local,
     )
     _, refreshes = train(model, opt)
     return full_params(model), refreshes
@@ -226,3 +239,18 @@ SMOKE = [
 def everything(rank: int, world: int) -> dict:
     """The slow tests' one spawn: every case, and the refusals."""
     return {"cases": cases(rank, world, CASES), "refusals": refusals(rank, world)}
+
+
+# On 8 ranks (slow): HSDP over the experts, every optimizer, both ways of sharing the refresh across replicas.
+HSDP_CASES = [
+    (f"hsdp/{key}", "hsdp2xefsdp2xep2", optimizer, opts, False)
+    for key, optimizer, opts in [
+        *OPTIMIZERS,
+        ("owner_split", "muon", {"refresh": "owner", "replica_refresh": "split"}),
+        (
+            "prm_gather_split",
+            "periodic_row_muon",
+            {"k": 2, "gamma": 0.5, "refresh": "gather", "replica_refresh": "split"},
+        ),
+    ]
+]

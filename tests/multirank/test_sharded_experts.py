@@ -102,3 +102,21 @@ def test_expert_layouts_still_refused_name_the_parameter(spawned):
     assert "AdaptiveRowMuon" in errors["adaptive_uneven_rows"] and "'w1'" in errors["adaptive_uneven_rows"]
     assert "5 rows 2 ways unevenly" in errors["adaptive_uneven_rows"]
     assert "(Shard(dim=2), Shard(dim=0))" in errors["shard2"] and "Shard(d) for d > 1" in errors["shard2"]
+
+
+@pytest.mark.slow
+def test_hsdp_over_row_split_experts_matches_one_process():
+    """8 ranks, experts on (dp_replicate, efsdp, ep) as torchtitan's HSDP lays them out: every optimizer, and the
+    refresh split across replicas (each expert refreshed by one replica, handed over dp_replicate)."""
+    ranks = run_gloo(es.cases, 8, es.HSDP_CASES, timeout_s=900)
+    assert ranks[0]["hsdp/gather"]["placements"]["experts.w1"] == "(Replicate(), Shard(dim=1), Shard(dim=0))"
+    for key, _, optimizer, opts, experts_only in es.HSDP_CASES:
+        expect, refreshes = es.reference(optimizer, opts, experts_only, world=8)
+        for r in ranks:
+            got = r[key]
+            for name, ref in expect.items():
+                assert (got["params"][name] - ref).abs().max().item() <= TOLERANCE, (key, name)
+            assert got["refreshes"] == refreshes, key
+            assert set(got["stats"][0].get("ep", {})) <= {CHECK}, key  # nothing crosses ep
+    split = ranks[0]["hsdp/owner_split"]["stats"][0]
+    assert set(split["dp_replicate"]) == {"all_gather"} and set(split["efsdp"]) == {"all_to_all"}
