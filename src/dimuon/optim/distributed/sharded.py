@@ -282,7 +282,7 @@ class ShardedEngine:
         self._comms: dict[int, Collectives] = {}
         self._flat_groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}  # per mesh object and dims
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
-        self._expert_placements: dict[tuple, tuple[Tensor | None, _Placement]] = {}
+        self._expert_placements: dict[int, tuple[Tensor | None, _Placement]] = {}  # row-split experts' own
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
         self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
@@ -383,9 +383,9 @@ class ShardedEngine:
         """The placement of this rank's experts as one ``(E_local * m, n)`` matrix whose experts the dimensions
         sharding the parameter's dimension 1 split by rows (their group holds the same experts): made once per
         parameter, from the parameter's layout."""
-        key = ("experts", id(job.meta.get("param")))
-        cached = self._expert_placements.get(key)
-        if cached is not None and cached[0] is job.meta.get("param"):
+        param = job.meta.get("param")
+        cached = self._expert_placements.get(id(param))
+        if cached is not None and cached[0] is param:
             return cached[1]
         layout, comm, m, n = plc.layout, plc.cols_comm, job.matrix_rows, job.cols
         assert layout is not None and comm is not None and m is not None
@@ -404,7 +404,7 @@ class ShardedEngine:
             pad=pad,
             row_major=_row_major(members, n, pad),
         )
-        self._expert_placements[key] = (job.meta.get("param"), experts)
+        self._expert_placements[id(param)] = (param, experts)
         return experts
 
     def _placed(self, jobs: Sequence[MatrixJob]) -> tuple[list[Placed], list[int]]:
