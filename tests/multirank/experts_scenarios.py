@@ -254,3 +254,39 @@ HSDP_CASES = [
         ),
     ]
 ]
+
+
+def dcp_save(rank: int, world: int, path: str, layout: str, optimizer: str, opts: dict, steps: int) -> dict:
+    """``steps`` steps, then the optimizer's state saved with DCP (sharded as the parameters are, AdaptiveRowMuon's
+    row sums split with each expert's rows); the whole parameters then."""
+    import torch.distributed.checkpoint as dcp
+
+    model = shard(_model(), layout)
+    opt = build(
+        optimizer, groups(model, optimizer, False, world), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts
+    )
+    for t in range(steps):
+        set_grads(model, t)
+        opt.step()
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
+    params = full_params(model)
+    dist.barrier()
+    return params
+
+
+def resume_in_one_process(path: str, params: dict, optimizer: str, opts: dict, steps: int) -> dict:
+    """One process loads the saved parameters and optimizer state and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    opt = build(optimizer, groups(model, optimizer), lr=LR, weight_decay=0.05, ns_dtype=torch.float32, **opts)
+    state = {"optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    opt.load_state_dict(state["optim"])
+    for t in range(steps, STEPS):
+        set_grads(model, t)
+        opt.step()
+    return full_params(model)

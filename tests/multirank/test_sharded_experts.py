@@ -120,3 +120,16 @@ def test_hsdp_over_row_split_experts_matches_one_process():
             assert set(got["stats"][0].get("ep", {})) <= {CHECK}, key  # nothing crosses ep
     split = ranks[0]["hsdp/owner_split"]["stats"][0]
     assert set(split["dp_replicate"]) == {"all_gather"} and set(split["efsdp"]) == {"all_to_all"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["efsdp2xep2", "ep4"])
+def test_dcp_save_of_experts_resumes_in_one_process(layout, tmp_path):
+    """AdaptiveRowMuon (momenta, references and per-row sums laid out as the experts) saved mid-run on 4 ranks,
+    loaded into one process: the rest of the run as one process trains it throughout."""
+    path, steps = str(tmp_path / "dcp"), 3
+    params = run_gloo(es.dcp_save, WORLD, path, layout, "adaptive_row_muon", es.ARM, steps, timeout_s=300)[0]
+    resumed = es.resume_in_one_process(path, params, "adaptive_row_muon", es.ARM, steps)
+    expect, _ = es.reference("adaptive_row_muon", es.ARM)
+    for name, ref in expect.items():
+        assert (resumed[name] - ref).abs().max().item() <= TOLERANCE, name
