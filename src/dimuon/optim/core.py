@@ -45,6 +45,7 @@ from dimuon.optim.distributed.engine import (
     split_sizes_to_ranges,
     stacked_ranges,
 )
+from dimuon.optim.distributed.experts import check_stacked_layout
 from dimuon.optim.distributed.layout import derive_layout, is_dtensor, placement_words
 from dimuon.optim.gradients import warn_no_gradients
 from dimuon.optim.linalg import (
@@ -638,12 +639,9 @@ class MuonFamily(torch.optim.Optimizer):
             col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
             if is_dtensor(p):
                 layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
-                if group["stacked"] and layout.col_dims:
-                    raise ValueError(
-                        f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
-                        "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
-                        "shard only the leading dimension (FSDP2's Shard(0)) or replicate it"
-                    )
+                if group["stacked"]:  # dimension 1 holds each matrix's rows: a split of it keeps whole rows
+                    check_stacked_layout(p, pname, layout, type(self).__name__, self.schedule.whole_rows)
+                    continue
                 col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
                 if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
                     raise ValueError(

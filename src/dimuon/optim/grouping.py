@@ -7,6 +7,7 @@ learned modulation tables such as ``scale_shift_table``, positional and padding 
 registered as bare parameters), the patch/latent embeddings, the first linear of every sinusoidal-input MLP
 (timestep, guidance) and the output projections. The decision is made by module role (module type, then
 name rules), not by ``ndim == 2`` alone, and user rules win.
+Mixture-of-experts weights stacked as ``(experts, m, n)`` go to Muon with ``stacked=True`` (one matrix per expert).
 """
 
 from __future__ import annotations
@@ -99,6 +100,21 @@ def is_matrix_weight(name: str, module: nn.Module) -> bool:
     return isinstance(module, MATRIX_MODULES) and leaf == "weight"
 
 
+# A name part that marks mixture-of-experts weights stacked along a leading expert dimension, ``(experts, m, n)``:
+# torchtitan's GroupedExperts (``moe.experts.w1``, ``moe.routed_experts.inner_experts.w1_EFD``), transformers' MoE
+# blocks (``mlp.experts.gate_up_proj``).
+EXPERTS_WORD = "experts"
+EXPERTS_ROLE = "stacked experts (E, m, n): each expert's matrix on its own (stacked=True)"
+
+
+def is_stacked_experts(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    """Whether ``name`` is a bare 3-D parameter of a mixture of experts (one matrix per expert, not a conv weight):
+    Muon orthogonalizes each expert's matrix on its own (``stacked=True``), not the ``(E, m*n)`` flattening."""
+    if param.ndim != 3 or is_matrix_weight(name, module):
+        return False
+    return any(EXPERTS_WORD in part.lower() for part in name.split("."))
+
+
 def reads_sinusoidal_features(name: str) -> bool:
     """Whether weight ``name`` is the first layer of a timestep or guidance MLP (it reads sinusoidal features)."""
     parts = name.split(".")
@@ -114,6 +130,8 @@ def default_role(name: str, param: nn.Parameter, module: nn.Module, parent: nn.M
     that holds ``module``, for output projections recognised by their holder)."""
     if param.ndim < 2:
         return "adamw", "a bias, gain or scalar (fewer than 2 dimensions)"
+    if is_stacked_experts(name, param, module):
+        return "muon", EXPERTS_ROLE
     if not is_matrix_weight(name, module):
         return "adamw", f"not the weight of a linear map or convolution ({type(module).__name__}.{name.split('.')[-1]})"
     modulation = next((pat for pat in FINAL_MODULATION_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
@@ -261,13 +279,19 @@ def param_groups(
                 why = f"user rule {pattern!r}"
                 matched.add(pattern)
                 break
-        algorithm, role = _tied_role(p, places, prefix)
+        # Stacked experts by any of its names: a wrapper prefix may be the experts module itself.
+        experts = any(
+            is_stacked_experts(n, p, module) for alias, module, _ in places for n in (alias, role_name(alias, prefix))
+        )
+        algorithm, role = ("muon", EXPERTS_ROLE) if experts else _tied_role(p, places, prefix)
         role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
         if role_pattern is not None:
             algorithm, role = roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
             reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
         options.setdefault("algorithm", algorithm)
+        if options["algorithm"] == "muon" and experts:
+            options.setdefault("stacked", True)  # a rule's own stacked wins
         if options["algorithm"] == "muon":
             split = _match_split(names, split_sizes)
             if split is not None:
