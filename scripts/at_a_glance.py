@@ -7,8 +7,10 @@ checked against it (``tests/unit/test_at_a_glance.py``) and regenerated when a r
     python scripts/at_a_glance.py --plot docs/results/at-a-glance.png --json docs/results/at-a-glance.json
 
 The records: the race's 3 seeds at each optimizer's selected lr and its adaptive ablation (EMA validation loss,
-DiT-XS/4 on MNIST, 2000 steps), and ``dimuon bench step`` on DiT-S/2 (optimizer time in one process; bytes per
-step on 4 FSDP2 ranks, where every Muon-family refresh in that record is the gather refresh).
+DiT-XS/4 on MNIST, 2000 steps), ``dimuon bench step`` on DiT-S/2 (optimizer time in one process; bytes per
+step on 4 FSDP2 ranks, where every Muon-family refresh in that record is the gather refresh), and ``dimuon bench
+host`` (the host's time per step in the accelerator form at 140 tiny matrices, DiT-XL/2's count, against torch's
+foreach AdamW on the same tensors; periodic optimizers over their period).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ RESULTS = ROOT / "docs" / "results"
 SEEDS = RESULTS / "race" / "seeds.json"
 ADAPTIVE = RESULTS / "race" / "adaptive.json"
 STEP = RESULTS / "step-dit-s2.json"
+HOST = RESULTS / "host" / "host.json"
+HOST_MATRICES = 140  # DiT-XL/2: 28 blocks x (qkv, proj, fc1, fc2, adaLN)
+HOST_BASELINE = "adamw_foreach"
 ADAPTIVE_VARIANT = "adaptive_row_muon/t0.35"  # the default threshold
 BASELINE, REFERENCE = "adamw", "muon"
 NOT_TIMED_ALIKE = ("torch_muon",)  # its Newton-Schulz ran in bf16, dimuon's in fp32 (the CPU default)
@@ -42,6 +47,7 @@ class Row:
     seeds: tuple[float, ...]  # final EMA validation loss of each seed
     opt_x_muon: float | None  # optimizer ms per step over Muon's, one process
     bytes_x_muon: float | None  # bytes per step over Muon's, 4 FSDP2 ranks
+    host_x_adamw: float | None = None  # host ms per step over torch's foreach AdamW, 140 tiny matrices
 
     @property
     def loss(self) -> float:
@@ -75,9 +81,31 @@ def _step_rows(record: Mapping[str, Any], world: int) -> dict[str, Mapping[str, 
     return {r["optimizer"]: r for r in record["rows"] if r["world"] == world and r["status"] == "ok"}
 
 
-def rows(seeds: Mapping[str, Any], adaptive: Mapping[str, Any], step: Mapping[str, Any]) -> list[Row]:
-    """The table's rows from the three records (see the module docstring)."""
+def host_ratios(host: Mapping[str, Any] | None, matrices: int = HOST_MATRICES) -> dict[str, float]:
+    """Each eager row's host ms per step over torch's foreach AdamW at ``matrices`` (AdamW's own row is 1)."""
+    if host is None:
+        return {}
+    eager = {
+        r["name"]: r["host_ms"]
+        for r in host["rows"]
+        if r["mode"] == "eager" and r["status"] == "ok" and r["matrices"] == matrices
+    }
+    if HOST_BASELINE not in eager:
+        return {}
+    out = {name: ms / eager[HOST_BASELINE] for name, ms in eager.items()}
+    out["adamw"] = out.pop(HOST_BASELINE)
+    return out
+
+
+def rows(
+    seeds: Mapping[str, Any],
+    adaptive: Mapping[str, Any],
+    step: Mapping[str, Any],
+    host: Mapping[str, Any] | None = None,
+) -> list[Row]:
+    """The table's rows from the records (see the module docstring)."""
     one, four = _step_rows(step, 1), _step_rows(step, 4)
+    host_x = host_ratios(host)
 
     def ratio(table: Mapping[str, Mapping[str, Any]], name: str, key: str) -> float | None:
         if name not in table or REFERENCE not in table:
@@ -93,7 +121,8 @@ def rows(seeds: Mapping[str, Any], adaptive: Mapping[str, Any], step: Mapping[st
             lr, losses = seeds["optimizers"][key]["lr"], _losses(seeds, key)
         # torch.optim.Muon's step runs bf16 Newton-Schulz where dimuon's CPU default is fp32: not comparable.
         opt = None if key in NOT_TIMED_ALIKE else ratio(one, key, "opt_ms")
-        out.append(Row(key, LABELS[key], lr, losses, opt, ratio(four, key, "comm_bytes_per_step")))
+        bytes_x = ratio(four, key, "comm_bytes_per_step")
+        out.append(Row(key, LABELS[key], lr, losses, opt, bytes_x, host_x.get(key)))
     return out
 
 
@@ -112,6 +141,7 @@ def cells(row: Row, table: Sequence[Row]) -> dict[str, str]:
         "loss vs Muon": "-" if row.key == REFERENCE else _percent(vs[REFERENCE]),
         "optimizer time vs Muon": "-" if row.opt_x_muon is None else f"{row.opt_x_muon:.2f}x",
         "communication vs Muon": "-" if row.bytes_x_muon is None else f"{row.bytes_x_muon:.2f}x",
+        "host time vs AdamW": "-" if row.host_x_adamw is None else f"{row.host_x_adamw:.2f}x",
     }
 
 
@@ -177,16 +207,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write the figure here (PNG)")
     parser.add_argument("--json", type=Path, help="write the rows here, with the records they come from")
     args = parser.parse_args(argv)
-    seeds, adaptive, step = load(SEEDS), load(ADAPTIVE), load(STEP)
-    table = rows(seeds, adaptive, step)
-    header = ["optimizer", "lr", "loss vs AdamW", "loss vs Muon", "optimizer time vs Muon", "communication vs Muon"]
+    seeds, adaptive, step, host = load(SEEDS), load(ADAPTIVE), load(STEP), load(HOST)
+    table = rows(seeds, adaptive, step, host)
+    header = [
+        "optimizer",
+        "lr",
+        "loss vs AdamW",
+        "loss vs Muon",
+        "optimizer time vs Muon",
+        "communication vs Muon",
+        "host time vs AdamW",
+    ]
     print("| " + " | ".join(header) + " |")
     for row in table:
         print("| " + " | ".join([row.label, f"{row.lr:g}", *cells(row, table).values()]) + " |")
     if args.json:
         from dimuon.io import write_json_atomic
 
-        sources = [str(p.relative_to(ROOT)) for p in (SEEDS, ADAPTIVE, STEP)]
+        sources = [str(p.relative_to(ROOT)) for p in (SEEDS, ADAPTIVE, STEP, HOST)]
         write_json_atomic(args.json, {"sources": sources, "rows": [asdict(r) | {"loss": r.loss} for r in table]})
     if args.plot:
         plot(table, args.plot, machines(seeds, adaptive, step))

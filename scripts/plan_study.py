@@ -32,6 +32,7 @@ from dimuon.plan.command import (
 )
 from dimuon.plan.counts import KindCounts, StepCounts, count_step
 from dimuon.plan.hardware import EFFICIENCY_SOURCES, Efficiency, gpu_profile
+from dimuon.plan.host import PUBLISHED_HOST
 from dimuon.plan.step_time import OPTIMIZERS, Cluster, optimizer_mix, step_breakdowns, summary_row
 
 IMAGE = 512  # the paper's resolution: 64 x 64 latents, 1024 tokens with patch 2
@@ -158,6 +159,70 @@ def conclusions(counts: dict[str, StepCounts], batch: float, c: Cluster) -> dict
 
 
 NUMERIC = ("muon_owner_over_adamw", "prm3_owner_saving")
+HOST_ROWS = ("muon_owner", "prm_k3_owner", "muon_bp_p5", "adaptive")
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_RUNS = ("docs/results/gpu-check/h200-2026-12-04-run1.json", "docs/results/gpu-check/h200-2026-12-04-run2.json")
+
+
+def host_terms(counts: dict[str, StepCounts], batch: float) -> dict[str, Any]:
+    """The model with its host term from the published ``dimuon bench host`` fit beside ops x host_op_us: at 32 x 8
+    per model, and on the one GPU measurement of the optimizer step (the H200 demo runs, PeriodicRowMuon K=3 on
+    DiT-XS/4), which host_op_us was fitted to."""
+    ops_c, fit_c = cluster(), dataclasses.replace(cluster(), host=PUBLISHED_HOST)
+    rows = []
+    for model, n in counts.items():
+        a, b = predict(n, batch, ops_c), predict(n, batch, fit_c)
+        row: dict[str, Any] = {"model": model, "muon_matrices": n.muon_matrices}
+        for name in HOST_ROWS:
+            row[name] = {
+                "host_ms": [1e3 * a[name].optimizer_host_s, 1e3 * b[name].optimizer_host_s],
+                "optimizer_ms": [1e3 * a[name].optimizer_s, 1e3 * b[name].optimizer_s],
+                "overhead_over_adamw": [
+                    a[name].step_s / a["adamw"].step_s - 1,
+                    b[name].step_s / b["adamw"].step_s - 1,
+                ],
+            }
+        rows.append(row)
+    demo = count_step(model_arch("DiT-XS/4"), 1, None, 28)
+    measured = [json.loads((ROOT / p).read_text())["parts"]["train"]["results"]["opt_ms"] for p in DEMO_RUNS]
+    one = {c: Cluster(gpu_profile("h200"), 8, x.eff, x.host) for c, x in (("ops", ops_c), ("fit", fit_c))}
+    demo_ms = {c: 1e3 * predict(demo, 32, x)["prm_k3_owner"].optimizer_s for c, x in one.items()}
+    return {
+        "terms": PUBLISHED_HOST.as_dict(),
+        "columns": ["ops x host_op_us", "fitted from dimuon bench host"],
+        "rows": rows,
+        "demo": {"measured_ms": measured, "model_ms": [demo_ms["ops"], demo_ms["fit"]], "matrices": demo.muon_matrices},
+    }
+
+
+def host_markdown(h: dict[str, Any]) -> list[str]:
+    """The host-term comparison as study.md shows it."""
+    out = ["\n## Host term: measured per step kind against ops x host_op_us, 32 x 8 H100\n"]
+    out.append(
+        f"Each cell: with `ops x host_op_us` / with the terms fitted from [{h['terms']['source']}]"
+        "(../host/host.json) (`dimuon plan --host published`). Exposed host ms: the host's time past the GPU's work "
+        "on the step, plus its host reads (the period's mean).\n"
+    )
+    head = ["model", "Muon matrices", *(f"{OPTIMIZERS[n]}: exposed host ms, over AdamW" for n in HOST_ROWS)]
+    rows = [
+        [r["model"], r["muon_matrices"]]
+        + [
+            "{:.1f} / {:.1f}, {:+.1f}% / {:+.1f}%".format(
+                *r[n]["host_ms"], *(100 * x for x in r[n]["overhead_over_adamw"])
+            )
+            for n in HOST_ROWS
+        ]
+        for r in h["rows"]
+    ]
+    out.append(format_markdown_table(head, rows))
+    d = h["demo"]
+    out.append(
+        f"\nThe one GPU measurement of the optimizer step (PeriodicRowMuon K=3 on DiT-XS/4, {d['matrices']} Muon "
+        f"matrices, one H200): measured {d['measured_ms'][0]:.1f} and {d['measured_ms'][1]:.1f} ms; the model "
+        f"{d['model_ms'][0]:.1f} ms with ops x host_op_us (fitted to these runs), {d['model_ms'][1]:.1f} ms with "
+        "the terms fitted on a CPU.\n"
+    )
+    return out
 
 
 def sensitivity(counts: dict[str, StepCounts], batch: float) -> list[dict[str, Any]]:
@@ -305,6 +370,7 @@ def markdown(record: dict[str, Any]) -> str:
                 rows.append([g, s["layout"], f"{adamw:.1f}", *(f"{100 * over[n]:+.1f}%" for n in names), words])
         out.append(f"### {model}\n")
         out.append(format_markdown_table(head, rows) + "\n")
+    out += host_markdown(record["host_term"])
     out.append("## Sensitivity: each efficiency and bandwidth at 0.7x and 1.3x, at 32 x 8\n")
     rows = [
         [s["knob"], s["factor"],
@@ -371,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": [summary_row(k, v, b["adamw"]) for k, v in b.items()],
                     "recommendation": recommend(b),
                 }
+    record["host_term"] = host_terms(scale_counts, batch)
     record["sensitivity"] = sensitivity(scale_counts, batch)
     write_json_atomic(args.out / "study.json", record)
     write_text_atomic(args.out / "study.md", markdown(record))

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "step": "dimuon.bench.step",
     "census": "dimuon.bench.census",
     "traffic": "dimuon.bench.traffic",
+    "host": "dimuon.bench.host",
 }
 
 USAGE = """usage: dimuon <command> [options]
@@ -48,6 +49,7 @@ commands:
   bench step         training-step time per optimizer (forward/backward vs optimizer), one process and FSDP2
   bench census       what one optimizer step costs at 4-256 ranks: collectives, host reads, ops, NS FLOPs per rank
   bench traffic      bytes one memory-bound step moves (RowNorm eager and fused, fused AdamW), counted per op
+  bench host         Python calls and host time per optimizer step on tiny matrices, eager and compiled
   bench gpu          the GPU check: CUDA tests, optimizer bench on DiT-XL/2 shapes, a bf16 training run
 
 'dimuon <command> --help' lists each command's options; 'dimuon --version' (-V) prints the version."""

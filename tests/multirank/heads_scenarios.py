@@ -114,14 +114,14 @@ def reference(optimizer: str, opts: dict, only_stacked: bool = False) -> tuple[d
 
 
 def _column_sharded(rank: int, world: int, mesh, optimizer: str, opts: dict):
-    """The proj-like matrix and a stacked one distributed by columns (``Shard(1)``, as row-wise tensor
-    parallelism lays them out): a head of 8 columns straddles the two ranks' 12 columns."""
+    """The proj-like matrix and a stacked one distributed by columns (``Shard(1)``, ``Shard(2)`` of the stacked one,
+    as row-wise tensor parallelism lays them out): a head of 8 columns straddles the two ranks' 12 columns."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     model = _model()
     model.proj.weight = nn.Parameter(distribute_tensor(model.proj.weight.detach(), mesh, [Shard(1)]))
     stacked = {
-        "params": [("experts", nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(1)])))],
+        "params": [("experts", nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(2)])))],
         "stacked": True,
     }
     return model, [{"params": [("proj.weight", model.proj.weight)], "col_split_sizes": 3}], stacked
@@ -169,7 +169,7 @@ def refusals(rank: int, world: int, mesh) -> dict[str, str]:
     for key, optimizer, groups_ in (
         ("prm_col_split", "periodic_row_muon", group),
         ("bp_col_split", "muon_bp", group),
-        ("stacked_shard1", "muon", [stacked]),
+        ("stacked_shard2", "muon", [stacked]),
     ):
         # Each optimizer its own copies of the groups: building one fills the dicts with its own options.
         own = [

@@ -1,6 +1,7 @@
 """Rank-side programs of the 3-D mesh tests: HSDP over tensor parallelism, ``dp_replicate x dp_shard x tp`` =
 2 x 2 x 2 on 8 gloo ranks, on the bag of layers of :mod:`mesh_scenarios` (uneven and empty pieces, ``m < n`` and
-``m > n`` both ways, a fused matrix), a matrix replicated over all three dimensions, and the refusals."""
+``m > n`` both ways, a fused matrix), a matrix replicated over all three dimensions, and layouts judged by their
+placements."""
 
 from __future__ import annotations
 
@@ -89,17 +90,19 @@ def replicated_reference(optimizer: str) -> torch.Tensor:
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:
-    """The construction-time error for each 3-D-mesh layout the optimizer refuses, and 4-D meshes."""
+    """The construction-time outcome for layouts judged by their placements: a 4-D mesh, a dimension named like
+    context parallelism, three sharding dimensions (all accepted) and a ``Partial`` one (refused)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     four = init_device_mesh("cpu", (2, 2, 1, 2), mesh_dim_names=("a", "b", "c", "d"))
     cp = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
     three = mesh()
     cases = {
         "4d_mesh": lambda: distribute_tensor(torch.randn(8, 8), four, [Shard(0)] * 4),
-        "cp_dim": lambda: distribute_tensor(torch.randn(8, 8), cp, [Shard(0), Shard(0), Shard(1)]),
+        "cp_dim": lambda: distribute_tensor(torch.randn(8, 8), cp, [Replicate(), Shard(0), Shard(1)]),
         "three_shard": lambda: distribute_tensor(torch.randn(8, 8), three, [Shard(0), Shard(0), Shard(1)]),
+        "partial": lambda: DTensor.from_local(torch.randn(8, 4), three, [Replicate(), Partial(), Shard(1)]),
     }
     out = {}
     for name, make_tensor in cases.items():

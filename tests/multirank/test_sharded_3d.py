@@ -1,7 +1,7 @@
 """HSDP over tensor parallelism (``dp_replicate x dp_shard x tp`` = 2 x 2 x 2) on 8 gloo ranks against one process:
 dimuon's DiT with its plan (in the default run), and under the slow marker every optimizer and refresh on torch's
 own Colwise/RowwiseParallel plan with FSDP2 over the (replicate, shard) sub-mesh, a matrix replicated over all three
-dimensions, each rank's collectives per mesh dimension, and the layouts still refused."""
+dimensions, each rank's collectives per mesh dimension, and layouts judged by their placements."""
 
 import pytest
 import torch
@@ -119,12 +119,13 @@ def test_a_matrix_replicated_over_all_three_dimensions(spawned, optimizer):
 
 
 @pytest.mark.slow
-def test_what_stays_unsupported_is_refused_naming_the_parameter(spawned):
+def test_layouts_are_judged_by_placements_not_names(spawned):
+    """A 4-D mesh, a dimension named dp_shard_cp and three sharding dimensions are taken; Partial is refused,
+    naming the parameter and the supported forms."""
     errors = spawned[0]["refusals"]
-    assert "4-D meshes are not supported" in errors["4d_mesh"] and "'w'" in errors["4d_mesh"]
-    assert "'dp_shard_cp' is a cp dimension" in errors["cp_dim"]
-    assert "three mesh dimensions shard it" in errors["three_shard"]
-    assert "HSDP x TP" in errors["three_shard"]  # the supported forms are named
+    assert errors["4d_mesh"] == errors["cp_dim"] == errors["three_shard"] == "accepted"
+    assert "Partial placements are not supported" in errors["partial"] and "'w'" in errors["partial"]
+    assert "HSDP x TP" in errors["partial"] and "dp_shard_cp" in errors["partial"]  # the supported forms are named
 
 
 @pytest.mark.slow

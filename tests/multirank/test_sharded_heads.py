@@ -94,6 +94,6 @@ def test_layouts_that_cannot_cut_chunks_locally_are_refused_at_construction(rank
         message = refusals[key]
         assert f"col_split_sizes for parameter 'proj.weight' under {name}" in message, message
         assert "(Shard(dim=1),)" in message and "use muon for it" in message
-    message = refusals["stacked_shard1"]
-    assert "stacked=True: parameter 'experts' has placements (Shard(dim=1),)" in message, message
-    assert "shard only the leading dimension" in message
+    message = refusals["stacked_shard2"]  # each expert's columns split (each expert's rows may be: Shard(1))
+    assert "parameter 'experts' has placements (Shard(dim=2),)" in message, message
+    assert "Shard(d) for d > 1" in message

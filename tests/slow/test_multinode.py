@@ -89,7 +89,7 @@ def test_two_nodes_train_hsdp_then_resume_under_fsdp_x_tp(tmp_path: Path) -> Non
     for result in _two_nodes(run, "--steps", "4", "--parallel.dp-replicate", "2"):
         assert result.returncode == 0, result.stderr[-3000:]
     start = next(r for r in _records(run) if r["kind"] == "start")
-    assert start["world_size"] == 4 and start["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    assert start["world_size"] == 4 and start["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
     train = [r for r in _records(run) if r["kind"] == "train"]
     # Every replica refreshes its own matrices: only the 4-byte non-finite vote crosses nodes, one all-reduce over
     # the world (ring: 2(W-1)/W x 4 = 6 bytes at W = 4), none over dp_replicate alone.
@@ -112,5 +112,5 @@ def test_two_nodes_train_hsdp_then_resume_under_fsdp_x_tp(tmp_path: Path) -> Non
     ):
         assert result.returncode == 0, result.stderr[-3000:]
     starts = [r for r in _records(run) if r["kind"] == "start"]
-    assert starts[-1]["step"] == 4 and starts[-1]["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert starts[-1]["step"] == 4 and starts[-1]["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert (run / "checkpoints" / "step_0000006").is_dir()

@@ -10,7 +10,7 @@ import pytest
 from tests.example_modules import import_script
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPARED = ("loss vs AdamW", "loss vs Muon", "optimizer time vs Muon", "communication vs Muon")
+COMPARED = ("loss vs AdamW", "loss vs Muon", "optimizer time vs Muon", "communication vs Muon", "host time vs AdamW")
 
 
 def markdown_table(text: str, heading: str) -> list[dict[str, str]]:
@@ -24,8 +24,8 @@ def markdown_table(text: str, heading: str) -> list[dict[str, str]]:
 
 def test_the_readme_table_equals_what_the_records_give() -> None:
     script = import_script("at_a_glance")
-    seeds, adaptive, step = (script.load(p) for p in (script.SEEDS, script.ADAPTIVE, script.STEP))
-    table = script.rows(seeds, adaptive, step)
+    records = (script.load(p) for p in (script.SEEDS, script.ADAPTIVE, script.STEP, script.HOST))
+    table = script.rows(*records)
     by_name = {row.label.split(" ")[0]: row for row in table}
     shown = markdown_table((ROOT / "README.md").read_text(), "At a glance")
     assert {r["optimizer"] for r in shown} == {"AdamW", "Muon", "PeriodicRowMuon", "MuonBP", "AdaptiveRowMuon"}
@@ -47,3 +47,17 @@ def test_a_changed_record_changes_the_cells() -> None:
     table = script.rows(seeds, adaptive, step)
     prm = next(r for r in table if r.key == "periodic_row_muon")
     assert script.cells(prm, table)["loss vs Muon"] == "+2.8%"
+
+
+def test_the_host_column_reads_the_host_record_at_140_matrices() -> None:
+    script = import_script("at_a_glance")
+    host = script.load(script.HOST)
+    for row in host["rows"]:
+        if row["matrices"] == script.HOST_MATRICES and row["name"] == "muon":
+            row["host_ms"] *= 2
+    before = script.host_ratios(script.load(script.HOST))
+    after = script.host_ratios(host)
+    assert after["adamw"] == before["adamw"] == 1.0
+    assert after["muon"] == pytest.approx(2 * before["muon"])
+    assert after["periodic_row_muon"] == before["periodic_row_muon"]
+    assert script.host_ratios(None) == {}

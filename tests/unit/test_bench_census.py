@@ -189,6 +189,9 @@ def test_a_world_size_gets_the_meshes_of_a_cluster():
         census.layout_degrees("hsdp_tp", 64)
     with pytest.raises(ValueError, match="HSDP needs"):
         census.layout_degrees("hsdp", 2)
+    assert census.mesh_words(census.layout_degrees("fsdp_cp_tp", 64)) == "4x2x8 (dp_shard x cp x tp)"
+    with pytest.raises(ValueError, match="FSDP over data x context under TP needs 2 x 2 x 8 ranks or more"):
+        census.layout_degrees("fsdp_cp_tp", 16)
     assert census.ranks_to_trace(256, None) == list(range(256))
     assert census.ranks_to_trace(256, 5) == [0, 64, 128, 191, 255]
 
@@ -236,3 +239,23 @@ def test_a_3d_mesh_is_counted_per_dimension_with_every_rank_s_work_from_the_owne
     assert owner["ns_flops_over"] == "all 8 ranks, from the owner plan" and owner["ns_flops_plan"]["matches_traced"]
     rownorm = next(c for c in job["cases"] if c["optimizer"] == "prm_k3" and c["kind"] == "rownorm")
     assert {c["kind"] for c in rownorm["collectives"]} == {"all_reduce"} and "dp_replicate" not in rownorm["own"]
+
+
+def test_context_parallel_is_counted_in_the_flattened_data_x_context_group(tmp_path):
+    """FSDP over dp_shard x cp flattened under TP (2 x 2 x 2) on the fake group: the owner refresh in dp_shard_cp+tp
+    (dp_shard_cp for the matrices outside the TP plan), nothing over cp alone, every rank's work from the plan."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    flags = [
+        *TINY[: TINY.index("--fake-worlds") + 1],
+        "8",
+        *TINY[TINY.index("--fake-worlds") + 2 : TINY.index("--optimizers")],
+    ]
+    out = tmp_path / "census_cp"
+    assert census.main([*flags, "--optimizers", "muon_owner", "--layouts", "fsdp_cp_tp", "--out", str(out)]) == 0
+    job = json.loads((out / "census.json").read_text())["jobs"][0]
+    assert job["mesh"] == "2x2x2 (dp_shard x cp x tp)"
+    owner = next(c for c in job["cases"] if c["optimizer"] == "muon_owner")
+    assert {c["group"] for c in owner["collectives"] if c["kind"] == "all_to_all"} == {"dp_shard_cp+tp", "dp_shard_cp"}
+    assert "cp" not in owner["own"] and owner["same_sequence_on_all_ranks"]
+    assert owner["ns_flops_plan"]["matches_traced"]

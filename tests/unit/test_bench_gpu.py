@@ -58,11 +58,13 @@ def test_the_dry_run_runs_every_part_and_records_it(tmp_path: Path, capsys: pyte
     assert record["status"] == "complete" and record["running"] is None
     parts = record["parts"]
     assert {name: p["status"] for name, p in parts.items()} == {
-        "tests": "ok",
         "bench": "ok",
+        "host": "ok",
+        "tests": "ok",
         "peers": "ok",
         "train": "ok",
     }
+    assert list(parts) == ["bench", "host", "tests", "peers", "train"]  # the timings first
     assert all(0 < p["seconds"] <= p["budget_s"] for p in parts.values())
     tests = parts["tests"]["results"]  # the CUDA-marked tests were collected and skip themselves here
     assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == tests["passed"] == 0
@@ -102,6 +104,26 @@ def test_a_part_over_its_budget_is_recorded_and_the_others_still_run(tmp_path: P
     assert parts["tests"]["seconds"] < 30  # stopped at its budget, not when it finished
     assert parts["tests"]["results"]["partial"] is True
     assert "Did not complete: tests (timeout)" in record["readme"]
+
+
+def test_a_short_budget_runs_the_timings_first_and_keeps_the_record(tmp_path: Path, capsys) -> None:
+    """The whole check held to --budget-s: the optimizer and host timings run first, each part gets at most what
+    is left, the parts that would start with too little are skipped, and the record says so."""
+    budget = 20.0
+    code, record = dry_run(tmp_path, "--budget-s", str(budget), "--parts", "bench", "host", "tests", "peers", "train")
+    parts = record["parts"]
+    ran = [name for name, p in parts.items() if p["status"] != "skipped"]
+    skipped = [name for name, p in parts.items() if p["status"] == "skipped"]
+    assert ran and skipped and ran + skipped == list(gpu.PARTS)  # the timings first; skipped: the last ones
+    bench = parts["bench"]
+    assert bench["status"] in ("ok", "timeout")  # a loaded machine may stop it at the budget: partial then
+    assert bench["results"].get("optimizers") if bench["status"] == "ok" else bench["results"]["partial"]
+    for i, name in enumerate(ran):  # every part cut to what was left when it started
+        assert parts[name]["budget_s"] <= budget - sum(parts[n]["seconds"] for n in ran[:i]) + 0.2
+    assert record["status"] == "budget spent" and record["config"]["budget_s"] == budget
+    assert all("--budget-s 20 was spent" in parts[name]["results"]["error"] for name in skipped)
+    assert code == (0 if all(parts[name]["status"] == "ok" for name in ran) else 1)
+    assert "skipped (--budget-s 20 spent)" in capsys.readouterr().out
 
 
 def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Path) -> None:
@@ -155,6 +177,8 @@ def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Pa
 def test_bad_flags_are_refused_before_anything_runs(tmp_path: Path, capsys, monkeypatch) -> None:
     assert gpu.main(["--tests-budget-s", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "--tests-budget-s must be > 0 seconds" in capsys.readouterr().err
+    assert gpu.main(["--budget-s", "-1", "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--budget-s must be > 0 seconds" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main(["--out", str(tmp_path / "x.json")]) == 2
     assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
@@ -225,7 +249,9 @@ def test_the_peers_part_keeps_gemms_on_cublas_unless_asked(tmp_path: Path, monke
 
 def test_the_default_budgets_leave_room_within_ten_minutes() -> None:
     cfg = gpu.Config()
-    assert cfg.tests_budget_s + cfg.bench_budget_s + cfg.peers_budget_s + cfg.train_budget_s <= 450
+    parts = cfg.tests_budget_s + cfg.bench_budget_s + cfg.host_budget_s + cfg.peers_budget_s + cfg.train_budget_s
+    assert parts <= 450 and cfg.budget_s is not None and cfg.budget_s <= 540
+    assert cfg.bench_budget_s + cfg.host_budget_s <= 180  # the timings on disk within the first 3 minutes
 
 
 class Killed(BaseException):
@@ -247,21 +273,22 @@ def test_the_record_is_written_after_each_part_and_kept_when_a_later_part_is_kil
         raise Killed  # the bench part: the whole check dies here
 
     monkeypatch.setattr(gpu, "launch", fake_launch)
-    flags = ["--device", "cpu", "--quick", "--parts", "tests", "bench", "peers"]
+    flags = ["--device", "cpu", "--quick", "--parts", "tests", "peers", "train"]
     with pytest.raises(Killed):
         gpu.main([*flags, "--out", str(out), "--work", str(work), "--tests", TESTS, "--pack", str(pack)])
+    idle = {"bench": "not run", "host": "not run"}
     assert seen == [
-        {"tests": "running", "bench": "pending", "peers": "pending", "train": "not run"},
-        {"tests": "ok", "bench": "running", "peers": "pending", "train": "not run"},
+        {**idle, "tests": "running", "peers": "pending", "train": "pending"},
+        {**idle, "tests": "ok", "peers": "running", "train": "pending"},
     ]
-    record = json.loads(out.read_text())  # as written when the bench part started
-    assert record["status"] == "in progress" and record["running"] == "bench"
+    record = json.loads(out.read_text())  # as written when the peers part started
+    assert record["status"] == "in progress" and record["running"] == "peers"
     parts = record["parts"]
     assert parts["tests"]["status"] == "ok" and parts["tests"]["results"]["passed"] == 1
-    assert parts["bench"]["status"] == "running" and parts["bench"]["budget_s"] == gpu.Config.bench_budget_s
-    assert parts["peers"]["status"] == "pending" and parts["peers"]["command"]
+    assert parts["peers"]["status"] == "running" and parts["peers"]["budget_s"] == gpu.Config.peers_budget_s
+    assert parts["train"]["status"] == "pending" and parts["train"]["command"]
     assert (
-        "Not finished when this record was written (in progress): bench (running), peers (pending)"
+        "Not finished when this record was written (in progress): peers (running), train (pending)"
         in (record["readme"])
     )
     with tarfile.open(pack / gpu.PACK_NAME) as tar:  # packed after the tests part

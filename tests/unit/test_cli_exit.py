@@ -99,6 +99,7 @@ PARSED = {
     ),
     ("bench", "census", "--fake-worlds", "64"): ("Config", "fake_worlds", (64,)),
     ("bench", "traffic", "--depth", "2"): ("Config", "depth", 2),
+    ("bench", "host", "--matrices", "20", "140", "--compile-matrices", "20"): ("Config", "matrices", (20, 140)),
 }
 
 

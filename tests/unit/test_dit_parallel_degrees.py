@@ -27,6 +27,14 @@ def test_dp_shard_takes_the_rest_of_the_world():
         ((2, -1, 1), 2, "--parallel.dp-replicate 2 with --parallel.dp-shard 1 would shard over the replicas"),
         ((4, 1, 1), 4, "--parallel.dp-replicate 4 with --parallel.dp-shard 1 would shard over the replicas"),
         ((1, -1, 0), 4, "--parallel.tp must be >= 1"),
+        ((1, -1, 1, 0), 4, "--parallel.cp must be >= 1"),
+        ((1, -1, 1, 3), 4, "--parallel.dp-replicate (1) x --parallel.tp (1) x --parallel.cp (3) must divide the world"),
+        (
+            (1, 2, 2, 2),
+            4,
+            "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp x --parallel.cp = 1 x 2 x 2 x 2 = 8 must "
+            "equal the world size 4",
+        ),
     ],
 )
 def test_bad_degrees_name_the_flags(degrees, world, message):
@@ -43,3 +51,10 @@ def test_tensor_parallel_degree_must_split_heads_and_mlp():
 def test_hsdp_over_tensor_parallelism_is_a_3d_mesh():
     par = Parallelism(2, -1, 2).resolve(8)
     assert par.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
+
+
+def test_context_parallel_degrees_take_their_place_in_the_mesh():
+    assert Parallelism(cp=2).resolve(8).dims == (("dp_shard", 4), ("cp", 2))
+    assert Parallelism(2, -1, 2, 2).resolve(16).dims == (("dp_replicate", 2), ("dp_shard", 2), ("cp", 2), ("tp", 2))
+    # FSDP shards over cp: replicas of a model sharded over the context ranks are HSDP, not the refused DDP
+    assert Parallelism(2, -1, 1, 2).resolve(4).dims == (("dp_replicate", 2), ("cp", 2))

@@ -89,10 +89,10 @@ def test_diffusers_names():
         "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight",
         "transformer_blocks.0.norm1.linear.weight",
         "transformer_blocks.0.attn1.to_q.weight",
+        "proj_out_1.weight",  # the final layer's conditioning map, as DiT's final_layer.adaLN_modulation.1
     }
     assert {
         "pos_embed.proj.weight",
-        "proj_out_1.weight",
         "proj_out_2.weight",
         "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
         "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",

@@ -102,3 +102,20 @@ def test_a_json_write_that_fails_part_way_keeps_the_previous_table(tmp_path):
     assert done.returncode != 0 and "File too large" in done.stderr + done.stdout
     assert out.read_text() == before
     assert len(json.loads(before)["parameters"]) > 0
+
+
+def test_the_final_conditioning_map_goes_to_muon_in_dit_and_diffusers_alike_with_its_reason(tmp_path):
+    # One role, one rule: DiT's final_layer.adaLN_modulation.1 and diffusers' proj_out_1 map the conditioning
+    # vector to the final shift and scale, as every block's adaLN modulation does.
+    pytest.importorskip("diffusers")
+    rows = {}
+    for source, name in (
+        (["--model", "DiT-S/2"], "final_layer.adaLN_modulation.1.weight"),
+        (["--diffusers", "DiTTransformer2DModel"], "proj_out_1.weight"),
+    ):
+        out = tmp_path / "groups.json"
+        assert main(["groups", *source, "--json", str(out)]) == 0
+        rows[name] = {r["name"]: r for r in json.loads(out.read_text())["parameters"]}[name]
+    for name, row in rows.items():
+        assert row["algorithm"] == "muon", name
+        assert row["reason"].startswith("the final layer's conditioning map"), row["reason"]

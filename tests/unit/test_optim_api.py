@@ -143,7 +143,7 @@ def test_bad_hyperparameters_name_themselves(kwargs, exc, match):
         (AdaptiveRowMuon, dict(threshold=-0.1), r"threshold must be in \[0.0, inf\), got -0.1"),
         (AdaptiveRowMuon, dict(threshold=float("inf")), "threshold must be finite"),
         (AdaptiveRowMuon, dict(k_min=0), r"k_min must be in \[1, inf\), got 0"),
-        (AdaptiveRowMuon, dict(k_max=2.0), "k_max must be an int"),
+        (AdaptiveRowMuon, dict(k_max=2.5), "k_max must be an int"),
         (AdaptiveRowMuon, dict(k_min=4, k_max=3), r"k_max must be >= k_min \(4\), got 3"),
         (AdaptiveRowMuon, dict(gamma=0.0), r"gamma must be in \(0.0, inf\), got 0.0"),
     ],

@@ -174,6 +174,22 @@ def test_the_validation_images_take_the_classes_in_turn(tmp_path) -> None:
         (["--parallel.tp", "3"], "--parallel.tp (3) must divide the model's 4 attention heads"),
         (["--parallel.tp", "0"], "--parallel.tp must be an integer >= 1"),
         (["--parallel.dp-shard", "0"], "--parallel.dp-shard must be an integer >= 1, or -1"),
+        (["--parallel.cp", "0"], "--parallel.cp must be an integer >= 1, got 0"),
+        (
+            ["--parallel.cp", "2", "--image-size", "28"],
+            "--parallel.cp 2 must divide the 49 tokens per image of --model DiT-XS/4 on 28x28 images (a 7 x 7 grid of "
+            "patches); choose --parallel.cp among 1, 7, 49",
+        ),
+        (["--optimizer", "torch_muon", "--parallel.cp", "2"], "--optimizer torch_muon runs in one process only"),
+        (
+            ["--parallel.cp", "2"],
+            "--parallel.dp-replicate (1) x --parallel.tp (1) x --parallel.cp (2) must divide the world size 1",
+        ),
+        (
+            ["--parallel.cp", "2", "--parallel.dp-shard", "2"],
+            "--parallel.dp-replicate x --parallel.dp-shard x --parallel.tp x --parallel.cp = 1 x 2 x 1 x 2 = 4 must "
+            "equal the world size 1",
+        ),
         (["--optimizer", "torch_muon", "--parallel.tp", "2"], "--optimizer torch_muon runs in one process only"),
         (
             ["--optimizer", "adaptive_row_muon", "--parallel.tp", "2"],

@@ -121,6 +121,8 @@ LAYOUTS: dict[str, str] = {
     "replicated": "plain tensors on every rank, process_group = the world (DDP)",
     "hsdp_tp": "HSDP over tensor parallel (3-D): tp and shard groups of 2 up to 8 ranks, 8 beyond, replicas the rest",
     "hsdp_tp_s4": "HSDP over tensor parallel (3-D): tp 2 up to 8 ranks, 8 beyond; shard groups of 2, 4 beyond",
+    "fsdp_cp_tp": "FSDP over data x context (dp_shard x cp flattened) under tensor parallel: cp 2, tp 2 up to 8 "
+    "ranks, 8 beyond",
 }
 # The layouts a census takes unless --layouts names others (the 3-D ones on request: 8 gloo ranks each).
 DEFAULT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp", "replicated")
@@ -166,8 +168,8 @@ class Config:
     """Further depths of the gloo model at the smallest gloo world, for the ops of RowNorm and block steps
     (PeriodicRowMuon and MuonBP) against the number of parameters; () for none."""
     layouts: tuple[str, ...] = DEFAULT_LAYOUTS
-    """Layouts, from: fsdp hsdp tp fsdp_tp replicated hsdp_tp hsdp_tp_s4 (one a world size or model cannot take gets
-    a reason)."""
+    """Layouts, from: fsdp hsdp tp fsdp_tp replicated hsdp_tp hsdp_tp_s4 fsdp_cp_tp (one a world size or model cannot
+    take gets a reason)."""
     optimizers: tuple[str, ...] = tuple(VARIANTS)
     """Configurations, from: adamw muon_gather muon_owner prm_k3 prm_k3_skip muon_bp_p5 adaptive adaptive_skip
     adaptive_lag."""
@@ -239,6 +241,11 @@ def layout_degrees(layout: str, world: int) -> Parallelism | None:
         if world % (tp * shard) or world < 2 * tp * shard:
             raise ValueError(f"HSDP x TP needs two replicas of {shard} x {tp} ranks or more, got {world}")
         return Parallelism(world // (tp * shard), shard, tp).resolve(world)
+    if layout == "fsdp_cp_tp":
+        tp, cp = (2 if world <= 8 else 8), 2
+        if world % (tp * cp) or world < 2 * tp * cp:
+            raise ValueError(f"FSDP over data x context under TP needs 2 x {cp} x {tp} ranks or more, got {world}")
+        return Parallelism(1, world // (tp * cp), tp, cp).resolve(world)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -791,9 +798,12 @@ def group_labels(mesh: Any, layout: str) -> dict[str, str]:
         names = mesh.mesh_dim_names
         for d in range(mesh.ndim):
             labels[mesh.get_group(d).group_name] = names[d]
+        for name, flat in mesh._get_root_mesh()._flatten_mapping.items():  # data x context: FSDP's dp_shard_cp
+            labels.setdefault(flat.get_group(0).group_name, name)
         shard = [d for d in range(mesh.ndim) if names[d] != "dp_replicate"]
-        if len(shard) > 1:  # the group both sharding dimensions make: the engine's own, the mesh left as it was
-            labels.setdefault(flattened_group(mesh, shard).group_name, "+".join(names[d] for d in shard))
+        if len(shard) > 1:  # the group the sharding dimensions make: the engine's own, the mesh left as it was
+            label = "+".join(names[d] for d in shard).replace("dp_shard+cp", "dp_shard_cp")  # as the engine names it
+            labels.setdefault(flattened_group(mesh, shard).group_name, label)
     labels.setdefault(dist.group.WORLD.group_name, "world")
     return labels
 

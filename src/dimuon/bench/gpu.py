@@ -1,20 +1,25 @@
 """``dimuon bench gpu`` (``scripts/gpu-check``): the GPU check of dimuon in one command.
 
-Four parts, each a process of its own with its own time budget, so that a failure or an overrun in one
-is recorded and the others still run:
+Five parts, each a process of its own with its own time budget, so that a failure or an overrun in one
+is recorded and the others still run. The timings come first, so that they are on disk within the first
+3 minutes of one GPU (110 + 50 s of budget):
 
-1. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU) of an explicit list
-   of files, most GPU-specific first (:data:`CUDA_TEST_FILES`), so that a part stopped at its budget loses the
-   least specific ones;
-2. ``bench``: ``dimuon bench optimizer --device cuda`` on DiT-XL/2 parameter shapes (every optimizer
+1. ``bench``: ``dimuon bench optimizer --device cuda`` on DiT-XL/2 parameter shapes (every optimizer
    row beside ``torch.optim.Muon``, the Newton-Schulz FLOP rate against ``torch.bmm`` in bf16 on the same shapes,
    then compiled Newton-Schulz, timed last so that its compilation cannot take the other rows with it);
-3. ``peers``: the other Muon packages (heavyball) on the same shapes beside dimuon's Muon and
+2. ``host``: ``dimuon bench host`` on the device: Python calls and host time per step on tiny matrices (20, 140,
+   560), eager, then ``torch.compile(opt.step)`` at 20 matrices, on CUDA first with ``mode="reduce-overhead"``
+   (CUDA graphs), then in its default mode, in one process (a compilation that fails is recorded with its error;
+   the record is written after each size and mode);
+3. ``tests``: the CUDA-marked tests (``pytest -m cuda``; they skip themselves without a GPU) of an explicit list
+   of files, most GPU-specific first (:data:`CUDA_TEST_FILES`), so that a part stopped at its budget loses the
+   least specific ones;
+4. ``peers``: the other Muon packages (heavyball) on the same shapes beside dimuon's Muon and
    ``torch.optim.Muon``, in one run of their own: dimuon's rows and ``torch.optim.Muon`` are timed and written
    first, then each other package is started (heavyball compiles its step, with inductor's autotuning of its
    elementwise kernels: minutes for DiT-XL/2's shapes on a fresh machine) and timed alone, the record written again
    after each, so that a first step that outlasts the budget keeps every row timed before it;
-4. ``train``: ``dimuon train`` on the demo task under bf16 autocast for a few hundred steps: steps per
+5. ``train``: ``dimuon train`` on the demo task under bf16 autocast for a few hundred steps: steps per
    second and where a step's time goes (data, forward/backward, optimizer);
 
 then one JSON record (GPU, driver, torch, CUDA, cuDNN and NCCL versions, CPU, each part's status, time
@@ -25,13 +30,14 @@ marked ``pending``, the one under way ``running``, the record's ``status`` ``in 
 end (``complete``), so that a check stopped from outside keeps every part finished before. A SIGTERM or SIGINT stops
 the part under way (its whole process group), keeps what it finished (marked ``interrupted``) and writes the record
 (``status``: ``interrupted``). ``--pack DIR`` also packs every part's log and outputs into ``DIR/gpu-check-logs.tgz``
-after each part and at the end, whatever the outcome. The budgets (150 + 110 + 150 + 40 s = 450 s) leave room
-within a 10-minute limit on one GPU for start-up, installing the wheels and the machine's own overhead. A part that
+after each part and at the end, whatever the outcome. The budgets (110 + 50 + 120 + 130 + 40 s = 450 s) leave room
+within a 10-minute limit on one GPU for start-up, installing the wheels and the machine's own overhead; ``--budget-s``
+(540 s by default) bounds the whole check: each part gets at most what is left, a part that would start with less
+than 5 s left is recorded as ``skipped`` and the record's status is ``budget spent``. A part that
 overruns its budget keeps what it finished: every test's outcome as it ends (and each test has a time limit of its
 own, ``--test-timeout-s``: a hung test fails, the rest run), the benchmark's rows of every round sampled so far, the
 training run's records. The parts share one compile cache (``<work>/compile-cache``: inductor's and triton's), so
-kernels the tests compiled are not compiled again by the benchmark or the training run (a fresh machine starts
-without it).
+kernels one part compiled are not compiled again by the later parts (a fresh machine starts without it).
 ``--device cpu --quick`` runs every part on tiny sizes in well under a minute: the dry run the test suite keeps
 working.
 
@@ -51,12 +57,13 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from dimuon.bench import host_report
 from dimuon.bench.optimizer import ns_algorithms
 from dimuon.bench.quality_runs import launch, log_tail
 from dimuon.bench.report import (
@@ -69,7 +76,10 @@ from dimuon.bench.report import (
 )
 from dimuon.io import atomic_path, write_json_atomic
 
-PARTS = ("tests", "bench", "peers", "train")
+# In this order: the optimizer and host timings first (within the first 3 minutes of one GPU), then the rest.
+PARTS = ("bench", "host", "tests", "peers", "train")
+# A part is started only with at least this many seconds of --budget-s left (else it is recorded as skipped).
+MIN_PART_S = 5.0
 # dimuon's rows that the peers part times beside the other packages: the baselines of its ratio columns and Muon
 PEER_PART_ROWS = ("adamw_foreach", "muon", "muon_bf16", "muon_gram_bf16")
 # the peers timed together with dimuon's rows in the peers part; every other one is started (its first step may
@@ -104,7 +114,7 @@ class Config:
     """Where the benchmark and the training run go (cpu: a dry run of the whole check, with --quick)."""
     quick: bool = False
     """Tiny sizes and few steps everywhere (a dry run: every part runs, no figure means anything)."""
-    parts: tuple[Literal["tests", "bench", "peers", "train"], ...] = PARTS
+    parts: tuple[Literal["bench", "host", "tests", "peers", "train"], ...] = PARTS
     """Which parts to run (the others are recorded as not run)."""
     out: Path = Path("docs/results/gpu-check.json")
     """The JSON record (written atomically before the first part, as each part starts, after each and at the end;
@@ -122,11 +132,16 @@ class Config:
     """The test files to run, relative to --tests, in this order (most GPU-specific first: a part stopped at its
     budget loses the last; a file that is missing fails the part, the others still run; none: the whole --tests
     directory)."""
-    tests_budget_s: float = 150.0
+    budget_s: float | None = 540.0
+    """Seconds the whole check may take: each part gets at most what is left, and the parts that would start with
+    less than 5 s left are recorded as skipped (the record kept; none: each part's own budget only)."""
+    tests_budget_s: float = 120.0
     """Seconds the tests part may take before it is stopped."""
     bench_budget_s: float = 110.0
     """Seconds the benchmark part may take before it is stopped."""
-    peers_budget_s: float = 150.0
+    host_budget_s: float = 50.0
+    """Seconds the host part (``dimuon bench host``, eager and compiled) may take before it is stopped."""
+    peers_budget_s: float = 130.0
     """Seconds the peers part may take before it is stopped (heavyball's first step compiles; the rows timed
     before it are kept if it overruns)."""
     peers_gemm_autotune: bool = False
@@ -160,7 +175,10 @@ class Part:
 
 def check_config(cfg: Config) -> None:
     """One clear error per bad flag, before anything runs."""
-    for name in ("tests_budget_s", "bench_budget_s", "peers_budget_s", "train_budget_s", "test_timeout_s"):
+    budgets = ("tests_budget_s", "bench_budget_s", "host_budget_s", "peers_budget_s", "train_budget_s")
+    if cfg.budget_s is not None and cfg.budget_s <= 0:
+        raise ValueError(f"--budget-s must be > 0 seconds (or omitted), got {cfg.budget_s}")
+    for name in (*budgets, "test_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(cfg, name)}")
     if cfg.train_steps < 1:
@@ -257,6 +275,16 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
             "10",
         ]
     return cmd
+
+
+def host_command(cfg: Config, out: Path) -> list[str]:
+    """``dimuon bench host``: Python calls and host time per step on tiny matrices, eager at 20, 140 and 560
+    matrices, then compiled at 20 (on CUDA also with ``mode="reduce-overhead"``, CUDA graphs), in one process."""
+    cmd = [sys.executable, "-m", "dimuon.bench.host", "--device", cfg.device, "--json", str(out), "--no-progress"]
+    if cfg.quick:
+        return [*cmd, "--quick"]
+    modes = ["reduce-overhead", "default"] if cfg.device == "cuda" else ["default"]  # CUDA graphs checked first
+    return [*cmd, "--repeats", "5", "--compile-matrices", "20", "--compile-modes", *modes]
 
 
 def train_command(cfg: Config, run_dir: Path) -> list[str]:
@@ -494,6 +522,8 @@ def readme_rows(record: dict[str, Any]) -> str:
     for name, title in (("bench", "Optimizer step"), ("peers", "Other Muon packages, optimizer step")):
         if shown(parts[name], "optimizers"):
             lines += optimizer_rows(parts[name]["results"], title, bool(gpu))
+        if name == "bench" and shown(parts["host"], "rows"):
+            lines += [host_report.render(parts["host"]["results"], markdown=True), ""]
     train = parts["train"]
     if shown(train, "steps"):
         r = train["results"]
@@ -543,14 +573,15 @@ def pack_logs(work: Path, dest: Path) -> Path:
     return dest
 
 
-def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the requested parts in order and write the record before the first, as each starts, after each and at
-    the end (and the --pack tarball after each and at the end); returns the last record."""
-    check_config(cfg)
-    work = cfg.work
-    work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    bench_out, run_dir, junit = work / "optimizer.json", work / "train", work / "tests.xml"
+def part_plans(cfg: Config, work: Path) -> dict[str, Plan]:
+    """What every part runs, its budget, how its results are read and the output it rewrites, in :data:`PARTS`
+    order."""
+    bench_out, host_out, run_dir, junit = (
+        work / "optimizer.json",
+        work / "host.json",
+        work / "train",
+        work / "tests.xml",
+    )
     peers_out = work / "peers.json"
     test_log = (work / "tests.jsonl").resolve()  # absolute: a test that changes directory still finds it
     cache = (work / "compile-cache").resolve()
@@ -562,24 +593,27 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
         "TORCHINDUCTOR_MAX_AUTOTUNE": "0",
         "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "0",
     }
-    plans = {
+    aten = {} if cfg.peers_gemm_autotune else {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS": "ATEN"}
+    test_env = {**shared, "DIMUON_TEST_TIMEOUT_S": f"{cfg.test_timeout_s:g}", "DIMUON_TEST_LOG": str(test_log)}
+    return {
+        "bench": Plan(
+            bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out, shared
+        ),
+        "host": Plan(host_command(cfg, host_out), cfg.host_budget_s, lambda: bench_results(host_out), host_out, shared),
         "tests": Plan(
             tests_command(cfg, junit),
             cfg.tests_budget_s,
             lambda: junit_counts(junit),
             junit,
-            {**shared, "DIMUON_TEST_TIMEOUT_S": f"{cfg.test_timeout_s:g}", "DIMUON_TEST_LOG": str(test_log)},
+            test_env,
             partial=lambda: test_log_counts(test_log),
-        ),
-        "bench": Plan(
-            bench_command(cfg, bench_out), cfg.bench_budget_s, lambda: bench_results(bench_out), bench_out, shared
         ),
         "peers": Plan(
             bench_command(cfg, peers_out, peers=True),
             cfg.peers_budget_s,
             lambda: bench_results(peers_out),
             peers_out,
-            {**shared, **({} if cfg.peers_gemm_autotune else {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS": "ATEN"})},
+            {**shared, **aten},
         ),
         "train": Plan(
             train_command(cfg, run_dir),
@@ -589,63 +623,105 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
             shared,
         ),
     }
-    parts: dict[str, Part] = {
-        name: Part("pending", budget_s=plan.budget_s, command=plan.command) if name in cfg.parts else Part("not run")
-        for name, plan in plans.items()
-    }
-    machine = {**machine_info(argv), "gpu": gpu_info(cfg.device)}
 
-    def write(status: str, pack: bool = True) -> dict[str, Any]:
-        """The record as it stands (``status``: ``in progress``, ``complete`` or ``interrupted``), and the tarball."""
+
+@dataclass
+class Check:
+    """One run of the check: its flags, its parts as they stand, and the record written from them."""
+
+    cfg: Config
+    argv: list[str] | None
+    parts: dict[str, Part]
+    machine: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+    def left_s(self) -> float | None:
+        """Seconds of --budget-s left (None: no overall budget)."""
+        return None if self.cfg.budget_s is None else self.cfg.budget_s - (time.perf_counter() - self.started)
+
+    def write(self, status: str, pack: bool = True) -> dict[str, Any]:
+        """The record as it stands (``status``: ``in progress``, ``complete``, ``budget spent`` or ``interrupted``),
+        and the tarball."""
+        cfg = self.cfg
         record: dict[str, Any] = {
             "benchmark": "gpu-check",
-            "command": "dimuon bench gpu " + " ".join(argv or []),
+            "command": "dimuon bench gpu " + " ".join(self.argv or []),
             "out": str(cfg.out),
             "status": status,
-            "running": next((name for name, p in parts.items() if p.status == "running"), None),
-            "machine": machine,
+            "running": next((name for name, p in self.parts.items() if p.status == "running"), None),
+            "machine": self.machine,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-            "total_s": round(time.perf_counter() - started, 1),
-            "parts": {name: asdict(p) for name, p in parts.items()},
+            "total_s": round(time.perf_counter() - self.started, 1),
+            "parts": {name: asdict(p) for name, p in self.parts.items()},
         }
         record["readme"] = readme_rows(record)
         write_json_atomic(cfg.out, record)
         if pack and cfg.pack is not None:
             try:
-                pack_logs(work, cfg.pack / PACK_NAME)
+                pack_logs(cfg.work, cfg.pack / PACK_NAME)
             except OSError as exc:  # the record matters more than the tarball
                 print(f"dimuon bench gpu: could not pack the logs into {cfg.pack}: {exc}", file=sys.stderr)
         return record
 
+
+def budgeted(check: Check, plan: Plan) -> Plan | None:
+    """``plan`` with its budget cut to what --budget-s leaves, None when too little is left to start it."""
+    left = check.left_s()
+    if left is None:
+        return plan
+    if left < MIN_PART_S:
+        return None
+    return replace(plan, budget_s=round(min(plan.budget_s, left), 1))
+
+
+def run_one(check: Check, name: str, plan: Plan) -> Part:
+    """Run one part (or record why it did not start: no test files, the check's budget spent) and write the
+    record as it starts and after it."""
+    cfg, work = check.cfg, check.cfg.work
+    files, missing = test_paths(cfg) if name == "tests" else ([], [])
+    if name == "tests" and (not cfg.tests.is_dir() or not files):
+        error = f"no test directory {cfg.tests}" if not cfg.tests.is_dir() else f"no test file {missing}"
+        return Part("failed", budget_s=plan.budget_s, results={"error": error})
+    cut = budgeted(check, plan)
+    if cut is None:
+        print(f"dimuon bench gpu: {name}: skipped (--budget-s {cfg.budget_s:g} spent)", flush=True)
+        return Part("skipped", budget_s=plan.budget_s, results={"error": f"--budget-s {cfg.budget_s:g} was spent"})
+    check.parts[name] = Part("running", budget_s=cut.budget_s, command=cut.command, log=str(work / f"{name}.log"))
+    check.write("in progress", pack=False)
+    print(f"dimuon bench gpu: {name} (budget {cut.budget_s:.0f} s) ...", flush=True)
+    part = run_part(name, cut, work, 1 if cfg.quick else None)
+    if missing:  # the listed files that are there ran; a renamed or lost one must not pass unseen
+        part.results["missing_files"] = missing
+        if part.status == "ok":
+            part.status = "failed"
+            part.results["error"] = f"test files not found under {cfg.tests}: {missing}"
+    print(f"dimuon bench gpu: {name}: {part.status} in {part.seconds:.0f} s", flush=True)
+    return part
+
+
+def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the requested parts in order and write the record before the first, as each starts, after each and at
+    the end (and the --pack tarball after each and at the end); returns the last record."""
+    check_config(cfg)
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    plans = part_plans(cfg, cfg.work)
+    parts = {
+        name: Part("pending", budget_s=plan.budget_s, command=plan.command) if name in cfg.parts else Part("not run")
+        for name, plan in plans.items()
+    }
+    check = Check(cfg, argv, parts, {**machine_info(argv), "gpu": gpu_info(cfg.device)})
     status = "complete"
     with stop_on_signals():
         try:
-            write("in progress", pack=False)
+            check.write("in progress", pack=False)
             for name, plan in plans.items():
                 if name not in cfg.parts:
                     continue
-                files, missing = test_paths(cfg) if name == "tests" else ([], [])
-                if name == "tests" and (not cfg.tests.is_dir() or not files):
-                    error = f"no test directory {cfg.tests}" if not cfg.tests.is_dir() else f"no test file {missing}"
-                    parts[name] = Part("failed", budget_s=plan.budget_s, results={"error": error})
-                    write("in progress")
-                    continue
-                parts[name] = Part(
-                    "running", budget_s=plan.budget_s, command=plan.command, log=str(work / f"{name}.log")
-                )
-                write("in progress", pack=False)
-                print(f"dimuon bench gpu: {name} (budget {plan.budget_s:.0f} s) ...", flush=True)
-                parts[name] = run_part(name, plan, work, 1 if cfg.quick else None)
-                if missing:  # the listed files that are there ran; a renamed or lost one must not pass unseen
-                    parts[name].results["missing_files"] = missing
-                    if parts[name].status == "ok":
-                        parts[name].status = "failed"
-                        parts[name].results["error"] = f"test files not found under {cfg.tests}: {missing}"
-                print(f"dimuon bench gpu: {name}: {parts[name].status} in {parts[name].seconds:.0f} s", flush=True)
+                parts[name] = run_one(check, name, plan)
                 if parts[name].status == "interrupted":
                     status = "interrupted"
                     break
-                write("in progress")
+                check.write("in progress")
         except Interrupted:  # between two parts, or while the record was written: the part under way stops here
             status = "interrupted"
     if status == "interrupted":
@@ -653,7 +729,9 @@ def run(cfg: Config, argv: list[str] | None = None) -> dict[str, Any]:
             if p.status == "running":
                 p.status = "interrupted"
         print("dimuon bench gpu: interrupted; the parts after it are recorded as pending", flush=True)
-    return write(status)  # with the signal handlers of before: a second signal acts as it would have
+    elif any(p.status == "skipped" for p in parts.values()):
+        status = "budget spent"
+    return check.write(status)  # with the signal handlers of before: a second signal acts as it would have
 
 
 def parse(argv: Sequence[str]) -> Config:
@@ -663,15 +741,16 @@ def parse(argv: Sequence[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok, 1 otherwise (a part failed, overran
-    its budget, or the check was interrupted), 2 on bad flags."""
+    """Entry point of ``dimuon bench gpu``: 0 when every part that ran is ok (a part skipped because --budget-s was
+    spent counts as not run), 1 otherwise (a part failed, overran its budget, or the check was interrupted), 2 on
+    bad flags."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_or_none(parse, args, "dimuon bench gpu")
     if cfg is None:
         return 2
     record = run(cfg, args)
     print("\n" + record["readme"] + f"\n\nwrote {cfg.out} ({record['total_s']:.0f} s)")
-    return 0 if all(p["status"] in ("ok", "not run") for p in record["parts"].values()) else 1
+    return 0 if all(p["status"] in ("ok", "not run", "skipped") for p in record["parts"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dimuon.bench import optimizer as optimizer_bench
+from dimuon.bench.host_probe import accelerator_form
 from dimuon.bench.peers import GradientSnapshot, muon_and_rest
 from dimuon.bench.report import format_markdown_table, format_table, machine_info, print_report
 from dimuon.io import write_json_atomic
-from dimuon.optim import build, devices, fused
+from dimuon.optim import build, fused
 
 PROG = "dimuon bench traffic"
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -205,13 +206,8 @@ def booking(adamw_tensors: Sequence[Tensor] = ()) -> Iterator[Book]:
     """Every op of the body booked, in the accelerator's form of the step; the bytes of ``adamw_tensors`` (the
     AdamW group's parameters and gradients) apart. Works on the meta device: bytes come from shapes."""
     book = Book(adamw_storages=frozenset(t.untyped_storage().data_ptr() for t in adamw_tensors))
-    original = devices.cpu_path
-    devices.cpu_path = lambda device: False
-    try:
-        with _Traffic(book) as mode, _fused_booked(book, mode):
-            yield book
-    finally:
-        devices.cpu_path = original
+    with accelerator_form(), _Traffic(book) as mode, _fused_booked(book, mode):
+        yield book
 
 
 def count_step(step: Callable[[], None], adamw_tensors: Sequence[Tensor] = ()) -> Book:

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from dimuon.dit.context import chunk_of, gather_chunks, group_rank_and_size
 
 __all__ = [
     "DIT_MODELS",
@@ -179,7 +182,9 @@ class Attention(nn.Module):
 
     The fused qkv output holds ``[q; k; v]``, each in head order. Under head-wise tensor parallelism
     (``dimuon.dit.parallel``) each rank's qkv computes its own heads' q, k and v, so the forward reads the
-    number of heads from the qkv output: ``H`` in one process, ``H / tp`` on a tensor-parallel rank.
+    number of heads from the qkv output: ``H`` in one process, ``H / tp`` on a tensor-parallel rank. Under
+    context parallelism (``cp_group``, training mode) the queries are this rank's tokens and the keys and values
+    are gathered from every rank of the group (``dimuon.dit.context``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
@@ -190,13 +195,18 @@ class Attention(nn.Module):
         self.head_dim = hidden_size // num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.proj = nn.Linear(hidden_size, hidden_size)
+        self.cp_group: ProcessGroup | None = None  # set by DiT.context_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
+        n, t, _ = x.shape  # T: this rank's tokens under context parallelism
         qkv = self.qkv(x)  # (N, T, 3*h*dh), h = H (or this rank's heads under TP), dh = D/H
         h = qkv.shape[-1] // (3 * self.head_dim)
         qkv = qkv.reshape(n, t, 3, h, self.head_dim)  # (N, T, 3, h, dh)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, h, T, dh)
+        q = qkv[:, :, 0].transpose(1, 2)  # (N, h, T, dh)
+        kv = qkv[:, :, 1:]  # (N, T, 2, h, dh)
+        if self.cp_group is not None and self.training:
+            kv = gather_chunks(kv, self.cp_group, dim=1)  # (N, S, 2, h, dh), S: the tokens of every cp rank
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (N, h, S, dh)
         x = F.scaled_dot_product_attention(q, k, v)  # (N, h, T, dh)
         x = x.transpose(1, 2).reshape(n, t, h * self.head_dim)  # (N, T, h*dh)
         return self.proj(x)  # (N, T, D)
@@ -262,6 +272,7 @@ class DiT(nn.Module):
 
     The first ``in_channels`` output channels are the velocity; with ``learn_sigma`` the model has
     ``2 * in_channels`` outputs (DiT's layout) and the rectified-flow code ignores the extra ones.
+    After :meth:`context_parallel`, training-mode forwards split the tokens over a process group.
     """
 
     def __init__(
@@ -310,7 +321,25 @@ class DiT(nn.Module):
         self.register_buffer("pos_embed", pos, persistent=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.cp_group: ProcessGroup | None = None
         self.initialize_weights()
+
+    def context_parallel(self, group: ProcessGroup | None) -> None:
+        """Split the token sequence of training-mode forwards over ``group`` (None: whole sequences again).
+
+        Every rank of the group must get the same inputs (and ``drop_labels``, or the same random state for the
+        label dropout); each keeps a contiguous chunk of the tokens after the embeddings, attention gathers keys and
+        values, and the output is gathered whole (``dimuon.dit.context``).
+        Eval-mode forwards (validation, sampling) run the whole sequence on every rank and take any inputs.
+        """
+        if group is not None:
+            size = group_rank_and_size(group)[1]
+            tokens = self.grid_size**2
+            if tokens % size:
+                raise ValueError(f"{tokens} tokens per image do not split over {size} context-parallel ranks")
+        self.cp_group = group
+        for block in self.blocks:
+            block.attn.cp_group = group
 
     @property
     def null_label(self) -> int:
@@ -352,12 +381,17 @@ class DiT(nn.Module):
             x.to(self.x_embedder.proj.weight.dtype)
         )  # (N, T, D), in the parameters' dtype (bf16 under FSDP2's)
         x = x + self.pos_embed.to(x.dtype)  # (N, T, D)
+        cp = self.cp_group if self.training else None
+        if cp is not None:
+            x = chunk_of(x, cp, dim=1)  # (N, T/cp, D): this rank's contiguous tokens
         t_emb = self.t_embedder(t)  # (N, D)
         y_emb = self.y_embedder(y, self.training, drop_labels)  # (N, D)
         c = t_emb + y_emb  # (N, D)
         for block in self.blocks:
-            x = block(x, c)  # (N, T, D)
-        x = self.final_layer(x, c)  # (N, T, p*p*C_out)
+            x = block(x, c)  # (N, T, D), T/cp tokens under context parallelism
+        x = self.final_layer(x, c)  # (N, T, p*p*C_out), T/cp tokens under context parallelism
+        if cp is not None:
+            x = gather_chunks(x, cp, dim=1)  # (N, T, p*p*C_out): the chunks of every rank, in order
         return unpatchify(x, self.patch_size, self.out_channels, h, w)  # (N, C_out, H, W)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:

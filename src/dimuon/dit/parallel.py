@@ -1,13 +1,17 @@
 """Parallelism for dimuon's DiT: degrees in torchtitan's style, one device mesh, the tensor-parallel plan, FSDP2.
 
-Degrees ``dp_replicate x dp_shard x tp`` multiply to the world size and build one mesh with the
-dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard`` and ``tp``:
+Degrees ``dp_replicate x dp_shard x cp x tp`` multiply to the world size and build one mesh with the
+dimensions that are larger than 1, named ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``:
 
 - ``dp_shard`` alone: FSDP2 (every block, then the root); ``dp_replicate x dp_shard``: HSDP (replicas of
   a sharded model, e.g. one replica per node); ``tp`` alone: tensor parallelism; ``dp_shard x tp``:
   FSDP over tensor parallelism; all three: HSDP over tensor parallelism, the 3-D mesh large DiTs train on
   (replicas across groups of nodes, FSDP inside a group, TP inside a node). ``dp_replicate`` without
   ``dp_shard`` (DDP) is refused at start-up: FSDP2 would shard over a lone data-parallel dimension.
+- ``cp``: context parallelism. The ranks of a ``cp`` group train on the same samples, each on a contiguous chunk
+  of their tokens (``dimuon.dit.context``; attention gathers keys and values over ``cp``); FSDP2 shards over
+  ``dp_shard x cp`` flattened into one dimension (torchtitan's ``dp_shard_cp``), whose gradient mean is the
+  one-process gradient. It combines with the other degrees.
 
 The tensor-parallel plan (per block; docs/training.md, "Parallelism"):
 
@@ -47,42 +51,52 @@ __all__ = [
     "tp_process_group",
 ]
 
-FLAGS = {"dp_replicate": "--parallel.dp-replicate", "dp_shard": "--parallel.dp-shard", "tp": "--parallel.tp"}
+FLAGS = {
+    "dp_replicate": "--parallel.dp-replicate",
+    "dp_shard": "--parallel.dp-shard",
+    "cp": "--parallel.cp",
+    "tp": "--parallel.tp",
+}
 
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world."""
+    """Parallel degrees; ``dp_shard = -1`` takes what the others leave of the world. ``cp`` (context parallel)
+    splits every sample's tokens over its ranks, with FSDP over the flattened ``dp_shard x cp``."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    cp: int = 1
 
     def resolve(self, world: int) -> Parallelism:
         """The degrees with ``dp_shard`` filled in, checked against ``world``; a ValueError names the flags."""
-        for key in ("dp_replicate", "tp"):
+        for key in ("dp_replicate", "tp", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{FLAGS[key]} must be >= 1, got {getattr(self, key)}")
+        others = self.dp_replicate * self.tp * self.cp
+        cp_words = (f" x {FLAGS['cp']} ({self.cp})", f" x {FLAGS['cp']}", f" x {self.cp}") if self.cp > 1 else ("",) * 3
         dp_shard = self.dp_shard
         if dp_shard == -1:
-            if world % (self.dp_replicate * self.tp):
+            if world % others:
                 raise ValueError(
-                    f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}) "
+                    f"{FLAGS['dp_replicate']} ({self.dp_replicate}) x {FLAGS['tp']} ({self.tp}){cp_words[0]} "
                     f"must divide the world size {world}"
                 )
-            dp_shard = world // (self.dp_replicate * self.tp)
+            dp_shard = world // others
         elif dp_shard < 1:
             raise ValueError(f"{FLAGS['dp_shard']} must be >= 1 or -1 (the rest of the world), got {dp_shard}")
-        resolved = Parallelism(self.dp_replicate, dp_shard, self.tp)
-        if resolved.dp_replicate * resolved.dp_shard * resolved.tp != world:
+        resolved = Parallelism(self.dp_replicate, dp_shard, self.tp, self.cp)
+        if dp_shard * others != world:
             raise ValueError(
-                f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']} = {self.dp_replicate} x {dp_shard} x "
-                f"{self.tp} = {self.dp_replicate * dp_shard * self.tp} must equal the world size {world}"
+                f"{FLAGS['dp_replicate']} x {FLAGS['dp_shard']} x {FLAGS['tp']}{cp_words[1]} = {self.dp_replicate} x "
+                f"{dp_shard} x {self.tp}{cp_words[2]} = {dp_shard * others} must equal the world size {world}"
             )
         resolved.check_mesh()
-        if resolved.dp_replicate > 1 and resolved.dp_shard == 1:
+        if resolved.dp_replicate > 1 and resolved.dp_shard * resolved.cp == 1:
             # One data-parallel mesh dimension is sharded by FSDP2 whatever its name: this would run plain FSDP
-            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs.
+            # over the "replicas" and record HSDP. Replication without sharding (DDP) is not what the harness runs;
+            # with cp > 1 FSDP shards over cp (dp_shard x cp flattened), which is HSDP.
             raise ValueError(
                 f"{FLAGS['dp_replicate']} {self.dp_replicate} with {FLAGS['dp_shard']} 1 would shard over the "
                 f"replicas (FSDP2 shards a lone data-parallel dimension): give {FLAGS['dp_shard']} >= 2 for HSDP, or "
@@ -91,9 +105,9 @@ class Parallelism:
         return resolved
 
     def check_mesh(self) -> None:
-        """The mesh limit, the one place it is written: every combination of the three degrees builds a mesh of at
-        most three dimensions, one replicating and two sharding (HSDP over tensor parallelism), which the
-        optimizer's layouts take (``dimuon.optim.distributed.layout``); nothing is refused here today."""
+        """The mesh limit, the one place it is written: the optimizer's layouts take a mesh of any number of
+        dimensions, judged by the placements (``dimuon.optim.distributed.layout``), so every combination of the
+        degrees is taken; nothing is refused here today."""
 
     def check_model(self, hidden_size: int, num_heads: int, mlp_hidden: int) -> None:
         """Tensor parallelism splits heads and MLP units evenly: raise naming --parallel.tp if it cannot."""
@@ -105,8 +119,8 @@ class Parallelism:
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
-        """The mesh dimensions: those of degree > 1, in the order dp_replicate, dp_shard, tp."""
-        return tuple((k, getattr(self, k)) for k in ("dp_replicate", "dp_shard", "tp") if getattr(self, k) > 1)
+        """The mesh dimensions: those of degree > 1, in the order dp_replicate, dp_shard, cp, tp."""
+        return tuple((k, getattr(self, k)) for k in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(self, k) > 1)
 
 
 def build_mesh(par: Parallelism, device_type: str) -> Any:
@@ -180,8 +194,9 @@ def _fsdp_placement(param: nn.Parameter) -> Any:
 def apply_parallelism(
     model: nn.Module, par: Parallelism, mesh: Any, reshard_root: bool = True, param_dtype: torch.dtype | None = None
 ) -> nn.Module:
-    """Tensor parallelism over ``tp`` (if any), then FSDP2 over the data-parallel dimensions: every block,
-    then the root (which also reshards after forward, so gradient-free forwards leave parameters sharded).
+    """Tensor parallelism over ``tp`` and the token split over ``cp`` (if any), then FSDP2 over the data-parallel
+    dimensions (``cp`` among them): every block, then the root (which also reshards after forward, so gradient-free
+    forwards leave parameters sharded).
 
     ``param_dtype`` (bf16 for ``--precision bf16``): FSDP2's ``MixedPrecisionPolicy`` all-gathers the parameters
     in that dtype and computes with them, and reduce-scatters the gradients in fp32 into the fp32 shards the
@@ -190,10 +205,12 @@ def apply_parallelism(
 
     if par.tp > 1:
         tensor_parallel_dit(model, mesh["tp"])
+    if par.cp > 1:
+        model.context_parallel(mesh["cp"].get_group())
     dp = tuple(name for name, _ in par.dims if name != "tp")
     if not dp:
         return model
-    dp_mesh = mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    dp_mesh = _data_mesh(mesh, dp)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=_fsdp_placement, mp_policy=policy)
@@ -204,6 +221,18 @@ def apply_parallelism(
     )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=root)
     return model
+
+
+def _data_mesh(mesh: Any, dp: tuple[str, ...]) -> Any:
+    """FSDP2's mesh over the data-parallel dimensions ``dp``; with ``cp``, data x context flattened into one shard
+    dimension (torchtitan's ``dp_shard_cp``), after ``dp_replicate`` for HSDP."""
+    if "cp" not in dp:
+        return mesh[dp] if len(dp) > 1 or mesh.ndim > 1 else mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = tuple(name for name in dp if name != "dp_replicate")
+    flat = mesh[shard]._flatten("_".join(shard)) if len(shard) > 1 else mesh[shard[0]]
+    return DeviceMesh._concatenate([mesh["dp_replicate"], flat]) if "dp_replicate" in dp else flat
 
 
 def shard_block_lists(model: nn.Module, mesh: Any) -> nn.Module:

@@ -7,6 +7,7 @@ The product. It imports torch only, nothing else of dimuon, so a training script
 from dimuon.optim.build import OPTIMIZERS, build
 from dimuon.optim.core import FlattenedParameterWarning, ForeignGroupKeyWarning, MuonFamily
 from dimuon.optim.distributed.engine import DEFAULT_BUCKET_MB
+from dimuon.optim.gradients import NoGradientWarning
 from dimuon.optim.grouping import DIT_FUSED_SPLITS, default_algorithm, describe_groups, param_groups
 from dimuon.optim.heads import HeadSplits, dit_per_head_splits, per_head_splits
 from dimuon.optim.muon import AdaptiveRowMuon, Muon, MuonBP, PeriodicRowMuon
@@ -23,6 +24,7 @@ __all__ = [
     "Muon",
     "MuonBP",
     "MuonFamily",
+    "NoGradientWarning",
     "PeriodicRowMuon",
     "StepKind",
     "build",

@@ -59,11 +59,13 @@ def _row_sums_view(state: Mapping[str, Any], job: MatrixJob) -> Tensor:
     return local_tensor(state["refresh_row_sums"]).view(job.update.shape[0], ROW_SUMS * len(job.col_ranges()))
 
 
-def zeros_by_rows(p: Tensor, cols: int) -> Tensor:
+def zeros_by_rows(p: Tensor, cols: int, stacked: bool = False) -> Tensor:
     """fp32 zeros of shape ``(p.shape[0], cols)``, laid out over the ranks by rows as ``p`` is (a DTensor with
-    ``p``'s mesh and placements for a DTensor ``p``), so a checkpoint reshards it with the parameter."""
+    ``p``'s mesh and placements for a DTensor ``p``), so a checkpoint reshards it with the parameter. With
+    ``stacked``, ``cols`` come alike per row of each stacked matrix (``p``'s dimension 1), split as those rows are."""
     local = local_tensor(p)
-    zeros = torch.zeros(local.shape[0], cols, dtype=torch.float32, device=local.device)
+    width = cols // p.shape[1] * local.shape[1] if stacked and p.shape[1] else cols
+    zeros = torch.zeros(local.shape[0], width, dtype=torch.float32, device=local.device)
     if not is_dtensor(p):
         return zeros
     from torch.distributed.tensor import DTensor
@@ -147,7 +149,7 @@ class AdaptiveRowSchedule(Schedule):
             state["refresh_direction"] = torch.zeros_like(
                 p, dtype=REFERENCE_DTYPE, memory_format=torch.contiguous_format
             )
-            state["refresh_row_sums"] = zeros_by_rows(p, row_sums_width(p, group))
+            state["refresh_row_sums"] = zeros_by_rows(p, row_sums_width(p, group), group["stacked"])
         state.setdefault("refresh_age", NEVER_REFRESHED)
         if "refresh_signal" not in state:  # -inf: none measured since the last refresh (a staleness is > -inf); from
             # construction on, so that a checkpoint loaded in place (DCP) into a new optimizer's state has the entry

@@ -18,6 +18,7 @@ from dimuon.optim import fused
 from dimuon.optim.common import _some_names, matrix_shape
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.distributed.layout import is_dtensor
+from dimuon.optim.names import network_names
 from dimuon.optim.options import _ENGINE_DEFAULTS, _MATRIX_GROUP_OPTIONS, _RUNTIME_DEFAULTS, _same_value
 from dimuon.optim.workspace import Workspace
 
@@ -46,14 +47,6 @@ def _unique_names(names: Any, count: int) -> list[str] | None:
     return list(names)
 
 
-def _network_names(names: Sequence[str]) -> list[str]:
-    """``names`` without the name parts wrappers insert (``torch.compile``'s ``_orig_mod``, activation
-    checkpointing's: :data:`dimuon.optim.grouping.WRAPPER_PARTS`)."""
-    from dimuon.optim.grouping import role_name
-
-    return [role_name(name) for name in names]
-
-
 def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each saved group's parameters listed in the order of the optimizer's group ``groups[i]``
     wherever both name their parameters, so that torch's positional load gives every parameter its own state.
@@ -61,8 +54,9 @@ def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, 
     A saved group names its parameters by ``param_names`` (as :func:`dimuon.optim.param_groups` makes them), or
     by its keys where they are names (``torch.distributed.checkpoint``'s ``set_state_dict`` keys the state by
     parameter name and has listed it in this optimizer's order already). Where both sides name every parameter
-    once and the names are the same (compared as given, else without the name parts wrappers insert, so that a
-    model saved under ``torch.compile`` resumes without it), the state moves with its name and the group keeps the
+    once and the names are the same (compared as given, else as the network names them,
+    :func:`dimuon.optim.names.network_names`, so that a model saved under DDP or ``torch.compile`` resumes bare and
+    the other way round), the state moves with its name and the group keeps the
     optimizer's ``param_names``; other names refuse the load with a ValueError naming them (except the
     checkpoint's own keys, which may spell a name otherwise and were matched by it). Where either side has no
     (unique) names, the group loads by position, as torch loads it."""
@@ -76,8 +70,8 @@ def match_saved_by_name(groups: Sequence[dict[str, Any]], state_dict: dict[str, 
         if mine is None or theirs is None or len(mine) != len(theirs):
             continue  # by position (a group of another size is refused by the caller)
         ours, others = mine, theirs
-        if set(ours) != set(others):  # as the network names them: a model saved compiled, resumed without
-            ours, others = _network_names(mine), _network_names(theirs)
+        if set(ours) != set(others):  # as the network names them: a model saved under DDP or compiled, resumed bare
+            ours, others = network_names(mine, theirs)
         if set(ours) != set(others) or len(set(ours)) != len(ours) or len(set(others)) != len(others):
             if by_key:  # the checkpoint's names for the parameters, already matched to this optimizer's order
                 matched[gi] = {**saved, "param_names": mine}

@@ -38,6 +38,7 @@ from dimuon.optim.distributed.engine import (
     ReplicaRefresh,
 )
 from dimuon.optim.distributed.layout import is_dtensor
+from dimuon.optim.gradients import warn_no_gradients
 from dimuon.optim.linalg import (
     LrScale,
     NsAlgorithm,
@@ -60,6 +61,7 @@ from dimuon.optim.per_job import MASK_BATCH_NUMEL as MASK_BATCH_NUMEL  # re-expo
 from dimuon.optim.per_job import PerJobStep
 from dimuon.optim.per_job import masked_gradients as masked_gradients  # re-exported
 from dimuon.optim.schedules import Schedule
+from dimuon.optim.validation import check_params
 from dimuon.optim.vote import NonfiniteVote, _GradientPlan, _Vote
 from dimuon.optim.workspace import Workspace
 
@@ -130,6 +132,7 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         engine: DirectionEngine | None = None,
         **schedule_options: Any,
     ) -> None:
+        check_params(params, type(self).__name__)
         given = dict(locals())
         defaults: dict[str, Any] = {
             "algorithm": "muon",
@@ -367,6 +370,8 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
                 self._adamw_step(group, params, mask)
             else:
                 works.append(self._muon_work(gi, group, params, mask))
+        if not stepped:  # nothing had a gradient: the parameters held are most likely not the model's
+            warn_no_gradients(self, self.param_groups)
         ctx = _StepContext(self, vote if self.nonfinite == "raise" and not read_now else None)
         kinds = self.schedule.decide(works, ctx)
         ctx.settle()  # the vote, where the decision read nothing: raised on before any weight moves

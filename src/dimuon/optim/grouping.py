@@ -7,6 +7,7 @@ learned modulation tables such as ``scale_shift_table``, positional and padding 
 registered as bare parameters), the patch/latent embeddings, the first linear of every sinusoidal-input MLP
 (timestep, guidance) and the output projections. The decision is made by module role (module type, then
 name rules), not by ``ndim == 2`` alone, and user rules win.
+Mixture-of-experts weights stacked as ``(experts, m, n)`` go to Muon with ``stacked=True`` (one matrix per expert).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ INPUT_OUTPUT_PATTERNS: tuple[str, ...] = (
     "lm_head.*",
 )
 
+# The final layer's conditioning map (shift and scale from the conditioning vector, as every block's adaLN
+# modulation): a hidden linear map for Muon, whatever the model names it (checked before INPUT_OUTPUT_PATTERNS, whose
+# ``proj_out*`` would take diffusers' DiT's ``proj_out_1`` for an output projection).
+FINAL_MODULATION_PATTERNS: tuple[str, ...] = ("final_layer.adaLN_modulation.*", "proj_out_1.*", "norm_out.linear.*")
+
 # The first layer of an MLP that reads sinusoidal features (a timestep's, a guidance scale's): a linear named
 # one of FIRST_LAYER_NAMES directly under a module whose own name holds one of SINUSOIDAL_WORDS or is one of
 # SINUSOIDAL_MODULES (``time_embedder.linear_1``, ``guidance_embedder.linear_1``, ``time_embedding.0``, ...).
@@ -94,6 +100,21 @@ def is_matrix_weight(name: str, module: nn.Module) -> bool:
     return isinstance(module, MATRIX_MODULES) and leaf == "weight"
 
 
+# A name part that marks mixture-of-experts weights stacked along a leading expert dimension, ``(experts, m, n)``:
+# torchtitan's GroupedExperts (``moe.experts.w1``, ``moe.routed_experts.inner_experts.w1_EFD``), transformers' MoE
+# blocks (``mlp.experts.gate_up_proj``).
+EXPERTS_WORD = "experts"
+EXPERTS_ROLE = "stacked experts (E, m, n): each expert's matrix on its own (stacked=True)"
+
+
+def is_stacked_experts(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    """Whether ``name`` is a bare 3-D parameter of a mixture of experts (one matrix per expert, not a conv weight):
+    Muon orthogonalizes each expert's matrix on its own (``stacked=True``), not the ``(E, m*n)`` flattening."""
+    if param.ndim != 3 or is_matrix_weight(name, module):
+        return False
+    return any(EXPERTS_WORD in part.lower() for part in name.split("."))
+
+
 def reads_sinusoidal_features(name: str) -> bool:
     """Whether weight ``name`` is the first layer of a timestep or guidance MLP (it reads sinusoidal features)."""
     parts = name.split(".")
@@ -109,8 +130,16 @@ def default_role(name: str, param: nn.Parameter, module: nn.Module, parent: nn.M
     that holds ``module``, for output projections recognised by their holder)."""
     if param.ndim < 2:
         return "adamw", "a bias, gain or scalar (fewer than 2 dimensions)"
+    if is_stacked_experts(name, param, module):
+        return "muon", EXPERTS_ROLE
     if not is_matrix_weight(name, module):
         return "adamw", f"not the weight of a linear map or convolution ({type(module).__name__}.{name.split('.')[-1]})"
+    modulation = next((pat for pat in FINAL_MODULATION_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
+    if modulation is not None:
+        return (
+            "muon",
+            f"the final layer's conditioning map, a hidden linear map as every adaLN (name matches {modulation!r})",
+        )
     pattern = next((pat for pat in INPUT_OUTPUT_PATTERNS if fnmatch.fnmatchcase(name, pat)), None)
     if pattern is not None:
         return "adamw", f"an input or output layer (name matches {pattern!r})"
@@ -231,11 +260,14 @@ def param_groups(
         # Rules and patterns see every name of the parameter (as given and as the network names it).
         names = tuple(dict.fromkeys(n for alias, _, _ in places for n in (alias, role_name(alias, prefix))))
         options, why = _first_rule(names, normalized, matched)
-        algorithm, role = _role(p, places, prefix, names, roles)
+        experts = _stacked_experts(p, places, prefix)
+        algorithm, role = _role(p, places, prefix, names, roles, experts)
         if reasons is not None:  # a rule that sets options but no algorithm leaves the role's algorithm
             reasons[name] = role if not why else why if "algorithm" in options else f"{role}; options by {why}"
         options.setdefault("algorithm", algorithm)
-        if options["algorithm"] == "muon":  # a rule's own splits win
+        if options["algorithm"] == "muon":  # a rule's own stacked and splits win
+            if experts:
+                options.setdefault("stacked", True)
             _set_splits(options, _match_split(names, split_sizes), head_cols.get(name))
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         group = groups.setdefault(key, {"params": [], **options})
@@ -257,15 +289,27 @@ def _head_splits(
     return heads.with_split_sizes(split_sizes), {name: opts["col_split_sizes"] for name, opts in heads.rules.items()}
 
 
+def _stacked_experts(p: nn.Parameter, places: Sequence[Any], prefix: str) -> bool:
+    """Whether ``p`` is a stacked experts tensor by any of its names (a wrapper prefix may be the experts module)."""
+    return any(
+        is_stacked_experts(n, p, module) for alias, module, _ in places for n in (alias, role_name(alias, prefix))
+    )
+
+
 def _role(
-    p: nn.Parameter, places: Sequence[Any], prefix: str, names: Sequence[str], roles: Mapping[str, str] | None
+    p: nn.Parameter,
+    places: Sequence[Any],
+    prefix: str,
+    names: Sequence[str],
+    roles: Mapping[str, str] | None,
+    experts: bool = False,
 ) -> tuple[str, str]:
-    """The default algorithm of a parameter and why: by its role in the network (tied ones as their most
-    table-like place), or by the first of ``roles`` matching one of its names."""
+    """The default algorithm of a parameter and why: by the first of ``roles`` matching one of its names, else as
+    stacked experts, else by its role in the network (tied ones as their most table-like place)."""
     role_pattern = next((pat for pat in roles or {} if _matches(names, pat)), None)
     if role_pattern is not None:
         return roles[role_pattern], f"its role (pattern {role_pattern!r})"  # type: ignore[index]
-    return _tied_role(p, places, prefix)
+    return ("muon", EXPERTS_ROLE) if experts else _tied_role(p, places, prefix)
 
 
 def _set_splits(options: dict[str, Any], split: Any, head_cols: Any) -> None:

@@ -27,9 +27,17 @@ from dimuon.optim.distributed.engine import (
     col_split_sizes_to_ranges,
     split_sizes_to_ranges,
 )
+from dimuon.optim.distributed.experts import check_stacked_layout
 from dimuon.optim.distributed.layout import derive_layout, is_dtensor, placement_words
 from dimuon.optim.linalg import COEFFICIENT_SETS, LR_SCALES, NS_ALGORITHMS, LrScale, NsAlgorithm, NsCoefficients
-from dimuon.optim.validation import check_choice, check_lr, check_number, check_split
+from dimuon.optim.validation import (
+    check_choice,
+    check_lr,
+    check_number,
+    check_split,
+    integer_options,
+    take_integral_floats,
+)
 
 # Keys a parameter group may carry besides its options: "params", torch's "param_names", the keys torch's LR
 # schedulers write into every group (OneCycleLR's and CyclicLR's among them), a free "name", and the counters
@@ -152,6 +160,7 @@ class GroupOptions:
 
     def _validate_options(self, g: dict[str, Any], where: str) -> None:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""
+        take_integral_floats(g, integer_options(self._schedule_defaults()))
         check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
         check_lr(g["lr"], where)
         check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
@@ -272,12 +281,9 @@ class GroupOptions:
         """A DTensor parameter's placements against its group's options and the schedule (a clear error now, not
         at the first step)."""
         layout = derive_layout(p, pname)  # a clear error now for placements the sharded engine cannot run
-        if group["stacked"] and layout.col_dims:
-            raise ValueError(
-                f"stacked=True: parameter {pname!r} has {placement_words(p)}, which split each of its "
-                "matrices; dimuon orthogonalizes stacked matrices where every rank holds whole ones, so "
-                "shard only the leading dimension (FSDP2's Shard(0)) or replicate it"
-            )
+        if group["stacked"]:  # dimension 1 holds each matrix's rows: a split of it keeps whole rows
+            check_stacked_layout(p, pname, layout, type(self).__name__, self.schedule.whole_rows)
+            return
         col_split = col_split_sizes_to_ranges(cols, group["col_split_sizes"], pname)
         if col_split and layout.col_dims and set(self.schedule.kinds) != {StepKind.SPECTRAL}:
             raise ValueError(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dimuon.optim.core import match_saved_by_name
+from dimuon.optim.validation import check_params
 
 __all__ = ["TorchMuonAdamW"]
 
@@ -43,6 +44,7 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
     ) -> None:
+        check_params(params, type(self).__name__)
         groups = list(params)
         if not groups or not all(isinstance(g, dict) and "algorithm" in g for g in groups):
             raise ValueError(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 
 def check_number(
@@ -34,6 +35,44 @@ def check_number(
         hi = "" if high is None else f"{high}" + (")" if high_open else "]")
         interval = f"{lo or '(-inf'}, {hi or 'inf)'}"
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
+
+
+def _integral(value: Any) -> Any:
+    """``value`` with integral floats as ints (also inside a tuple or list); anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, float) for v in value):
+        return type(value)(_integral(v) for v in value)
+    return value
+
+
+# The core's integer-valued options: Newton-Schulz steps and the matrix splits (chunk counts or sizes).
+INTEGER_OPTIONS: tuple[str, ...] = ("ns_steps", "split_sizes", "col_split_sizes")
+
+
+def integer_options(schedule_defaults: Mapping[str, Any]) -> tuple[str, ...]:
+    """The integer-valued options of an optimizer: the core's and its schedule's whose default is an int."""
+    ints = (k for k, v in schedule_defaults.items() if isinstance(v, int) and not isinstance(v, bool))
+    return (*INTEGER_OPTIONS, *ints)
+
+
+def take_integral_floats(options: dict[str, Any], keys: Iterable[str]) -> None:
+    """Integer options ``keys`` given as integral floats (``k=3.0`` read from a YAML or JSON config) as ints, in
+    place, so the recorded option is the int; a float with a fraction stays for the check to refuse by name."""
+    for key in keys:
+        if key in options:
+            options[key] = _integral(options[key])
+
+
+def check_params(params: Any, optimizer: str) -> None:
+    """Refuse a model passed where parameters go, pointing at its grouping (torch's own error, "'DiT' object is
+    not iterable", names neither)."""
+    if isinstance(params, Module):
+        raise TypeError(
+            f"{optimizer} takes parameters or parameter groups, not a model ({type(params).__name__}): pass "
+            f"dimuon.optim.param_groups(model) (Muon for hidden matrices, AdamW for the rest), model.parameters(), or "
+            f"the model to dimuon.optim.build(name, model)"
+        )
 
 
 def check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:

@@ -21,6 +21,7 @@ from dimuon.dit.parallel import Parallelism
 from dimuon.io import write_json_atomic
 from dimuon.plan.counts import StepCounts, count_step
 from dimuon.plan.hardware import Efficiency, calibrate, gpu_profile
+from dimuon.plan.host import PUBLISHED_HOST, HostModel, host_model, load_host_record
 from dimuon.plan.step_time import Breakdown, Cluster, step_breakdowns, summary_row
 
 PROG = "dimuon plan"
@@ -94,7 +95,11 @@ class Config:
     """The refresh's communication bucket size, MiB."""
     calibrate: Path | None = None
     """A scripts/gpu-check record (or a GPU optimizer-benchmark record): its Newton-Schulz TFLOP/s and fused AdamW
-    GB/s replace the default efficiencies."""
+    GB/s replace the default efficiencies, and the host term is fitted from its host part where it has one."""
+    host: Literal["ops", "published", "measure"] = "ops"
+    """The host term of the optimizer step: ops (counted ops x host_op_us); published (per step kind a constant, a
+    cost per Muon matrix and one per op, fitted from the published dimuon bench host record, docs/results/host/);
+    measure (the same fit from dimuon bench host run now on this machine, eager, about 30 s)."""
     json: Path | None = None
     """Write the prediction (inputs, counts, every optimizer's breakdown) to this JSON file."""
 
@@ -235,6 +240,7 @@ def predict(cfg: Config, counts: StepCounts | None = None, eff: Efficiency | Non
     calibration = None
     if cfg.calibrate is not None:
         eff, calibration = calibrate(eff, gpu, cfg.calibrate)
+    host, host_note = host_term(cfg)
     start = time.perf_counter()
     if counts is None:
         counts = count_step(
@@ -247,7 +253,7 @@ def predict(cfg: Config, counts: StepCounts | None = None, eff: Efficiency | Non
             tokens_per_sample=(cfg.tokens or (cfg.image_size // 16) ** 2) if builder is not None else None,
         )
     count_s = time.perf_counter() - start
-    cluster = Cluster(gpu, cfg.gpus_per_node, eff)
+    cluster = Cluster(gpu, cfg.gpus_per_node, eff, host)
     breakdowns = step_breakdowns(counts, cluster, cfg.global_batch, adaptive_rate=ADAPTIVE_RATE)
     rows = [summary_row(name, b, breakdowns["adamw"]) for name, b in breakdowns.items()]
     return {
@@ -267,12 +273,34 @@ def predict(cfg: Config, counts: StepCounts | None = None, eff: Efficiency | Non
         "gpu": asdict(gpu),
         "efficiency": asdict(eff),
         "calibration": calibration,
+        "host_term": host.as_dict() if host is not None else {"source": host_note},
+        "muon_matrices": counts.muon_matrices,
         "adaptive_rate": ADAPTIVE_RATE,
         "rows": rows,
         "recommendation": recommend(breakdowns),
         "refused": counts.refused,
         "count_s": count_s,
     }
+
+
+def host_term(cfg: Config) -> tuple[HostModel | None, str]:
+    """The host term --host and --calibrate ask for: a fitted :class:`HostModel` (from the --calibrate record's
+    host part where it has one), or None for ops x host_op_us; and a line saying where it came from."""
+    if cfg.calibrate is not None:
+        try:
+            record = load_host_record(cfg.calibrate)
+        except ValueError:
+            record = None  # a record without a host part calibrates the efficiencies only
+        if record is not None:
+            return host_model(record, str(cfg.calibrate)), f"fitted from {cfg.calibrate}'s host part"
+    if cfg.host == "published":
+        return PUBLISHED_HOST, f"fitted from {PUBLISHED_HOST.source}"
+    if cfg.host == "measure":
+        from dimuon.bench import host as host_bench
+
+        bench = host_bench.Config(baselines=("adamw_fused",), compile_modes=(), repeats=5, progress=False)
+        return host_model(host_bench.run(bench), "dimuon bench host on this machine"), "measured on this machine"
+    return None, "counted ops x host_op_us"
 
 
 def recommend(b: dict[str, Breakdown]) -> str:
@@ -321,6 +349,7 @@ def render(record: dict[str, Any]) -> str:
     refused = "".join(f"\nnot shown ({kind} refuses this layout): {why}" for kind, why in record["refused"].items())
     cal = record.get("calibration")
     note = f"\ncalibrated from {cal['record']}: {cal['replaced']}" if cal else ""
+    note += f"\nhost term: {record['host_term']['source']}"
     table = format_table(head, rows)
     if not record["forward_flops"].startswith("counted"):
         refused += f"\nforward and backward FLOPs {record['forward_flops']}"

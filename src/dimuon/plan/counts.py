@@ -79,6 +79,7 @@ class StepCounts:
     layout: dict[str, Any] = field(default_factory=dict)  # the forward/backward collectives' byte counts
     refused: dict[str, str] = field(default_factory=dict)  # step kind -> why the layout refuses its optimizer
     forward_flops_counted: bool = True  # False: estimated (a model from a builder: 2 per matrix weight per token)
+    muon_matrices: int = 0  # parameters in Muon groups (the measured host term's per-matrix cost; 0: not counted)
 
 
 def forward_flops(arch: dict[str, int], input_size: int, in_channels: int = 4, num_classes: int = 1000) -> float:
@@ -240,10 +241,13 @@ def count_step(
                 "muon_params": sum(
                     p.numel() for g in param_groups(model) if g["algorithm"] == "muon" for _, p in g["params"]
                 ),
+                "muon_matrices": sum(len(g["params"]) for g in param_groups(model) if g["algorithm"] == "muon"),
             },
         )
     info, records = traced["info"], traced["records"]
-    layout, adamw, muon_params = (info["inspected"][k] for k in ("layout", "adamw", "muon_params"))
+    layout, adamw, muon_params, matrices = (
+        info["inspected"][k] for k in ("layout", "adamw", "muon_params", "muon_matrices")
+    )
     tokens = tokens_per_sample or (input_size // arch["patch_size"]) ** 2
     kinds, refused = {}, {}
     for kind, (key, index) in traced_kinds.items():
@@ -259,6 +263,7 @@ def count_step(
         dims=() if par is None else par.dims,
         params=info["params"],
         muon_params=muon_params,
+        muon_matrices=matrices,
         forward_flops_per_sample=forward_flops(arch, input_size) if builder is None else 2.0 * muon_params * tokens,
         tokens_per_sample=tokens,
         forward_flops_counted=builder is None,

@@ -13,7 +13,8 @@ The rules (docs/plan.md, "The model"), each applied to what :mod:`dimuon.plan.co
   transfer and Newton-Schulz overlapped (``max(C, N) + C / buckets``); the other collectives (statistics,
   checks, the exchange across replicas) are exposed; the memory-bound kernels move their counted bytes at
   ``hbm`` of the bandwidth; the host launches ahead of the GPU, so the step takes the longer of the GPU's work
-  and the host's (``ops x host_op_us``), plus ``host_read_us`` per host read;
+  and the host's (``ops x host_op_us``, or with a measured host term, :mod:`dimuon.plan.host`, a constant + a cost
+  per Muon matrix + a cost per op for each step kind), plus ``host_read_us`` per host read;
 - a periodic optimizer's step is the period's mean: PeriodicRowMuon ``(spectral + (K-1) RowNorm) / K``, MuonBP
   ``(full + (P-1) block) / P``, AdaptiveRowMuon ``rate x spectral + (1 - rate) x RowNorm`` plus its staleness
   signal on every step.
@@ -26,6 +27,7 @@ from typing import Any
 
 from dimuon.plan.counts import KindCounts, StepCounts
 from dimuon.plan.hardware import Efficiency, GpuProfile
+from dimuon.plan.host import HostModel
 from dimuon.plan.network import GroupSpan, collective_seconds, mesh_spans
 
 __all__ = ["OPTIMIZERS", "Breakdown", "Cluster", "optimizer_mix", "optimizers_for", "step_breakdowns"]
@@ -42,6 +44,7 @@ class Cluster:
     gpu: GpuProfile
     gpus_per_node: int
     eff: Efficiency
+    host: HostModel | None = None  # the measured host term (None: ops x eff.host_op_us)
 
 
 @dataclass
@@ -71,8 +74,19 @@ def _span(spans: dict[str, GroupSpan], group: str) -> GroupSpan:
     return spans[group]
 
 
-def kind_seconds(k: KindCounts, spans: dict[str, GroupSpan], cluster: Cluster) -> dict[str, float]:
-    """One optimizer step of one kind: Newton-Schulz, exposed collectives, memory-bound kernels, host reads."""
+def host_seconds(k: KindCounts, cluster: Cluster, kind: str, matrices: int) -> float:
+    """The host's time to launch one step of ``kind``: the measured term where the cluster has one, else its ops x
+    ``host_op_us``."""
+    if cluster.host is not None:
+        return cluster.host.seconds(kind, matrices, k.launches)
+    return k.launches * cluster.eff.host_op_us * 1e-6
+
+
+def kind_seconds(
+    k: KindCounts, spans: dict[str, GroupSpan], cluster: Cluster, kind: str = "spectral_owner", matrices: int = 0
+) -> dict[str, float]:
+    """One optimizer step of one kind (``kind``, on a model of ``matrices`` Muon matrices): Newton-Schulz, exposed
+    collectives, memory-bound kernels, host reads."""
     gpu, eff = cluster.gpu, cluster.eff
     ns = k.ns_flops_max / (gpu.bf16_tflops * 1e12 * eff.newton_schulz)
     refresh = other = 0.0
@@ -88,7 +102,7 @@ def kind_seconds(k: KindCounts, spans: dict[str, GroupSpan], cluster: Cluster) -
     pipelined = max(refresh, ns) + refresh / buckets if refresh else ns
     memory = k.traffic_bytes / (gpu.hbm_tbs * 1e12 * eff.hbm)
     device = pipelined + other + memory
-    host = k.launches * eff.host_op_us * 1e-6  # the host launches ahead of the GPU: the slower of the two sets the pace
+    host = host_seconds(k, cluster, kind, matrices)  # the host launches ahead of the GPU: the slower sets the pace
     reads = k.host_reads * eff.host_read_us * 1e-6  # each read waits for the GPU, then the queue refills
     return {
         "ns": ns,
@@ -172,8 +186,9 @@ def optimizer_mix(name: str, adaptive_rate: float) -> list[tuple[str, float]]:
 def _signal(counts: StepCounts, spans: dict[str, GroupSpan], cluster: Cluster) -> dict[str, float]:
     """AdaptiveRowMuon's own cost on every step: its second step (which refreshes every matrix under the
     census's stub) less the owner refresh's spectral step: the staleness statistics and their all-reduces."""
-    adaptive = kind_seconds(counts.kinds["adaptive"], spans, cluster)
-    owner = kind_seconds(counts.kinds["spectral_owner"], spans, cluster)
+    m = counts.muon_matrices
+    adaptive = kind_seconds(counts.kinds["adaptive"], spans, cluster, "adaptive", m)
+    owner = kind_seconds(counts.kinds["spectral_owner"], spans, cluster, "spectral_owner", m)
     return {key: max(0.0, adaptive[key] - owner[key]) for key in adaptive}
 
 
@@ -193,8 +208,9 @@ def step_breakdowns(
     data_parallel = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) if counts.dims else counts.world
     samples = global_batch / data_parallel
     compute, layout_exposed = layout_seconds(counts, samples, spans, cluster)
-    per_kind = {k: kind_seconds(v, spans, cluster) for k, v in counts.kinds.items()}
-    per_kind["adamw"] = kind_seconds(counts.adamw, spans, cluster)
+    m = counts.muon_matrices
+    per_kind = {k: kind_seconds(v, spans, cluster, k, m) for k, v in counts.kinds.items()}
+    per_kind["adamw"] = kind_seconds(counts.adamw, spans, cluster, "adamw", m)
     if "adaptive" in per_kind:
         per_kind["signal"] = _signal(counts, spans, cluster)
     out = {}

@@ -39,6 +39,7 @@ __all__ = [
     "changed_on_resume",
     "check_patch_size",
     "check_resume_flags",
+    "check_token_split",
     "config_from_dict",
     "config_to_dict",
     "parallelism",
@@ -56,11 +57,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelOptions:
-    """Parallelism degrees in torchtitan's style; dp_replicate x dp_shard x tp is the world size.
+    """Parallelism degrees in torchtitan's style; dp_replicate x dp_shard x cp x tp is the world size.
 
     dp_shard alone is FSDP2; dp_replicate x dp_shard is HSDP (e.g. one replica per node, sharded within
     it); tp splits attention heads and MLP units over ranks (docs/training.md, "Parallelism"); dp_shard x tp
-    is FSDP over tensor parallelism; all three is HSDP over tensor parallelism (a 3-D mesh).
+    is FSDP over tensor parallelism; all three is HSDP over tensor parallelism (a 3-D mesh); cp splits every
+    image's tokens over ranks that share the same samples, with FSDP over dp_shard x cp.
     """
 
     dp_replicate: int = 1
@@ -69,6 +71,9 @@ class ParallelOptions:
     """Ranks each replica's parameters are sharded over (FSDP2); -1: what the other degrees leave of the world."""
     tp: int = 1
     """Tensor-parallel degree: must divide the attention heads and the MLP hidden units."""
+    cp: int = 1
+    """Context-parallel degree: ranks that train on the same samples, each on a contiguous chunk of every image's
+    tokens; must divide the tokens per image ((image size / patch size)**2)."""
 
 
 @dataclass
@@ -336,6 +341,7 @@ def _validate_data(cfg: TrainConfig) -> None:
     if cfg.image_size is not None:
         _check_positive_int("--image-size", cfg.image_size)
         check_patch_size(cfg.model, cfg.image_size)
+        check_token_split(cfg.model, cfg.image_size, cfg.parallel.cp)
 
 
 def check_patch_size(model: str, image_size: int) -> None:
@@ -348,9 +354,23 @@ def check_patch_size(model: str, image_size: int) -> None:
     )
 
 
+def check_token_split(model: str, image_size: int, cp: int) -> None:
+    """Context parallelism gives every rank of a ``cp`` group an equal chunk of each image's tokens."""
+    patch = dit_arch(model)["patch_size"]
+    grid = image_size // patch
+    tokens = grid * grid
+    fits = ", ".join(str(d) for d in range(1, min(tokens, 64) + 1) if tokens % d == 0)
+    _require(
+        tokens % cp == 0,
+        f"--parallel.cp {cp} must divide the {tokens} tokens per image of --model {model} on {image_size}x"
+        f"{image_size} images (a {grid} x {grid} grid of patches); choose --parallel.cp among {fits}, or another "
+        "--model patch size or --image-size",
+    )
+
+
 def parallelism(cfg: TrainConfig, world: int | None = None) -> Parallelism:
     """The --parallel.* degrees, resolved for ``world`` ranks when given; ConfigError names the flags."""
-    par = Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    par = Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp, cfg.parallel.cp)
     try:
         if world is not None:
             par = par.resolve(world)
@@ -365,18 +385,20 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     """Degrees in range and a tensor-parallel degree the model can use; the world size is checked at start-up."""
     _check_positive_int("--parallel.dp-replicate", cfg.parallel.dp_replicate)
     _check_positive_int("--parallel.tp", cfg.parallel.tp)
+    _check_positive_int("--parallel.cp", cfg.parallel.cp)
     _require(
         cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1,
         f"--parallel.dp-shard must be an integer >= 1, or -1 for the rest of the world, got {cfg.parallel.dp_shard}",
     )
     try:
-        Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp).check_mesh()
+        Parallelism(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp, cfg.parallel.cp).check_mesh()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _require(
-        cfg.parallel.tp == 1 or cfg.optimizer not in ONE_PROCESS_ONLY,
-        f"--optimizer {cfg.optimizer} runs in one process only; it cannot take --parallel.tp",
-    )
+    for flag, degree in (("--parallel.tp", cfg.parallel.tp), ("--parallel.cp", cfg.parallel.cp)):
+        _require(
+            degree == 1 or cfg.optimizer not in ONE_PROCESS_ONLY,
+            f"--optimizer {cfg.optimizer} runs in one process only; it cannot take {flag}",
+        )
     _require(
         cfg.parallel.tp == 1 or cfg.optimizer != "adaptive_row_muon",
         "--optimizer adaptive_row_muon cannot take --parallel.tp: its staleness signal needs matrices sharded by "

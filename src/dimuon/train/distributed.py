@@ -77,23 +77,27 @@ def setup(device: str = "auto", threads: int | None = None) -> DistEnv:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """Which slice of every batch this rank trains on: ranks of one tensor-parallel group share a slice."""
+    """Which slice of every batch this rank trains on: ranks of one context- or tensor-parallel group share a
+    slice."""
 
     rank: int
     world: int
 
 
 def data_parallel(env: DistEnv, par: Parallelism) -> DataParallel:
-    """The data-parallel rank and size: the mesh puts tp last, so tensor-parallel peers are consecutive ranks."""
-    return DataParallel(rank=env.rank // par.tp, world=env.world // par.tp)
+    """The data-parallel rank and size: the mesh puts cp and tp last, so the ranks that share samples (a cp x tp
+    group) are consecutive."""
+    peers = par.cp * par.tp
+    return DataParallel(rank=env.rank // peers, world=env.world // peers)
 
 
 def shard_model(
     model: nn.Module, env: DistEnv, par: Parallelism, param_dtype: torch.dtype | None = None
 ) -> ProcessGroup | None:
     """Lay the model out on one device mesh of the ``par`` degrees (dimuon.dit.parallel): the tensor-parallel
-    plan over ``tp``, then FSDP2 per block and root over the data-parallel dimensions (HSDP with replicas),
-    all-gathering in ``param_dtype`` with fp32 gradient reductions where given (``--precision bf16``).
+    plan over ``tp``, the token split over ``cp``, then FSDP2 per block and root over the data-parallel dimensions
+    (HSDP with replicas), all-gathering in ``param_dtype`` with fp32 gradient reductions where given
+    (``--precision bf16``).
 
     The root also reshards after forward: gradient-free forwards (validation, sampling) then leave
     every parameter sharded, which the EMA's weight swap relies on. Returns the group that shares the plain

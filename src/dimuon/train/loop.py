@@ -50,7 +50,7 @@ from dimuon.io import read_jsonl, save_grid
 from dimuon.metrics.registry import GENERATION
 from dimuon.optim.core import local_tensor
 from dimuon.train import checkpoint as ckpt
-from dimuon.train.config import ConfigError, TrainConfig, check_patch_size
+from dimuon.train.config import ConfigError, TrainConfig, check_patch_size, check_token_split
 from dimuon.train.distributed import (
     DataParallel,
     DistEnv,
@@ -161,6 +161,7 @@ def open_data(plan: TrainPlan, env: DistEnv, dp: DataParallel) -> TrainData:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
     check_patch_size(plan.model.name, train_set.image_size)
+    check_token_split(plan.model.name, train_set.image_size, plan.parallel.cp)
     if getattr(train_set, "classes", None) != getattr(val_set, "classes", None) or (
         train_set.num_classes != val_set.num_classes
     ):
@@ -346,7 +347,7 @@ class Trainer:
             group["lr"] = self.lr
 
         # Dropout, times and noise from (seed, step, data-parallel rank) alone: nothing to carry across a
-        # restart, and the ranks of one tensor-parallel group draw the same.
+        # restart, and the ranks of one tensor- or context-parallel group draw the same.
         gen = step_generator(cfg.seed, step, self.dp.rank, env.device)
         drop = torch.rand(x1.shape[0], generator=gen, device=env.device) < cfg.class_dropout
         with self.autocast:
@@ -574,7 +575,12 @@ class Trainer:
                 "step": self.start,
                 "world_size": env.world,
                 "device": str(env.device),
-                "parallel": {"dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard, "tp": self.par.tp},
+                "parallel": {
+                    "dp_replicate": self.par.dp_replicate,
+                    "dp_shard": self.par.dp_shard,
+                    "cp": self.par.cp,
+                    "tp": self.par.tp,
+                },
                 "params": n_params,
                 "torch_version": torch.__version__,
                 "resumed_from": str(self.resume_from or ""),

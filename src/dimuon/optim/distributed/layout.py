@@ -8,13 +8,16 @@ DTensor defines it: first cut into ``split_factor`` pieces, cut each piece into 
 size, and give coordinate ``i`` the ``i``-th cut of every piece. A rank's rows (and columns) are
 then a list of :class:`Span` (a global range and where it starts in the local tensor).
 
-Supported, on meshes of one to three dimensions with at most two that shard (HSDP over tensor parallelism:
-``dp_replicate x dp_shard x tp``): ``Shard(0)``, ``Shard(1)``, ``Replicate()``, and ``_StridedShard`` on one
-tensor dimension (what FSDP2 makes of a tensor-parallel ``Shard(0)``, and a head-wise ``_StridedShard(0, 3)`` for
-a fused qkv weight). Everything else (4-D meshes, three sharding dimensions, context-, expert- or pipeline-parallel
-dimensions, ``Partial``, ``Shard(d)`` for ``d > 1``, two ``_StridedShard`` on one dimension, whose data torch
-itself does not lay out as the placements say) is refused by :func:`derive_layout` with an error that names the
-parameter and its placements.
+Supported, on meshes of any number of dimensions, judged by the placements alone (never by a dimension's name):
+``Shard(0)``, ``Shard(1)``, ``Replicate()`` and at most one ``_StridedShard`` per tensor dimension (what FSDP2 makes
+of a tensor-parallel ``Shard(0)``, and a head-wise ``_StridedShard(0, 3)`` for a fused qkv weight), any number of
+mesh dimensions sharding the rows and the columns (their ranks talk over one process group flattened from them) and
+any number replicating. That covers FSDP, HSDP, tensor parallelism and their products, and context parallelism as
+FSDP2 lays it out: a ``cp`` dimension flattened into the shard dimension (torchtitan's and ``fully_shard(...,
+dp_mesh_dims=DataParallelMeshDims(shard=("dp_shard", "cp")))``'s ``dp_shard_cp``), or left replicating on the full
+mesh; a dimension of size 1 changes nothing. Refused by :func:`derive_layout` with an error that names the
+parameter and its placements: ``Partial``, ``Shard(d)`` for ``d > 1`` (inside the flattened columns), and two
+``_StridedShard`` on one tensor dimension, whose data torch itself does not lay out as the placements say.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Layout", "Piece", "Span", "derive_layout", "is_dtensor", "placement_words"]
+__all__ = ["SUPPORTED_FORMS", "Layout", "Piece", "Span", "derive_layout", "is_dtensor", "placement_words"]
 
 ROWS, COLS = 0, 1
 
@@ -177,10 +180,6 @@ def _is_strided(p: Any) -> bool:
     return isinstance(p, _StridedShard)
 
 
-# Words of mesh dimension names that mark a parallelism the sharded step does not take (torchtitan's "cp", "ep",
-# "pp", "dp_shard_cp"...): their parameters need each rank's own handling (experts, pipeline stages).
-OTHER_PARALLELISM = frozenset({"cp", "ep", "pp", "etp", "context", "expert", "pipeline"})
-
 Runs = tuple[tuple[int, int], ...]  # global indices as runs [start, stop), in local order
 
 
@@ -238,13 +237,19 @@ def placement_words(param: Any) -> str:
     return f"placements {tuple(param.placements)} on a {_mesh_words(param.device_mesh)}"
 
 
+SUPPORTED_FORMS = (
+    "dimuon's Muon family supports DTensor parameters whose placements are Shard(0), Shard(1), Replicate() and at "
+    "most one _StridedShard per tensor dimension (what FSDP2 makes over tensor parallelism), on meshes of any number "
+    "of dimensions: FSDP, HSDP (Replicate(), Shard(0)), tensor parallel (Shard(0) colwise, Shard(1) rowwise), FSDP x "
+    "TP and HSDP x TP, a context-parallel dimension flattened into the FSDP shard dimension (dp_shard_cp) or "
+    "replicating; put other parameters in an 'adamw' group"
+)
+
+
 def _refuse(name: str, what: str, param: Any) -> ValueError:
     return ValueError(
         f"parameter {name!r} has placements {tuple(param.placements)} on a {_mesh_words(param.device_mesh)}: {what}. "
-        "dimuon's Muon family supports DTensor parameters on 1-D, 2-D and 3-D meshes (at most two dimensions "
-        "sharding) with Shard(0), Shard(1), Replicate() and the _StridedShard that FSDP2 makes over tensor "
-        "parallelism: FSDP, HSDP (Replicate(), Shard(0)), tensor parallel (Shard(0) colwise, Shard(1) rowwise), "
-        "FSDP x TP and HSDP x TP; put other parameters in an 'adamw' group"
+        + SUPPORTED_FORMS
     )
 
 
@@ -254,17 +259,6 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     Raises ValueError naming the parameter and its placements when the layout is not supported.
     """
     mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim > 3:
-        raise _refuse(name, f"{mesh.ndim}-D meshes are not supported", param)
-    for dim_name in mesh.mesh_dim_names or ():
-        kinds = OTHER_PARALLELISM.intersection(dim_name.lower().replace("-", "_").split("_"))
-        if kinds:
-            raise _refuse(
-                name,
-                f"mesh dimension {dim_name!r} is a {'/'.join(sorted(kinds))} dimension (context, expert or pipeline "
-                "parallelism), which the sharded Muon step does not take",
-                param,
-            )
     dims: list[int | None] = []
     for p in placements:
         try:
@@ -273,8 +267,6 @@ def derive_layout(param: Tensor, name: str) -> Layout:
             raise _refuse(name, f"{type(p).__name__} placements are not supported", param) from None
     if any(d is not None and d > 1 for d in dims):
         raise _refuse(name, "Shard(d) for d > 1 shards inside the flattened columns", param)
-    if sum(d is not None for d in dims) > 2:
-        raise _refuse(name, "three mesh dimensions shard it (at most two may: HSDP x TP replicates over one)", param)
     for d in (ROWS, COLS):
         strided = [p for p, pd in zip(placements, dims) if pd == d and _is_strided(p)]
         if len(strided) > 1:
@@ -292,7 +284,7 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     if len(row_dims) + len(col_dims) > 1 and not mesh.mesh_dim_names:
         raise _refuse(
             name,
-            "both mesh dimensions shard it, which needs a flattened process group, and a mesh "
+            "several mesh dimensions shard it, which needs a flattened process group, and a mesh "
             "without mesh_dim_names cannot be flattened; name the dimensions (init_device_mesh(..., "
             "mesh_dim_names=...))",
             param,
@@ -304,7 +296,8 @@ def derive_layout(param: Tensor, name: str) -> Layout:
     mine = layout.piece_at(coord)
     local = param.to_local()
     local_shape = (local.shape[0], math.prod(local.shape[1:])) if local.ndim >= 2 else None
-    if local_shape != mine.shape:
+    # An empty piece may come in any empty shape (FSDP2 gives a rank without experts a (0, 0, n) shard).
+    if local_shape != mine.shape and not (local.numel() == 0 and mine.numel == 0):
         raise _refuse(
             name,
             f"its local tensor has shape {tuple(local.shape)}, but the placements give this "

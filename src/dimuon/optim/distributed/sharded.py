@@ -25,8 +25,12 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
 - Both exchanges send every owner's segment to every rank: one all-gather of the segments padded to the largest,
   or, where that would move more than twice their bytes (more ranks than matrices), one broadcast per owner,
   issued as one group launch where the backend groups (NCCL).
-- Stacked parameters (``stacked=True``, ``(E, m, n)``) sharded by their leading dimension: every rank holds
-  whole matrices, so every map runs on the local ones as in one process, with no communication.
+- Stacked parameters (``stacked=True``, ``(E, m, n)``) sharded by their leading dimension (FSDP's ``Shard(0)``,
+  expert parallelism over ``ep``, or both): every rank holds whole matrices, so every map runs on the local ones as
+  in one process, with no communication. Where a mesh dimension also splits each expert's rows (``Shard(1)``, as
+  torchtitan lays out experts over its remaining data dimension), a rank's experts are one matrix of ``E_local``
+  row-sharded experts (:mod:`dimuon.optim.distributed.experts`), refreshed, row-normalized and blocked in the
+  group splitting their rows as any row-sharded matrix; the expert dimension's ranks exchange nothing.
 - Column splits (``col_split_sizes``): every region of rows x columns is its own matrix; gather and owner
   refreshes cut the assembled matrix, RowNorm and block steps cut the local rows (the core allows them only
   where each rank holds whole rows, i.e. no mesh dimension splits the columns).
@@ -71,6 +75,7 @@ from dimuon.optim.distributed.engine import (
     row_factors_batched,
     stacked_ranges,
 )
+from dimuon.optim.distributed.experts import expert_rows_in, local_experts_job, local_experts_piece
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
 from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor, oriented_shape, square_sums
 from dimuon.optim.schedules import StepKind
@@ -88,6 +93,7 @@ class _Placement:
     replicas: Collectives | None  # ranks holding this same piece (replicated copies)
     pad: int  # the largest piece's element count: what each shard-group rank contributes to a gather
     row_major: bool  # members hold consecutive row blocks of ``pad // cols`` rows and every column
+    layout: Layout | None = None  # the DTensor's layout (None: a plain tensor)
 
 
 Placed = tuple[MatrixJob, _Placement]
@@ -276,6 +282,7 @@ class ShardedEngine:
         self._comms: dict[int, Collectives] = {}
         self._flat_groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}  # per mesh object and dims
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
+        self._expert_placements: dict[int, tuple[Tensor | None, _Placement]] = {}  # row-split experts' own
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
         self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
@@ -369,34 +376,79 @@ class ShardedEngine:
             replicas=self._mesh_comm(mesh, layout.rep_dims),
             pad=pad,
             row_major=_row_major(members, layout.cols, pad),
+            layout=layout,
         )
+
+    def _experts_placement(self, job: MatrixJob, plc: _Placement) -> _Placement:
+        """The placement of this rank's experts as one ``(E_local * m, n)`` matrix whose experts the dimensions
+        sharding the parameter's dimension 1 split by rows (their group holds the same experts): made once per
+        parameter, from the parameter's layout."""
+        param = job.meta.get("param")
+        cached = self._expert_placements.get(id(param))
+        if cached is not None and cached[0] is param:
+            return cached[1]
+        layout, comm, m, n = plc.layout, plc.cols_comm, job.matrix_rows, job.cols
+        assert layout is not None and comm is not None and m is not None
+        coords = mesh_coordinates(layout.mesh.mesh)
+        members = tuple(
+            local_experts_piece(layout.piece_at(coords[r]), m, n) for r in dist.get_process_group_ranks(comm.group)
+        )
+        pad = max(member.numel for member in members)
+        experts = _Placement(
+            mine=local_experts_piece(plc.mine, m, n),
+            shard=comm,
+            members=members,
+            rows_comm=comm,
+            cols_comm=None,
+            replicas=plc.replicas,
+            pad=pad,
+            row_major=_row_major(members, n, pad),
+        )
+        self._expert_placements[id(param)] = (param, experts)
+        return experts
+
+    def _placed(self, jobs: Sequence[MatrixJob]) -> tuple[list[Placed], list[int]]:
+        """Each job with its placement as the maps run it, and the jobs with nothing to run here: stacked experts
+        whose rows a mesh dimension splits become this rank's experts as one row-sharded matrix (none held: idle,
+        and so on every rank of the group splitting their rows, which holds the same experts)."""
+        placed, idle = [], []
+        for i, job in enumerate(jobs):
+            plc = self._placement(job)
+            if _splits_expert_rows(job, plc):
+                job = local_experts_job(job, plc.mine)
+                plc = self._experts_placement(jobs[i], plc)
+                if job.rows == 0:
+                    idle.append(i)
+            placed.append((job, plc))
+        return placed, idle
 
     # ----------------------------------------------------------------- dispatch
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
-        placed = [(job, self._placement(job)) for job in jobs]
+        placed, idle = self._placed(jobs)
+        out: dict[int, Tensor] = {i: _empty_direction(jobs[i]) for i in idle}
         local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
         if local:  # stacked matrices held whole: the single-process maps on the local ones, no communication
-            out = dict(
+            out.update(
                 zip(local, self._local.directions([_local_stacked_job(*placed[i]) for i in local], kind, config))
             )
-            rest = [i for i in range(len(placed)) if i not in out]
-            if rest:
-                out.update(zip(rest, self.directions([jobs[i] for i in rest], kind, config)))
-            return [out[i] for i in range(len(placed))]
-        if kind is StepKind.ROWNORM:
-            return [materialize(d) for d in self._rownorm(placed, config)]
-        if kind is StepKind.BLOCK:
-            return self._block(placed, config)
-        return self._spectral(placed, config)
+        rest = [i for i in range(len(placed)) if i not in out]
+        if rest:
+            run = [placed[i] for i in rest]
+            if kind is StepKind.ROWNORM:
+                found = [materialize(d) for d in self._rownorm(run, config)]
+            elif kind is StepKind.BLOCK:
+                found = self._block(run, config)
+            else:
+                found = self._spectral(run, config)
+            out.update(zip(rest, found))
+        return [out[i] for i in range(len(placed))]
 
     def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
-        placed = [(job, self._placement(job)) for job in jobs]
+        placed, idle = self._placed(jobs)
+        out: dict[int, RowDirection] = {i: _empty_direction(jobs[i]) for i in idle}
         local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
-        out: dict[int, RowDirection] = (
-            dict(zip(local, self._local.row_directions([_local_stacked_job(*placed[i]) for i in local], config)))
-            if local
-            else {}
-        )
+        if local:
+            out.update(zip(local, self._local.row_directions([_local_stacked_job(*placed[i]) for i in local], config)))
         rest = [i for i in range(len(placed)) if i not in out]
         if rest:
             out.update(zip(rest, self._rownorm([placed[i] for i in rest], config)))
@@ -1029,9 +1081,14 @@ def _cut_by_index(job: MatrixJob, plc: _Placement) -> bool:
 
 
 def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
-    """A stacked parameter sharded by its leading dimension: each rank holds whole stacked matrices (the core
-    refuses placements that split them)."""
-    return job.matrix_rows is not None and plc.shard is not None
+    """A stacked parameter sharded by its leading dimension alone (dimension 1 split over no rank but this one, e.g.
+    torchtitan's ``Shard(1)`` over an ``efsdp`` of size 1): each rank holds whole stacked matrices."""
+    return job.matrix_rows is not None and plc.shard is not None and not _splits_expert_rows(job, plc)
+
+
+def _splits_expert_rows(job: MatrixJob, plc: _Placement) -> bool:
+    """A stacked parameter whose dimension 1 (each matrix's rows) mesh dimensions of several ranks split."""
+    return job.matrix_rows is not None and plc.cols_comm is not None and plc.cols_comm.world > 1
 
 
 def _local_stacked_job(job: MatrixJob, plc: _Placement) -> MatrixJob:
@@ -1058,11 +1115,9 @@ def _local_logical_rows(job: MatrixJob, plc: _Placement) -> list[RowRange | None
         return list(job.logical_ranges())
     if job.matrix_rows is None:
         return [plc.mine.local_rows_in(a, b) for a, b in job.logical_ranges()]
-    m, out = job.matrix_rows, []
-    for a, b in job.logical_ranges():  # the layout counts stacked matrices: rows of the (E, m*n) view
-        held = plc.mine.local_rows_in(a // m, a // m + 1)
-        out.append(None if held is None else (held[0] * m + a % m, held[0] * m + a % m + b - a))
-    return out
+    m, n = job.matrix_rows, job.cols  # the layout counts stacked matrices: rows of the (E, m*n) view
+    experts = local_experts_piece(plc.mine, m, n)
+    return [expert_rows_in(plc.mine, experts, m, a, b) for a, b in job.logical_ranges()]
 
 
 def mesh_coordinates(ranks: Tensor) -> dict[int, tuple[int, ...]]:

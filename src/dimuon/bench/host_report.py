@@ -1,0 +1,134 @@
+"""The ``dimuon bench host`` record as tables (plain text, Markdown) and a log-log plot of host ms per step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dimuon.bench.report import format_markdown_table, format_table
+from dimuon.io import write_json_atomic, write_text_atomic
+
+BASE = "adamw_foreach"
+
+
+def _by_name(record: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in record["rows"]:
+        out.setdefault(r["name"], {})[r["matrices"]] = r
+    return out
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def step_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per optimizer and step kind (and the period's mean): calls inside dimuon and host ms at every size, and the
+    host time over torch's foreach AdamW at each size."""
+    sizes = sorted({r["matrices"] for r in record["rows"]})
+    rows = _by_name(record)
+    base = rows.get(BASE, {})
+    header = ["optimizer", "step", *(f"calls {m}" for m in sizes), *(f"ms {m}" for m in sizes)]
+    header += [f"x AdamW {m}" for m in sizes] if base else []
+    body = []
+    for by_size in rows.values():
+        first = next(iter(by_size.values()))
+        kinds = [k for r in by_size.values() for k in r["kinds"]]
+        kinds = list(dict.fromkeys(kinds))
+        lines = [("mean", None)] + ([(k, k) for k in kinds] if len(kinds) > 1 else [])
+        for title, kind in lines:
+
+            def pick(r: dict[str, Any] | None, key: str, kind: str | None = kind) -> float | None:
+                if r is None or r["status"] != "ok":
+                    return None
+                return r[key] if kind is None else r["kinds"].get(kind, {}).get(key)
+
+            cells = [_num(pick(by_size.get(m), "calls_per_step"), 0) for m in sizes]
+            ms = [pick(by_size.get(m), "host_ms") for m in sizes]
+            cells += [_num(v, 3) for v in ms]
+            if base:
+                cells += [
+                    _num(v / base[m]["host_ms"] if v is not None and m in base else None, 2) for v, m in zip(ms, sizes)
+                ]
+            label = first["label"] if title == "mean" else ""
+            body.append([label, "period mean" if first["period"] > 1 and title == "mean" else title, *cells])
+    return header, body
+
+
+def compile_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """What torch.compile did with every compiled row: status, first (compiling) step, graph breaks, error."""
+    header = ["row", "matrices", "status", "first step s", "graph breaks", "graphs", "error"]
+    body = [
+        [
+            r["name"],
+            str(r["matrices"]),
+            r["status"],
+            _num(None if r["first_step_ms"] is None else r["first_step_ms"] / 1e3, 1),
+            "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
+            "-" if r["graphs"] is None else str(r["graphs"]),
+            (r["error"] or "").splitlines()[0][:100] if r["error"] else "",
+        ]
+        for r in record["rows"]
+        if r["mode"] != "eager"
+    ]
+    return header, body
+
+
+def _title(record: dict[str, Any]) -> str:
+    m, c = record["machine"], record["config"]
+    threads = m["torch_threads"] if "torch_threads" in m else c["threads"]
+    device = m.get("cuda") if c["device"] == "cuda" else f"{m['cpu_model']} ({', '.join(m['cpu_flags']) or 'no'} flags)"
+    clock = "wall time" if c["device"] == "cuda" or c.get("clock") == "wall" else "thread CPU time"
+    return (
+        f"Host time per optimizer step ({clock}) in the accelerator form, {c['width']}-wide tiny matrices, "
+        f"{threads} thread(s), {device}, torch {m['torch']}; one dispatched op {record['op_us']} us"
+    )
+
+
+def render(record: dict[str, Any], markdown: bool = False) -> str:
+    """The record's tables: steps (calls and host ms per size) and, where compiled rows ran, compilation."""
+    fmt: Callable[..., str] = format_markdown_table if markdown else format_table
+    parts = [_title(record), fmt(*step_rows(record))]
+    header, body = compile_rows(record)
+    if body:  # status and error read as text
+        parts.append(fmt(header, body, [False, True, False, True, True, True, False]))
+    if not record.get("complete", True):
+        parts.append("(partial: the sizes measured so far)")
+    return "\n\n".join(parts)
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Host ms per step (period mean) against matrices, log-log, one line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for by_size in _by_name(record).values():
+        pts = sorted((m, r["host_ms"]) for m, r in by_size.items() if r["host_ms"] is not None)
+        if not pts:
+            continue
+        first = next(iter(by_size.values()))
+        style = "--" if first["mode"] != "eager" else (":" if not first["dimuon"] else "-")
+        ax.plot(*zip(*pts), style, marker="o", label=first["label"])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("Muon matrices")
+    ax.set_ylabel("host ms per step (period mean)")
+    ax.set_title("Host time per optimizer step, tiny matrices", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_dir(record: dict[str, Any], out: Path) -> None:
+    """host.json, host.md (the tables and the command that made them) and host.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "host.json", record)
+    command = record.get("command") or record["machine"]["command"]
+    write_text_atomic(out / "host.md", f"{render(record, markdown=True)}\n\nMade by `{command}`.\n")
+    plot(record, out / "host.png")

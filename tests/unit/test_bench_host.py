@@ -1,0 +1,108 @@
+"""``dimuon bench host``: its flags, its record, and what its call counter counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dimuon.bench import host, host_probe, host_report
+from dimuon.optim import build, devices
+
+QUICK = ["--quick", "--no-progress", "--width", "4"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--matrices", "7"], "--matrices must be positive multiples of 5"),
+        (["--compile-modes", "fast"], r"--compile-modes must be from \['default', 'reduce-overhead'"),
+        (["--compile-matrices", "40"], "--compile-matrices must be among --matrices"),
+        (["--compile-modes", "default", "--matrices", "10"], "--compile-matrices must be among --matrices"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--optimizers", "--baselines"], "nothing to measure"),
+    ],
+)
+def test_bad_flags_are_named_with_what_they_allow(argv, message):
+    with pytest.raises(ValueError, match=message):
+        host.parse(argv)
+
+
+def test_an_unknown_optimizer_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        host.parse(["--optimizers", "sgd"])
+    assert exc.value.code == 2
+    assert "sgd" in capsys.readouterr().err
+
+
+def test_compile_sizes_are_not_checked_without_compiled_rows():
+    assert host.parse(["--matrices", "10", "--compile-modes"]).compile_modes == ()
+
+
+def test_main_reports_a_bad_flag_as_an_error_line(capsys):
+    assert host.main(["--matrices", "12"]) == 2
+    assert capsys.readouterr().err.startswith("dimuon bench host: error: --matrices")
+
+
+def test_counter_counts_dimuon_frames_and_not_torchs():
+    model = host.make_model(10, host.Config(width=4))
+    adamw = build("adamw", model, lr=1e-3, foreach=True)
+    muon = build("muon", model, lr=1e-3)
+    with host_probe.accelerator_form():
+        muon.step()  # the state made
+        assert host_probe.dimuon_calls(muon.step) > 50
+        assert host_probe.dimuon_calls(adamw.step) == 0
+    # the counter is the package test, not a count of everything: torch's own files under torch's directory
+    torch_dir = str(Path(torch.__file__).parent)
+    assert host_probe.dimuon_calls(adamw.step, package_dir=torch_dir) > 0
+
+
+def test_accelerator_form_switches_the_step_and_puts_it_back():
+    cpu = torch.device("cpu")
+    with host_probe.accelerator_form():
+        assert devices.cpu_path(cpu) is False
+    assert devices.cpu_path(cpu) is True
+
+
+def test_quick_run_writes_a_record_with_every_row_and_kind(tmp_path, capsys):
+    out, path = tmp_path / "host", tmp_path / "h.json"
+    assert host.main([*QUICK, "--json", str(path), "--out", str(out)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "host" and record["complete"]
+    machine = record["machine"]
+    assert {"command", "torch", "cpu_model", "cpu_flags", "torch_threads"} <= set(machine)
+    assert machine["torch_threads"] == 1 and record["op_us"] > 0
+    names = {r["name"] for r in record["rows"]}
+    assert names == {*host.OPTIMIZERS, *host.BASELINES}
+    assert {r["matrices"] for r in record["rows"]} == {10, 20}
+    rows = {(r["name"], r["matrices"]): r for r in record["rows"]}
+    prm = rows["periodic_row_muon", 10]
+    assert prm["period"] == 3 and set(prm["kinds"]) == {"spectral", "rownorm"}
+    assert prm["kinds"]["rownorm"]["steps_per_period"] == 2
+    assert set(rows["muon_bp", 20]["kinds"]) == {"spectral", "block"}
+    for name in host.OPTIMIZERS:
+        assert rows[name, 20]["calls_per_step"] > 0 and rows[name, 20]["ops_per_step"] > 0
+    for name in ("adamw_foreach", "adamw_fused"):
+        assert rows[name, 20]["calls_per_step"] == 0 and rows[name, 20]["host_ms"] > 0
+    assert {p.name for p in out.iterdir()} == {"host.json", "host.md", "host.png"}
+    assert "Made by `" in (out / "host.md").read_text()
+    assert "PeriodicRowMuon" in capsys.readouterr().out
+
+
+def test_a_compiled_row_that_fails_is_recorded_not_raised(monkeypatch):
+    def broken(fn, mode=None):
+        def step():
+            raise RuntimeError("cannot compile this step")
+
+        return step
+
+    monkeypatch.setattr(host.torch, "compile", broken)
+    cfg = host.parse([*QUICK, "--optimizers", "muon", "--baselines", "--compile-modes", "default"])
+    record = host.run(cfg)
+    compiled = [r for r in record["rows"] if r["mode"] == "default"]
+    assert [r["name"] for r in compiled] == ["muon_compiled"]
+    assert compiled[0]["status"] == "failed" and "cannot compile this step" in compiled[0]["error"]
+    assert compiled[0]["host_ms"] is None
+    assert "cannot compile this step" in host_report.render(record)
