@@ -41,6 +41,8 @@ from dimuon.optim.staleness import (
     REFERENCE_DTYPE,
     ROW_SUMS,
     reference_row_sums_many,
+    row_sums_batch,
+    staleness_batch,
     staleness_from_sums,
     staleness_partial_sums_many,
 )
@@ -180,12 +182,7 @@ class AdaptiveRowSchedule(Schedule):
         state = ctx.state
         ages = [[state[p]["refresh_age"] for p in w.params] for w in works]
         lagged = [int(w.group["signal_lag"]) == 1 for w in works]
-        open_ = [
-            (wi, ji)
-            for wi, w in enumerate(works)
-            for ji in range(len(w.jobs))
-            if self.needs_signal(ages[wi][ji], w.group)
-        ]
+        open_ = [(wi, ji) for wi, w in enumerate(works) for ji in self._open(ages[wi], w.group)]
         now = [(wi, ji) for wi, ji in open_ if not lagged[wi]]
         signals: dict[tuple[int, int], float] = {}
         if now:
@@ -195,19 +192,38 @@ class AdaptiveRowSchedule(Schedule):
             if not now:
                 ctx.settle()
             signals.update(self._previous_signals(works, [(wi, ji) for wi, ji in open_ if lagged[wi]], ctx))
-        kinds = [
-            [self.decide_one(age, signals.get((wi, ji)), w.group) for ji, age in enumerate(ages[wi])]
-            for wi, w in enumerate(works)
-        ]
+        kinds = [self._kinds(wi, ages[wi], signals, w.group) for wi, w in enumerate(works)]
         if any(lagged):  # the next step's signals: the matrices taking RowNorm now whose choice is open then
             following = [
                 (wi, ji)
                 for wi, w in enumerate(works)
                 if lagged[wi]
-                for ji in range(len(w.jobs))
-                if kinds[wi][ji] is StepKind.ROWNORM and self.needs_signal(ages[wi][ji] + 1, w.group)
+                for ji in self._open([a + 1 for a in ages[wi]], w.group)
+                if kinds[wi][ji] is StepKind.ROWNORM
             ]
             self._measure_for_next(works, following, ctx)
+        return kinds
+
+    def _open(self, ages: Sequence[int], group: Mapping[str, Any]) -> list[int]:
+        """The matrices (by index) whose choice the bounds leave open at these ages (:meth:`needs_signal` of each,
+        in one pass)."""
+        k_min, k_max = int(group["k_min"]), int(group["k_max"])
+        return [i for i, age in enumerate(ages) if age != NEVER_REFRESHED and k_min <= age < k_max]
+
+    def _kinds(
+        self, wi: int, ages: Sequence[int], signals: Mapping[tuple[int, int], float], group: Mapping[str, Any]
+    ) -> list[StepKind]:
+        """:meth:`decide_one` of every matrix of work ``wi``, in one pass."""
+        k_min, k_max, threshold = int(group["k_min"]), int(group["k_max"]), float(group["threshold"])
+        kinds = []
+        for ji, age in enumerate(ages):
+            if age == NEVER_REFRESHED or age >= k_max:
+                kinds.append(StepKind.SPECTRAL)
+            elif age < k_min:
+                kinds.append(StepKind.ROWNORM)
+            else:  # no signal: signal_lag=1 before one was measured since the last refresh
+                signal = signals.get((wi, ji))
+                kinds.append(StepKind.SPECTRAL if signal is not None and signal > threshold else StepKind.ROWNORM)
         return kinds
 
     def _stalest(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
@@ -215,6 +231,8 @@ class AdaptiveRowSchedule(Schedule):
         reduction of the signal sums, then their maximum over the world (replicas hold the same sums up to the last
         bits, from a non-deterministic reduction, and a choice they made apart would issue different collectives)."""
         state = ctx.state
+        if None not in [getattr(w, "plan", None) for w in works]:  # one process, every group by class
+            return self._stalest_by_class(works, items, ctx)
 
         def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
             states = [state[job.meta["param"]] for job in jobs]
@@ -230,6 +248,27 @@ class AdaptiveRowSchedule(Schedule):
         stalest = _segment_max(staleness_from_sums(torch.cat(sums)), [len(s) for s in sums])
         agree = getattr(ctx.engine, "agree_max", None)
         return agree(stalest) if agree is not None else stalest
+
+    def _stalest_by_class(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
+        """:meth:`_stalest` on the class path (one process): each class's items as one batch of its ``U``."""
+        by_work: dict[int, list[int]] = {}
+        for wi, ji in items:
+            by_work.setdefault(wi, []).append(ji)
+        out = []
+        for wi, chosen in by_work.items():
+            plan, batches = works[wi].plan, works[wi].batches  # type: ignore[attr-defined]
+            start = 0
+            for cls, batch in zip(plan.classes, batches):
+                stop, job = start + len(cls.params), plan.jobs[start]
+                idx = [j - start for j in chosen if start <= j < stop]
+                if idx:
+                    states = [ctx.state[cls.params[i]] for i in idx]
+                    u = batch if len(idx) == len(cls.params) else batch[idx]
+                    refs = torch.stack([st["refresh_direction"] for st in states]).view(u.shape)
+                    sums = torch.stack([st["refresh_row_sums"] for st in states])
+                    out.append(staleness_batch(u, refs, sums, job.logical_ranges(), job.col_ranges()))
+                start = stop
+        return torch.cat(out)
 
     def _measure_for_next(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> None:
         """Measure ``items``' staleness now for the next step's decision: kept in the state (a checkpoint carries
@@ -297,6 +336,24 @@ class AdaptiveRowSchedule(Schedule):
         age with its older reference kept, so its next refresh may come up to ``k_max`` slots later (sooner where
         its staleness, measured against that older reference, passes the threshold from ``k_min`` on)."""
         refreshed = [i for i, kind in enumerate(kinds) if kind is StepKind.SPECTRAL]
+        if getattr(work, "plan", None) is not None:
+            self._refresh_by_class(directions, mask, ctx)  # type: ignore[arg-type]
+        else:
+            self._refresh_by_job(work, refreshed, directions, mask, ctx)
+        for p, kind in zip(work.params, kinds):
+            state = ctx.state[p]
+            state["refresh_age"] = 1 if kind is StepKind.SPECTRAL else state["refresh_age"] + 1
+        if refreshed and int(work.group["signal_lag"]) == 1:  # a signal measured against the older reference: none
+            signals = [ctx.state[work.params[i]].get("refresh_signal") for i in refreshed]
+            signals = [s for s in signals if isinstance(s, Tensor)]
+            if signals:
+                torch._foreach_clamp_max_(signals, NO_SIGNAL)  # -inf, in one launch
+            ctx.scratch.setdefault(_CLEARED, set()).update([id(work.params[i]) for i in refreshed])
+
+    def _refresh_by_job(
+        self, work: Work, refreshed: Sequence[int], directions: Sequence[Any], mask: Tensor | None, ctx: StepContext
+    ) -> None:
+        """The refreshed matrices' new references and row sums, job by job (their local pieces)."""
         refs = [
             local_tensor(ctx.state[work.params[i]]["refresh_direction"]).view(work.jobs[i].update.shape)
             for i in refreshed
@@ -307,15 +364,29 @@ class AdaptiveRowSchedule(Schedule):
         if refreshed:  # the new reference (its own rounding), then its row sums: a few list ops per shape
             copy_by_shape_([directions[i] for i in refreshed], refs, mask)
             copy_by_shape_(reference_row_sums_many(updates, refs, col_splits), sums, mask)
-        for p, kind in zip(work.params, kinds):
-            state = ctx.state[p]
-            state["refresh_age"] = 1 if kind is StepKind.SPECTRAL else state["refresh_age"] + 1
-        if refreshed and int(work.group["signal_lag"]) == 1:  # a signal measured against the older reference: none
-            signals = [ctx.state[work.params[i]].get("refresh_signal") for i in refreshed]
-            signals = [s for s in signals if isinstance(s, Tensor)]
-            if signals:
-                torch._foreach_clamp_max_(signals, NO_SIGNAL)  # -inf, in one launch
-            ctx.scratch.setdefault(_CLEARED, set()).update(id(work.params[i]) for i in refreshed)
+
+    def _refresh_by_class(
+        self, made: Mapping[StepKind, tuple[Any, list[Tensor]]], mask: Tensor | None, ctx: StepContext
+    ) -> None:
+        """The refreshed matrices' new references and row sums on the class path: per class one cast, one row-sum
+        batch, and under a mask one ``where`` each, then one list copy each."""
+        if StepKind.SPECTRAL not in made:
+            return
+        part, directions = made[StepKind.SPECTRAL]
+        start = 0
+        for cls, u, d in zip(part.plan.classes, part.batches, directions):
+            job, start = part.jobs[start], start + len(cls.params)
+            states = [ctx.state[p] for p in cls.params]
+            refs = [st["refresh_direction"] for st in states]
+            sums = [st["refresh_row_sums"] for st in states]
+            new = d.to(REFERENCE_DTYPE)
+            if mask is not None:
+                new = torch.where(mask, new, torch.stack(refs).view(new.shape))
+            rows = row_sums_batch(u, new, job.col_ranges()).view(len(sums), *sums[0].shape)
+            if mask is not None:
+                rows = torch.where(mask, rows, torch.stack(sums))
+            torch._foreach_copy_(refs, new.view(len(refs), *cls.shape).unbind(0))
+            torch._foreach_copy_(sums, rows.unbind(0))
 
 
 def copy_by_shape_(sources: Sequence[Tensor], targets: Sequence[Tensor], mask: Tensor | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -397,14 +397,40 @@ class ClassStep:
             torch._foreach_lerp_(plan.bufs, grads, 1.0 - beta)
             batches = nesterov_batches(plan, grads, beta, group["nesterov"])
         config = self._map_config(group, plan.classes[0].device)
-        if plan.fixed:
-            return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
-        for job, u in zip(plan.jobs, [u for batch in batches for u in batch.unbind(0)]):
-            job.update = u  # a schedule that decides per matrix: the engine maps job by job
-        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys)
+        if not plan.fixed:  # a schedule that decides per matrix reads each job's U (its staleness, its state)
+            us = [u for batch in batches for u in batch.unbind(0)]
+            for job, u in zip(plan.jobs, us):
+                job.update = u
+        return _MuonWork(group, plan.params, plan.jobs, config, plan.keys, plan, batches)
 
-    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> None:
-        """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update."""
+    def _by_kind(self, work: _MuonWork, kinds: Sequence[StepKind]) -> list[tuple[_MuonWork, StepKind]]:
+        """A group whose matrices take different kinds (a schedule deciding per matrix), split by kind: per kind
+        present, the work of its matrices, each class's share as one batch (the class batch itself, or its rows
+        picked in one op), in the order the per-job path maps them."""
+        plan, batches = work.plan, work.batches
+        assert plan is not None and batches is not None
+        out = []
+        for kind in [k for k in StepKind if k in kinds]:
+            subs, picked, jobs, start = [], [], [], 0
+            for cls, batch in zip(plan.classes, batches):
+                stop = start + len(cls.params)
+                idx = [i for i, k in enumerate(kinds[start:stop]) if k is kind]
+                if len(idx) == len(cls.params):
+                    subs.append(cls)
+                    picked.append(batch)
+                elif idx:
+                    subs.append(replace(cls, params=[cls.params[i] for i in idx]))
+                    picked.append(batch[idx])
+                jobs += [plan.jobs[start + i] for i in idx]
+                start = stop
+            params = [p for cls in subs for p in cls.params]
+            part = replace(plan, classes=subs, params=params, jobs=jobs)
+            out.append((_MuonWork(work.group, params, jobs, work.config, [], part, picked), kind))
+        return out
+
+    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> list[Tensor]:
+        """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update. Returns
+        the directions (RowNorm's factors where they tile), per class."""
         group, plan, batches = work.group, work.plan, work.batches
         assert plan is not None and batches is not None
         lr, wd = group_lr(group), group["weight_decay"]
@@ -413,7 +439,7 @@ class ClassStep:
         else:
             made = spectral_directions(plan.classes, batches, kind, work.config)
         if self._fused_class_apply(work, kind, made, mask):
-            return
+            return made
         if wd != 0:
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
             if mask is not None:
@@ -441,6 +467,7 @@ class ClassStep:
             torch._foreach_sub_(plain_ws, torch._foreach_mul(ds, step_size))
         elif plain_ws:
             torch._foreach_add_(plain_ws, ds, alpha=-step_size)
+        return made
 
     def _fused_class_apply(self, work: _MuonWork, kind: StepKind, made: Sequence[Tensor], mask: Tensor | None) -> bool:
         """``W <- (1 - lr wd) W - step D f`` for the whole group in the fused kernel (one launch per dtype pair), where

@@ -157,9 +157,14 @@ class PerJobStep:
         multiplied by the mask (one list op: exact, ``D * 1 = D``; finite ``D * 0 = 0``, ``U`` being finite) before
         the usual update: a passed vote moves the weights bit for bit as the unmasked step, a failed one not at all.
         """
-        if work.plan is not None:  # a schedule that decides per group: one kind
+        if work.plan is not None and work.plan.fixed:  # a schedule that decides per group: one kind
             self._class_apply(work, kinds[0], mask)
             self._count_kinds(work, kinds)
+            return
+        if work.plan is not None:  # per matrix, on the class path: each kind's share of every class as one batch
+            made = {kind: (part, self._class_apply(part, kind, mask)) for part, kind in self._by_kind(work, kinds)}
+            self._count_kinds(work, kinds)
+            self.schedule.after_step(work, kinds, made, mask, ctx)
             return
         group, engine = work.group, self._get_engine()
         lr, wd = group_lr(group), group["weight_decay"]

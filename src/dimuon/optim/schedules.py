@@ -133,7 +133,8 @@ class Schedule:
         ctx: StepContext,
     ) -> None:
         """After the weights of ``work`` moved: update the schedule's state (``mask``: the vote of a step that
-        ``nonfinite="skip"`` masks)."""
+        ``nonfinite="skip"`` masks). ``directions``: per job; on the class path (``work.plan`` set) a mapping of
+        each kind taken to its part of the work and that part's directions by class."""
 
 
 @dataclass(frozen=True)

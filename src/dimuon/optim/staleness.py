@@ -172,6 +172,35 @@ def _segments_many(
     return hit
 
 
+def row_sums_batch(updates: Tensor, directions: Tensor, col_ranges: Sequence[RowRange]) -> Tensor:
+    """``(B, rows, C, 2)`` fp32 of a ``(B, rows, cols)`` batch: per row and column range ``U . O`` and ``|U|^2``
+    (:func:`reference_row_sums` of every matrix at once, ranges in the same order)."""
+    u, o = updates.float(), directions.float()
+    if len(col_ranges) == 1 and col_ranges[0] == (0, u.shape[2]):  # the whole row, as the per-matrix form takes it
+        return torch.stack((torch.linalg.vecdot(u, o), torch.linalg.vecdot(u, u)), dim=2).unsqueeze(2)
+    pairs = [
+        torch.stack((torch.linalg.vecdot(u[..., c:d], o[..., c:d]), torch.linalg.vecdot(u[..., c:d], u[..., c:d])), 2)
+        for c, d in col_ranges
+    ]
+    return torch.stack(pairs, dim=2)
+
+
+def staleness_batch(
+    updates: Tensor, directions: Tensor, row_sums: Tensor, ranges: tuple[RowRange, ...], col_ranges: Sequence[RowRange]
+) -> Tensor:
+    """``(B,)``: the stalest logical matrix (every row range ``ranges`` times column range) of each matrix of a
+    ``(B, rows, cols)`` batch held whole, ``row_sums`` its ``(B, rows, 2 C)`` reference sums; the sums added row
+    after row as :func:`staleness_partial_sums_many` adds them (one segmented sum for the batch)."""
+    count, rows = updates.shape[0], updates.shape[1]
+    now = row_sums_batch(updates, directions, col_ranges)  # (B, rows, C, 2)
+    then = row_sums.float().view(count, rows, len(col_ranges), ROW_SUMS)
+    per_row = torch.cat((now, then), dim=3).reshape(count * rows, len(col_ranges) * SIGNAL_SUMS)
+    seg, starts = _segments_many(rows, (ranges,) * count, updates.device)
+    sums = per_row.new_zeros(starts[-1], per_row.shape[1]).index_add_(0, seg, per_row)
+    sums = sums.view(count, len(ranges) + 1, -1)[:, : len(ranges)].reshape(count, -1, SIGNAL_SUMS)
+    return staleness_from_sums(sums).amax(dim=1)
+
+
 def staleness_from_sums(sums: Tensor) -> Tensor:
     """``1 - cos(U_t, O_s) / cos(U_s, O_s)`` per row of ``sums`` (``|O_s|`` cancels); ``inf`` where the reference
     cannot say (a zero momentum at step ``s``, or a zero one now): such a matrix counts as stale."""
