@@ -6,7 +6,8 @@ per step kind. What is static about a matrix (its view as a matrix, its split an
 step kind maps, where its momentum lives) is worked out when the plan is made (:func:`make_plan`), so a step's
 Python grows with classes and step kinds, not with matrices. The values are those of
 :class:`~dimuon.optim.distributed.engine.LocalEngine` on the same jobs, op for op (the golden-steps test holds
-them); sharded engines, the fused kernels and schedules that decide per matrix take the per-job path instead.
+them). A schedule that decides per matrix (the adaptive one) takes each kind's matrices of a class as one batch
+(:meth:`ClassStep._by_kind`); sharded engines take the per-job path instead.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class GroupPlan:
     bufs: list[Tensor]  # their momentum buffers, in the same order
     jobs: list[MatrixJob]  # per parameter in the same order, made once (each step sets their updates)
     keys: list[str]  # per parameter in the same order, its name in refresh_stats()
-    fixed: bool  # the schedule decides per group: the step maps by class, else its jobs go to the engine
+    fixed: bool  # the schedule decides per group (one kind), else per matrix (each kind's share of a class mapped)
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
     launchable: bool = False  # the fused kernels can take its parameters and momenta (dtypes, layout, one device)
 
@@ -339,8 +340,8 @@ class ClassStep:
 
     def _make_plans(self) -> None:
         """Every Muon group's plan by shape class, where the step can take the class path: a single process (the
-        local engine), the eager kernels, contiguous plain parameters (a schedule that decides per matrix takes
-        the momenta and jobs from it, then maps job by job)."""
+        local engine), contiguous plain parameters (a schedule that decides per matrix reads the jobs' updates,
+        views of the class batches)."""
         self._plans = {}
         for gi, group in enumerate(self.param_groups):
             if group["algorithm"] == "muon" and group["params"]:

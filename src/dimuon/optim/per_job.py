@@ -1,9 +1,9 @@
-"""The per-job step: each Muon parameter handed to the engine as a :class:`MatrixJob`, the path of sharded engines
-(and of schedules that decide per matrix), where a piece of a matrix is what a rank holds.
+"""The per-job step: each Muon parameter handed to the engine as a :class:`MatrixJob`, the path of sharded engines,
+where a piece of a matrix is what a rank holds.
 
 :class:`PerJobStep` is the part of :class:`~dimuon.optim.core.MuonFamily` that runs it: the momentum update, the
-matrix jobs, one engine call per step kind and the weight update (fused where the kernels are). In one process with
-a schedule that decides per group, the class path (:mod:`dimuon.optim.classes`) runs the same rule by class.
+matrix jobs, one engine call per step kind and the weight update (fused where the kernels are). In one process the
+class path (:mod:`dimuon.optim.classes`) runs the same rule by class.
 """
 
 from __future__ import annotations
