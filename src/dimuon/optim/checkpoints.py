@@ -19,7 +19,14 @@ from dimuon.optim.common import _some_names, matrix_shape
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
 from dimuon.optim.distributed.layout import is_dtensor
 from dimuon.optim.names import network_names
-from dimuon.optim.options import _ENGINE_DEFAULTS, _MATRIX_GROUP_OPTIONS, _RUNTIME_DEFAULTS, _same_value
+from dimuon.optim.options import (
+    _ENGINE_DEFAULTS,
+    _MATRIX_GROUP_OPTIONS,
+    _RUNTIME_DEFAULTS,
+    GROUP_DEFAULTS,
+    MATRIX_DEFAULTS,
+    _same_value,
+)
 from dimuon.optim.workspace import Workspace
 
 
@@ -159,6 +166,11 @@ class Checkpoints:
         for key, value in runtime.items():
             if not hasattr(self, key):
                 setattr(self, key, value)
+        # Pickles of earlier versions lack the newer options: the table's defaults.
+        for key, value in _ENGINE_DEFAULTS.items():
+            self.engine_options.setdefault(key, value)
+        for key, value in {**GROUP_DEFAULTS, **MATRIX_DEFAULTS}.items():
+            self.defaults.setdefault(key, value)
         for group in self.param_groups:  # state dicts of earlier versions lack newer options
             for key, value in self.defaults.items():
                 group.setdefault(key, value)

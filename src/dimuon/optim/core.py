@@ -144,9 +144,7 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         self._refuse_unknown(schedule_options)
         defaults.update(schedule_options)
         self._validate_options(defaults, where="")
-        check_runtime_options(
-            nonfinite, refresh, replica_refresh, bucket_mb, comm_dtype, ns_compile, adamw_fused, kernels
-        )
+        check_runtime_options(given)
         self.nonfinite = nonfinite
         self.ns_compile = ns_compile
         self.adamw_fused = adamw_fused

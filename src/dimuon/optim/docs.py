@@ -1,59 +1,20 @@
 """The one text of every optimizer option: the optimizers' docstrings and the command line's help are made from it.
 
 Each table maps an option to its description (Google style: the first sentence is the flag's help). The Muon
-family's shared options are here; a schedule's options carry their own text (``Option.doc``, in
-:mod:`dimuon.optim.schedules`); torch's AdamW and the ``torch_muon`` baseline have theirs, for the flags.
-"""
+family's shared options come from :data:`dimuon.optim.options.CORE_TABLE` (each text declared with its option's
+default and check); a schedule's options carry their own text (``Option.doc``, in :mod:`dimuon.optim.schedules`);
+torch's AdamW and the ``torch_muon`` baseline have theirs, for the flags."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dimuon.optim.options import CORE_TABLE
+
 __all__ = ["ADAMW_OPTIONS", "CORE_OPTIONS", "TORCH_MUON_OPTIONS", "args_section"]
 
-CORE_OPTIONS: dict[str, str] = {
-    "params": "parameters, named parameters or parameter groups (see :func:`param_groups`); a group with "
-    '``"algorithm": "adamw"`` is updated by AdamW.',
-    "lr": "learning rate (shared by the AdamW groups unless a group sets its own); a number or a one-element "
-    "Tensor (lets a compiled step follow an LR schedule without recompiling).",
-    "momentum": "EMA momentum coefficient ``beta`` in [0, 1).",
-    "nesterov": "use ``U = (1-beta) G + beta M`` instead of ``U = M``.",
-    "weight_decay": "decoupled weight decay, ``W <- W (1 - lr wd)``.",
-    "lr_scale": '``"match_rms_adamw"`` (0.2 sqrt(max(m, n))), ``"original"`` (sqrt(max(1, m/n))) or ``"none"``.',
-    "ns_coefficients": '``"quintic"`` or ``"polar_express"``.',
-    "ns_steps": "Newton-Schulz iterations.",
-    "ns_dtype": "compute dtype of Newton-Schulz; ``None`` = fp32 on CPU, bf16 on accelerators.",
-    "ns_algorithm": '``"standard"`` or ``"gram"`` (Gram Newton-Schulz on matrices with cols >= 2 rows).',
-    "adamw_betas": 'AdamW\'s betas in the ``"adamw"`` groups.',
-    "adamw_eps": 'AdamW\'s eps in the ``"adamw"`` groups.',
-    "nonfinite": '``"raise"`` (default) or ``"skip"`` a step whose gradients hold inf/nan; either way no state '
-    "tensor is touched by such a step. The ranks vote on the device (one 4-byte all-reduce where the parameters "
-    'span the world); ``"skip"`` masks the step with the vote and reads nothing on the host (a skipped step still '
-    "takes its slot in the schedule: ``t`` advances; ``skipped_steps`` is read when asked for or saved), "
-    '``"raise"`` reads the vote once.',
-    "refresh": 'spectral steps on sharded parameters: ``"owner"`` (default: one owner rank per matrix, buckets of '
-    "same-shape matrices, one all-to-all there and one back per bucket; ``2/W`` of gather's bytes and no repeated "
-    'Newton-Schulz) or ``"gather"`` (all-gather the momentum, every rank orthogonalizes every matrix).',
-    "bucket_mb": "size of the communication buckets that overlap with Newton-Schulz, in MiB.",
-    "comm_dtype": "dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math stays in the "
-    "compute dtype. None: the Newton-Schulz dtype where it is narrower than the momentum (bf16 on CUDA), which "
-    "gives the same directions as fp32 payloads for half the bytes.",
-    "process_group": "for plain parameters replicated across ranks (DDP): split the Newton-Schulz work over this "
-    "group and broadcast the results. DTensor parameters need nothing.",
-    "ns_compile": "run Newton-Schulz through ``torch.compile`` (the first step on each new matrix shape compiles, "
-    "seconds each; same results within rounding).",
-    "adamw_fused": "the AdamW groups' kernel: ``True`` fused, ``False`` foreach, ``None`` (default) fused wherever "
-    "torch has a fused AdamW for the parameters' device and dtype.",
-    "kernels": 'the momentum and weight-update passes: ``"auto"`` (default) one fused Triton launch per pass on CUDA '
-    "where Triton imports (a RowNorm step reads and writes each element 9 times rather than 15), "
-    '``"torch"`` the eager list ops everywhere, ``"triton"`` the fused kernels always (on CPU tensors through '
-    "Triton's interpreter: slow, for checking them).",
-    "replica_refresh": 'spectral steps of parameters that mesh dimensions replicate (HSDP): ``"repeat"`` (every '
-    'replica refreshes every matrix; no bytes across replicas) or ``"split"`` (each matrix refreshed by one '
-    "replica, its pieces broadcast to the others).",
-    "engine": "where the direction maps run (tests); ``None`` picks the single-process or the sharded engine from "
-    "the parameters.",
-}
+# The Muon family's shared options, their text declared with each option in one table.
+CORE_OPTIONS: dict[str, str] = {option.name: option.doc for option in CORE_TABLE if option.doc}
 
 # torch.optim.AdamW's options as dimuon.optim.build passes them (defaults: those of the Muon family's AdamW group).
 ADAMW_OPTIONS: dict[str, str] = {

@@ -1,15 +1,17 @@
-"""The options of the Muon family: the keys a group may carry, the runtime and engine defaults, the typed keyword
-options, and the checks of a parameter group (each error naming the option and the parameter).
+"""The options of the Muon family: one table of the core's options (:data:`CORE_TABLE`: default, check, where each
+lives, text), from which the group, runtime and engine defaults, their checks and the option texts are derived; the
+keys a group may carry besides, the typed keyword options, and the checks of a parameter group (each error naming
+the option and the parameter).
 
-:class:`GroupOptions` is the part of :class:`~dimuon.optim.core.MuonFamily` that adds and checks parameter groups.
-"""
+:class:`GroupOptions` is the part of :class:`~dimuon.optim.core.MuonFamily` that adds and checks parameter groups."""
 
 from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Iterable
-from typing import Any, TypedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
 
 import torch
 from torch import Tensor
@@ -56,34 +58,235 @@ _TYPO_CUTOFF = 0.8  # difflib ratio above which an unknown key reads as a misspe
 # (checked in this order: the splits cut the matrices that ``stacked`` makes).
 _MATRIX_GROUP_OPTIONS = ("stacked", "split_sizes", "col_split_sizes")
 
+Where = Literal["argument", "group", "matrix", "runtime", "engine"]
+
+
+@dataclass(frozen=True)
+class CoreOption:
+    """One option of the Muon family's core, declared once: the defaults, the checks, what a group, the optimizer
+    or its engine holds, old pickles' defaults and the documentation (:data:`dimuon.optim.docs.CORE_OPTIONS`) all
+    come from :data:`CORE_TABLE`.
+
+    ``where``: ``"argument"`` (taken by the constructor itself), ``"group"`` (a parameter-group option, a
+    constructor argument too), ``"matrix"`` (set per group only: how a group's parameters become matrices),
+    ``"runtime"`` (of the optimizer as a whole: how it runs, not in ``state_dict``) or ``"engine"`` (handed to the
+    sharded engine). ``check(name, where, value)`` raises naming the option (``where`` names the group)."""
+
+    name: str
+    default: Any
+    where: Where
+    check: Callable[[str, str, Any], None] | None
+    doc: str = ""
+
+
+def _choice(choices: Iterable[Any]) -> Callable[[str, str, Any], None]:
+    def check(name: str, where: str, value: Any) -> None:
+        check_choice(f"{name}{where}", value, choices)
+
+    return check
+
+
+def _number(**bounds: Any) -> Callable[[str, str, Any], None]:
+    def check(name: str, where: str, value: Any) -> None:
+        check_number(f"{name}{where}", value, **bounds)
+
+    return check
+
+
+def _bool(name: str, where: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}{where} must be a bool, got {value!r}")
+
+
+def _lr(name: str, where: str, value: Any) -> None:
+    check_lr(value, where)
+
+
+def _floating_dtype(name: str, where: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"{name}{where} must be None or a floating torch.dtype, got {value!r}")
+
+
+def _betas(name: str, where: str, value: Any) -> None:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        raise ValueError(f"{name}{where} must be a pair (beta1, beta2), got {value!r}")
+    for i, b in enumerate(value):
+        check_number(f"{name}[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
+
+
+def _split(name: str, where: str, value: Any) -> None:
+    check_split(f"{name}{where}", value)
+
+
+def _bool_or_none(name: str, where: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None, True or False, got {value!r}")
+
+
+def _kernels(name: str, where: str, value: Any) -> None:
+    fused.check_kernels(value)
+
+
+_NONFINITE_DOC = (
+    '``"raise"`` (default) or ``"skip"`` a step whose gradients hold inf/nan; either way no state tensor is touched '
+    "by such a step. The ranks vote on the device (one 4-byte all-reduce where the parameters span the world); "
+    '``"skip"`` masks the step with the vote and reads nothing on the host (a skipped step still takes its slot in '
+    'the schedule: ``t`` advances; ``skipped_steps`` is read when asked for or saved), ``"raise"`` reads the vote '
+    "once."
+)
+
+# Every option of the core, in the constructor's order (a test holds MuonFamily.__init__ and MuonOptions to it).
+CORE_TABLE: tuple[CoreOption, ...] = (
+    CoreOption(
+        "params",
+        None,
+        "argument",
+        None,
+        "parameters, named parameters or parameter groups (see :func:`param_groups`); a group with "
+        '``"algorithm": "adamw"`` is updated by AdamW.',
+    ),
+    CoreOption(
+        "lr",
+        1e-3,
+        "group",
+        _lr,
+        "learning rate (shared by the AdamW groups unless a group sets its own); a number or a one-element "
+        "Tensor (lets a compiled step follow an LR schedule without recompiling).",
+    ),
+    CoreOption(
+        "momentum",
+        0.95,
+        "group",
+        _number(low=0.0, high=1.0, high_open=True),
+        "EMA momentum coefficient ``beta`` in [0, 1).",
+    ),
+    CoreOption("nesterov", True, "group", _bool, "use ``U = (1-beta) G + beta M`` instead of ``U = M``."),
+    CoreOption("weight_decay", 0.0, "group", _number(low=0.0), "decoupled weight decay, ``W <- W (1 - lr wd)``."),
+    CoreOption(
+        "lr_scale",
+        "match_rms_adamw",
+        "group",
+        _choice(LR_SCALES),
+        '``"match_rms_adamw"`` (0.2 sqrt(max(m, n))), ``"original"`` (sqrt(max(1, m/n))) or ``"none"``.',
+    ),
+    CoreOption(
+        "ns_coefficients", "quintic", "group", _choice(COEFFICIENT_SETS), '``"quintic"`` or ``"polar_express"``.'
+    ),
+    CoreOption("ns_steps", 5, "group", _number(low=1, high=100, integer=True), "Newton-Schulz iterations."),
+    CoreOption(
+        "ns_dtype",
+        None,
+        "group",
+        _floating_dtype,
+        "compute dtype of Newton-Schulz; ``None`` = fp32 on CPU, bf16 on accelerators.",
+    ),
+    CoreOption(
+        "ns_algorithm",
+        "standard",
+        "group",
+        _choice(NS_ALGORITHMS),
+        '``"standard"`` or ``"gram"`` (Gram Newton-Schulz on matrices with cols >= 2 rows).',
+    ),
+    CoreOption("adamw_betas", (0.9, 0.95), "group", _betas, 'AdamW\'s betas in the ``"adamw"`` groups.'),
+    CoreOption("adamw_eps", 1e-8, "group", _number(low=0.0), 'AdamW\'s eps in the ``"adamw"`` groups.'),
+    CoreOption("nonfinite", "raise", "runtime", _choice(NONFINITE_POLICIES), _NONFINITE_DOC),
+    CoreOption(
+        "refresh",
+        DEFAULT_REFRESH,
+        "engine",
+        _choice(REFRESH_STRATEGIES),
+        'spectral steps on sharded parameters: ``"owner"`` (default: one owner rank per matrix, buckets of '
+        "same-shape matrices, one all-to-all there and one back per bucket; ``2/W`` of gather's bytes and no "
+        'repeated Newton-Schulz) or ``"gather"`` (all-gather the momentum, every rank orthogonalizes every matrix).',
+    ),
+    CoreOption(
+        "bucket_mb",
+        DEFAULT_BUCKET_MB,
+        "engine",
+        _number(low=0.0, low_open=True),
+        "size of the communication buckets that overlap with Newton-Schulz, in MiB.",
+    ),
+    CoreOption(
+        "comm_dtype",
+        None,
+        "engine",
+        _floating_dtype,
+        "dtype of the communicated momentum/directions (e.g. ``torch.bfloat16``); math stays in the compute "
+        "dtype. None: the Newton-Schulz dtype where it is narrower than the momentum (bf16 on CUDA), which gives "
+        "the same directions as fp32 payloads for half the bytes.",
+    ),
+    CoreOption(
+        "process_group",
+        None,
+        "engine",
+        None,
+        "for plain parameters replicated across ranks (DDP): split the Newton-Schulz work over this group and "
+        "broadcast the results. DTensor parameters need nothing.",
+    ),
+    CoreOption(
+        "ns_compile",
+        False,
+        "runtime",
+        _bool,
+        "run Newton-Schulz through ``torch.compile`` (the first step on each new matrix shape compiles, seconds "
+        "each; same results within rounding).",
+    ),
+    CoreOption(
+        "adamw_fused",
+        None,
+        "runtime",
+        _bool_or_none,
+        "the AdamW groups' kernel: ``True`` fused, ``False`` foreach, ``None`` (default) fused wherever torch has "
+        "a fused AdamW for the parameters' device and dtype.",
+    ),
+    CoreOption(
+        "kernels",
+        "auto",
+        "runtime",
+        _kernels,
+        'the momentum and weight-update passes: ``"auto"`` (default) one fused Triton launch per pass on CUDA '
+        "where Triton imports (a RowNorm step reads and writes each element 9 times rather than 15), "
+        '``"torch"`` the eager list ops everywhere, ``"triton"`` the fused kernels always (on CPU tensors through '
+        "Triton's interpreter: slow, for checking them).",
+    ),
+    CoreOption(
+        "replica_refresh",
+        "repeat",
+        "engine",
+        _choice(REPLICA_REFRESH_STRATEGIES),
+        'spectral steps of parameters that mesh dimensions replicate (HSDP): ``"repeat"`` (every replica '
+        'refreshes every matrix; no bytes across replicas) or ``"split"`` (each matrix refreshed by one replica, '
+        "its pieces broadcast to the others).",
+    ),
+    CoreOption(
+        "engine",
+        None,
+        "argument",
+        None,
+        "where the direction maps run (tests); ``None`` picks the single-process or the sharded engine from the "
+        "parameters.",
+    ),
+    CoreOption("split_sizes", None, "matrix", _split),
+    CoreOption("col_split_sizes", None, "matrix", _split),
+    CoreOption("stacked", False, "matrix", _bool),
+)
+
+
+def _where(*places: Where) -> dict[str, Any]:
+    return {o.name: o.default for o in CORE_TABLE if o.where in places}
+
+
 # The group options the constructor takes as arguments, in the order a group holds them (then the matrix options,
 # set per group only, then the schedule's).
-GROUP_ARGUMENTS = (
-    "lr",
-    "momentum",
-    "nesterov",
-    "weight_decay",
-    "lr_scale",
-    "ns_coefficients",
-    "ns_steps",
-    "ns_dtype",
-    "ns_algorithm",
-    "adamw_betas",
-    "adamw_eps",
-)
-MATRIX_DEFAULTS: dict[str, Any] = {"split_sizes": None, "col_split_sizes": None, "stacked": False}
+GROUP_ARGUMENTS = tuple(_where("group"))
+GROUP_DEFAULTS: dict[str, Any] = _where("group")
+MATRIX_DEFAULTS: dict[str, Any] = _where("matrix")
 
 # Options of the optimizer as a whole (not of a parameter group): how it runs, not what it computes,
 # so they are not part of ``state_dict`` and a resumed run takes them from its constructor.
-_RUNTIME_DEFAULTS: dict[str, Any] = {"nonfinite": "raise", "ns_compile": False, "adamw_fused": None, "kernels": "auto"}
+_RUNTIME_DEFAULTS: dict[str, Any] = _where("runtime")
 
-_ENGINE_DEFAULTS: dict[str, Any] = {
-    "refresh": DEFAULT_REFRESH,
-    "bucket_mb": DEFAULT_BUCKET_MB,
-    "comm_dtype": None,
-    "process_group": None,
-    "replica_refresh": "repeat",
-}
+_ENGINE_DEFAULTS: dict[str, Any] = _where("engine")
 
 
 class ForeignGroupKeyWarning(UserWarning):
@@ -126,9 +329,9 @@ class FlattenedParameterWarning(UserWarning):
 
 
 class MuonOptions(TypedDict, total=False):
-    """The keyword options every Muon-family optimizer takes after its schedule's (their defaults are
-    :class:`MuonFamily`'s ``__init__``'s, their text :data:`dimuon.optim.docs.CORE_OPTIONS`; a test keeps the three
-    in step)."""
+    """The keyword options every Muon-family optimizer takes after its schedule's, typed for editors and type
+    checkers (their defaults and texts are :data:`CORE_TABLE`'s; a test holds this, :class:`MuonFamily`'s
+    ``__init__`` and the table to the same names in the same order)."""
 
     momentum: float
     nesterov: bool
@@ -162,29 +365,9 @@ class GroupOptions:
         """One clear error per bad hyperparameter, naming it (``where`` names the group)."""
         take_integral_floats(g, integer_options(self._schedule_defaults()))
         check_choice(f"algorithm{where}", g["algorithm"], ALGORITHMS)
-        check_lr(g["lr"], where)
-        check_number(f"weight_decay{where}", g["weight_decay"], low=0.0)
-        check_number(f"momentum{where}", g["momentum"], low=0.0, high=1.0, high_open=True)
-        if not isinstance(g["nesterov"], bool):
-            raise TypeError(f"nesterov{where} must be a bool, got {g['nesterov']!r}")
-        check_choice(f"lr_scale{where}", g["lr_scale"], LR_SCALES)
-        check_choice(f"ns_coefficients{where}", g["ns_coefficients"], COEFFICIENT_SETS)
-        check_choice(f"ns_algorithm{where}", g["ns_algorithm"], NS_ALGORITHMS)
-        check_number(f"ns_steps{where}", g["ns_steps"], low=1, high=100, integer=True)
-        if g["ns_dtype"] is not None and not (
-            isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point
-        ):
-            raise TypeError(f"ns_dtype{where} must be None or a floating torch.dtype, got {g['ns_dtype']!r}")
-        betas = g["adamw_betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"adamw_betas{where} must be a pair (beta1, beta2), got {betas!r}")
-        for i, b in enumerate(betas):
-            check_number(f"adamw_betas[{i}]{where}", b, low=0.0, high=1.0, high_open=True)
-        check_number(f"adamw_eps{where}", g["adamw_eps"], low=0.0)
-        check_split(f"split_sizes{where}", g["split_sizes"])
-        check_split(f"col_split_sizes{where}", g["col_split_sizes"])
-        if not isinstance(g["stacked"], bool):
-            raise TypeError(f"stacked{where} must be a bool, got {g['stacked']!r}")
+        for option in CORE_TABLE:
+            if option.where in ("group", "matrix") and option.check is not None:
+                option.check(option.name, where, g[option.name])
         self.schedule.check(g, where)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -332,26 +515,9 @@ class GroupOptions:
         return names[i] if names else f"params[{i}] of group {gi}"
 
 
-def check_runtime_options(
-    nonfinite: Any,
-    refresh: Any,
-    replica_refresh: Any,
-    bucket_mb: Any,
-    comm_dtype: Any,
-    ns_compile: Any,
-    adamw_fused: Any,
-    kernels: Any,
-) -> None:
-    """The options of the optimizer as a whole (:data:`_RUNTIME_DEFAULTS`, :data:`_ENGINE_DEFAULTS`), each error
-    naming the option."""
-    check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-    check_choice("refresh", refresh, REFRESH_STRATEGIES)
-    check_choice("replica_refresh", replica_refresh, REPLICA_REFRESH_STRATEGIES)
-    check_number("bucket_mb", bucket_mb, low=0.0, low_open=True)
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise TypeError(f"comm_dtype must be None or a floating torch.dtype, got {comm_dtype!r}")
-    if not isinstance(ns_compile, bool):
-        raise TypeError(f"ns_compile must be a bool, got {ns_compile!r}")
-    if adamw_fused is not None and not isinstance(adamw_fused, bool):
-        raise TypeError(f"adamw_fused must be None, True or False, got {adamw_fused!r}")
-    fused.check_kernels(kernels)
+def check_runtime_options(given: Mapping[str, Any]) -> None:
+    """The options of the optimizer as a whole (:data:`_RUNTIME_DEFAULTS`, :data:`_ENGINE_DEFAULTS`) in ``given``,
+    each error naming the option."""
+    for option in CORE_TABLE:
+        if option.where in ("runtime", "engine") and option.check is not None:
+            option.check(option.name, "", given[option.name])
