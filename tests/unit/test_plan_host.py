@@ -88,14 +88,14 @@ def test_a_gpu_check_record_gives_its_host_part(tmp_path):
 
 
 def test_the_published_host_term_is_the_fit_of_the_published_record():
-    """The constants the plan ships are fitted again here from docs/results/host/host.json: they cannot drift."""
-    record = json.loads((ROOT / "docs/results/host/host.json").read_text())
+    """The constants the plan ships are fitted again here from docs/results/host/baseline/host.json: they cannot drift."""
+    record = json.loads((ROOT / "docs/results/host/baseline/host.json").read_text())
     assert host_model(record, PUBLISHED_HOST.source) == PUBLISHED_HOST
 
 
 def test_plan_records_which_host_term_it_used(tmp_path):
     argv = ["--model", "DiT-S/2", "--depth", "2", "--heads", "8", "--gpus", "8", "--global-batch", "8"]
-    for host, words in (("ops", "ops x host_op_us"), ("published", "docs/results/host/host.json")):
+    for host, words in (("ops", "ops x host_op_us"), ("published", "docs/results/host/baseline/host.json")):
         out = tmp_path / f"{host}.json"
         assert command.main([*argv, "--image-size", "256", "--host", host, "--json", str(out)]) == 0
         record = json.loads(out.read_text())

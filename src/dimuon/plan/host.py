@@ -106,9 +106,11 @@ def load_host_record(path: Path | str) -> dict[str, Any]:
     return record
 
 
-# Fitted by host_model from the published record (docs/results/host/host.json, ``dimuon bench host`` on a CPU in the
-# accelerator form); a test fits it again from that file, so the two cannot drift apart.
-PUBLISHED_SOURCE = "docs/results/host/host.json"
+# Fitted by host_model from the published per-matrix record (docs/results/host/baseline/host.json, ``dimuon bench
+# host`` on a CPU in the accelerator form, made while every step still went matrix by matrix): a sharded engine's
+# step, which the plan models, still does, where one process now steps by shape class. A test fits it again from
+# that file, so the two cannot drift apart.
+PUBLISHED_SOURCE = "docs/results/host/baseline/host.json"
 PUBLISHED_TERMS: dict[str, tuple[float, float, float]] = {  # kind: (const_us, per_matrix_us, per_op_us)
     "spectral_gather": (986.47, 39.706, 1.99),
     "spectral_owner": (986.47, 39.706, 1.99),
