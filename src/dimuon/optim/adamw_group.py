@@ -4,6 +4,9 @@ embeddings), fused where torch has the kernel, masked by the non-finite vote und
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 import torch
@@ -14,72 +17,120 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from dimuon.optim.common import group_lr, local_tensor
 from dimuon.optim.distributed.layout import is_dtensor
 
+_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass
+class AdamWPart:
+    """One device mesh's share of an AdamW group as its kernel takes it, made once: the parameters, their state
+    dicts and tensors (counters where the kernel keeps them, moments contiguous where it is fused)."""
+
+    params: list[Tensor]
+    states: list[dict[str, Any]]
+    tensors: tuple[list[Tensor], list[Tensor], list[Tensor]]  # exp_avg, exp_avg_sq, step, as in _KEYS
+    fused: bool
+    dtensor: bool
+
+    def current(self) -> bool:
+        """Whether every state tensor is still the one planned (a load or a caller may have replaced one)."""
+        return all(
+            all(map(is_, kept, map(dict.get, self.states, repeat(key)))) for key, kept in zip(_KEYS, self.tensors)
+        )
+
+
+@dataclass
+class AdamWPlan:
+    """An AdamW group's parts by device mesh, valid for the parameters (ids), options and state it was made from."""
+
+    key: tuple[Any, ...]
+    state: Any
+    parts: list[AdamWPart]
+
 
 class AdamWGroup:
-    """The AdamW groups' share of the optimizer: one torch AdamW call per group and device mesh."""
+    """The AdamW groups' share of the optimizer: one torch AdamW call per group and device mesh, planned once."""
 
     adamw_fused: bool | None
     state: Any
+    _adamw_plans: dict[int, AdamWPlan]
 
     @staticmethod
     def _fused_supported(params: Sequence[Tensor]) -> bool:
         """Whether torch has a fused AdamW kernel for every one of ``params`` (device type and dtype), and they are
         contiguous: torch 2.13's fused kernel returns wrong updates for a non-contiguous parameter (and for a
-        gradient or moments laid out unlike the parameter, which :meth:`_adamw_kernel` makes contiguous)."""
+        gradient or moments laid out unlike the parameter, which :meth:`_adamw_part` makes contiguous)."""
         devices = _get_fused_kernels_supported_devices()
         return all(
             local_tensor(p).device.type in devices and p.is_floating_point() and local_tensor(p).is_contiguous()
             for p in params
         )
 
-    def _adamw_step(self, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
+    def _adamw_step(self, gi: int, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
         """torch's AdamW over the group, one kernel call per device mesh: a list kernel takes plain tensors or
         DTensors of one mesh, and tensor parallelism mixes them (layers in the plan, others outside it)."""
-        by_mesh: dict[int, list[Tensor]] = {}
-        for p in params:
-            by_mesh.setdefault(id(p.device_mesh) if is_dtensor(p) else 0, []).append(p)
-        for part in by_mesh.values():
-            self._adamw_kernel(group, part, mask)
+        for part in self._adamw_parts(gi, group, params, mask is not None):
+            if mask is not None and not part.fused:
+                self._masked_adamw(group, part, mask)
+            else:
+                self._adamw_kernel(group, part, mask)
 
-    def _adamw_kernel(self, group: dict[str, Any], params: list[Tensor], mask: Tensor | None) -> None:
-        """torch's AdamW on ``params``; under a ``mask`` (the vote) torch's fused kernel is told ``found_inf`` where
-        the vote failed (it then leaves parameters and moments untouched and torch takes the step counters back),
-        and elsewhere :meth:`_masked_adamw` runs."""
+    def _adamw_parts(self, gi: int, group: dict[str, Any], params: list[Tensor], masked: bool) -> list[AdamWPart]:
+        """Group ``gi``'s plan, made again where its parameters, ``adamw_fused``, the masking or a state tensor
+        changed; kept only after the first step (which may remake the state), and made each step under a graph."""
+        key = (tuple(map(id, params)), self.adamw_fused, masked)
+        plan = None if torch.compiler.is_compiling() else self._adamw_plans.get(gi)
+        if plan is None or plan.key != key or plan.state is not self.state or not all(p.current() for p in plan.parts):
+            by_mesh: dict[int, list[Tensor]] = {}
+            for p in params:
+                by_mesh.setdefault(id(p.device_mesh) if is_dtensor(p) else 0, []).append(p)
+            plan = AdamWPlan(key, self.state, [self._adamw_part(group, part, masked) for part in by_mesh.values()])
+            if group["step"] > 0 and not torch.compiler.is_compiling():
+                self._adamw_plans[gi] = plan
+        return plan.parts
+
+    def _adamw_part(self, group: dict[str, Any], params: list[Tensor], masked: bool) -> AdamWPart:
+        """The state of ``params`` (one mesh) made ready for their kernel: counters moved, moments made contiguous."""
         fused = self.adamw_fused if self.adamw_fused is not None else self._fused_supported(params)
         fused = fused and not torch.compiler.is_compiling()  # torch's fused kernel is not traced: a graph fuses itself
-        if mask is not None and not fused:
-            self._masked_adamw(group, params, mask)
-            return
-        # Under torch.compile the unfused kernel needs its capturable form (tensor step sizes).
-        capturable = not fused and torch.compiler.is_compiling()
-        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        on_device = fused or masked or torch.compiler.is_compiling()  # the capturable form under a graph
+        states = []
         for p in params:
             state = self._param_state(p, group)
-            # Where torch keeps the counter: on the parameter's device for the fused and capturable
-            # kernels, on the CPU otherwise (a checkpoint may bring it from either).
-            device = local_tensor(p).device if fused or capturable else torch.device("cpu")
+            # Where torch keeps the counter: on the parameter's device for the fused and capturable kernels (and
+            # the masked loop), on the CPU otherwise (a checkpoint may bring it from either).
+            device = local_tensor(p).device if on_device else torch.device("cpu")
             if state["step"].device != device:
                 state["step"] = state["step"].to(device)
-            grad = p.grad
             if fused:
                 # torch's fused kernel pairs elements by memory offset: parameter, gradient and moments must share
-                # one layout (contiguous parameters only take this path). A gradient autograd.grad made strided is
-                # copied for the step; moments a checkpoint brought in another layout are made contiguous once.
-                if not local_tensor(grad).is_contiguous():
-                    grad = grad.contiguous()
+                # one layout (contiguous parameters only take this path); moments a checkpoint brought in another
+                # layout are made contiguous once.
                 for key in ("exp_avg", "exp_avg_sq"):
                     if not local_tensor(state[key]).is_contiguous():
                         state[key] = state[key].contiguous()
-            grads.append(grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            states.append(state)
+        tensors = ([st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [st["step"] for st in states])
+        return AdamWPart(params, states, tensors, fused, is_dtensor(params[0]))
+
+    def _adamw_kernel(self, group: dict[str, Any], part: AdamWPart, mask: Tensor | None) -> None:
+        """torch's AdamW on one part; under a ``mask`` (the vote) torch's fused kernel is told ``found_inf`` where
+        the vote failed (it then leaves parameters and moments untouched and torch takes the step counters back)."""
+        fused = part.fused
+        # Under torch.compile the unfused kernel needs its capturable form (tensor step sizes).
+        capturable = not fused and torch.compiler.is_compiling()
+        grads = [p.grad for p in part.params]
+        # The fused kernel wants the gradient laid out as the parameter: one autograd.grad made strided is copied.
+        if fused and part.dtensor:
+            grads = [g if local_tensor(g).is_contiguous() else g.contiguous() for g in grads]
+        elif fused and not all(map(Tensor.is_contiguous, grads)):
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         lr = group_lr(group)
         if isinstance(lr, Tensor) and not (fused or capturable):
             lr = lr.item()  # the foreach kernel takes a number (a device sync if lr lives on an accelerator)
         beta1, beta2 = group["adamw_betas"]
+        exp_avgs, exp_avg_sqs, steps = part.tensors
         adamw_functional(
-            params,
+            part.params,
             grads,
             exp_avgs,
             exp_avg_sqs,
@@ -98,7 +149,7 @@ class AdamWGroup:
             maximize=False,
         )
 
-    def _masked_adamw(self, group: dict[str, Any], params: list[Tensor], mask: Tensor) -> None:
+    def _masked_adamw(self, group: dict[str, Any], part: AdamWPart, mask: Tensor) -> None:
         """AdamW (decoupled weight decay) where torch's fused kernel is not used (``adamw_fused=False``, a
         non-contiguous parameter, a device without it), masked by the vote without a host read.
 
@@ -114,14 +165,16 @@ class AdamWGroup:
         change with its votes."""
         beta1, beta2 = group["adamw_betas"]
         lr, wd, eps = group_lr(group), group["weight_decay"], group["adamw_eps"]
-        for p in params:
-            state = self._param_state(p, group)
-            param, grad = local_tensor(p), local_tensor(p.grad)
-            if state["step"].device != param.device:
-                state["step"] = state["step"].to(param.device)
-            step, exp_avg, exp_avg_sq = state["step"], local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-            ok = mask.to(param.device)
-            okf = ok.to(torch.float32)
+        oks: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        for p, state in zip(part.params, part.states):
+            param, grad = (local_tensor(p), local_tensor(p.grad)) if part.dtensor else (p, p.grad)
+            step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            if part.dtensor:
+                exp_avg, exp_avg_sq = local_tensor(exp_avg), local_tensor(exp_avg_sq)
+            if param.device not in oks:
+                ok = mask.to(param.device)
+                oks[param.device] = (ok, ok.to(torch.float32))
+            ok, okf = oks[param.device]
             g = torch.where(ok, grad, 0)
             step.add_(okf)
             t = step.clamp_min(1)  # a skipped first step: finite corrections, multiplied by 0

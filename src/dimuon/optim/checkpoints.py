@@ -159,6 +159,7 @@ class Checkpoints:
             "_vote_codes": {},
             "_workspace": {},
             "_plans": {},
+            "_adamw_plans": {},
             "_tables": fused.Tables(),
             "_map_buffers": Workspace(),
             "_schedule_scratch": {},

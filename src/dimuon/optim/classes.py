@@ -337,12 +337,14 @@ class ClassStep:
     kernels: str
     _engine: Any
     _plans: dict[int, GroupPlan | None]
+    _adamw_plans: dict[int, Any]
 
     def _make_plans(self) -> None:
         """Every Muon group's plan by shape class, where the step can take the class path: a single process (the
         local engine), contiguous plain parameters (a schedule that decides per matrix reads the jobs' updates,
         views of the class batches)."""
         self._plans = {}
+        self._adamw_plans = {}  # the AdamW groups' plans, made again at their next step
         for gi, group in enumerate(self.param_groups):
             if group["algorithm"] == "muon" and group["params"]:
                 self._plans[gi] = self._make_plan(gi, group)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import classes, fused
-from dimuon.optim.adamw_group import AdamWGroup
+from dimuon.optim.adamw_group import AdamWGroup, AdamWPlan
 from dimuon.optim.checkpoints import Checkpoints
 from dimuon.optim.checkpoints import match_saved_by_name as match_saved_by_name  # re-exported
 from dimuon.optim.classes import ClassStep, _MuonWork
@@ -191,6 +191,7 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         # Per Muon group: its plan by shape class (dimuon.optim.classes), made with the group, remade where a load
         # or a replaced parameter changes it; None where the group takes the per-job path.
         self._plans: dict[int, classes.GroupPlan | None] = {}
+        self._adamw_plans: dict[int, AdamWPlan] = {}  # per AdamW group, its parts by mesh, made after its first step
         # Per (group, count, shape, dtype, device): the CPU's Nesterov batch buffers, kept between steps.
         self._workspace: dict[tuple[Any, ...], Tensor] = {}
         # The CPU's Newton-Schulz temporaries and directions, lent within a step and kept between steps.
@@ -365,7 +366,7 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         for gi, group, params in self._params_to_step(plan):
             stepped.append(group)
             if group["algorithm"] == "adamw":
-                self._adamw_step(group, params, mask)
+                self._adamw_step(gi, group, params, mask)
             else:
                 works.append(self._muon_work(gi, group, params, mask))
         if not stepped:  # nothing had a gradient: the parameters held are most likely not the model's
