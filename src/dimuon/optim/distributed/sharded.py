@@ -35,6 +35,11 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
   refreshes cut the assembled matrix, RowNorm and block steps cut the local rows (the core allows them only
   where each rank holds whole rows, i.e. no mesh dimension splits the columns).
 
+The gather and owner refreshes run one skeleton (:meth:`ShardedEngine._refresh`: plan the buckets, pack and send
+one while the previous is assembled and orthogonalized, map, send the directions back, keep this rank's pieces),
+each supplying only its exchange (:class:`_GatherExchange`, :class:`_OwnerExchange`); the whole matrices and the
+replicas' split share one exchange of every owner's directions (:func:`_share_owned`).
+
 Every decision uses global shapes and the placements only, and the collectives of each process group
 are issued in the order the parameters come, so every rank of every group (shard, replicate, reduction,
 flattened) issues the same sequence, empty pieces included.
@@ -845,7 +850,6 @@ class _InFlight:
 
     recv: Tensor
     work: Any
-    counts: list[int] | None = None  # owner refresh: how many of the bucket's matrices each rank owns
 
     def wait(self) -> None:
         self.work.wait()
@@ -985,7 +989,7 @@ class _OwnerExchange(_Exchange):
         work = comm.all_to_all(
             recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
         )
-        return _InFlight(recv, work, counts)
+        return _InFlight(recv, work)
 
     def assemble(self, bucket: _OwnerBucket, arrived: _InFlight) -> _Batch:
         """The owned matrices whole, each region to Newton-Schulz; the directions are written straight into the
