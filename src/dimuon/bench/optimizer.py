@@ -492,9 +492,16 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         )
     )
     lines += ["", "first ms: the first (warm-up) sample, per step: state allocation and, compiled, the compilation."]
+    return "\n".join(lines + _ns_rate_lines(record, table))
+
+
+def _ns_rate_lines(record: dict[str, Any], table: Callable[..., str]) -> list[str]:
+    """The Newton-Schulz FLOP rate table of a record (none where it was not measured): one row per stacked batch and
+    a total per algorithm, in TFLOP/s on a GPU and GFLOP/s on a CPU."""
+    lines: list[str] = []
     ns = record.get("ns_flop_rate")
     if ns:
-        tera = gpu is not None  # GPU rates read better in TFLOP/s
+        tera = record["machine"].get("gpu") is not None  # GPU rates read better in TFLOP/s
         unit, scale = ("TFLOP/s", 1e-3) if tera else ("GFLOP/s", 1.0)
         lines += [
             "",
@@ -537,7 +544,7 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
                 right=[False, False, False, True, True, True, True, True],
             )
         )
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -585,7 +592,30 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be an integer >= {low}, got {value}")
 
 
+def _record_fields(
+    cfg: Config, model: nn.Module, batches: list[tuple[int, int, int]], machine: dict[str, Any]
+) -> dict[str, Any]:
+    """What every write of the record shares, gathered once: the machine, the flags and the model's sizes."""
+    muon_params, _ = muon_and_rest(model)
+    arch = dit_arch(cfg.model)
+    return {
+        "benchmark": "optimizer",
+        "machine": {**machine, "gpu": gpu_info(cfg.device)},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": {
+            "name": cfg.model,
+            "depth": cfg.depth if cfg.depth is not None else arch["depth"],
+            "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "muon_params": sum(p.numel() for p in muon_params),
+            "muon_matrices": len(muon_params),
+            "ns_batches": [list(b) for b in batches],
+        },
+    }
+
+
 def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    """The benchmark itself: the rows timed interleaved, the FLOP rate, then the rows timed last one at a time."""
     check_config(cfg)
     repeats_of = parse_overrides(cfg.repeats_of, "--repeats-of", minimum=1)
     warmup_of = parse_overrides(cfg.warmup_of, "--warmup-of")
@@ -627,24 +657,8 @@ def _run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         if name not in last:
             first_steps.update(start(name))
     candidates = [candidate(name, fn, calls) for name, (fn, calls) in first_steps.items()]
-    muon_params, _ = muon_and_rest(model)
     batches = engine_batches(model)
-    arch = dit_arch(cfg.model)
-
-    fixed = {  # what every write of the record shares, gathered once
-        "benchmark": "optimizer",
-        "machine": {**machine, "load_average_at_start": load_at_start, "gpu": gpu_info(cfg.device)},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "model": {
-            "name": cfg.model,
-            "depth": cfg.depth if cfg.depth is not None else arch["depth"],
-            "hidden_size": cfg.hidden_size if cfg.hidden_size is not None else arch["hidden_size"],
-            "params": sum(p.numel() for p in model.parameters()),
-            "muon_params": sum(p.numel() for p in muon_params),
-            "muon_matrices": len(muon_params),
-            "ns_batches": [list(b) for b in batches],
-        },
-    }
+    fixed = _record_fields(cfg, model, batches, {**machine, "load_average_at_start": load_at_start})
     timed: dict[str, Timing] = {}  # the rows whose timing has finished
     pending = list(last)  # the rows still to be timed after the others, the one being timed included
 

@@ -35,6 +35,11 @@ docs/algorithms.md, "Sharded execution", states the maps and their communication
   refreshes cut the assembled matrix, RowNorm and block steps cut the local rows (the core allows them only
   where each rank holds whole rows, i.e. no mesh dimension splits the columns).
 
+The gather and owner refreshes run one skeleton (:meth:`ShardedEngine._refresh`: plan the buckets, pack and send
+one while the previous is assembled and orthogonalized, map, send the directions back, keep this rank's pieces),
+each supplying only its exchange (:class:`_GatherExchange`, :class:`_OwnerExchange`); the whole matrices and the
+replicas' split share one exchange of every owner's directions (:func:`_share_owned`).
+
 Every decision uses global shapes and the placements only, and the collectives of each process group
 are issued in the order the parameters come, so every rank of every group (shard, replicate, reduction,
 flattened) issues the same sequence, empty pieces included.
@@ -45,8 +50,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -664,74 +669,29 @@ class ShardedEngine:
             index = self._assembly[key] = plc.mine.take(positions).reshape(-1)
         return index
 
+    # ----------------------------------------------------------------- the refresh skeleton
+    def _refresh(self, exchange: _Exchange) -> list[Tensor]:
+        """The one loop of every sharded refresh: plan the buckets; pack and send bucket ``b+1`` while bucket ``b``
+        is assembled and orthogonalized in one batch; map; send the directions back; return this rank's pieces.
+        An exchange supplies what differs (how pieces travel and where directions go); the order is the same on
+        every rank of a group, so every rank issues the same collectives."""
+        buckets = exchange.plan()
+        pending = exchange.send(buckets[0]) if buckets else None
+        returning = []
+        for b, bucket in enumerate(buckets):
+            arrived = pending
+            if b + 1 < len(buckets):
+                pending = exchange.send(buckets[b + 1])  # in flight while this bucket is orthogonalized
+            arrived.wait()
+            batch = exchange.assemble(bucket, arrived)
+            directions = apply_map_batched(batch.pieces, StepKind.SPECTRAL, exchange.config, scaled=batch.scaled)
+            returning.append(exchange.send_back(bucket, batch, directions))
+        exchange.receive(returning)
+        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(exchange.outs, exchange.placed)]
+
     def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
-        buckets = self._buckets(placed, config)
-        outs: list[Tensor | None] = [None] * len(placed)
-
-        def launch(bucket: tuple[Collectives, list[int]]):
-            comm, idx = bucket[0], [i for members in _classes(placed, bucket[1]) for i in members]
-            dtype = self._payload_dtype(placed[idx[0]][0], config)
-            pads = [placed[i][1].pad for i in idx]
-            send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
-            slots, pieces, offset = [], [], 0
-            for i, pad in zip(idx, pads):
-                piece = placed[i][0].update.reshape(-1)
-                if piece.numel():
-                    slots.append(send[offset : offset + piece.numel()])
-                    pieces.append(piece)
-                offset += pad
-            if pieces:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
-                torch._foreach_copy_(slots, pieces)
-            recv = send.new_empty(comm.world * send.numel())
-            return recv, comm.all_gather(recv, send, async_op=True)
-
-        pending = launch(buckets[0]) if buckets else None
-        for b, (comm, idx) in enumerate(buckets):
-            recv, work = pending
-            if b + 1 < len(buckets):
-                pending = launch(buckets[b + 1])
-            work.wait()
-            table = recv.view(comm.world, -1)
-            pieces, where, offset = [], [], 0
-            cut: list[tuple[list[int], int]] = []  # classes whose pieces are cut out of their batch by one gather
-            for members in _classes(placed, idx):  # the order launch() packed them in
-                n, pad = len(members), placed[members[0]][1].pad
-                # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
-                # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
-                # Newton-Schulz takes them as one batch without a stack.
-                block = table[:, offset : offset + n * pad].view(comm.world, n, pad)
-                by_matrix = block.transpose(0, 1).contiguous()
-                offset += n * pad
-                fulls = self._fulls(*placed[members[0]], by_matrix)  # in the payload's dtype
-                job, plc = placed[members[0]]
-                if _cut_by_index(job, plc):
-                    cut.append((members, len(pieces)))
-                    pieces += list(fulls)
-                    where += [None] * n
-                    continue
-                for full, i in zip(fulls, members):
-                    job, plc = placed[i]
-                    for a, bnd, c, e in job.regions():
-                        if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
-                            pieces.append(full[a:bnd, c:e])
-                            where.append((i, a, bnd, c, e))
-            directions = apply_map_batched(pieces, StepKind.SPECTRAL, config)
-            for members, start in cut:
-                self._cut_pieces(placed, members, directions[start : start + len(members)], outs)
-            for entry, d in zip(where, directions):
-                if entry is None:  # cut with its class
-                    continue
-                i, a, bnd, c, e = entry
-                job, plc = placed[i]
-                whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
-                if whole and (view := _rows_view(plc.mine, d)) is not None:
-                    outs[i] = view  # this rank's rows of the direction, as they are: nothing written
-                    continue
-                if outs[i] is None:
-                    outs[i] = _empty_direction(job)
-                plc.mine.write(outs[i], d, a, bnd, c, e)
-        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
+        return self._refresh(_GatherExchange(self, placed, config))
 
     def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
@@ -787,84 +747,7 @@ class ShardedEngine:
         bucket's matrices, each in a slot of the class's largest piece) and one back, the forward exchange of
         bucket ``b+1`` in flight while Newton-Schulz runs on bucket ``b``'s matrices, every owner orthogonalizing
         its matrices of the bucket in one batch."""
-        plan = self._owner_plan(placed, config)
-        outs: list[Tensor | None] = [None] * len(placed)
-
-        def launch(bucket: _OwnerBucket):
-            comm, pad = bucket.comm, bucket.pad
-            pieces = [placed[i][0].update.reshape(-1) for i in bucket.jobs]
-            full_slots = all(p.numel() == pad for p in pieces)
-            send = (torch.empty if full_slots else torch.zeros)(
-                len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
-            )
-            filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
-            if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
-                torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
-            counts = [bucket.owners.count(r) for r in range(comm.world)]
-            recv = send.new_empty(comm.world * counts[comm.rank] * pad)
-            work = comm.all_to_all(
-                recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
-            )
-            return recv, counts, work
-
-        returns = []
-        pending = launch(plan[0]) if plan else None
-        for b, bucket in enumerate(plan):
-            recv, counts, work = pending
-            if b + 1 < len(plan):
-                pending = launch(plan[b + 1])
-            work.wait()
-            comm, pad = bucket.comm, bucket.pad
-            owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == comm.rank]
-            back_dtype, scales = self._return_dtype(placed, bucket.jobs, config)
-            unscaled = scales is not None
-            # The directions are written straight into the (matrices, W * pad) buffer they travel back in.
-            back = torch.empty((len(owned), comm.world * pad), device=recv.device, dtype=back_dtype)
-            # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
-            # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
-            # matrices lie evenly spaced, so Newton-Schulz takes them as one batch without a stack.
-            table = recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
-            pieces, where, dirs = [], [], {}
-            fulls = self._fulls(*placed[owned[0]], table) if owned else table  # one class per bucket
-            for t, i in enumerate(owned):
-                job, plc = placed[i]
-                full = fulls[t]
-                dirs[i] = (
-                    back[t, : job.rows * job.cols].view(job.rows, job.cols)
-                    if plc.row_major
-                    else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device)
-                )
-                for a, bnd, c, e in job.regions():
-                    pieces.append(full[a:bnd, c:e])
-                    where.append((i, a, bnd, c, e))
-            maps = apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=not unscaled)
-            if maps:  # one list copy into the return buffer (and cast where it is narrower)
-                torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in where], maps)
-            for t, i in enumerate(owned):  # other layouts: every member's piece to its slot, one scatter
-                if not placed[i][1].row_major:
-                    index = self._assembly_index(placed[i][0], placed[i][1], back.device)
-                    back[t].index_put_((index,), dirs[i].reshape(-1))
-            # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
-            send_back = back.view(len(owned), comm.world, pad).transpose(0, 1).reshape(-1)
-            recv_back = send_back.new_empty(len(bucket.jobs) * pad)
-            work_back = comm.all_to_all(
-                recv_back, send_back, [c * pad for c in counts], [len(owned) * pad] * comm.world, async_op=True
-            )
-            returns.append((bucket, recv_back, work_back, scales))
-        for bucket, recv_back, work, scales in returns:
-            work.wait()
-            # Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each. Every
-            # piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket.
-            job = placed[bucket.jobs[0]][0]
-            n = job.update.numel()
-            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, :n]
-            wide = slots.to(_wide(job.update))
-            if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
-                (scale,) = {scales[i] for i in bucket.jobs}
-                wide.mul_(scale)
-            for t, i in enumerate(bucket.jobs):
-                outs[i] = wide[t].view(job.update.shape)
-        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(outs, placed)]
+        return self._refresh(_OwnerExchange(self, placed, config))
 
     def _return_dtype(
         self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
@@ -906,16 +789,13 @@ class ShardedEngine:
     def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor]) -> None:
         """The replicas swap the pieces they refreshed (same piece, same shape): per replicate group one
         all-gather of every replica's pieces, padded to the largest replica's, all issued before any wait."""
-        pending = []
-        for comm, idx, owners in exchanges:
+
+        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, None]:
             # The widest direction dtype of the group's jobs: one buffer carries them all, none rounded.
             dtype = self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
-            owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
-            mine = [out[i].reshape(-1) for i in owned[comm.rank]]
-            pending.append((owned, _gather_segments(comm, placed, owned, mine, dtype)))
-        for owned, segments in pending:
-            segments.wait()
-            out.update(_unpack_segments(segments, placed, owned))
+            return [out[i].reshape(-1) for i in mine], dtype, None
+
+        out.update(_share_owned(placed, exchanges, share))
 
     def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
         """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
@@ -930,37 +810,243 @@ class ShardedEngine:
         all-gather of every owner's directions, padded to the largest share (in Newton-Schulz's dtype, unscaled,
         where every matrix of the group has one lr scale: the receivers apply it, as the owner would have)."""
         outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
-        pending = []
-        for comm, idx, owners in self._whole_owners(placed):
-            owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
-            mine = owned[comm.rank]
+
+        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, Any]:
             dtype, scales = self._return_dtype(placed, idx, config)
-            if scales is not None:  # Newton-Schulz's output as it is, region by region
-                pieces, where = [], []
-                for i in mine:
-                    for a, b, c, e in placed[i][0].regions():
-                        pieces.append(placed[i][0].update[a:b, c:e])
-                        where.append((i, a, b, c, e))
-                dirs = {
-                    i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device)
-                    for i in mine
-                }
-                for (i, a, b, c, e), d in zip(
-                    where, apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=False)
-                ):
-                    dirs[i][a:b, c:e] = d
-                flats = [dirs[i].reshape(-1) for i in mine]
-            else:
-                flats = [
-                    d.reshape(-1)
-                    for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
-                ]
-            pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
-        for owned, scales, segments in pending:
-            segments.wait()
-            for i, d in _unpack_segments(segments, placed, owned, scales).items():
-                outs[i] = d
+            return self._whole_directions(placed, mine, config, dtype, scales), dtype, scales
+
+        for i, d in _share_owned(placed, self._whole_owners(placed), share).items():
+            outs[i] = d
         return outs
+
+    def _whole_directions(
+        self,
+        placed: Sequence[Placed],
+        mine: Sequence[int],
+        config: MapConfig,
+        dtype: torch.dtype,
+        scales: dict[int, float] | None,
+    ) -> list[Tensor]:
+        """The flat directions of the whole matrices this rank owns: Newton-Schulz's output as it is, region by
+        region, where the receivers apply the lr scale; else the single-process map's scaled directions."""
+        if scales is None:
+            return [
+                d.reshape(-1) for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
+            ]
+        pieces, where = [], []
+        for i in mine:
+            for a, b, c, e in placed[i][0].regions():
+                pieces.append(placed[i][0].update[a:b, c:e])
+                where.append((i, a, b, c, e))
+        dirs = {i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device) for i in mine}
+        for (i, a, b, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=False)):
+            dirs[i][a:b, c:e] = d
+        return [dirs[i].reshape(-1) for i in mine]
+
+
+@dataclass
+class _InFlight:
+    """One bucket's forward exchange, launched: the buffer it lands in and the work to wait for."""
+
+    recv: Tensor
+    work: Any
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+@dataclass
+class _Batch:
+    """One bucket's matrices as Newton-Schulz takes them: the regions to map, and per region where it goes."""
+
+    pieces: list[Tensor]
+    where: list[Any]
+    scaled: bool = True  # False: Newton-Schulz's output as it is, the receivers apply the lr scale
+    cut: list[tuple[list[int], int]] = field(default_factory=list)  # gather: classes cut out by one index
+    back: Tensor | None = None  # owner: the (owned matrices, W * pad) buffer the directions travel back in
+    dirs: dict[int, Tensor] = field(default_factory=dict)  # owner: each owned matrix's whole direction
+    owned: list[int] = field(default_factory=list)  # owner: this rank's matrices of the bucket
+    scales: dict[int, float] | None = None  # owner: per job the lr scale the receiver applies (unscaled)
+
+
+class _Exchange:
+    """What a refresh supplies to :meth:`ShardedEngine._refresh`: its buckets and how pieces travel."""
+
+    def __init__(self, engine: ShardedEngine, placed: Sequence[Placed], config: MapConfig) -> None:
+        self.engine, self.placed, self.config = engine, placed, config
+        self.outs: list[Tensor | None] = [None] * len(placed)
+
+    def plan(self) -> list[Any]:
+        """The buckets, the same on every rank of a group."""
+        raise NotImplementedError
+
+    def send(self, bucket: Any) -> _InFlight:
+        """Pack the bucket's pieces into one buffer and launch its exchange (async)."""
+        raise NotImplementedError
+
+    def assemble(self, bucket: Any, arrived: _InFlight) -> _Batch:
+        """The arrived pieces as whole matrices, cut into the regions Newton-Schulz maps here."""
+        raise NotImplementedError
+
+    def send_back(self, bucket: Any, batch: _Batch, directions: list[Tensor]) -> Any:
+        """Place the bucket's directions: kept here, or launched back to the ranks holding the pieces."""
+        return None
+
+    def receive(self, returning: list[Any]) -> None:
+        """Wait for what :meth:`send_back` launched and write each rank's pieces into ``outs``."""
+
+
+class _GatherExchange(_Exchange):
+    """``refresh="gather"``: every rank gathers every piece of a bucket, orthogonalizes and keeps its own piece."""
+
+    def plan(self) -> list[tuple[Collectives, list[int]]]:
+        return self.engine._buckets(self.placed, self.config)
+
+    def send(self, bucket: tuple[Collectives, list[int]]) -> _InFlight:
+        """Every piece into its padded slot, class by class (one list copy and cast), then one all-gather."""
+        placed = self.placed
+        comm, idx = bucket[0], [i for members in _classes(placed, bucket[1]) for i in members]
+        dtype = self.engine._payload_dtype(placed[idx[0]][0], self.config)
+        pads = [placed[i][1].pad for i in idx]
+        send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
+        slots, pieces, offset = [], [], 0
+        for i, pad in zip(idx, pads):
+            piece = placed[i][0].update.reshape(-1)
+            if piece.numel():
+                slots.append(send[offset : offset + piece.numel()])
+                pieces.append(piece)
+            offset += pad
+        if pieces:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
+            torch._foreach_copy_(slots, pieces)
+        recv = send.new_empty(comm.world * send.numel())
+        return _InFlight(recv, comm.all_gather(recv, send, async_op=True))
+
+    def assemble(self, bucket: tuple[Collectives, list[int]], arrived: _InFlight) -> _Batch:
+        """Each class's whole matrices; only the regions this rank keeps go to Newton-Schulz, except classes cut
+        by one index (mapped whole, their pieces cut out by :meth:`ShardedEngine._cut_pieces`)."""
+        comm, idx = bucket
+        table = arrived.recv.view(comm.world, -1)
+        batch, offset = _Batch([], []), 0
+        for members in _classes(self.placed, idx):  # the order send() packed them in
+            n, pad = len(members), self.placed[members[0]][1].pad
+            # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
+            # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
+            # Newton-Schulz takes them as one batch without a stack.
+            by_matrix = table[:, offset : offset + n * pad].view(comm.world, n, pad).transpose(0, 1).contiguous()
+            offset += n * pad
+            fulls = self.engine._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
+            if _cut_by_index(*self.placed[members[0]]):
+                batch.cut.append((members, len(batch.pieces)))
+                batch.pieces += list(fulls)
+                batch.where += [None] * n
+                continue
+            for full, i in zip(fulls, members):
+                job, plc = self.placed[i]
+                for a, bnd, c, e in job.regions():
+                    if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
+                        batch.pieces.append(full[a:bnd, c:e])
+                        batch.where.append((i, a, bnd, c, e))
+        return batch
+
+    def send_back(self, bucket: tuple[Collectives, list[int]], batch: _Batch, directions: list[Tensor]) -> None:
+        """Nothing travels back: this rank keeps its piece of every direction (a view where it is one block)."""
+        outs = self.outs
+        for members, start in batch.cut:
+            self.engine._cut_pieces(self.placed, members, directions[start : start + len(members)], outs)
+        for entry, d in zip(batch.where, directions):
+            if entry is None:  # cut with its class
+                continue
+            i, a, bnd, c, e = entry
+            job, plc = self.placed[i]
+            whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
+            if whole and (view := _rows_view(plc.mine, d)) is not None:
+                outs[i] = view  # this rank's rows of the direction, as they are: nothing written
+                continue
+            if outs[i] is None:
+                outs[i] = _empty_direction(job)
+            plc.mine.write(outs[i], d, a, bnd, c, e)
+
+
+class _OwnerExchange(_Exchange):
+    """``refresh="owner"``: each matrix's pieces to its owner by one all-to-all per bucket, its direction back."""
+
+    def plan(self) -> list[_OwnerBucket]:
+        return self.engine._owner_plan(self.placed, self.config)
+
+    def send(self, bucket: _OwnerBucket) -> _InFlight:
+        """Every piece into its slot of the class's largest piece (one list copy and cast), then one all-to-all."""
+        comm, pad = bucket.comm, bucket.pad
+        pieces = [self.placed[i][0].update.reshape(-1) for i in bucket.jobs]
+        full_slots = all(p.numel() == pad for p in pieces)
+        send = (torch.empty if full_slots else torch.zeros)(
+            len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
+        )
+        filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
+        if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
+            torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
+        counts = [bucket.owners.count(r) for r in range(comm.world)]
+        recv = send.new_empty(comm.world * counts[comm.rank] * pad)
+        work = comm.all_to_all(
+            recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
+        )
+        return _InFlight(recv, work)
+
+    def assemble(self, bucket: _OwnerBucket, arrived: _InFlight) -> _Batch:
+        """The owned matrices whole, each region to Newton-Schulz; the directions are written straight into the
+        (matrices, W * pad) buffer they travel back in (row-major layouts), unscaled where the receivers scale."""
+        placed, comm, pad = self.placed, bucket.comm, bucket.pad
+        owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == comm.rank]
+        back_dtype, scales = self.engine._return_dtype(placed, bucket.jobs, self.config)
+        back = torch.empty((len(owned), comm.world * pad), device=arrived.recv.device, dtype=back_dtype)
+        # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
+        # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
+        # matrices lie evenly spaced, so Newton-Schulz takes them as one batch without a stack.
+        table = arrived.recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
+        batch = _Batch([], [], scaled=scales is None, back=back, owned=owned, scales=scales)
+        fulls = self.engine._fulls(*placed[owned[0]], table) if owned else table  # one class per bucket
+        for t, i in enumerate(owned):
+            job, plc = placed[i]
+            batch.dirs[i] = (
+                back[t, : job.rows * job.cols].view(job.rows, job.cols)
+                if plc.row_major
+                else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device)
+            )
+            for a, bnd, c, e in job.regions():
+                batch.pieces.append(fulls[t][a:bnd, c:e])
+                batch.where.append((i, a, bnd, c, e))
+        return batch
+
+    def send_back(self, bucket: _OwnerBucket, batch: _Batch, directions: list[Tensor]) -> tuple:
+        """The directions into the return buffer, then one all-to-all back to the ranks holding the pieces."""
+        comm, pad, back, dirs = bucket.comm, bucket.pad, batch.back, batch.dirs
+        if directions:  # one list copy into the return buffer (and cast where it is narrower)
+            torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in batch.where], directions)
+        for t, i in enumerate(batch.owned):  # other layouts: every member's piece to its slot, one scatter
+            if not self.placed[i][1].row_major:
+                index = self.engine._assembly_index(self.placed[i][0], self.placed[i][1], back.device)
+                back[t].index_put_((index,), dirs[i].reshape(-1))
+        # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
+        send_back = back.view(len(batch.owned), comm.world, pad).transpose(0, 1).reshape(-1)
+        recv_back = send_back.new_empty(len(bucket.jobs) * pad)
+        counts = [bucket.owners.count(r) for r in range(comm.world)]
+        work_back = comm.all_to_all(
+            recv_back, send_back, [c * pad for c in counts], [len(batch.owned) * pad] * comm.world, async_op=True
+        )
+        return bucket, recv_back, work_back, batch.scales
+
+    def receive(self, returning: list[tuple]) -> None:
+        """Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each. Every
+        piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket."""
+        for bucket, recv_back, work, scales in returning:
+            work.wait()
+            job = self.placed[bucket.jobs[0]][0]
+            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, : job.update.numel()]
+            wide = slots.to(_wide(job.update))
+            if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
+                (scale,) = {scales[i] for i in bucket.jobs}
+                wide.mul_(scale)
+            for t, i in enumerate(bucket.jobs):
+                self.outs[i] = wide[t].view(job.update.shape)
 
 
 # The padded all-gather of :func:`_gather_segments` moves W times the largest segment; past this many times the
@@ -1011,6 +1097,26 @@ def _gather_segments(
         torch.cat(list(mine), out=recv[offsets[comm.rank] : offsets[comm.rank] + sizes[comm.rank]])
     pieces = [(recv[offsets[r] : offsets[r] + sizes[r]], r) for r in range(comm.world) if sizes[r]]
     return _Segments(recv, offsets, [comm.broadcasts(pieces)])
+
+
+def _share_owned(
+    placed: Sequence[Placed],
+    groups: Sequence[tuple[Collectives, list[int], list[int]]],
+    share: Callable[[Collectives, list[int], list[int]], tuple[list[Tensor], torch.dtype, dict[int, float] | None]],
+) -> dict[int, Tensor]:
+    """Every owner's directions to every rank of its group (``groups``: the group, its jobs, each one's owner):
+    ``share`` gives this rank's flat directions, their dtype and the lr scales receivers apply; per group one
+    exchange of the owners' segments, all launched before any wait."""
+    pending = []
+    for comm, idx, owners in groups:
+        owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
+        flats, dtype, scales = share(comm, idx, owned[comm.rank])
+        pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
+    out: dict[int, Tensor] = {}
+    for owned, scales, segments in pending:
+        segments.wait()
+        out.update(_unpack_segments(segments, placed, owned, scales))
+    return out
 
 
 def _segment_parts(segments: _Segments, rank: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
