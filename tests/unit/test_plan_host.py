@@ -88,7 +88,8 @@ def test_a_gpu_check_record_gives_its_host_part(tmp_path):
 
 
 def test_the_published_host_term_is_the_fit_of_the_published_record():
-    """The constants the plan ships are fitted again here from docs/results/host/baseline/host.json: they cannot drift."""
+    """The constants the plan ships are fitted again here from docs/results/host/baseline/host.json: they cannot
+    drift."""
     record = json.loads((ROOT / "docs/results/host/baseline/host.json").read_text())
     assert host_model(record, PUBLISHED_HOST.source) == PUBLISHED_HOST
 
