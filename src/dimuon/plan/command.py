@@ -99,7 +99,8 @@ class Config:
     host: Literal["ops", "published", "measure"] = "ops"
     """The host term of the optimizer step: ops (counted ops x host_op_us); published (per step kind a constant, a
     cost per Muon matrix and one per op, fitted from the published per-matrix dimuon bench host record,
-    docs/results/host/baseline/); measure (the same fit from dimuon bench host run now on this machine, eager, about 30 s)."""
+    docs/results/host/baseline/); measure (the same fit from dimuon bench host run now on this machine, eager,
+    about 30 s)."""
     json: Path | None = None
     """Write the prediction (inputs, counts, every optimizer's breakdown) to this JSON file."""
 
