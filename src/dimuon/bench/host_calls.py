@@ -9,49 +9,17 @@ them in the accelerator's form of the step (:func:`dimuon.optim.devices.cpu_path
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 
-from dimuon.optim import build, devices
+from dimuon.bench.host_probe import accelerator_form, dimuon_calls
+from dimuon.optim import build
 
-PACKAGE = str(Path(__file__).resolve().parents[1])  # calls into code under this folder are dimuon's
 OPTIMIZERS = ("muon", "periodic_row_muon", "muon_bp", "adaptive_row_muon")
-
-
-@contextlib.contextmanager
-def accelerator_form() -> Iterator[None]:
-    """The step's accelerator form on any device: the device switch off, as the op census counts it."""
-    original = devices.cpu_path
-    devices.cpu_path = lambda device: False
-    try:
-        yield
-    finally:
-        devices.cpu_path = original
-
-
-def count_calls(fn: Callable[[], Any]) -> int:
-    """Python calls into dimuon's own modules made by one call of ``fn`` (``fn`` itself not counted)."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal count
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 def tiny_blocks(blocks: int, width: int = 8) -> list[torch.nn.Parameter]:
@@ -83,7 +51,7 @@ def step_calls(name: str, matrices: int, steps: int = 6, warmup: int = 2, **opti
         opt = _stepping(name, matrices, **options)
         for _ in range(warmup):
             opt.step()
-        return sum(count_calls(opt.step) for _ in range(steps)) / steps
+        return sum(dimuon_calls(opt.step) for _ in range(steps)) / steps
 
 
 def step_ms(name: str, matrices: int, steps: int = 30, warmup: int = 3, **options: Any) -> float:
