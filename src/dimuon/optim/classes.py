@@ -113,8 +113,8 @@ def _tiling(regions: Sequence[Region], rows: int, cols: int) -> str | None:
     return "rows" if by_rows else "cols"
 
 
-def _job(p: Tensor, group: dict[str, Any], name: str) -> MatrixJob:
-    """The engine's job of parameter ``p`` without its update (the static part): as core.py's step makes it."""
+def matrix_job(p: Tensor, group: dict[str, Any], name: str, update: Tensor | None = None) -> MatrixJob:
+    """The engine's job of parameter ``p`` (without ``update``: the static part a plan keeps)."""
     stacked = group["stacked"]
     if stacked:  # (count, rows, cols...) stacked matrices: their (count*rows, cols) view
         count, rows, cols = p.shape[0], p.shape[1], math.prod(p.shape[2:])
@@ -123,7 +123,8 @@ def _job(p: Tensor, group: dict[str, Any], name: str) -> MatrixJob:
     splits = split_sizes_to_ranges(rows, group["split_sizes"], name)
     return MatrixJob(
         name=name,
-        update=None,  # type: ignore[arg-type]
+        # A stacked parameter's matrices lie one under the other: the (count*rows, cols) view.
+        update=None if update is None else update.reshape(-1, cols) if stacked else update,  # type: ignore[arg-type]
         rows=count * rows,
         cols=cols,
         splits=stacked_ranges(count, rows, splits) if stacked else splits,
@@ -140,7 +141,7 @@ def make_plan(
     """The plan of a Muon group whose parameters (plain tensors) have the momentum buffers ``bufs``; ``fixed``:
     its schedule decides one kind for the whole group."""
     params = list(group["params"])
-    jobs = [_job(p, group, name) for p, name in zip(params, names)]
+    jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     members: dict[tuple[Any, ...], list[int]] = {}
     for i, (p, b) in enumerate(zip(params, bufs)):
         members.setdefault((tuple(p.shape), p.dtype, b.dtype, b.device), []).append(i)

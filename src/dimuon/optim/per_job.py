@@ -16,19 +16,14 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import devices, fused
-from dimuon.optim.classes import MASK_BATCH_NUMEL, _MuonWork
-from dimuon.optim.common import StepKind, group_lr, local_tensor, matrix_shape
+from dimuon.optim.classes import MASK_BATCH_NUMEL, _MuonWork, matrix_job
+from dimuon.optim.common import StepKind, group_lr, local_tensor
 from dimuon.optim.distributed.engine import (
     LocalEngine,
     MapConfig,
-    MatrixJob,
     RowDirection,
     RowScaled,
-    block_grid,
-    col_split_sizes_to_ranges,
     shape_classes,
-    split_sizes_to_ranges,
-    stacked_ranges,
 )
 from dimuon.optim.schedules import Schedule, StepContext
 
@@ -113,27 +108,10 @@ class PerJobStep:
             # M <- beta*M + (1-beta)*G  (EMA form)
             torch._foreach_lerp_(bufs, grads, 1.0 - beta)
             updates = self._nesterov_updates(gi, grads, bufs, beta, group["nesterov"])
-        stacked = group["stacked"]
         for p, u in zip(params, updates):
-            count, rows, cols = matrix_shape(p, stacked)
             i = index[id(p)]
-            name = names[i] if names else f"params[{i}]"
             keys.append(self._param_name(group, i, gi))
-            splits = split_sizes_to_ranges(rows, group["split_sizes"], name)
-            jobs.append(
-                MatrixJob(
-                    name=name,
-                    # A stacked parameter's matrices lie one under the other: the (count*rows, cols) view.
-                    update=u.reshape(-1, cols) if stacked else u,
-                    rows=count * rows,
-                    cols=cols,
-                    splits=stacked_ranges(count, rows, splits) if stacked else splits,
-                    blocks=block_grid(group.get("blocks", 1)),
-                    meta={"param": p},
-                    col_splits=col_split_sizes_to_ranges(cols, group["col_split_sizes"], name),
-                    matrix_rows=rows if stacked else None,
-                )
-            )
+            jobs.append(matrix_job(p, group, names[i] if names else f"params[{i}]", u))
         return _MuonWork(group, params, jobs, self._map_config(group, bufs[0].device if bufs else None), keys)
 
     def _map_config(self, group: dict[str, Any], device: torch.device | None) -> MapConfig:
