@@ -256,27 +256,7 @@ def grads_launchable(plan: GroupPlan, grads: Sequence[Tensor]) -> bool:
 def _map(batch: Tensor, kind: StepKind, config: MapConfig, rows: int, cols: int) -> Tensor:
     """The scaled direction of a ``(B, rows, cols)`` batch at a spectral or block step (``apply_map_batched``'s
     arithmetic on one shape)."""
-    ws = None if config.ns_compile else config.workspace
-    orthogonalize = engine_module.compiled_newton_schulz() if config.ns_compile else engine_module.newton_schulz
-    extra = {"buffers": ws} if ws is not None else {}
-    scale = lr_scale_factor(config.lr_scale, rows, cols)
-    result = orthogonalize(
-        batch,
-        steps=config.ns_steps,
-        coefficients=config.ns_coefficients,
-        algorithm=config.ns_algorithm,
-        dtype=config.ns_dtype,
-        **extra,
-    )
-    wide = torch.promote_types(result.dtype, torch.float32)
-    if result.dtype == wide:
-        return result.mul_(scale)
-    if ws is None:
-        return result.to(wide).mul_(scale)
-    narrow, result = result, ws.empty(result.shape, wide, result.device)
-    result.copy_(narrow).mul_(scale)
-    ws.give_back(narrow)
-    return result
+    return engine_module.orthogonalize_batch(batch, config, lr_scale_factor(config.lr_scale, rows, cols))
 
 
 def spectral_directions(

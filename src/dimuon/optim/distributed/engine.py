@@ -267,6 +267,33 @@ def shape_classes(
     return list(classes.values())
 
 
+def orthogonalize_batch(batch: Tensor, config: MapConfig, scale: float | None) -> Tensor:
+    """Newton-Schulz of a ``(B, rows, cols)`` batch, as ``config`` says; with a ``scale``, the lr-scaled direction
+    in fp32 or wider (a copy where Newton-Schulz ran narrower), without one its output as it is."""
+    ws = None if config.ns_compile else config.workspace  # a compiled graph allocates its own
+    orthogonalize = compiled_newton_schulz() if config.ns_compile else newton_schulz
+    extra = {"buffers": ws} if ws is not None else {}
+    result = orthogonalize(
+        batch,
+        steps=config.ns_steps,
+        coefficients=config.ns_coefficients,
+        algorithm=config.ns_algorithm,
+        dtype=config.ns_dtype,
+        **extra,
+    )
+    if scale is None:
+        return result
+    wide = torch.promote_types(result.dtype, torch.float32)
+    if result.dtype == wide:
+        return result.mul_(scale)
+    if ws is None:  # the direction in fp32: a copy, then the scale in place
+        return result.to(wide).mul_(scale)
+    narrow, result = result, ws.empty(result.shape, wide, result.device)
+    result.copy_(narrow).mul_(scale)
+    ws.give_back(narrow)
+    return result
+
+
 def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfig, scaled: bool = True) -> list[Tensor]:
     """Apply the spectral map (``kind`` SPECTRAL or BLOCK) or RowNorm to each piece, batching by shape.
 
@@ -280,9 +307,7 @@ def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfi
     by_shape: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, piece in enumerate(pieces):
         by_shape[(*piece.shape, piece.dtype)].append(i)
-    orthogonalize = compiled_newton_schulz() if config.ns_compile else newton_schulz
     ws = None if config.ns_compile else config.workspace  # a compiled graph allocates its own
-    extra = {"buffers": ws} if ws is not None else {}
     for (rows, cols, _), idx in by_shape.items():
         view = batch_view([pieces[i] for i in idx])
         batch = view if view is not None else as_batch([pieces[i] for i in idx], ws)
@@ -290,24 +315,7 @@ def apply_map_batched(pieces: Sequence[Tensor], kind: StepKind, config: MapConfi
         if kind is StepKind.ROWNORM:
             result = row_normalize(batch, scale=scale)
         else:
-            result = orthogonalize(
-                batch,
-                steps=config.ns_steps,
-                coefficients=config.ns_coefficients,
-                algorithm=config.ns_algorithm,
-                dtype=config.ns_dtype,
-                **extra,
-            )
-            wide = torch.promote_types(result.dtype, torch.float32)
-            if scaled and result.dtype != wide:  # the direction in fp32: a copy, then the scale in place
-                if ws is None:
-                    result = result.to(wide).mul_(scale)
-                else:
-                    narrow, result = result, ws.empty(result.shape, wide, result.device)
-                    result.copy_(narrow).mul_(scale)
-                    ws.give_back(narrow)
-            elif scaled:
-                result.mul_(scale)
+            result = orthogonalize_batch(batch, config, scale if scaled else None)
         if ws is not None and view is None:
             ws.give_back(batch)  # the stack of this call's own
         for i, res in zip(idx, result.unbind(0)):
