@@ -80,6 +80,7 @@ class GroupPlan:
     fixed: bool  # the schedule decides per group (one kind), else per matrix (each kind's share of a class mapped)
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
     launchable: bool = False  # the fused kernels can take its parameters and momenta (dtypes, layout, one device)
+    sharded: bool = False  # DTensor parameters: classes of local pieces (dimuon.optim.distributed.piece_classes)
 
 
 @dataclass
@@ -97,7 +98,13 @@ class _MuonWork:
 
 def plan_options(group: dict[str, Any]) -> tuple[Any, ...]:
     """The group options the plan is made from: a plan is remade where one changes."""
-    return (group["split_sizes"], group["col_split_sizes"], group["stacked"], group.get("blocks", 1))
+    return (
+        group["split_sizes"],
+        group["col_split_sizes"],
+        group["stacked"],
+        group.get("blocks", 1),
+        group["lr_scale"],
+    )
 
 
 def _tiling(regions: Sequence[Region], rows: int, cols: int) -> str | None:
@@ -242,6 +249,31 @@ def stacked_momenta(plan: GroupPlan) -> list[Tensor]:
     return out
 
 
+def plan_weights(plan: GroupPlan) -> list[Tensor]:
+    """The tensors the step writes, class after class: the parameters, or a sharded plan's local pieces (read at
+    every step: a wrapper may give a parameter new local data)."""
+    if plan.sharded:
+        return [getattr(p, "_local_tensor", p) for p in plan.params]
+    return plan.params
+
+
+def directions_by_class(made: Tensor | list[Tensor]) -> list[Tensor]:
+    """One class's directions, per matrix: the rows of its batch, or the list a refresh made."""
+    return list(made) if isinstance(made, list) else list(made.unbind(0))
+
+
+def weight_directions(made: Tensor | list[Tensor], cls: ShapeClass, keep: Tensor | None) -> list[Tensor]:
+    """One class's directions per matrix, shaped and typed as its weights (cast only where the weight is narrower,
+    bf16), times the vote's ``keep`` where the step is masked."""
+    dtype = cls.params[0].dtype
+    if isinstance(made, list):  # a refresh's directions, per matrix
+        rows = [d.reshape(cls.shape) for d in made]
+        rows = rows if not rows or rows[0].dtype == dtype else [d.to(dtype) for d in rows]
+        return rows if keep is None or not rows else list(torch._foreach_mul(rows, keep))
+    made = made if made.dtype == dtype else made.to(dtype)
+    return list((made if keep is None else made * keep).reshape(len(cls.params), *cls.shape).unbind(0))
+
+
 def grads_launchable(plan: GroupPlan, grads: Sequence[Tensor]) -> bool:
     """Whether the fused kernels take these gradients too (the parameters and momenta are checked with the plan),
     without a Python call per gradient."""
@@ -281,6 +313,10 @@ def spectral_directions(
             parts[ci].append((region, part))
     out = []
     for cls, regions in zip(classes, parts):
+        if not regions:  # a sharded class holding none of its matrices' rows: an empty direction
+            wide = torch.promote_types(cls.dtype, torch.float32)
+            out.append(torch.zeros((len(cls.params), cls.rows, cls.cols), dtype=wide, device=cls.device))
+            continue
         if len(regions) == 1 and regions[0][0] == (0, cls.rows, 0, cls.cols):
             out.append(regions[0][1])
             continue
@@ -331,23 +367,28 @@ class ClassStep:
                 self._plans[gi] = self._make_plan(gi, group)
 
     def _make_plan(self, gi: int, group: dict[str, Any]) -> GroupPlan | None:
+        """Group ``gi``'s plan: by shape class in one process, by class of local pieces under an engine that plans
+        them (the sharded one's ``class_plan``); None where the step takes the per-job path."""
         params = group["params"]
         schedule = type(self.schedule)
         fixed = schedule.decide is Schedule.decide and schedule.after_step is Schedule.after_step
-        if type(self._engine) is not LocalEngine:
+        local = type(self._engine) is LocalEngine
+        if not local and not hasattr(self._engine, "class_plan"):
             return None
         states = [self.state.get(p, {}) for p in params]
         if any("momentum_buffer" not in st or not p.is_contiguous() for p, st in zip(params, states)):
             return None  # parameters on the meta device, or not laid out as their matrices
         names = group.get("param_names")
-        plan = make_plan(
+        made = make_plan if local else self._engine.class_plan
+        plan = made(
             group,
             [st["momentum_buffer"] for st in states],
             [names[i] if names else f"params[{i}]" for i in range(len(params))],
             [self._param_name(group, i, gi) for i in range(len(params))],
             fixed,
         )
-        plan.launchable = fused.launchable(*plan.params, *plan.bufs)
+        if plan is not None:
+            plan.launchable = fused.launchable(*plan_weights(plan), *plan.bufs)
         return plan
 
     def _group_plan(self, gi: int, group: dict[str, Any], params: list[Tensor]) -> GroupPlan | None:
@@ -366,6 +407,8 @@ class ClassStep:
         """:meth:`_muon_work` by shape class: the momenta in one list op, ``U`` in one batch per class."""
         beta = group["momentum"]
         grads = [p.grad for p in plan.params]
+        if plan.sharded:  # each gradient's local piece (the momenta in the plan are local already)
+            grads = [getattr(g, "_local_tensor", g) for g in grads]
         if fused.fuses(self.kernels, plan.classes[0].device) and grads_launchable(plan, grads):
             # One launch: M <- lerp(M, G, 1 - beta) and U <- lerp(G, M, beta), G masked by the vote in the kernel.
             slots = u_batches(plan) if group["nesterov"] else None
@@ -412,37 +455,47 @@ class ClassStep:
             out.append((_MuonWork(work.group, params, jobs, work.config, [], part, picked), kind))
         return out
 
-    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> list[Tensor]:
+    def _class_directions(self, work: _MuonWork, kind: StepKind) -> list[Any]:
+        """Per class, its directions at this step kind: a ``(B, rows, cols)`` batch (RowNorm's factors where they
+        tile), or for a sharded plan's refresh the list the engine's refresh made."""
+        plan, batches, config = work.plan, work.batches, work.config
+        assert plan is not None and batches is not None
+        if kind is StepKind.ROWNORM and plan.sharded:
+            return self._engine.class_row_factors(plan.classes, batches)
+        if kind is StepKind.ROWNORM:
+            return [row_factors_by_class(c, b, config) for c, b in zip(plan.classes, batches)]
+        if plan.sharded and kind is StepKind.SPECTRAL:
+            return self._engine.class_refresh(plan, batches, config)
+        return spectral_directions(plan.classes, batches, kind, config)
+
+    def _class_apply(self, work: _MuonWork, kind: StepKind, mask: Tensor | None) -> list[Any]:
         """:meth:`_muon_apply` by shape class: directions per class, then the decay and one list update. Returns
         the directions (RowNorm's factors where they tile), per class."""
         group, plan, batches = work.group, work.plan, work.batches
         assert plan is not None and batches is not None
         lr, wd = group_lr(group), group["weight_decay"]
-        if kind is StepKind.ROWNORM:
-            made = [row_factors_by_class(c, b, work.config) for c, b in zip(plan.classes, batches)]
-        else:
-            made = spectral_directions(plan.classes, batches, kind, work.config)
+        made = self._class_directions(work, kind)
         if self._fused_class_apply(work, kind, made, mask):
             return made
+        weights = plan_weights(plan)
         if wd != 0:
             decay = 1.0 - lr * wd  # decoupled, with the unscaled lr
             if mask is not None:
                 decay = torch.where(mask, torch.as_tensor(decay, dtype=torch.float64, device=mask.device), 1.0)
-            torch._foreach_mul_(plan.params, decay)
+            torch._foreach_mul_(weights, decay)
         step_size = lr * self.schedule.multiplier(kind, group)
         keep = mask.to(torch.float32) if mask is not None else None
-        ws, us, fs, plain_ws, ds = [], [], [], [], []
+        ws, us, fs, plain_ws, ds, start = [], [], [], [], [], 0
         for cls, batch, d in zip(plan.classes, batches, made):
             n = len(cls.params)
+            mine, start = weights[start : start + n], start + n
             if kind is StepKind.ROWNORM and cls.tiled is not None:  # W <- W - step U factor: no direction written
-                ws += cls.params
+                ws += mine
                 us += batch.view(n, *cls.shape).unbind(0)
                 fs += cls.factor_view(d if keep is None else d * keep).unbind(0)
                 continue
-            dtype = cls.params[0].dtype
-            d = d if d.dtype == dtype else d.to(dtype)  # cast only where the weight is narrower (bf16)
-            plain_ws += cls.params
-            ds += (d if keep is None else d * keep).reshape(n, *cls.shape).unbind(0)
+            plain_ws += mine
+            ds += weight_directions(d, cls, keep)
         if ws and isinstance(step_size, Tensor):  # a Tensor lr: a 0-d factor (value takes numbers only)
             torch._foreach_addcmul_(ws, us, torch._foreach_mul(fs, -step_size))
         elif ws:
@@ -453,7 +506,7 @@ class ClassStep:
             torch._foreach_add_(plain_ws, ds, alpha=-step_size)
         return made
 
-    def _fused_class_apply(self, work: _MuonWork, kind: StepKind, made: Sequence[Tensor], mask: Tensor | None) -> bool:
+    def _fused_class_apply(self, work: _MuonWork, kind: StepKind, made: Sequence[Any], mask: Tensor | None) -> bool:
         """``W <- (1 - lr wd) W - step D f`` for the whole group in the fused kernel (one launch per dtype pair), where
         it takes the step; False where the eager list ops must (per_job.py's _fused_apply, by class)."""
         group, plan, batches = work.group, work.plan, work.batches
@@ -463,16 +516,16 @@ class ClassStep:
         if not (plan.launchable and fused.fuses(self.kernels, device)) or (isinstance(lr, Tensor) and wd != 0):
             return False  # a Tensor lr's decay would be a device number too: the eager form takes it
         rows = [kind is StepKind.ROWNORM and cls.tiled is not None for cls in plan.classes]
-        wanted = [torch.float32 if tiled else d.dtype for tiled, d in zip(rows, made)]
-        if any(d.dtype != want or want not in fused._DTYPES for d, want in zip(made, wanted)):
+        dtypes = [d[0].dtype if isinstance(d, list) else d.dtype for d in made]
+        wanted = [torch.float32 if tiled else dtype for tiled, dtype in zip(rows, dtypes)]
+        if any(dtype != want or want not in fused._DTYPES for dtype, want in zip(dtypes, wanted)):
             return False
         if isinstance(lr, Tensor) and lr.device.type == "cpu" and device.type != "cpu":
             lr = float(lr)  # a host number: no device read
-        ws, ds, fs = [], [], []
+        ds, fs = [], []
         for cls, batch, d, tiled in zip(plan.classes, batches, made, rows):
-            ws += cls.params
-            ds += (batch if tiled else d).unbind(0)  # U with its factor, or the direction itself
+            ds += batch.unbind(0) if tiled else directions_by_class(d)  # U with its factor, or the direction
             fs += d.unbind(0) if tiled else [None] * len(cls.params)
         step = lr * self.schedule.multiplier(kind, group)
-        fused.update_(self._tables, ws, ds, fs, step, 1.0 - float(lr) * wd if wd else 1.0, mask)
+        fused.update_(self._tables, plan_weights(plan), ds, fs, step, 1.0 - float(lr) * wd if wd else 1.0, mask)
         return True

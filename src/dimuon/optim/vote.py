@@ -73,7 +73,8 @@ class NonfiniteVote:
         if isinstance(self._get_engine(), LocalEngine):  # plain tensors: a gradient is its own local data
             found = [(gi, i, p.grad) for gi, i, p in params if p.grad is not None]
         else:
-            found = [(gi, i, local_tensor(p.grad)) for gi, i, p in params if p.grad is not None]
+            # the local pieces (a DTensor's own data, as to_local() gives it under no_grad): no call per gradient
+            found = [(gi, i, getattr(p.grad, "_local_tensor", p.grad)) for gi, i, p in params if p.grad is not None]
         grads: dict[torch.device, list[tuple[int, int, Tensor]]] = {}
         for gi, i, g in found:
             if g.numel() > 0:  # an empty local shard has nothing to check
@@ -119,13 +120,14 @@ class NonfiniteVote:
             if group["algorithm"] == "muon"
             for i, p in enumerate(group["params"])
         ]
-        universe = tuple(id(p) for _, _, p in params)
-        held = tuple(p.grad is not None for _, _, p in params)
+        # lists made into tuples: a generator would resume (a Python call) once per parameter
+        universe = tuple([id(p) for _, _, p in params])
+        held = tuple([p.grad is not None for _, _, p in params])
         known = self._grad_sets.get("agreed")
         if known is not None and known[0] == universe:
             agreed = known[1]
         else:  # new parameters (the first step, a group added, parameters replaced): all that require a gradient
-            agreed = tuple(p.requires_grad for _, _, p in params)
+            agreed = tuple([p.requires_grad for _, _, p in params])
             # kept on every rank now, at the same step: a rank that reads nothing at this step must not work it out
             # again later, when requires_grad may have changed, while another rank kept it (their sets would differ)
             self._grad_sets["agreed"] = (universe, agreed)

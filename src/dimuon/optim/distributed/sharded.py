@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dimuon.optim.distributed import piece_classes
 from dimuon.optim.distributed.collectives import Collectives, CommCounter
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
@@ -344,6 +345,23 @@ class ShardedEngine:
     def _placement(self, job: MatrixJob) -> _Placement:
         """The placement of the job's parameter, derived once per parameter object."""
         return self._placement_of(job.meta.get("param"), job.name, job.rows, job.cols)
+
+    placement = _placement  # what the class plans read
+
+    # ----------------------------------------------------------------- the class path (piece_classes)
+    def class_plan(
+        self, group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str], fixed: bool
+    ) -> Any:
+        """A Muon group's plan by class of local pieces (None: the group takes the per-job path)."""
+        return piece_classes.make_piece_plan(self, group, bufs, names, keys, fixed)
+
+    def class_row_factors(self, classes: Sequence[Any], batches: Sequence[Tensor]) -> list[Tensor]:
+        """RowNorm of a plan's classes: :func:`piece_classes.row_factors_sharded`."""
+        return piece_classes.row_factors_sharded(classes, batches)
+
+    def class_refresh(self, plan: Any, batches: Sequence[Tensor], config: MapConfig) -> list[list[Tensor]]:
+        """The spectral refresh of a plan's matrices, per class: :func:`piece_classes.refreshed`."""
+        return piece_classes.refreshed(self, plan, batches, config)
 
     def _placement_of(self, param: Tensor | None, name: str, rows: int, cols: int) -> _Placement:
         cached = self._placements.get(id(param))

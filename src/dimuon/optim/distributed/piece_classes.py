@@ -1,0 +1,235 @@
+"""The sharded step by class: a Muon group's DTensor pieces planned once, then one batch per class each step.
+
+A rank's pieces of the parameters alike in global shape, dtype and placement are one class (a
+:class:`~dimuon.optim.classes.ShapeClass` of local shape): their Nesterov momenta lie in one ``(B, rows, cols)``
+buffer, as in one process. What the sharded engine works out per matrix at every step of the per-job path (the
+placement, the local rows of each logical matrix, which oriented rows the ranks split and over which group, the
+block regions) is worked out here once, when the plan is made, so a RowNorm or block step's Python grows with
+classes and step kinds, not with matrices:
+
+- RowNorm: per class, the factors of the oriented rows held whole here from the class batch; the partial sums of
+  squares of split ones, every class's in one flat all-reduce per process group (all issued before any wait), the
+  same sums :meth:`ShardedEngine._rownorm` reduces, in another order;
+- block: the local regions of every class, batched by shape (:func:`dimuon.optim.classes.spectral_directions`);
+- spectral: the engine's refresh on the plan's jobs, their updates views of the class batches.
+
+Stacked parameters (experts) and other layouts the plan does not take keep the per-job path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, plan_options
+from dimuon.optim.common import StepKind
+from dimuon.optim.distributed.collectives import Collectives
+from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
+from dimuon.optim.linalg import lr_scale_factor, row_factors, square_sums
+
+
+@dataclass(frozen=True)
+class RowEntry:
+    """One logical matrix's RowNorm on a class's local pieces: where its rows lie here and who shares them."""
+
+    region: Region | None  # local rows x columns (None: none of its rows are here)
+    scale: float
+    wide: bool  # oriented by rows (the logical matrix is wide or square), else by columns
+    comm: Collectives | None  # the ranks splitting its oriented rows (None: whole here)
+    length: int  # oriented rows of one matrix: its local rows (wide) or its columns (tall)
+
+
+@dataclass
+class PieceClass(ShapeClass):
+    """A :class:`ShapeClass` of local pieces: the RowNorm entries its matrices share."""
+
+    entries: tuple[RowEntry, ...] = ()
+
+
+def local_data(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Each (possibly DTensor) tensor's process-local data, in one call for the whole list."""
+    return [getattr(t, "_local_tensor", t) for t in tensors]
+
+
+def _row_entries(job: MatrixJob, plc: Any, local_cols: int, lr_scale: str) -> tuple[RowEntry, ...]:
+    """The RowNorm entries of one matrix of the class: :meth:`ShardedEngine._rownorm`'s regions, decided once."""
+    entries = []
+    col_ranges = job.col_ranges() if job.col_splits else ((0, local_cols),)
+    for a, b in job.logical_ranges():
+        for c, d in col_ranges:
+            cols = d - c if job.col_splits else job.cols  # the logical matrix's global columns
+            wide = b - a <= cols
+            local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
+            comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
+            if comm is None and local is None:
+                continue
+            if comm is not None and wide and local is None:  # no rows of a wide matrix here: nothing to add
+                continue
+            region = None if local is None else (local[0], local[1], c, d)
+            length = (local[1] - local[0]) if wide and local is not None else d - c
+            entries.append(RowEntry(region, lr_scale_factor(lr_scale, b - a, cols), wide, comm, length))
+    return tuple(entries)
+
+
+def _block_regions(job: MatrixJob, plc: Any, local_cols: int) -> list[Region]:
+    """The regions a block step maps on one matrix of the class (:meth:`ShardedEngine._block`'s): each logical
+    matrix cut by this rank's piece, or by the ``blocks`` grid where the matrix is held whole."""
+    if plc.shard is None:
+        return map_regions(job, StepKind.BLOCK)
+    cols = job.col_ranges() if job.col_splits else ((0, local_cols),)
+    return [
+        (r[0], r[1], c, d)
+        for a, b in job.logical_ranges()
+        if (r := plc.mine.local_rows_in(a, b)) is not None
+        for c, d in cols
+    ]
+
+
+def _tiling(entries: Sequence[RowEntry], rows: int, cols: int) -> str | None:
+    """How the entries' factors tile the local matrix: ``"rows"`` (row factors over whole local rows, back to
+    back), ``"cols"``, or None (the direction is written region by region)."""
+    held = [e for e in entries if e.region is not None]
+    if not held:
+        return None
+    if all(e.wide and e.region[2:] == (0, cols) for e in held):  # type: ignore[index]
+        edges, size, kind = [e.region[:2] for e in held], rows, "rows"  # type: ignore[index]
+    elif all(not e.wide and e.region[:2] == (0, rows) for e in held):  # type: ignore[index]
+        edges, size, kind = [e.region[2:] for e in held], cols, "cols"  # type: ignore[index]
+    else:
+        return None
+    tiles = edges[0][0] == 0 and edges[-1][1] == size and all(a[1] == b[0] for a, b in pairwise(edges))
+    return kind if tiles else None
+
+
+def make_piece_plan(
+    engine: Any,
+    group: dict[str, Any],
+    bufs: Sequence[Tensor],
+    names: Sequence[str],
+    keys: Sequence[str],
+    fixed: bool,
+) -> GroupPlan | None:
+    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for stacked parameters
+    and for a schedule that decides per matrix, which keep the per-job path). Classes are told apart by what every
+    rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all ranks issue
+    the same collectives."""
+    params = list(group["params"])
+    if group["stacked"] or not fixed:  # experts, and a schedule deciding per matrix: the per-job path
+        return None
+    jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
+    placements = [engine.placement(job) for job in jobs]
+    locals_, local_bufs = local_data(params), local_data(bufs)
+    members: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, b, plc) in enumerate(zip(params, local_bufs, placements)):
+        comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
+        key = (tuple(p.shape), p.dtype, b.dtype, b.device, plc.members, plc.mine, comms)
+        members.setdefault(key, []).append(i)
+    classes, order = [], []
+    for (_, _, dtype, device, *_), idx in members.items():
+        job, plc, local = jobs[idx[0]], placements[idx[0]], locals_[idx[0]]
+        rows, cols = local.shape[0], math.prod(local.shape[1:])
+        entries = _row_entries(job, plc, cols, group["lr_scale"])
+        row_regions = [e.region for e in entries if e.region is not None]
+        classes.append(
+            PieceClass(
+                params=[params[i] for i in idx],
+                shape=tuple(local.shape),
+                rows=rows,
+                cols=cols,
+                lead=1,
+                dtype=dtype,
+                device=device,
+                regions={StepKind.BLOCK: _block_regions(job, plc, cols), StepKind.ROWNORM: row_regions},
+                tiled=_tiling(entries, rows, cols),
+                alone=True,
+                entries=entries,
+            )
+        )
+        order += idx
+    return GroupPlan(
+        ids=tuple(map(id, params)),
+        options=plan_options(group),
+        classes=classes,
+        params=[params[i] for i in order],
+        bufs=[local_bufs[i] for i in order],
+        jobs=[jobs[i] for i in order],
+        keys=[keys[i] for i in order],
+        fixed=fixed,
+        sharded=True,
+    )
+
+
+def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor]) -> list[Tensor]:
+    """Per class, its RowNorm factors ``(B, rows, 1)`` or ``(B, 1, cols)`` where they tile the local matrix, else
+    its direction: whole oriented rows from the batch, split ones from one flat all-reduce of partial sums of
+    squares per process group (launched for every group before any wait)."""
+    # per class, per entry (in the local order the tiling was decided in) its factor
+    parts: list[list[Tensor | None]] = [[None] * len(cls.entries) for cls in classes]
+    pending: dict[int, tuple[Collectives, list[tuple[int, int, Tensor]]]] = {}
+    for ci, (cls, batch) in enumerate(zip(classes, batches)):
+        n = batch.shape[0]
+        for k, e in enumerate(cls.entries):
+            block = None if e.region is None else batch[:, e.region[0] : e.region[1], e.region[2] : e.region[3]]
+            if e.comm is None:
+                parts[ci][k] = row_factors(block, scale=e.scale)  # type: ignore[arg-type]
+                continue
+            if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
+                sums = torch.zeros(n * e.length, dtype=torch.float32, device=batch.device)
+            else:
+                wide_dtype = torch.promote_types(block.dtype, torch.float32)
+                sums = square_sums(block.to(wide_dtype), -1 if e.wide else -2).reshape(-1)
+            pending.setdefault(id(e.comm), (e.comm, []))[1].append((ci, k, sums))
+    launched = []
+    for comm, items in pending.values():
+        flat = torch.cat([sums for _, _, sums in items])
+        launched.append((items, flat, comm.all_reduce(flat, async_op=True)))
+    for items, flat, work in launched:
+        work.wait()
+        factors = _scales(classes, items, flat) / flat.sqrt().clamp(min=1e-7)
+        for (ci, k, _), f in zip(items, factors.split([s.numel() for _, _, s in items])):
+            e = classes[ci].entries[k]
+            if e.region is not None:
+                f = f.view(-1, e.length)
+                parts[ci][k] = f[:, :, None] if e.wide else f[:, None, :]
+    return [_compose(cls, batch, p) for cls, batch, p in zip(classes, batches, parts)]
+
+
+def _scales(classes: Sequence[PieceClass], items: Sequence[tuple[int, int, Tensor]], like: Tensor) -> Tensor:
+    """Each entry's shape scale over its sums: one op where every entry has the same (the usual case)."""
+    scales = [classes[ci].entries[k].scale for ci, k, _ in items]
+    if len(set(scales)) == 1:
+        return torch.full_like(like, scales[0])
+    return torch.cat([torch.full_like(s, scale) for (_, _, s), scale in zip(items, scales)])
+
+
+def _compose(cls: PieceClass, batch: Tensor, factors: list[Tensor | None]) -> Tensor:
+    """A class's factors (where they tile the local matrix) or its direction, from its entries' factors."""
+    held = [(e.region, f) for e, f in zip(cls.entries, factors) if e.region is not None]
+    if cls.tiled is not None:
+        fs = [f for _, f in held]
+        return fs[0] if len(fs) == 1 else torch.cat(fs, dim=1 if cls.tiled == "rows" else 2)  # type: ignore[return-value,arg-type]
+    wide = held[0][1].dtype if held else torch.promote_types(batch.dtype, torch.float32)  # type: ignore[union-attr]
+    out = torch.zeros(batch.shape, dtype=wide, device=batch.device)
+    for (r0, r1, c0, c1), f in held:  # type: ignore[misc]
+        out[:, r0:r1, c0:c1] = batch[:, r0:r1, c0:c1] * f
+    return out
+
+
+def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: MapConfig) -> list[list[Tensor]]:
+    """Per class, each matrix's local direction from the engine's spectral refresh, the jobs' updates set to the
+    rows of the class batches."""
+    updates = [u for batch in batches for u in batch.unbind(0)]
+    for job, u in zip(plan.jobs, updates):
+        job.update = u
+    made = engine.directions(plan.jobs, StepKind.SPECTRAL, config)
+    out, start = [], 0
+    for cls in plan.classes:
+        out.append(made[start : start + len(cls.params)])
+        start += len(cls.params)
+    return out
