@@ -409,6 +409,9 @@ class ClassStep:
         grads = [p.grad for p in plan.params]
         if plan.sharded:  # each gradient's local piece (the momenta in the plan are local already)
             grads = [getattr(g, "_local_tensor", g) for g in grads]
+            if True in [g is None for g in grads]:  # stepped by the ranks' agreement without a gradient here: the
+                # ranks disagree on it, so the vote failed everywhere and the step is masked; zeros stand in
+                grads = [torch.zeros_like(b) if g is None else g for g, b in zip(grads, plan.bufs)]
         if fused.fuses(self.kernels, plan.classes[0].device) and grads_launchable(plan, grads):
             # One launch: M <- lerp(M, G, 1 - beta) and U <- lerp(G, M, beta), G masked by the vote in the kernel.
             slots = u_batches(plan) if group["nesterov"] else None
