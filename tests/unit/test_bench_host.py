@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dimuon.bench import host, host_probe, host_report
 from dimuon.optim import build, devices
+from dimuon.plan.host import host_model
 
-QUICK = ["--quick", "--no-progress", "--width", "4"]
+QUICK = ["--quick", "--no-progress", "--width", "4", "--sharded-world", "0"]
 
 
 @pytest.mark.parametrize(
@@ -23,6 +25,7 @@ QUICK = ["--quick", "--no-progress", "--width", "4"]
         (["--compile-modes", "default", "--matrices", "10"], "--compile-matrices must be among --matrices"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--optimizers", "--baselines"], "nothing to measure"),
+        (["--sharded-world", "1"], r"--sharded-world must be world sizes >= 2 \(0: none\)"),
     ],
 )
 def test_bad_flags_are_named_with_what_they_allow(argv, message):
@@ -35,6 +38,12 @@ def test_an_unknown_optimizer_is_refused_by_the_parser(capsys):
         host.parse(["--optimizers", "sgd"])
     assert exc.value.code == 2
     assert "sgd" in capsys.readouterr().err
+
+
+def test_the_sharded_part_is_on_at_256_unless_turned_off():
+    assert host.parse([]).sharded_world == (256,) and host.parse([]).sharded_refresh == "owner"
+    off = [host.parse(["--sharded-world", *w]) for w in ((), ("0",))]
+    assert all(not [p for p in host.phases_of(cfg) if p[2]] for cfg in off)
 
 
 def test_compile_sizes_are_not_checked_without_compiled_rows():
@@ -106,3 +115,34 @@ def test_a_compiled_row_that_fails_is_recorded_not_raised(monkeypatch):
     assert compiled[0]["status"] == "failed" and "cannot compile this step" in compiled[0]["error"]
     assert compiled[0]["host_ms"] is None
     assert "cannot compile this step" in host_report.render(record)
+
+
+def test_sharded_rows_are_measured_counted_and_round_trip(tmp_path):
+    """Rank 0 of 8 fake FSDP2 ranks at 10 matrices: every optimizer and torch's AdamW, counted and timed; the
+    fake group gone after; the record as written is the record run returned, and its readers still read it."""
+    out, path = tmp_path / "host", tmp_path / "h.json"
+    argv = [*QUICK[:-2], "--matrices", "10", "--sharded-world", "8", "--json", str(path), "--out", str(out)]
+    cfg = host.parse(argv)
+    record = host.run(cfg, argv)
+    host.write(record, cfg)
+    assert not dist.is_initialized()
+    written = json.loads(json.dumps(record))  # tuples as lists
+    assert json.loads(path.read_text()) == written == json.loads((out / "host.json").read_text())
+    sharded = {r["name"]: r for r in record["rows"] if "world" in r}
+    names = [host_report.sharded_name(n, 8) for n in (*host.OPTIMIZERS, "adamw_foreach", "adamw_fused")]
+    assert sorted(sharded) == sorted(names)  # torch.optim.Muon runs in one process only
+    for name in host.OPTIMIZERS:
+        row = sharded[host_report.sharded_name(name, 8)]
+        assert row["status"] == "ok" and row["matrices"] == 10 and row["host_ms"] > 0
+        assert row["calls_per_step"] > 0 and row["ops_per_step"] > 0
+        assert (row["layout"], row["world"], row["rank"], row["refresh"]) == ("fsdp", 8, 0, "owner")
+    assert set(sharded["periodic_row_muon [fsdp W=8]"]["kinds"]) == {"spectral", "rownorm"}
+    assert sharded["adamw_foreach [fsdp W=8]"]["calls_per_step"] == 0
+    one_process = [r for r in record["rows"] if "world" not in r]
+    assert {r["name"] for r in one_process} == {*host.OPTIMIZERS, *host.BASELINES}
+    assert host_model(record, "test").terms  # the plan's fit reads the one-process rows as before
+    _, body = host_report.step_rows(record)
+    adamw = {line[0]: line[-1] for line in body if line[0].startswith("torch AdamW (foreach)")}
+    assert adamw == {"torch AdamW (foreach)": "1.00", "torch AdamW (foreach) [fsdp W=8]": "1.00"}
+    text = (out / "host.md").read_text()
+    assert "MuonBP [fsdp W=8]" in text and "fake process group" in text and "owner refresh" in text

@@ -1077,13 +1077,21 @@ def _fake_all_gather(output_tensor: Tensor, input_tensor: Tensor, group: Any = N
 
 
 @contextlib.contextmanager
+def fake_all_to_all() -> Iterator[None]:
+    """The all-to-all shim alone (:func:`_fake_all_to_all_single`): the owner refresh runs on the fake backend,
+    every other collective as the backend does it (``dimuon bench host``'s sharded rows, which time the step)."""
+    with _patched(dist, "all_to_all_single", _fake_all_to_all_single):
+        yield
+
+
+@contextlib.contextmanager
 def fake_collectives() -> Iterator[None]:
     """The fake backend's shims (:func:`_fake_all_to_all_single`, :func:`_fake_all_gather`), installed before
     :func:`count_collectives` so that it books them (or the c10d function they call) once."""
     import torch.distributed.distributed_c10d as c10d
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(dist, "all_to_all_single", _fake_all_to_all_single))
+        stack.enter_context(fake_all_to_all())
         for name in ("all_gather_single", "all_gather_into_tensor"):
             for module in (c10d, dist):
                 if hasattr(module, name):

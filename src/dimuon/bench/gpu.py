@@ -279,8 +279,10 @@ def bench_command(cfg: Config, out: Path, peers: bool = False) -> list[str]:
 
 def host_command(cfg: Config, out: Path) -> list[str]:
     """``dimuon bench host``: Python calls and host time per step on tiny matrices, eager at 20, 140 and 560
-    matrices, then compiled at 20 (on CUDA also with ``mode="reduce-overhead"``, CUDA graphs), in one process."""
+    matrices, then compiled at 20 (on CUDA also with ``mode="reduce-overhead"``, CUDA graphs), in one process
+    (its sharded rows left out: the part's time budget is the one-process rows')."""
     cmd = [sys.executable, "-m", "dimuon.bench.host", "--device", cfg.device, "--json", str(out), "--no-progress"]
+    cmd += ["--sharded-world", "0"]
     if cfg.quick:
         return [*cmd, "--quick"]
     modes = ["reduce-overhead", "default"] if cfg.device == "cuda" else ["default"]  # CUDA graphs checked first

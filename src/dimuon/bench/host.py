@@ -5,10 +5,11 @@ host time is the step. This measures that floor on any machine: DiT-like matrice
 and adaLN, with their biases in AdamW) of side ``--width`` at each count of ``--matrices``, every dimuon optimizer
 in its accelerator form (:func:`~dimuon.bench.host_probe.accelerator_form`), eager and under ``torch.compile``
 (whose outcome, graph breaks and first-step time are recorded; a failure is recorded, not raised), beside torch's
-foreach and fused AdamW and ``torch.optim.Muon`` on the same tensors in the same process. Per row and size: the
-Python calls made inside dimuon per step and the ops dispatched per step (counted eagerly, per step kind), and the
-host time per step (rounds interleaved over every row; medians per step kind and of the period's mean). Run
-``dimuon bench host --help``.
+foreach and fused AdamW and ``torch.optim.Muon`` on the same tensors in the same process. The sharded rows
+(:mod:`~dimuon.bench.host_sharded`) step rank 0 of an FSDP2 layout of ``--sharded-world`` ranks, in this process
+on torch's fake process group. Per row and size: the Python calls made inside dimuon per step and the ops
+dispatched per step (counted eagerly, per step kind), and the host time per step (rounds interleaved over every
+row of a size and part; medians per step kind and of the period's mean). Run ``dimuon bench host --help``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ class Config:
     max-autotune-no-cudagraphs."""
     compile_matrices: tuple[int, ...] = (20,)
     """Matrix counts at which the compiled rows run (compiling a graph-broken step at 560 takes minutes)."""
+    sharded_world: tuple[int, ...] = (256,)
+    """World sizes of the sharded rows: rank 0 of an FSDP2 layout of that many ranks on torch's fake process group
+    (collectives move nothing), at every count of --matrices, with torch's AdamW beside them (0 or none: no
+    sharded rows)."""
+    sharded_refresh: Literal["owner", "gather"] = "owner"
+    """Spectral refresh of the sharded rows (owner: the optimizers' default)."""
     repeats: int = 7
     """Timed periods per row and size (interleaved rounds; medians)."""
     warmup: int = 2
@@ -95,6 +102,8 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--compile-modes must be from {list(COMPILE_MODES)}, got {bad}")
     if cfg.compile_modes and [m for m in cfg.compile_matrices if m not in cfg.matrices]:
         raise ValueError(f"--compile-matrices must be among --matrices {cfg.matrices}, got {cfg.compile_matrices}")
+    if any(w == 1 or w < 0 for w in cfg.sharded_world):
+        raise ValueError(f"--sharded-world must be world sizes >= 2 (0: none), got {cfg.sharded_world}")
     for name, low in (("width", 2), ("repeats", 1), ("warmup", 1), ("threads", 1)):
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
@@ -179,12 +188,14 @@ def kind_of(opt: Any) -> str:
     return kinds[0].value if kinds else "step"
 
 
-def make_rows(cfg: Config, matrices: int, model: nn.Module, mode: str = "eager") -> list[Row]:
-    """The rows at one size: dimuon's optimizers eager and torch's baselines, or dimuon's optimizers compiled in
-    ``mode``."""
+def make_rows(
+    cfg: Config, matrices: int, model: nn.Module, mode: str = "eager", options: dict[str, Any] | None = None
+) -> list[Row]:
+    """The rows at one size: dimuon's optimizers eager (built with ``options`` too) and torch's baselines, or
+    dimuon's optimizers compiled in ``mode``."""
     rows = []
     for name in cfg.optimizers:
-        opt = build(name, model, lr=1e-3, weight_decay=0.01)
+        opt = build(name, model, lr=1e-3, weight_decay=0.01, **(options or {}))
         step = opt.step if mode == "eager" else torch.compile(opt.step, mode=mode)
         label = LABELS.get(name, name) + ("" if mode == "eager" else f" (compiled, {mode})")
         rows.append(Row(row_name(name, mode), label, matrices, opt, step, period_of(name, opt), mode))
@@ -260,7 +271,11 @@ def time_period(row: Row, sync: Callable[[], None], clock: Callable[[], float]) 
 def measure_size(cfg: Config, matrices: int, bar: tqdm, mode: str = "eager") -> list[Row]:
     """Every row at one size and mode: built, warmed up, counted, then timed in interleaved rounds."""
     model = make_model(matrices, cfg)
-    rows = make_rows(cfg, matrices, model, mode)
+    return measure_rows(cfg, make_rows(cfg, matrices, model, mode), matrices, bar)
+
+
+def measure_rows(cfg: Config, rows: list[Row], matrices: int, bar: tqdm) -> list[Row]:
+    """``rows`` (of one size) warmed up, counted, then timed in interleaved rounds."""
     for row in rows:
         bar.set_postfix_str(f"{row.name} @ {matrices} (warm-up)")
         warm_up(row, cfg)
@@ -328,6 +343,23 @@ def _recompile_limits(limit: int = 4096) -> Iterator[None]:
             setattr(config, name, value)
 
 
+def phases_of(cfg: Config) -> list[tuple[int, str, int]]:
+    """(matrices, mode, world) of every part in order: eager in one process, then sharded on each world (0: one
+    process), then each compile mode apart (the record written after each keeps what a hung compilation would not)."""
+    eager = [(m, "eager", 0) for m in cfg.matrices]
+    sharded = [(m, "eager", w) for w in cfg.sharded_world if w for m in cfg.matrices]
+    return eager + sharded + [(m, c, 0) for c in cfg.compile_modes for m in cfg.compile_matrices]
+
+
+def measure_phase(cfg: Config, matrices: int, mode: str, world: int, bar: tqdm) -> list[dict[str, Any]]:
+    """The records of one part's rows at one size (``world``: the sharded rows on that many fake ranks)."""
+    if world:
+        from dimuon.bench import host_sharded
+
+        return host_sharded.measure_size(cfg, matrices, world, bar)
+    return [row_record(r) for r in measure_size(cfg, matrices, bar, mode)]
+
+
 def run(
     cfg: Config, argv: Sequence[str] | None = None, on_size: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
@@ -344,15 +376,14 @@ def run(
         "rows": [],
         "complete": False,
     }
-    # eager first, then each compile mode apart: the record written after each keeps what a hung compilation would not
-    phases = [(m, "eager") for m in cfg.matrices] + [(m, c) for c in cfg.compile_modes for m in cfg.compile_matrices]
+    phases = phases_of(cfg)
     try:
         record["op_us"] = round(1e6 * op_seconds(cfg.device, clock=clock_of(cfg)), 3)
         bar = tqdm(total=cfg.repeats * len(phases), desc="host", disable=not cfg.progress)
         with accelerator_form(), _recompile_limits(), bar:
-            for i, (matrices, mode) in enumerate(phases):
+            for i, (matrices, mode, world) in enumerate(phases):
                 torch.manual_seed(cfg.seed)
-                record["rows"] += [row_record(r) for r in measure_size(cfg, matrices, bar, mode)]
+                record["rows"] += measure_phase(cfg, matrices, mode, world, bar)
                 record["complete"] = i == len(phases) - 1
                 if on_size is not None:
                     on_size(record)

@@ -10,6 +10,17 @@ from dimuon.bench.report import format_markdown_table, format_table
 from dimuon.io import write_json_atomic, write_text_atomic
 
 BASE = "adamw_foreach"
+LAYOUT = "fsdp"  # the layout of the sharded rows
+
+
+def sharded_name(name: str, world: int) -> str:
+    """A sharded row's name or label: ``periodic_row_muon [fsdp W=256]``."""
+    return f"{name} [{LAYOUT} W={world}]"
+
+
+def base_of(rows: dict[str, dict[int, dict[str, Any]]], row: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The foreach AdamW rows that ``row`` is compared with: those of its own layout and world."""
+    return rows.get(sharded_name(BASE, row["world"]) if "world" in row else BASE, {})
 
 
 def _by_name(record: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -25,15 +36,16 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def step_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per optimizer and step kind (and the period's mean): calls inside dimuon and host ms at every size, and the
-    host time over torch's foreach AdamW at each size."""
+    host time over torch's foreach AdamW (of the same layout) at each size."""
     sizes = sorted({r["matrices"] for r in record["rows"]})
     rows = _by_name(record)
-    base = rows.get(BASE, {})
+    compared = any(base_of(rows, r) for r in record["rows"])
     header = ["optimizer", "step", *(f"calls {m}" for m in sizes), *(f"ms {m}" for m in sizes)]
-    header += [f"x AdamW {m}" for m in sizes] if base else []
+    header += [f"x AdamW {m}" for m in sizes] if compared else []
     body = []
     for by_size in rows.values():
         first = next(iter(by_size.values()))
+        base = base_of(rows, first)
         kinds = [k for r in by_size.values() for k in r["kinds"]]
         kinds = list(dict.fromkeys(kinds))
         lines = [("mean", None)] + ([(k, k) for k in kinds] if len(kinds) > 1 else [])
@@ -47,9 +59,10 @@ def step_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             cells = [_num(pick(by_size.get(m), "calls_per_step"), 0) for m in sizes]
             ms = [pick(by_size.get(m), "host_ms") for m in sizes]
             cells += [_num(v, 3) for v in ms]
-            if base:
+            if compared:
                 cells += [
-                    _num(v / base[m]["host_ms"] if v is not None and m in base else None, 2) for v, m in zip(ms, sizes)
+                    _num(v / base[m]["host_ms"] if v is not None and base.get(m, {}).get("host_ms") else None, 2)
+                    for v, m in zip(ms, sizes)
                 ]
             label = first["label"] if title == "mean" else ""
             body.append([label, "period mean" if first["period"] > 1 and title == "mean" else title, *cells])
@@ -86,10 +99,28 @@ def _title(record: dict[str, Any]) -> str:
     )
 
 
+def sharded_note(record: dict[str, Any]) -> str | None:
+    """What the sharded rows are, where the record has any."""
+    sharded = [r for r in record["rows"] if "world" in r]
+    if not sharded:
+        return None
+    worlds = ", ".join(str(w) for w in sorted({r["world"] for r in sharded}))
+    refresh = next((r["refresh"] for r in sharded if r.get("refresh")), None)
+    return (
+        f"Rows [{LAYOUT} W=N]: rank 0's step of N = {worlds} FSDP2 ranks (Shard(0) DTensor parameters), in one "
+        "process on torch's fake process group (collectives move no data)"
+        + (f", {refresh} refresh" if refresh else "")
+        + "; their ms include the refresh's Newton-Schulz of the matrices rank 0 refreshes (tiny at this width)."
+    )
+
+
 def render(record: dict[str, Any], markdown: bool = False) -> str:
     """The record's tables: steps (calls and host ms per size) and, where compiled rows ran, compilation."""
     fmt: Callable[..., str] = format_markdown_table if markdown else format_table
     parts = [_title(record), fmt(*step_rows(record))]
+    note = sharded_note(record)
+    if note:
+        parts.append(note)
     header, body = compile_rows(record)
     if body:  # status and error read as text
         parts.append(fmt(header, body, [False, True, False, True, True, True, False]))
@@ -99,26 +130,33 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
-    """Host ms per step (period mean) against matrices, log-log, one line per row."""
+    """Host ms per step (period mean) against matrices, log-log, one line per row (a sharded row dash-dotted, in
+    the colour of its one-process row)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    colors: dict[str, str] = {}
     for by_size in _by_name(record).values():
         pts = sorted((m, r["host_ms"]) for m, r in by_size.items() if r["host_ms"] is not None)
         if not pts:
             continue
         first = next(iter(by_size.values()))
         style = "--" if first["mode"] != "eager" else (":" if not first["dimuon"] else "-")
-        ax.plot(*zip(*pts), style, marker="o", label=first["label"])
+        style = "-." if "world" in first else style
+        color = colors.setdefault(first["name"].split(" [")[0], f"C{len(colors) % 10}")  # sharded: its row's
+        ax.plot(*zip(*pts), style, marker="o", color=color, label=first["label"])
     ax.set_xscale("log")
     ax.set_yscale("log")
+    sizes = sorted({r["matrices"] for r in record["rows"]})
+    ax.set_xticks(sizes, [str(m) for m in sizes])
+    ax.minorticks_off()
     ax.set_xlabel("Muon matrices")
     ax.set_ylabel("host ms per step (period mean)")
     ax.set_title("Host time per optimizer step, tiny matrices", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -299,7 +299,9 @@ def host_term(cfg: Config) -> tuple[HostModel | None, str]:
     if cfg.host == "measure":
         from dimuon.bench import host as host_bench
 
-        bench = host_bench.Config(baselines=("adamw_fused",), compile_modes=(), repeats=5, progress=False)
+        bench = host_bench.Config(
+            baselines=("adamw_fused",), compile_modes=(), sharded_world=(), repeats=5, progress=False
+        )
         return host_model(host_bench.run(bench), "dimuon bench host on this machine"), "measured on this machine"
     return None, "counted ops x host_op_us"
 
