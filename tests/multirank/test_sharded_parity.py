@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dimuon.bench.launch import run_gloo
-from dimuon.optim.distributed.sharded import assign_owners, make_buckets, owner_buckets
+from dimuon.optim.distributed.owners import assign_owners
+from dimuon.optim.distributed.refresh import make_buckets, owner_buckets
 from dimuon.optim.fused import triton_available
 
 from . import scenarios as sc

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from dimuon.optim.distributed.sharded import _ns_cost, assign_owners, owner_buckets
+from dimuon.optim.distributed.owners import _ns_cost, assign_owners
+from dimuon.optim.distributed.refresh import owner_buckets
 
 
 def dit_shapes(depth: int, hidden: int) -> list[tuple[int, int]]:

@@ -80,6 +80,7 @@ from dimuon.optim import core as core_module
 from dimuon.optim import devices as devices_module
 from dimuon.optim.core import local_tensor
 from dimuon.optim.distributed import engine as engine_module
+from dimuon.optim.distributed import refresh as refresh_module
 from dimuon.optim.distributed import sharded as sharded_module
 from dimuon.optim.distributed.engine import col_split_sizes_to_ranges, split_sizes_to_ranges
 from dimuon.optim.distributed.sharded import flattened_group, mesh_coordinates
@@ -536,9 +537,9 @@ def _book_owners(
 
 
 def _owner_plan_probe(tally: Tally) -> Callable[..., Any]:
-    """``ShardedEngine._owner_plan`` that books, per shard group, every member's Newton-Schulz FLOPs of the plan
+    """``SpectralRefresh._owner_plan`` that books, per shard group, every member's Newton-Schulz FLOPs of the plan
     it returns: the plan is the same on every rank, so one rank's trace holds every member's work."""
-    real = sharded_module.ShardedEngine._owner_plan
+    real = refresh_module.SpectralRefresh._owner_plan
 
     def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
         plan = real(self, placed, config)
@@ -550,9 +551,9 @@ def _owner_plan_probe(tally: Tally) -> Callable[..., Any]:
 
 
 def _whole_refresh_probe(tally: Tally) -> Callable[..., Any]:
-    """``ShardedEngine._whole_refresh`` that books, per replica group, every member's Newton-Schulz FLOPs of the
+    """``SpectralRefresh._whole_refresh`` that books, per replica group, every member's Newton-Schulz FLOPs of the
     whole matrices it owns (replicated parameters: owners split them, the same way on every rank)."""
-    real = sharded_module.ShardedEngine._whole_refresh
+    real = refresh_module.SpectralRefresh._whole_refresh
 
     def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
         for comm, idx, owners in self._whole_owners(placed):
@@ -656,6 +657,7 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             plan = _map_plan(tally)
             stack.enter_context(_patched(engine_module, "apply_map_batched", plan))
             stack.enter_context(_patched(sharded_module, "apply_map_batched", plan))
+            stack.enter_context(_patched(refresh_module, "apply_map_batched", plan))
             # On the meta device (fake groups) the step's host reads get the answers every rank of a cluster
             # agrees on: every gradient finite; the adaptive signal void, as the stub's zero references make it.
             for module in (engine_module, sharded_module, core_module):
@@ -674,9 +676,9 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             for name in ("tolist", "cpu", "numpy"):
                 stack.enter_context(_patched(torch.Tensor, name, _host_method(tally, name)))
             stack.enter_context(_OpCounter(tally))
-        engine_class = sharded_module.ShardedEngine
-        stack.enter_context(_patched(engine_class, "_owner_plan", _owner_plan_probe(tally)))
-        stack.enter_context(_patched(engine_class, "_whole_refresh", _whole_refresh_probe(tally)))
+        refresh_class = refresh_module.SpectralRefresh
+        stack.enter_context(_patched(refresh_class, "_owner_plan", _owner_plan_probe(tally)))
+        stack.enter_context(_patched(refresh_class, "_whole_refresh", _whole_refresh_probe(tally)))
         grouping = _grouping_probe(tally, counter, dist._coalescing_manager)
         stack.enter_context(_patched(dist, "_coalescing_manager", grouping))
         yield tally

@@ -1,0 +1,621 @@
+"""The spectral refresh of sharded matrices: ``refresh="gather"`` and ``"owner"`` within a shard group, the
+replicas' split, and the owners' refresh of matrices held whole.
+
+:class:`SpectralRefresh` is what :class:`~dimuon.optim.distributed.sharded.ShardedEngine` runs for a spectral step
+(docs/algorithms.md, "Sharded execution", states the communication). The gather and owner refreshes run one skeleton
+(:meth:`SpectralRefresh._refresh`: plan the buckets, pack and send one while the previous is assembled and
+orthogonalized, map, send the directions back, keep this rank's pieces), each supplying only its exchange
+(:class:`_GatherExchange`, :class:`_OwnerExchange`) and its batch (:class:`_GatherBatch`, :class:`_OwnerBatch`);
+the whole matrices and the replicas' split share one exchange of every owner's directions
+(:func:`dimuon.optim.distributed.owners._share_owned`).
+
+Every decision uses global shapes and the placements only, and each group's collectives are issued in the order the
+parameters come, so every rank of a group issues the same sequence, empty pieces included.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from dimuon.optim.distributed.collectives import Collectives
+from dimuon.optim.distributed.engine import LocalEngine, MapConfig, MatrixJob, apply_map_batched, batch_view
+from dimuon.optim.distributed.owners import _share_owned, assign_owners
+from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement, _wide
+from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor
+from dimuon.optim.schedules import StepKind
+
+
+@dataclass(frozen=True)
+class _OwnerBucket:
+    """One exchange each way of the owner refresh: matrices of one class, owner by owner."""
+
+    comm: Collectives  # the shard group
+    jobs: tuple[int, ...]  # the matrices (indices of the placed jobs), grouped by owner in group-rank order
+    owners: tuple[int, ...]  # each matrix's owner (group rank)
+    pad: int  # the slot of every piece: the class's largest piece
+    dtype: torch.dtype  # the payload dtype
+
+
+def owner_buckets(jobs: Sequence[int], owners: Sequence[int], per_owner: int) -> list[list[int]]:
+    """The owner refresh's buckets of one class of matrices (one shape and layout): the ``t``-th matrix of every
+    owner goes to bucket ``t // per_owner``, so a bucket holds at most ``per_owner`` matrices of each owner and
+    every owner that has matrices left; within a bucket, owner by owner (the order its exchanges carry them)."""
+    seen: dict[int, int] = {}  # matrices of each owner so far
+    buckets: list[list[tuple[int, int]]] = []
+    for job, owner in zip(jobs, owners):
+        b = seen.get(owner, 0) // per_owner
+        seen[owner] = seen.get(owner, 0) + 1
+        if b == len(buckets):
+            buckets.append([])
+        buckets[b].append((owner, job))
+    return [[job for _, job in sorted(bucket, key=lambda oj: oj[0])] for bucket in buckets]
+
+
+def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive job indices grouped so each bucket carries at most ``bucket_bytes`` (>= 1 job)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if current and filled + size > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class SpectralRefresh:
+    """The spectral directions of placed jobs, with what the refreshes keep between steps: the owner plans and the
+    indices assembling and cutting pieces, made once per set of jobs or per layout."""
+
+    def __init__(
+        self, refresh: str, replica_refresh: str, bucket_bytes: int, comm_dtype: torch.dtype | None, local: LocalEngine
+    ) -> None:
+        self.refresh = refresh
+        self.replica_refresh = replica_refresh
+        self.bucket_bytes = bucket_bytes
+        self.comm_dtype = comm_dtype
+        self._local = local  # the single-process maps: whole matrices an owner refreshes
+        self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
+        self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
+
+    def directions(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Every job's direction: sharded ones by the gather or owner refresh (the replicas' share of them, with
+        ``replica_refresh="split"``), whole ones by their owners."""
+        out: dict[int, Tensor] = {}
+        sharded = [i for i, (_, plc) in enumerate(placed) if plc.shard is not None]
+        whole = [i for i, (_, plc) in enumerate(placed) if plc.shard is None]
+        if sharded:
+            mine, exchanges = self._replica_shares(placed, sharded)
+            run = self._gather_refresh if self.refresh == "gather" else self._owner_refresh
+            out.update(zip(mine, run([placed[i] for i in mine], config)))
+            self._exchange_over_replicas(placed, exchanges, out)
+        if whole:
+            out.update(zip(whole, self._whole_refresh([placed[i] for i in whole], config)))
+        return [out[i] for i in range(len(placed))]
+
+    def _payload_dtype(self, job: MatrixJob, config: MapConfig) -> torch.dtype:
+        """What a spectral refresh sends of ``job``'s momentum: ``comm_dtype`` where set, else the Newton-Schulz
+        compute dtype where it is narrower than the momentum (bf16 on CUDA): Newton-Schulz rounds the assembled
+        matrix to it before anything else, so sending it rounded gives the same directions for half the bytes."""
+        if self.comm_dtype is not None:
+            return self.comm_dtype
+        ns = config.ns_dtype or default_ns_dtype(job.update.device)
+        return ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
+
+    def _buckets(self, placed: Sequence[Placed], config: MapConfig) -> list[tuple[Collectives, list[int]]]:
+        """Per shard group and payload dtype (each in first-appearance order), buckets sized by the full (padded)
+        matrices they materialize on a rank, not by the pieces, so memory and overlap do not depend on the world
+        size. A bucket travels as one buffer, so its jobs share one payload dtype (as the owner refresh's classes
+        do): an fp64 momentum next to an fp32 one is not sent rounded to fp32."""
+        out = []
+        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+            payloads = {i: self._payload_dtype(placed[i][0], config) for i in idx}
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in idx:
+                by_dtype.setdefault(payloads[i], []).append(i)
+            for dtype, members in by_dtype.items():
+                sizes = [placed[i][1].pad * comm.world * dtype.itemsize for i in members]
+                out += [(comm, [members[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
+        return out
+
+    def _fulls(self, job: MatrixJob, plc: _Placement, tables: Tensor) -> Tensor:
+        """The whole matrices of one class (``job``'s shape and placement) from their gathered pieces, ``(n, rows,
+        cols)``: ``tables[t]`` holds matrix ``t``'s pieces, group rank ``g``'s in its ``g``-th slot. Layouts that
+        are not consecutive row blocks (strided, column-split) are assembled by one gather for the whole class
+        through an index precomputed per layout, not one per matrix or per piece. In the payload's dtype
+        (Newton-Schulz casts to its own first: the same values without a round trip)."""
+        n = tables.shape[0]
+        flat = tables.reshape(n, -1)
+        if plc.row_major:  # consecutive row blocks: each gathered row already is the padded matrix
+            return flat[:, : job.rows * job.cols].view(n, job.rows, job.cols)
+        index = self._assembly_index(job, plc, tables.device)
+        return flat.index_select(1, index).view(n, job.rows, job.cols)
+
+    def _assembly_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
+        """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
+        group's pieces; built once per layout and shape (matrices of one shape and placement share it), int32
+        where it fits."""
+        key = (job.rows, job.cols, plc.pad, plc.members, device)
+        index = self._assembly.get(key)
+        if index is None:
+            positions = _positions(len(plc.members) * plc.pad, device).view(len(plc.members), plc.pad)
+            full = torch.empty((job.rows, job.cols), dtype=positions.dtype, device=device)
+            for g, member in enumerate(plc.members):
+                member.place(full, positions[g, : member.numel].view(member.shape))
+            index = self._assembly[key] = full.reshape(-1)
+        return index
+
+    def _cut_pieces(
+        self, placed: Sequence[Placed], members: Sequence[int], directions: Sequence[Tensor], outs: list
+    ) -> None:
+        """This rank's piece of each whole direction of one class (one shape, placement and dtype), ``outs[i]``:
+        one gather through an index precomputed per layout for the whole class where the directions lie as one
+        batch (they come from one batched Newton-Schulz), not a copy per span of every matrix."""
+        job, plc = placed[members[0]]
+        batch = batch_view(directions)
+        wide = _wide(job.update)
+        if batch is None or batch.dtype != wide:  # not one batch: each written out as the general path does
+            for i, d in zip(members, directions):
+                outs[i] = _empty_direction(placed[i][0])
+                plc.mine.write(outs[i], d, 0, job.rows, 0, job.cols)
+            return
+        index = self._piece_index(job, plc, batch.device)
+        taken = batch.reshape(len(members), -1).index_select(1, index)  # (n, piece elements), this rank's order
+        for i, piece in zip(members, taken):
+            outs[i] = piece.view(plc.mine.shape)
+
+    def _piece_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
+        """For every element of this rank's piece (local order), its position in the flat ``(rows, cols)``
+        matrix; built once per layout and shape, int32 where it fits."""
+        key = ("piece", job.rows, job.cols, plc.mine, device)
+        index = self._assembly.get(key)
+        if index is None:
+            positions = _positions(job.rows * job.cols, device).view(job.rows, job.cols)
+            index = self._assembly[key] = plc.mine.take(positions).reshape(-1)
+        return index
+
+    # ----------------------------------------------------------------- the refresh skeleton
+    def _refresh(self, exchange: _Exchange[Any, Any]) -> list[Tensor]:
+        """The one loop of every sharded refresh: plan the buckets; pack and send bucket ``b+1`` while bucket ``b``
+        is assembled and orthogonalized in one batch; map; send the directions back; return this rank's pieces.
+        An exchange supplies what differs (how pieces travel and where directions go); the order is the same on
+        every rank of a group, so every rank issues the same collectives."""
+        buckets = exchange.plan()
+        pending = exchange.send(buckets[0]) if buckets else None
+        returning = []
+        for b, bucket in enumerate(buckets):
+            arrived = pending
+            if b + 1 < len(buckets):
+                pending = exchange.send(buckets[b + 1])  # in flight while this bucket is orthogonalized
+            arrived.wait()
+            batch = exchange.assemble(bucket, arrived)
+            directions = apply_map_batched(batch.pieces, StepKind.SPECTRAL, exchange.config, scaled=batch.scaled)
+            returning.append(exchange.send_back(bucket, batch, directions))
+        exchange.receive(returning)
+        return [o if o is not None else _empty_direction(job) for o, (job, _) in zip(exchange.outs, exchange.placed)]
+
+    def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
+        return self._refresh(_GatherExchange(self, placed, config))
+
+    def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
+        """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
+        on every rank: shapes, placements and the group ranks decide)."""
+        key = tuple(
+            (
+                id(job.meta.get("param")),
+                job.rows,
+                job.cols,
+                job.splits,
+                job.col_splits,
+                self._payload_dtype(job, config),
+            )
+            for job, _ in placed
+        )
+        plan = self._owner_plans.get(key)
+        if plan is None:
+            plan = self._owner_plans[key] = self._make_owner_plan(placed, config)
+        return plan
+
+    def _make_owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
+        """Per shard group: owners by Newton-Schulz FLOPs over all its matrices, then the matrices of each class
+        (one shape, layout and payload dtype) cut into buckets holding at most ``per_owner`` matrices of each
+        owner, ``per_owner`` as many full matrices as fit the bucket size on the owner (at least one)."""
+        plan = []
+        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+            keys = {}
+            for i in idx:
+                job, plc = placed[i]
+                keys[i] = (
+                    job.rows,
+                    job.cols,
+                    plc.members,
+                    plc.pad,
+                    job.update.dtype,
+                    self._payload_dtype(job, config),
+                    job.update.device,
+                )
+            shapes = [(placed[i][0].rows, placed[i][0].cols) for i in idx]
+            owners = dict(zip(idx, assign_owners(shapes, comm.world, [keys[i] for i in idx])))
+            classes: dict[tuple, list[int]] = {}
+            for i in idx:
+                classes.setdefault(keys[i], []).append(i)
+            for key, members in classes.items():
+                pad, itemsize = key[3], key[5].itemsize
+                per_owner = max(1, self.bucket_bytes // max(1, comm.world * pad * itemsize))
+                for bucket in owner_buckets(members, [owners[i] for i in members], per_owner):
+                    plan.append(_OwnerBucket(comm, tuple(bucket), tuple(owners[i] for i in bucket), pad, key[5]))
+        return plan
+
+    def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Each matrix to its owner and back: per bucket one all-to-all there (every rank's pieces of the
+        bucket's matrices, each in a slot of the class's largest piece) and one back, the forward exchange of
+        bucket ``b+1`` in flight while Newton-Schulz runs on bucket ``b``'s matrices, every owner orthogonalizing
+        its matrices of the bucket in one batch."""
+        return self._refresh(_OwnerExchange(self, placed, config))
+
+    def _return_dtype(
+        self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
+    ) -> tuple[torch.dtype, dict[int, float] | None]:
+        """The dtype an owner sends a bucket's directions back in, and per job the lr scale the receiver then
+        applies: Newton-Schulz's own dtype, unscaled, where it is narrower than the directions and every job of
+        the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or the widest
+        of the jobs' direction dtypes: one buffer carries them all, and an fp64 direction is not rounded to fp32)."""
+        wide = functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
+        narrows = {self._payload_dtype(placed[i][0], config) for i in idx}
+        narrow = narrows.pop() if len(narrows) == 1 else wide
+        if self.comm_dtype is None and narrow.itemsize < wide.itemsize:
+            scales = {}
+            for i in idx:
+                job = placed[i][0]
+                found = {lr_scale_factor(config.lr_scale, b - a, e - c) for a, b, c, e in job.regions()}
+                if len(found) != 1:
+                    break
+                scales[i] = found.pop()
+            else:
+                return narrow, scales
+        return self.comm_dtype or wide, None
+
+    def _replica_shares(
+        self, placed: Sequence[Placed], sharded: Sequence[int]
+    ) -> tuple[list[int], list[tuple[Collectives, list[int], list[int]]]]:
+        """The sharded jobs this rank's replica refreshes, and per replicate group the owner replica of each
+        job (``replica_refresh="split"``); with ``"repeat"`` every replica refreshes every job."""
+        if self.replica_refresh == "repeat":
+            return list(sharded), []
+        mine = [i for i in sharded if placed[i][1].replicas is None]
+        exchanges = []
+        for comm, idx in _by_comm(sharded, lambda i: placed[i][1].replicas):
+            owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
+            mine += [i for i, o in zip(idx, owners) if o == comm.rank]
+            exchanges.append((comm, idx, owners))
+        return sorted(mine), exchanges
+
+    def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor]) -> None:
+        """The replicas swap the pieces they refreshed (same piece, same shape): per replicate group one
+        all-gather of every replica's pieces, padded to the largest replica's, all issued before any wait."""
+
+        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, None]:
+            # The widest direction dtype of the group's jobs: one buffer carries them all, none rounded.
+            dtype = self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
+            return [out[i].reshape(-1) for i in mine], dtype, None
+
+        out.update(_share_owned(placed, exchanges, share))
+
+    def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
+        """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
+        Newton-Schulz FLOPs: the same on every rank of the group."""
+        return [
+            (comm, idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world))
+            for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas)
+        ]
+
+    def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+        """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
+        all-gather of every owner's directions, padded to the largest share (in Newton-Schulz's dtype, unscaled,
+        where every matrix of the group has one lr scale: the receivers apply it, as the owner would have)."""
+        outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
+
+        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, Any]:
+            dtype, scales = self._return_dtype(placed, idx, config)
+            return self._whole_directions(placed, mine, config, dtype, scales), dtype, scales
+
+        for i, d in _share_owned(placed, self._whole_owners(placed), share).items():
+            outs[i] = d
+        return outs
+
+    def _whole_directions(
+        self,
+        placed: Sequence[Placed],
+        mine: Sequence[int],
+        config: MapConfig,
+        dtype: torch.dtype,
+        scales: dict[int, float] | None,
+    ) -> list[Tensor]:
+        """The flat directions of the whole matrices this rank owns: Newton-Schulz's output as it is, region by
+        region, where the receivers apply the lr scale; else the single-process map's scaled directions."""
+        if scales is None:
+            return [
+                d.reshape(-1) for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
+            ]
+        pieces, where = [], []
+        for i in mine:
+            for a, b, c, e in placed[i][0].regions():
+                pieces.append(placed[i][0].update[a:b, c:e])
+                where.append((i, a, b, c, e))
+        dirs = {i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device) for i in mine}
+        for (i, a, b, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=False)):
+            dirs[i][a:b, c:e] = d
+        return [dirs[i].reshape(-1) for i in mine]
+
+
+@dataclass
+class _InFlight:
+    """One bucket's forward exchange, launched: the buffer it lands in and the work to wait for."""
+
+    recv: Tensor
+    work: Any
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+@dataclass
+class _Batch:
+    """One bucket's matrices as Newton-Schulz takes them: the regions to map, and per region where it goes."""
+
+    pieces: list[Tensor] = field(default_factory=list)
+    where: list[Any] = field(default_factory=list)
+    scaled: bool = True  # False: Newton-Schulz's output as it is, the receivers apply the lr scale
+
+
+@dataclass
+class _GatherBatch(_Batch):
+    """A gather bucket's batch: ``where`` holds ``(job index, a, b, c, e)`` of each region this rank keeps (rows
+    ``a:b``, columns ``c:e``), None for the matrices of a class mapped whole and cut out together (``cut``)."""
+
+    cut: list[tuple[list[int], int]] = field(default_factory=list)  # classes cut by one index: members, first piece
+
+
+@dataclass(kw_only=True)
+class _OwnerBatch(_Batch):
+    """An owner bucket's batch: every region of the matrices this rank owns (``where``: ``(job index, a, b, c, e)``),
+    whose directions are written into the buffer they travel back in."""
+
+    back: Tensor  # the (owned matrices, W * pad) buffer the directions travel back in
+    owned: list[int]  # this rank's matrices of the bucket
+    scales: dict[int, float] | None  # per job the lr scale the receiver applies (None: the directions are scaled)
+    dirs: dict[int, Tensor] = field(default_factory=dict)  # each owned matrix's whole direction
+
+
+_Bucket = TypeVar("_Bucket")
+_BatchT = TypeVar("_BatchT", bound=_Batch)
+_GatherBucket = tuple[Collectives, list[int]]  # a shard group and the jobs it gathers together
+
+
+class _Exchange(Generic[_Bucket, _BatchT]):
+    """What a refresh supplies to :meth:`SpectralRefresh._refresh`: its buckets and how pieces travel."""
+
+    def __init__(self, refresher: SpectralRefresh, placed: Sequence[Placed], config: MapConfig) -> None:
+        self.refresher, self.placed, self.config = refresher, placed, config
+        self.outs: list[Tensor | None] = [None] * len(placed)
+
+    def plan(self) -> list[_Bucket]:
+        """The buckets, the same on every rank of a group."""
+        raise NotImplementedError
+
+    def send(self, bucket: _Bucket) -> _InFlight:
+        """Pack the bucket's pieces into one buffer and launch its exchange (async)."""
+        raise NotImplementedError
+
+    def assemble(self, bucket: _Bucket, arrived: _InFlight) -> _BatchT:
+        """The arrived pieces as whole matrices, cut into the regions Newton-Schulz maps here."""
+        raise NotImplementedError
+
+    def send_back(self, bucket: _Bucket, batch: _BatchT, directions: list[Tensor]) -> Any:
+        """Place the bucket's directions: kept here, or launched back to the ranks holding the pieces."""
+        return None
+
+    def receive(self, returning: list[Any]) -> None:
+        """Wait for what :meth:`send_back` launched and write each rank's pieces into ``outs``."""
+
+
+class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
+    """``refresh="gather"``: every rank gathers every piece of a bucket, orthogonalizes and keeps its own piece."""
+
+    def plan(self) -> list[_GatherBucket]:
+        return self.refresher._buckets(self.placed, self.config)
+
+    def send(self, bucket: _GatherBucket) -> _InFlight:
+        """Every piece into its padded slot, class by class (one list copy and cast), then one all-gather."""
+        placed = self.placed
+        comm, idx = bucket[0], [i for members in _classes(placed, bucket[1]) for i in members]
+        dtype = self.refresher._payload_dtype(placed[idx[0]][0], self.config)
+        pads = [placed[i][1].pad for i in idx]
+        send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
+        slots, pieces, offset = [], [], 0
+        for i, pad in zip(idx, pads):
+            piece = placed[i][0].update.reshape(-1)
+            if piece.numel():
+                slots.append(send[offset : offset + piece.numel()])
+                pieces.append(piece)
+            offset += pad
+        if pieces:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
+            torch._foreach_copy_(slots, pieces)
+        recv = send.new_empty(comm.world * send.numel())
+        return _InFlight(recv, comm.all_gather(recv, send, async_op=True))
+
+    def assemble(self, bucket: _GatherBucket, arrived: _InFlight) -> _GatherBatch:
+        """Each class's whole matrices; only the regions this rank keeps go to Newton-Schulz, except classes cut
+        by one index (mapped whole, their pieces cut out by :meth:`SpectralRefresh._cut_pieces`)."""
+        comm, idx = bucket
+        table = arrived.recv.view(comm.world, -1)
+        batch, offset = _GatherBatch(), 0
+        for members in _classes(self.placed, idx):  # the order send() packed them in
+            n, pad = len(members), self.placed[members[0]][1].pad
+            # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
+            # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
+            # Newton-Schulz takes them as one batch without a stack.
+            by_matrix = table[:, offset : offset + n * pad].view(comm.world, n, pad).transpose(0, 1).contiguous()
+            offset += n * pad
+            fulls = self.refresher._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
+            if _cut_by_index(*self.placed[members[0]]):
+                batch.cut.append((members, len(batch.pieces)))
+                batch.pieces += list(fulls)
+                batch.where += [None] * n
+                continue
+            for full, i in zip(fulls, members):
+                job, plc = self.placed[i]
+                for a, bnd, c, e in job.regions():
+                    if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
+                        batch.pieces.append(full[a:bnd, c:e])
+                        batch.where.append((i, a, bnd, c, e))
+        return batch
+
+    def send_back(self, bucket: _GatherBucket, batch: _GatherBatch, directions: list[Tensor]) -> None:
+        """Nothing travels back: this rank keeps its piece of every direction (a view where it is one block)."""
+        outs = self.outs
+        for members, start in batch.cut:
+            self.refresher._cut_pieces(self.placed, members, directions[start : start + len(members)], outs)
+        for entry, d in zip(batch.where, directions):
+            if entry is None:  # cut with its class
+                continue
+            i, a, bnd, c, e = entry
+            job, plc = self.placed[i]
+            whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
+            if whole and (view := _rows_view(plc.mine, d)) is not None:
+                outs[i] = view  # this rank's rows of the direction, as they are: nothing written
+                continue
+            if outs[i] is None:
+                outs[i] = _empty_direction(job)
+            plc.mine.write(outs[i], d, a, bnd, c, e)
+
+
+class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
+    """``refresh="owner"``: each matrix's pieces to its owner by one all-to-all per bucket, its direction back."""
+
+    def plan(self) -> list[_OwnerBucket]:
+        return self.refresher._owner_plan(self.placed, self.config)
+
+    def send(self, bucket: _OwnerBucket) -> _InFlight:
+        """Every piece into its slot of the class's largest piece (one list copy and cast), then one all-to-all."""
+        comm, pad = bucket.comm, bucket.pad
+        pieces = [self.placed[i][0].update.reshape(-1) for i in bucket.jobs]
+        full_slots = all(p.numel() == pad for p in pieces)
+        send = (torch.empty if full_slots else torch.zeros)(
+            len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
+        )
+        filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
+        if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
+            torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
+        counts = [bucket.owners.count(r) for r in range(comm.world)]
+        recv = send.new_empty(comm.world * counts[comm.rank] * pad)
+        work = comm.all_to_all(
+            recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
+        )
+        return _InFlight(recv, work)
+
+    def assemble(self, bucket: _OwnerBucket, arrived: _InFlight) -> _OwnerBatch:
+        """The owned matrices whole, each region to Newton-Schulz; the directions are written straight into the
+        (matrices, W * pad) buffer they travel back in (row-major layouts), unscaled where the receivers scale."""
+        placed, comm, pad = self.placed, bucket.comm, bucket.pad
+        owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == comm.rank]
+        back_dtype, scales = self.refresher._return_dtype(placed, bucket.jobs, self.config)
+        back = torch.empty((len(owned), comm.world * pad), device=arrived.recv.device, dtype=back_dtype)
+        # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
+        # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
+        # matrices lie evenly spaced, so Newton-Schulz takes them as one batch without a stack.
+        table = arrived.recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
+        batch = _OwnerBatch(scaled=scales is None, back=back, owned=owned, scales=scales)
+        fulls = self.refresher._fulls(*placed[owned[0]], table) if owned else table  # one class per bucket
+        for t, i in enumerate(owned):
+            job, plc = placed[i]
+            batch.dirs[i] = (
+                back[t, : job.rows * job.cols].view(job.rows, job.cols)
+                if plc.row_major
+                else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device)
+            )
+            for a, bnd, c, e in job.regions():
+                batch.pieces.append(fulls[t][a:bnd, c:e])
+                batch.where.append((i, a, bnd, c, e))
+        return batch
+
+    def send_back(self, bucket: _OwnerBucket, batch: _OwnerBatch, directions: list[Tensor]) -> tuple:
+        """The directions into the return buffer, then one all-to-all back to the ranks holding the pieces."""
+        comm, pad, back, dirs = bucket.comm, bucket.pad, batch.back, batch.dirs
+        if directions:  # one list copy into the return buffer (and cast where it is narrower)
+            torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in batch.where], directions)
+        for t, i in enumerate(batch.owned):  # other layouts: every member's piece to its slot, one scatter
+            if not self.placed[i][1].row_major:
+                index = self.refresher._assembly_index(self.placed[i][0], self.placed[i][1], back.device)
+                back[t].index_put_((index,), dirs[i].reshape(-1))
+        # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
+        send_back = back.view(len(batch.owned), comm.world, pad).transpose(0, 1).reshape(-1)
+        recv_back = send_back.new_empty(len(bucket.jobs) * pad)
+        counts = [bucket.owners.count(r) for r in range(comm.world)]
+        work_back = comm.all_to_all(
+            recv_back, send_back, [c * pad for c in counts], [len(batch.owned) * pad] * comm.world, async_op=True
+        )
+        return bucket, recv_back, work_back, batch.scales
+
+    def receive(self, returning: list[tuple]) -> None:
+        """Sources in rank order, each its matrices in bucket order: the bucket's order, one slot each. Every
+        piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket."""
+        for bucket, recv_back, work, scales in returning:
+            work.wait()
+            job = self.placed[bucket.jobs[0]][0]
+            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, : job.update.numel()]
+            wide = slots.to(_wide(job.update))
+            if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
+                (scale,) = {scales[i] for i in bucket.jobs}
+                wide.mul_(scale)
+            for t, i in enumerate(bucket.jobs):
+                self.outs[i] = wide[t].view(job.update.shape)
+
+
+def _class_key(placed: Sequence[Placed], i: int) -> tuple:
+    """Matrices a gather bucket assembles alike: one shape, placement and dtype."""
+    job, plc = placed[i]
+    return (job.rows, job.cols, plc.pad, plc.members, plc.row_major, job.update.dtype)
+
+
+def _classes(placed: Sequence[Placed], idx: Sequence[int]) -> list[list[int]]:
+    """A bucket's jobs by class, in order of first appearance (the same order on every rank)."""
+    classes: dict[tuple, list[int]] = {}
+    for i in idx:
+        classes.setdefault(_class_key(placed, i), []).append(i)
+    return list(classes.values())
+
+
+def _rows_view(mine: Any, direction: Tensor) -> Tensor | None:
+    """This rank's piece of a whole ``(rows, cols)`` direction as a view, where the piece is one block of
+    consecutive rows with every column (None otherwise: it is written out)."""
+    if len(mine.rows) != 1 or len(mine.cols) != 1:
+        return None
+    r, c = mine.rows[0], mine.cols[0]
+    if c.start != 0 or c.size != direction.shape[1] or r.local != 0 or c.local != 0:
+        return None
+    return direction[r.start : r.stop]
+
+
+def _positions(count: int, device: torch.device) -> Tensor:
+    """``0 .. count-1`` as a gather index: int32 where it fits (half the index bytes), else int64."""
+    return torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=device)
+
+
+def _cut_by_index(job: MatrixJob, plc: _Placement) -> bool:
+    """Whether the gather refresh cuts this class's pieces out of its directions with one index: one logical
+    matrix each (no fused splits), a piece here that is not one block of whole rows (those are views)."""
+    whole = job.regions() == [(0, job.rows, 0, job.cols)]
+    rows_block = len(plc.mine.rows) == 1 and len(plc.mine.cols) == 1 and plc.mine.cols[0].size == job.cols
+    return whole and plc.mine.numel > 0 and not rows_block
