@@ -10,6 +10,7 @@ from torch import nn
 
 from dimuon.bench.host_probe import accelerator_form, dimuon_calls
 from dimuon.optim import build
+from dimuon.optim.distributed.refresh import SpectralRefresh
 from dimuon.optim.distributed.sharded import ShardedEngine
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -68,10 +69,10 @@ def _zero_refresh(monkeypatch) -> None:
     """Zero directions at spectral steps: the fake group's all-gather leaves its buffers as they were, so the
     refresh's values are undefined here (the parity tests on gloo hold them); RowNorm and block steps only move."""
 
-    def zeros(self, placed, config):
+    def zeros(self, placed, config, memo=None):
         return [torch.zeros(job.update.shape, dtype=torch.float32) for job, _ in placed]
 
-    monkeypatch.setattr(ShardedEngine, "_spectral", zeros)
+    monkeypatch.setattr(SpectralRefresh, "directions", zeros)
 
 
 CASES = [("periodic_row_muon", {"k": 2}), ("muon_bp", {"period": 2})]
@@ -108,4 +109,24 @@ def test_memory_bound_steps_take_the_same_calls_at_any_matrix_count(mesh, monkey
             for _ in range(3):  # refresh, memory-bound step (the plans made), refresh
                 opt.step()
             counts.append(dimuon_calls(opt.step))
+    assert counts[0] == counts[1], counts
+
+
+# The owner refresh's work here grows with the classes this rank owns matrices of: enough copies that it owns
+# several of every class in both counts (eight ranks in the largest group).
+@pytest.mark.parametrize("refresh,sizes", [("gather", (2, 8)), ("owner", (16, 40))], ids=["gather", "owner"])
+def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh, sizes):
+    """Muon's spectral step on a plan: what is static about the refresh (placements, buckets, classes, regions,
+    the exchanges' counts) is kept with the plan, so its Python calls do not grow with the matrices either (the
+    FSDP and tensor-parallel layouts, a few copies of each against many)."""
+    from dimuon.bench.census import fake_collectives
+
+    counts = []
+    with accelerator_form(), fake_collectives():  # the fake backend's all-to-all and all-gather made to run
+        for copies in sizes:
+            opt = build("muon", _groups(mesh, copies)[:1], lr=0.05, nonfinite="skip", refresh=refresh)
+            for _ in range(3):  # the per-job step, the plan made, its memo made
+                opt.step()
+            counts.append(dimuon_calls(opt.step))
+            assert opt._plans[0] is not None and opt._plans[0].memo
     assert counts[0] == counts[1], counts

@@ -59,16 +59,18 @@ def _stepping(name: str, matrices: int, world: int = 0, **options: Any) -> Itera
         yield build(name, groups, lr=1e-3, **options)
 
 
-def step_calls(name: str, matrices: int, steps: int = 6, warmup: int = 2, world: int = 0, **options: Any) -> float:
+def step_calls(name: str, matrices: int, steps: int = 30, warmup: int = 10, world: int = 0, **options: Any) -> float:
     """Mean calls into dimuon per step of optimizer ``name`` on ``matrices`` tiny matrices, over ``steps`` steps
-    after ``warmup``, in the accelerator form (``world``: rank 0 of that many fake FSDP2 ranks)."""
+    (whole periods: 30 is a multiple of every default period) after ``warmup`` (past the first step of every kind,
+    which makes the plans and what they keep), in the accelerator form (``world``: rank 0 of that many fake FSDP2
+    ranks)."""
     with _stepping(name, matrices, world, **options) as opt:
         for _ in range(warmup):
             opt.step()
         return sum(dimuon_calls(opt.step) for _ in range(steps)) / steps
 
 
-def step_ms(name: str, matrices: int, steps: int = 30, warmup: int = 3, world: int = 0, **options: Any) -> float:
+def step_ms(name: str, matrices: int, steps: int = 30, warmup: int = 10, world: int = 0, **options: Any) -> float:
     """Median host milliseconds per step, as :func:`step_calls` steps (tiny tensors: the host's work is the step)."""
     with _stepping(name, matrices, world, **options) as opt:
         for _ in range(warmup):

@@ -121,7 +121,7 @@ class AdamWGroup:
         grads = [p.grad for p in part.params]
         # The fused kernel wants the gradient laid out as the parameter: one autograd.grad made strided is copied.
         if fused and part.dtensor:
-            grads = [g if local_tensor(g).is_contiguous() else g.contiguous() for g in grads]
+            grads = [g if getattr(g, "_local_tensor", g).is_contiguous() else g.contiguous() for g in grads]
         elif fused and not all(map(Tensor.is_contiguous, grads)):
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         lr = group_lr(group)

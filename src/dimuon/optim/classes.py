@@ -81,6 +81,7 @@ class GroupPlan:
     slots: dict[int, Tensor] = field(default_factory=dict)  # the CPU's Nesterov batches, kept between steps
     launchable: bool = False  # the fused kernels can take its parameters and momenta (dtypes, layout, one device)
     sharded: bool = False  # DTensor parameters: classes of local pieces (dimuon.optim.distributed.piece_classes)
+    memo: dict = field(default_factory=dict)  # what the sharded engine keeps of these jobs between steps
 
 
 @dataclass

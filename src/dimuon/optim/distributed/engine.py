@@ -231,10 +231,12 @@ def batch_view(matrices: Sequence[Tensor]) -> Tensor | None:
     step = matrices[1].storage_offset() - first.storage_offset()
     storage = first.untyped_storage().data_ptr()
     evenly = step >= first.numel() and all(
-        m.is_contiguous()
-        and m.untyped_storage().data_ptr() == storage
-        and m.storage_offset() == first.storage_offset() + k * step
-        for k, m in enumerate(matrices)
+        [  # a list, not a generator: one Python call, not one per matrix
+            m.is_contiguous()
+            and m.untyped_storage().data_ptr() == storage
+            and m.storage_offset() == first.storage_offset() + k * step
+            for k, m in enumerate(matrices)
+        ]
     )
     if evenly:
         return first.as_strided((len(matrices), *first.shape), (step, *first.stride()), first.storage_offset())

@@ -31,6 +31,7 @@ from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, plan_options
 from dimuon.optim.common import StepKind
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
+from dimuon.optim.distributed.refresh import kept
 from dimuon.optim.linalg import lr_scale_factor, row_factors, square_sums
 
 
@@ -227,7 +228,11 @@ def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: M
     updates = [u for batch in batches for u in batch.unbind(0)]
     for job, u in zip(plan.jobs, updates):
         job.update = u
-    made = engine.directions(plan.jobs, StepKind.SPECTRAL, config)
+    # A plan of one kind per group hands the same jobs at every step: their placements and everything static about
+    # the refresh (split, buckets, classes, regions, exchange counts) are kept in its memo.
+    memo = plan.memo if plan.fixed else {}
+    placed = kept(memo, "placed", lambda: [(job, engine.placement(job)) for job in plan.jobs])
+    made = engine.refresh_placed(placed, config, memo)
     out, start = [], 0
     for cls in plan.classes:
         out.append(made[start : start + len(cls.params)])

@@ -16,7 +16,7 @@ parameters come, so every rank of a group issues the same sequence, empty pieces
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -88,20 +88,28 @@ class SpectralRefresh:
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
 
-    def directions(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
+    def directions(self, placed: Sequence[Placed], config: MapConfig, memo: dict | None = None) -> list[Tensor]:
         """Every job's direction: sharded ones by the gather or owner refresh (the replicas' share of them, with
-        ``replica_refresh="split"``), whole ones by their owners."""
+        ``replica_refresh="split"``), whole ones by their owners. ``memo`` keeps what is static about these jobs
+        (their split, buckets, classes, regions and exchange counts) from step to step: a caller handing the same
+        jobs at every step (a plan's) passes the same dict, so only the step's tensor work is done again."""
+        memo = {} if memo is None else memo
         out: dict[int, Tensor] = {}
-        sharded = [i for i, (_, plc) in enumerate(placed) if plc.shard is not None]
-        whole = [i for i, (_, plc) in enumerate(placed) if plc.shard is None]
+        sharded, mine, exchanges, mine_placed, whole, whole_placed = kept(memo, "split", lambda: self._split(placed))
         if sharded:
-            mine, exchanges = self._replica_shares(placed, sharded)
-            run = self._gather_refresh if self.refresh == "gather" else self._owner_refresh
-            out.update(zip(mine, run([placed[i] for i in mine], config)))
+            run = _GatherExchange if self.refresh == "gather" else _OwnerExchange
+            out.update(zip(mine, self._refresh(run(self, mine_placed, config, memo))))
             self._exchange_over_replicas(placed, exchanges, out)
         if whole:
-            out.update(zip(whole, self._whole_refresh([placed[i] for i in whole], config)))
+            out.update(zip(whole, self._whole_refresh(whole_placed, config)))
         return [out[i] for i in range(len(placed))]
+
+    def _split(self, placed: Sequence[Placed]) -> tuple[list[int], list[int], list, list[Placed], list[int], list]:
+        """The sharded jobs, those this replica refreshes and the replicas' exchanges, and the whole jobs."""
+        sharded = [i for i, (_, plc) in enumerate(placed) if plc.shard is not None]
+        whole = [i for i, (_, plc) in enumerate(placed) if plc.shard is None]
+        mine, exchanges = self._replica_shares(placed, sharded) if sharded else ([], [])
+        return sharded, mine, exchanges, [placed[i] for i in mine], whole, [placed[i] for i in whole]
 
     def _payload_dtype(self, job: MatrixJob, config: MapConfig) -> torch.dtype:
         """What a spectral refresh sends of ``job``'s momentum: ``comm_dtype`` where set, else the Newton-Schulz
@@ -171,8 +179,9 @@ class SpectralRefresh:
             return
         index = self._piece_index(job, plc, batch.device)
         taken = batch.reshape(len(members), -1).index_select(1, index)  # (n, piece elements), this rank's order
+        shape = plc.mine.shape
         for i, piece in zip(members, taken):
-            outs[i] = piece.view(plc.mine.shape)
+            outs[i] = piece.view(shape)
 
     def _piece_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
         """For every element of this rank's piece (local order), its position in the flat ``(rows, cols)``
@@ -206,7 +215,7 @@ class SpectralRefresh:
 
     def _gather_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """All-gather bucket ``i+1`` while Newton-Schulz runs on bucket ``i``; keep this rank's piece."""
-        return self._refresh(_GatherExchange(self, placed, config))
+        return self._refresh(_GatherExchange(self, placed, config, {}))
 
     def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
@@ -262,7 +271,7 @@ class SpectralRefresh:
         bucket's matrices, each in a slot of the class's largest piece) and one back, the forward exchange of
         bucket ``b+1`` in flight while Newton-Schulz runs on bucket ``b``'s matrices, every owner orthogonalizing
         its matrices of the bucket in one batch."""
-        return self._refresh(_OwnerExchange(self, placed, config))
+        return self._refresh(_OwnerExchange(self, placed, config, {}))
 
     def _return_dtype(
         self, placed: Sequence[Placed], idx: Sequence[int], config: MapConfig
@@ -406,9 +415,14 @@ _GatherBucket = tuple[Collectives, list[int]]  # a shard group and the jobs it g
 class _Exchange(Generic[_Bucket, _BatchT]):
     """What a refresh supplies to :meth:`SpectralRefresh._refresh`: its buckets and how pieces travel."""
 
-    def __init__(self, refresher: SpectralRefresh, placed: Sequence[Placed], config: MapConfig) -> None:
-        self.refresher, self.placed, self.config = refresher, placed, config
+    def __init__(self, refresher: SpectralRefresh, placed: Sequence[Placed], config: MapConfig, memo: dict) -> None:
+        self.refresher, self.placed, self.config, self.memo = refresher, placed, config, memo
         self.outs: list[Tensor | None] = [None] * len(placed)
+
+    def kept(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()`` once per memo: a static part of this exchange (``key`` names it; the options it depends on
+        are part of the key)."""
+        return kept(self.memo, (type(self).__name__, self.config.ns_dtype, self.config.lr_scale, key), make)
 
     def plan(self) -> list[_Bucket]:
         """The buckets, the same on every rank of a group."""
@@ -434,34 +448,40 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
     """``refresh="gather"``: every rank gathers every piece of a bucket, orthogonalizes and keeps its own piece."""
 
     def plan(self) -> list[_GatherBucket]:
-        return self.refresher._buckets(self.placed, self.config)
+        return self.kept("buckets", lambda: self.refresher._buckets(self.placed, self.config))
 
     def send(self, bucket: _GatherBucket) -> _InFlight:
         """Every piece into its padded slot, class by class (one list copy and cast), then one all-gather."""
-        placed = self.placed
-        comm, idx = bucket[0], [i for members in _classes(placed, bucket[1]) for i in members]
-        dtype = self.refresher._payload_dtype(placed[idx[0]][0], self.config)
-        pads = [placed[i][1].pad for i in idx]
-        send = placed[idx[0]][0].update.new_zeros(sum(pads), dtype=dtype)
-        slots, pieces, offset = [], [], 0
-        for i, pad in zip(idx, pads):
-            piece = placed[i][0].update.reshape(-1)
-            if piece.numel():
-                slots.append(send[offset : offset + piece.numel()])
-                pieces.append(piece)
-            offset += pad
-        if pieces:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
-            torch._foreach_copy_(slots, pieces)
+        placed, comm = self.placed, bucket[0]
+        size, dtype, slots = self.kept(("send", id(bucket)), lambda: self._packing(bucket))
+        send = placed[slots[0][0] if slots else bucket[1][0]][0].update.new_zeros(size, dtype=dtype)
+        if slots:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
+            torch._foreach_copy_(
+                [send[a:b] for _, a, b in slots], [placed[i][0].update.reshape(-1) for i, _, _ in slots]
+            )
         recv = send.new_empty(comm.world * send.numel())
         return _InFlight(recv, comm.all_gather(recv, send, async_op=True))
+
+    def _packing(self, bucket: _GatherBucket) -> tuple[int, torch.dtype, list[tuple[int, int, int]]]:
+        """A bucket's send buffer: its size, its payload dtype, and where each held piece goes (class by class,
+        each in a slot of its class's largest piece)."""
+        placed = self.placed
+        idx = [i for members in _classes(placed, bucket[1]) for i in members]
+        slots, offset = [], 0
+        for i in idx:
+            numel = placed[i][0].update.numel()
+            if numel:
+                slots.append((i, offset, offset + numel))
+            offset += placed[i][1].pad
+        return offset, self.refresher._payload_dtype(placed[idx[0]][0], self.config), slots
 
     def assemble(self, bucket: _GatherBucket, arrived: _InFlight) -> _GatherBatch:
         """Each class's whole matrices; only the regions this rank keeps go to Newton-Schulz, except classes cut
         by one index (mapped whole, their pieces cut out by :meth:`SpectralRefresh._cut_pieces`)."""
-        comm, idx = bucket
+        comm = bucket[0]
         table = arrived.recv.view(comm.world, -1)
         batch, offset = _GatherBatch(), 0
-        for members in _classes(self.placed, idx):  # the order send() packed them in
+        for members, cut, regions in self.kept(("classes", id(bucket)), lambda: self._assembly(bucket)):
             n, pad = len(members), self.placed[members[0]][1].pad
             # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
             # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
@@ -469,18 +489,32 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
             by_matrix = table[:, offset : offset + n * pad].view(comm.world, n, pad).transpose(0, 1).contiguous()
             offset += n * pad
             fulls = self.refresher._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
-            if _cut_by_index(*self.placed[members[0]]):
+            if cut:
                 batch.cut.append((members, len(batch.pieces)))
                 batch.pieces += list(fulls)
                 batch.where += [None] * n
                 continue
             for full, i in zip(fulls, members):
-                job, plc = self.placed[i]
-                for a, bnd, c, e in job.regions():
-                    if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):  # Newton-Schulz only where kept
-                        batch.pieces.append(full[a:bnd, c:e])
-                        batch.where.append((i, a, bnd, c, e))
+                for region in regions:  # Newton-Schulz only where kept
+                    a, bnd, c, e = region[:4]
+                    batch.pieces.append(full[a:bnd, c:e])
+                    batch.where.append((i, *region))
         return batch
+
+    def _assembly(self, bucket: _GatherBucket) -> list[tuple[list[int], bool, list[tuple]]]:
+        """Per class of the bucket (the order :meth:`send` packed them in): its jobs, whether it is cut out by one
+        index, and the regions this rank keeps of each of its matrices, each with the rows of a direction that
+        are this rank's piece where that is a view (else None) and the dtype such a view must have."""
+        out = []
+        for members in _classes(self.placed, bucket[1]):
+            job, plc = self.placed[members[0]]
+            regions = []
+            for a, bnd, c, e in job.regions():
+                if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):
+                    whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols)
+                    regions.append((a, bnd, c, e, _view_rows(plc.mine, job.cols) if whole else None, _wide(job.update)))
+            out.append((members, _cut_by_index(job, plc), regions))
+        return out
 
     def send_back(self, bucket: _GatherBucket, batch: _GatherBatch, directions: list[Tensor]) -> None:
         """Nothing travels back: this rank keeps its piece of every direction (a view where it is one block)."""
@@ -490,12 +524,11 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
         for entry, d in zip(batch.where, directions):
             if entry is None:  # cut with its class
                 continue
-            i, a, bnd, c, e = entry
-            job, plc = self.placed[i]
-            whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols) and d.dtype == _wide(job.update)
-            if whole and (view := _rows_view(plc.mine, d)) is not None:
-                outs[i] = view  # this rank's rows of the direction, as they are: nothing written
+            i, a, bnd, c, e, rows, wide = entry
+            if rows is not None and d.dtype == wide:
+                outs[i] = d[rows[0] : rows[1]]  # this rank's rows of the direction, as they are: nothing written
                 continue
+            job, plc = self.placed[i]
             if outs[i] is None:
                 outs[i] = _empty_direction(job)
             plc.mine.write(outs[i], d, a, bnd, c, e)
@@ -505,20 +538,28 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
     """``refresh="owner"``: each matrix's pieces to its owner by one all-to-all per bucket, its direction back."""
 
     def plan(self) -> list[_OwnerBucket]:
-        return self.refresher._owner_plan(self.placed, self.config)
+        return self.kept("buckets", lambda: self.refresher._owner_plan(self.placed, self.config))
+
+    def _counts(self, bucket: _OwnerBucket) -> tuple[list[int], bool, list[int], tuple, list]:
+        """A bucket's static parts: matrices per owner (group rank order), whether every piece fills its slot, the
+        matrices this rank owns, the return dtype with the receivers' lr scales, and each owned matrix's regions."""
+        counts = [bucket.owners.count(r) for r in range(bucket.comm.world)]
+        full_slots = all([self.placed[i][0].update.numel() == bucket.pad for i in bucket.jobs])
+        owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == bucket.comm.rank]
+        back = self.refresher._return_dtype(self.placed, bucket.jobs, self.config)
+        return counts, full_slots, owned, back, [self.placed[i][0].regions() for i in owned]
 
     def send(self, bucket: _OwnerBucket) -> _InFlight:
         """Every piece into its slot of the class's largest piece (one list copy and cast), then one all-to-all."""
         comm, pad = bucket.comm, bucket.pad
+        counts, full_slots, *_ = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))
         pieces = [self.placed[i][0].update.reshape(-1) for i in bucket.jobs]
-        full_slots = all(p.numel() == pad for p in pieces)
         send = (torch.empty if full_slots else torch.zeros)(
             len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
         )
         filled = [(send[t * pad : t * pad + p.numel()], p) for t, p in enumerate(pieces) if p.numel()]
         if filled:  # one list copy (and cast to the payload dtype) of every piece into its slot
             torch._foreach_copy_([slot for slot, _ in filled], [p for _, p in filled])
-        counts = [bucket.owners.count(r) for r in range(comm.world)]
         recv = send.new_empty(comm.world * counts[comm.rank] * pad)
         work = comm.all_to_all(
             recv, send, [counts[comm.rank] * pad] * comm.world, [c * pad for c in counts], async_op=True
@@ -529,8 +570,7 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         """The owned matrices whole, each region to Newton-Schulz; the directions are written straight into the
         (matrices, W * pad) buffer they travel back in (row-major layouts), unscaled where the receivers scale."""
         placed, comm, pad = self.placed, bucket.comm, bucket.pad
-        owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == comm.rank]
-        back_dtype, scales = self.refresher._return_dtype(placed, bucket.jobs, self.config)
+        _, _, owned, (back_dtype, scales), regions = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))
         back = torch.empty((len(owned), comm.world * pad), device=arrived.recv.device, dtype=back_dtype)
         # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
         # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
@@ -538,14 +578,14 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         table = arrived.recv.view(comm.world, len(owned), pad).transpose(0, 1).contiguous()
         batch = _OwnerBatch(scaled=scales is None, back=back, owned=owned, scales=scales)
         fulls = self.refresher._fulls(*placed[owned[0]], table) if owned else table  # one class per bucket
-        for t, i in enumerate(owned):
+        for t, (i, job_regions) in enumerate(zip(owned, regions)):
             job, plc = placed[i]
             batch.dirs[i] = (
                 back[t, : job.rows * job.cols].view(job.rows, job.cols)
                 if plc.row_major
                 else torch.empty((job.rows, job.cols), dtype=back.dtype, device=back.device)
             )
-            for a, bnd, c, e in job.regions():
+            for a, bnd, c, e in job_regions:
                 batch.pieces.append(fulls[t][a:bnd, c:e])
                 batch.where.append((i, a, bnd, c, e))
         return batch
@@ -555,14 +595,15 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         comm, pad, back, dirs = bucket.comm, bucket.pad, batch.back, batch.dirs
         if directions:  # one list copy into the return buffer (and cast where it is narrower)
             torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in batch.where], directions)
-        for t, i in enumerate(batch.owned):  # other layouts: every member's piece to its slot, one scatter
-            if not self.placed[i][1].row_major:
-                index = self.refresher._assembly_index(self.placed[i][0], self.placed[i][1], back.device)
-                back[t].index_put_((index,), dirs[i].reshape(-1))
+        if batch.owned and not self.placed[batch.owned[0]][1].row_major:  # one class a bucket: every member's
+            # piece of every owned direction to its slot, in one scatter through the class's index
+            job, plc = self.placed[batch.owned[0]]
+            index = self.refresher._assembly_index(job, plc, back.device)
+            back[:, index] = torch.stack([dirs[i].reshape(-1) for i in batch.owned])
         # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
         send_back = back.view(len(batch.owned), comm.world, pad).transpose(0, 1).reshape(-1)
         recv_back = send_back.new_empty(len(bucket.jobs) * pad)
-        counts = [bucket.owners.count(r) for r in range(comm.world)]
+        counts = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))[0]
         work_back = comm.all_to_all(
             recv_back, send_back, [c * pad for c in counts], [len(batch.owned) * pad] * comm.world, async_op=True
         )
@@ -597,15 +638,26 @@ def _classes(placed: Sequence[Placed], idx: Sequence[int]) -> list[list[int]]:
     return list(classes.values())
 
 
-def _rows_view(mine: Any, direction: Tensor) -> Tensor | None:
-    """This rank's piece of a whole ``(rows, cols)`` direction as a view, where the piece is one block of
-    consecutive rows with every column (None otherwise: it is written out)."""
+def _view_rows(mine: Any, cols: int) -> tuple[int, int] | None:
+    """The rows of a whole ``(rows, cols)`` direction that are this rank's piece, where the piece is one block of
+    consecutive rows with every column (a view of them); None otherwise (the piece is written out)."""
     if len(mine.rows) != 1 or len(mine.cols) != 1:
         return None
     r, c = mine.rows[0], mine.cols[0]
-    if c.start != 0 or c.size != direction.shape[1] or r.local != 0 or c.local != 0:
+    if c.start != 0 or c.size != cols or r.local != 0 or c.local != 0:
         return None
-    return direction[r.start : r.stop]
+    return r.start, r.stop
+
+
+_MISSING = object()
+
+
+def kept(memo: dict, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``memo[key]``, made by ``make()`` the first time: what a plan's jobs keep between steps."""
+    found = memo.get(key, _MISSING)
+    if found is _MISSING:
+        found = memo[key] = make()
+    return found
 
 
 def _positions(count: int, device: torch.device) -> Tensor:

@@ -381,6 +381,10 @@ class ShardedEngine:
             out.update(zip(rest, self._rownorm([placed[i] for i in rest], config)))
         return [out[i] for i in range(len(placed))]
 
+    def refresh_placed(self, placed: Sequence[Placed], config: MapConfig, memo: dict) -> list[Tensor]:
+        """The spectral refresh of jobs already placed, what is static about them kept in ``memo`` (a plan's)."""
+        return self._refresher.directions(placed, config, memo)
+
     def _spectral(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
         """The spectral refresh (:mod:`dimuon.optim.distributed.refresh`): gather or owner within the shard groups,
         the replicas' split, the owners' share of matrices held whole."""
