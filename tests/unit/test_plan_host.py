@@ -58,6 +58,19 @@ def test_host_model_recovers_the_costs_it_was_made_from():
     assert model.seconds("spectral_gather", 140, 195) == pytest.approx(1890e-6)
 
 
+def test_sharded_rows_give_the_terms_where_the_record_has_them():
+    """The plan models a rank's step on a mesh: a record with sharded rows (at two worlds) is fitted from the
+    largest world's, and the one-process rows are left aside."""
+    record = _record()
+    for world, const in ((64, 900.0), (256, 300.0)):
+        for m in (20, 140, 560):
+            row = _row(f"muon [fsdp W={world}]", m, {"spectral": (195, (const + 2.0 * 195) / 1e3)})
+            record["rows"].append({**row, "layout": "fsdp", "world": world})
+    terms = dict(host_model(record, "sharded").terms)
+    assert terms["spectral_owner"] == HostTerm(300.0, 0.0, 2.0)  # flat in the matrices, from W = 256
+    assert terms["rownorm"] == HostTerm(50.0, 4.0, 2.0)  # no sharded PeriodicRowMuon row: the one-process one
+
+
 def test_a_record_without_a_row_or_a_price_is_refused_by_name():
     record = _record()
     record["rows"] = [r for r in record["rows"] if r["name"] != "muon_bp"]

@@ -4,6 +4,8 @@ A step's Python grows with its matrices as well as with its ops, so each step ki
 step, a cost per Muon matrix and a cost per dispatched op. The per-op cost is the record's own price of one
 dispatched op (``op_us``: dispatch and launch of a one-element op); the constant and the per-matrix cost are the
 least-squares line through the kind's host time less its ops' cost, over the record's matrix counts (20, 140, 560).
+Where the record has sharded rows (rank 0 of a fake FSDP2 world) the terms come from them: the plan models a rank's
+step on a mesh.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dimuon.bench.host_report import LAYOUT
 
 __all__ = ["KIND_ROWS", "HostModel", "HostTerm", "fit_line", "host_model", "load_host_record"]
 
@@ -65,11 +69,20 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def _sharded_row(record: dict[str, Any], row: str) -> str | None:
+    """The name of ``row``'s sharded twin at the record's largest world (``muon [fsdp W=256]``), where it has one:
+    the step the plan models is a rank's sharded step."""
+    worlds = [r["world"] for r in record["rows"] if r.get("layout") and r["name"].split(" [")[0] == row]
+    return f"{row} [{LAYOUT} W={max(worlds)}]" if worlds else None
+
+
 def _points(record: dict[str, Any], row: str, kind: str) -> list[tuple[int, float, float]]:
-    """(matrices, ops per step, host us per step) of one eager row's step kind at every size measured."""
+    """(matrices, ops per step, host us per step) of one eager row's step kind at every size measured: its sharded
+    twin's where the record has sharded rows."""
     out = []
+    name = _sharded_row(record, row) or row
     for r in record["rows"]:
-        if r["name"] != row or r["mode"] != "eager" or r["status"] != "ok":
+        if r["name"] != name or r["mode"] != "eager" or r["status"] != "ok":
             continue
         k = r["kinds"].get(kind) or (r["kinds"][next(iter(r["kinds"]))] if kind == "step" else None)
         if k and k.get("host_ms") is not None and k.get("ops_per_step") is not None:
