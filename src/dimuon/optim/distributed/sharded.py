@@ -564,17 +564,15 @@ class ShardedEngine:
             parts[i].append((region, f))
         reduced = []
         for comm, entries in pending.values():
-            flat = torch.cat(_partial_square_sums(entries))
+            flat = _square_sums_flat(entries)
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            # The same factor as linalg.row_factors, with the norm of each whole oriented row: one division for all.
-            factors = self._scale_vector(entries, flat) / flat.sqrt().clamp(min=1e-7)
-            for e, f in zip(entries, factors.split([e.length for e in entries])):
+            for e, f in zip(entries, _split_row_factors(entries, flat, self._scale_vector(entries, flat))):
                 if e.region is not None:
-                    parts[e.job].append((e.region, f[:, None] if e.wide else f[None, :]))
+                    parts[e.job].append((e.region, f))
         for p in parts:
-            p.sort(key=lambda part: part[0])
+            p.sort(key=_region_order)
         return [compose_row_direction(job.update, p) for (job, _), p in zip(placed, parts)]
 
     def _scale_vector(self, entries: Sequence[_SplitRows], like: Tensor) -> Tensor:
@@ -932,7 +930,7 @@ class _GatherExchange(_Exchange):
             # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
             # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
             # Newton-Schulz takes them as one batch without a stack.
-            by_matrix = table[:, offset : offset + n * pad].view(comm.world, n, pad).transpose(0, 1).contiguous()
+            by_matrix = _by_matrix(table[:, offset : offset + n * pad], n, pad)
             offset += n * pad
             fulls = self.engine._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
             if _cut_by_index(*self.placed[members[0]]):
@@ -965,6 +963,12 @@ class _GatherExchange(_Exchange):
             if outs[i] is None:
                 outs[i] = _empty_direction(job)
             plc.mine.write(outs[i], d, a, bnd, c, e)
+
+
+def _by_matrix(table: Tensor, count: int, pad: int) -> Tensor:
+    """A ``(W, count * pad)`` table of gathered pieces as ``(count, W, pad)``: one copy (a function of its own, so
+    that a compiled step keeps it in a graph: the bucket loop around it runs as Python)."""
+    return table.view(table.shape[0], count, pad).transpose(0, 1).contiguous()
 
 
 class _OwnerExchange(_Exchange):
@@ -1039,14 +1043,22 @@ class _OwnerExchange(_Exchange):
         piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket."""
         for bucket, recv_back, work, scales in returning:
             work.wait()
-            job = self.placed[bucket.jobs[0]][0]
-            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, : job.update.numel()]
-            wide = slots.to(_wide(job.update))
+            scale = None
             if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
                 (scale,) = {scales[i] for i in bucket.jobs}
-                wide.mul_(scale)
-            for t, i in enumerate(bucket.jobs):
-                self.outs[i] = wide[t].view(job.update.shape)
+            update = self.placed[bucket.jobs[0]][0].update
+            for i, d in zip(bucket.jobs, _returned(recv_back, len(bucket.jobs), bucket.pad, update, scale)):
+                self.outs[i] = d
+
+
+def _returned(recv: Tensor, count: int, pad: int, like: Tensor, scale: float | None) -> list[Tensor]:
+    """An owner bucket's directions as they came back, ``count`` slots of ``pad``: each shaped as ``like`` in its
+    fp32-or-wider dtype, times ``scale`` where the owner left it to the receiver (a function of its own, so that a
+    compiled step keeps it in a graph: the loop around the wait runs as Python)."""
+    wide = recv.view(count, pad)[:, : like.numel()].to(_wide(like))
+    if scale is not None:
+        wide.mul_(scale)
+    return [wide[t].view(like.shape) for t in range(count)]
 
 
 # The padded all-gather of :func:`_gather_segments` moves W times the largest segment; past this many times the
@@ -1281,6 +1293,30 @@ def _partial_square_sums(entries: Sequence[_SplitRows]) -> list[Tensor]:
         for k, total in zip(idx, sums):
             out[k] = total.reshape(-1)
     return out  # type: ignore[return-value]
+
+
+def _region_order(part: RegionFactor) -> int:
+    """A part's place among its job's regions as one int: its region's ``(r0, r1, c0)``, which decide it (regions do
+    not overlap) and are plain ints, where ``c1`` may be a compiled step's symbolic size, which it cannot sort by."""
+    r0, r1, c0, _ = part[0]
+    return (r0 * _SPAN + r1) * _SPAN + c0
+
+
+_SPAN = 1 << 40  # above any row or column index
+
+
+def _square_sums_flat(entries: Sequence[_SplitRows]) -> Tensor:
+    """The entries' partial sums of squares end to end, the buffer their all-reduce sums (a function of its own, so
+    that a compiled step keeps it in a graph: the loop around the all-reduce runs as Python)."""
+    return torch.cat(_partial_square_sums(entries))
+
+
+def _split_row_factors(entries: Sequence[_SplitRows], sums: Tensor, scales: Tensor) -> list[Tensor]:
+    """Each entry's RowNorm factors from the all-reduced ``sums`` (each whole oriented row's squared norm) and the
+    ``scales`` vector: the same factor as linalg.row_factors, one division for all, shaped ``(n, 1)`` for a wide
+    matrix's rows and ``(1, n)`` for a tall one's columns (kept in a graph by a compiled step, as above)."""
+    factors = scales / sums.sqrt().clamp(min=1e-7)
+    return [f[:, None] if e.wide else f[None, :] for e, f in zip(entries, factors.split([e.length for e in entries]))]
 
 
 def _wide(t: Tensor) -> torch.dtype:
