@@ -93,6 +93,9 @@ def _profiled(step: Any) -> dict[str, int]:
     return _outside_ops(prof)
 
 
+NAN_STEP = 3
+
+
 def _set_grads(model: nn.Module, rank: int, t: int) -> None:
     """Step ``t``'s gradients on this rank, the same in both runs whatever the weights (a difference does not feed
     back through the forward), with a NaN on the last rank at step 3 (a step every rank skips)."""
@@ -104,24 +107,28 @@ def _set_grads(model: nn.Module, rank: int, t: int) -> None:
             local.view(-1)[0] = float("nan")
 
 
-NAN_STEP = 3
-
-
-def _run(model_name: str, name: str, opts: dict, steps: int, compiled: bool, profiled: int) -> dict:
+def _run(model_name: str, name: str, opts: dict, steps: int, backend: str | None, profiled: int) -> dict:
     """``steps`` steps of the seeded model on set gradients, the first eager (it makes the state), the others
-    compiled if asked; the last ``profiled`` ones under the profiler."""
+    compiled if a ``backend`` is given (``"eager"``: dynamo's graphs run as traced; ``"inductor"``); the last
+    ``profiled`` ones under the profiler."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    graphs: list[int] = []
+    graphs: list[int] = []  # nodes of each graph compiled
+    seen: list[int] = []  # graphs compiled by the end of each step
+    runs = [0] * steps  # graphs run in each step
+    outside: list[dict[str, int]] = []
+    seconds: list[float] = []
 
     def counting(gm: torch.fx.GraphModule, inputs: list) -> Any:
         graphs.append(len(gm.graph.nodes))
+        forward = gm.forward if backend == "eager" else torch._inductor.compile(gm, inputs)
 
         def run(*args: Any) -> Any:
+            runs[len(seen)] += 1
             with record_function(GRAPH):
-                return gm.forward(*args)
+                return forward(*args)
 
         return run
 
@@ -129,8 +136,7 @@ def _run(model_name: str, name: str, opts: dict, steps: int, compiled: bool, pro
     model, opt = make(model_name, name, dict(opts, nonfinite="skip"), torch.distributed.get_world_size())
     x, y = batch(model_name, 0)
     nn.functional.mse_loss(model(x), y).backward()  # the gradients' DTensors, refilled at every step
-    step = torch.compile(opt.step, backend=counting) if compiled else opt.step
-    seen, outside, seconds = [], [], []
+    step = torch.compile(opt.step, backend=counting) if backend else opt.step
     for t in range(steps):
         _set_grads(model, rank, t)
         start = time.perf_counter()
@@ -146,13 +152,24 @@ def _run(model_name: str, name: str, opts: dict, steps: int, compiled: bool, pro
     for text, count in counters["graph_break"].items():
         reasons[_reason(text)] += count
     weights = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-    return {"weights": weights, "graphs": seen, "reasons": dict(reasons), "outside": outside, "seconds": seconds}
+    comm = {kind: (v["calls"], v["bytes"]) for kind, v in opt.comm_stats().items()}
+    return {
+        "weights": weights,
+        "comm": comm,
+        "graphs": seen,
+        "reasons": dict(reasons),
+        "outside": outside,
+        "seconds": seconds,
+        "runs": runs,
+    }
 
 
-def compiled_and_eager(rank: int, world: int, model: str, name: str, opts: dict, steps: int, profiled: int) -> dict:
+def compiled_and_eager(
+    rank: int, world: int, model: str, name: str, opts: dict, steps: int, profiled: int, backend: str = "eager"
+) -> dict:
     """Per rank: the eager and the compiled run of the same steps (see :func:`_run`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eager = _run(model, name, opts, steps, compiled=False, profiled=profiled)
-        compiled = _run(model, name, opts, steps, compiled=True, profiled=profiled)
+        eager = _run(model, name, opts, steps, None, profiled)
+        compiled = _run(model, name, opts, steps, backend, profiled)
     return {"eager": eager, "compiled": compiled}
