@@ -51,7 +51,18 @@ class DiTShaped(nn.Module):
         return x
 
 
-MODELS = {"odd": (OddShapes, 12, {"g.weight": 3}), "dit": (DiTShaped, 64, None)}
+class Tiny(nn.Module):
+    """Four small layers: a tall matrix, two squares of one shape (one batch), a wide one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+MODELS = {"odd": (OddShapes, 12, {"g.weight": 3}), "dit": (DiTShaped, 64, None), "tiny": (Tiny, 12, None)}
 
 
 def make(model_name: str, optimizer: str, opts: dict, world: int | None, device: str = "cpu"):

@@ -72,14 +72,17 @@ def test_inductor_step_keeps_the_eager_values(name: str) -> None:
 
 @pytest.mark.parametrize(("name", "nonfinite"), [("muon", "raise"), ("adaptive_row_muon", "skip")])
 def test_host_reads_are_the_one_graph_break(name: str, nonfinite: str) -> None:
-    """``nonfinite="raise"`` reads the vote on the host at every step, and AdaptiveRowMuon its signals (its matrices
-    go to the engine job by job, whose batching reads storage offsets): a plain ``torch.compile`` breaks the graph
-    there (the eager values: test_optim_execution.py), ``fullgraph=True`` refuses them."""
+    """``nonfinite="raise"`` reads the vote on the host at every step, and AdaptiveRowMuon its signals once a step
+    has references to measure them against (the third here: two eager steps first): a plain ``torch.compile`` breaks
+    the graph there (the eager values: test_optim_execution.py), ``fullgraph=True`` refuses them."""
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ps = make_params()
         opt = make_optimizer(name, ps, nonfinite)
-        set_grads(ps, 0, "raise")
-        with pytest.raises(torch._dynamo.exc.Unsupported):
+        for t in range(2):
+            set_grads(ps, t, "raise")
+            opt.step()
+        set_grads(ps, 2, "raise")
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="tolist"):
             torch.compile(opt.step, fullgraph=True, backend="eager")()

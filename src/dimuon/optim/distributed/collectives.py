@@ -28,6 +28,10 @@ from torch import Tensor
 
 Key = tuple[str, str]  # (mesh dimension label, collective kind)
 
+# A compiled step breaks its graph at each collective and at each wait for one: they run as in eager, counted and
+# timed on the host (the counter's lists and clocks are not traced), and the math between them stays in graphs.
+_boundary = torch.compiler.disable
+
 
 def _empty_entry() -> dict[str, Any]:
     return {"calls": 0, "bytes": 0, "exposed_s": 0.0, "launches": 0}
@@ -123,6 +127,7 @@ class _TimedWork:
     def __init__(self, work: Any, counter: CommCounter, key: Key, tensors: tuple[Tensor, ...]) -> None:
         self.work, self.counter, self.key, self.tensors = work, counter, key, tensors
 
+    @_boundary
     def wait(self) -> None:
         with self.counter.exposed(self.key, self.tensors[0].device):
             self.work.wait()
@@ -143,6 +148,7 @@ class _AllWork:
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = list(works)
 
+    @_boundary
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -175,6 +181,7 @@ class Collectives:
     def _key(self, kind: str) -> Key:
         return (self.label, kind)
 
+    @_boundary
     def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
         """``output`` (W * local.numel()) receives every rank's ``local`` in rank order."""
         self.counter.record(self._key("all_gather"), _nbytes(output) * (self.world - 1) // self.world)
@@ -187,6 +194,7 @@ class Collectives:
             lambda: gather(output, local, group=self.group, async_op=async_op),
         )
 
+    @_boundary
     def all_reduce(self, tensor: Tensor, async_op: bool = False, kind: str = "all_reduce"):
         """Sum ``tensor`` over ranks in place."""
         self.counter.record(self._key(kind), 2 * _nbytes(tensor) * (self.world - 1) // self.world)
@@ -198,6 +206,7 @@ class Collectives:
             lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op),
         )
 
+    @_boundary
     def all_max(self, values: Tensor, kind: str = "all_reduce[agree]") -> Tensor:
         """``values`` replaced in place by their elementwise maximum over the ranks (identical on every rank)."""
         self.counter.record(self._key(kind), 2 * _nbytes(values) * (self.world - 1) // self.world)
@@ -210,6 +219,7 @@ class Collectives:
         )
         return values
 
+    @_boundary
     def all_true(self, flag: Tensor) -> Tensor:
         """``flag`` AND-ed over the ranks by one all-reduce, on ``flag``'s device (no host read): a 0-d bool in 4
         bytes, or each flag of a 1-D bool tensor (a contiguous one, AND-ed in place) in one byte."""
@@ -224,6 +234,7 @@ class Collectives:
         )
         return value[0] > 0 if flag.dim() == 0 else value.view(torch.bool)
 
+    @_boundary
     def all_to_all(
         self,
         output: Tensor,
@@ -245,6 +256,7 @@ class Collectives:
             ),
         )
 
+    @_boundary
     def broadcasts(self, pieces: Sequence[tuple[Tensor, int]]) -> Any:
         """Each ``(tensor, src)`` broadcast from group rank ``src``, async; one handle whose ``wait()`` waits for all.
 
@@ -265,6 +277,7 @@ class Collectives:
         self.counter.record_group(key, len(pieces))
         return _TimedWork(grouped, self.counter, key, tuple(tensor for tensor, _ in pieces))
 
+    @_boundary
     def broadcast(self, tensor: Tensor, src: int, async_op: bool = False):
         """``tensor`` from group rank ``src`` to every rank."""
         self.counter.record(self._key("broadcast"), _nbytes(tensor) if self.rank != src else 0)

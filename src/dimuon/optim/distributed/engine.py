@@ -228,6 +228,8 @@ def batch_view(matrices: Sequence[Tensor]) -> Tensor | None:
         return None
     if len(matrices) == 1:
         return first.unsqueeze(0)
+    if torch.compiler.is_compiling():  # storage offsets and pointers are not traced: the callers stack (same values)
+        return None
     step = matrices[1].storage_offset() - first.storage_offset()
     storage = first.untyped_storage().data_ptr()
     evenly = step >= first.numel() and all(

@@ -169,29 +169,54 @@ def make_piece_plan(
 def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor]) -> list[Tensor]:
     """Per class, its RowNorm factors ``(B, rows, 1)`` or ``(B, 1, cols)`` where they tile the local matrix, else
     its direction: whole oriented rows from the batch, split ones from one flat all-reduce of partial sums of
-    squares per process group (launched for every group before any wait)."""
-    # per class, per entry (in the local order the tiling was decided in) its factor
+    squares per process group (launched for every group before any wait). The math before and after the
+    collectives is in functions of its own, so that a compiled step keeps it in graphs."""
+    parts, groups = _local_row_factors(classes, batches)
+    launched = [(items, flat, comm.all_reduce(flat, async_op=True)) for comm, items, flat in groups]
+    for _, _, work in launched:
+        work.wait()
+    return _row_directions(classes, batches, parts, [(items, flat) for items, flat, _ in launched])
+
+
+_Items = list[tuple[int, int, Tensor]]  # (class, entry, its partial sums) of one process group's all-reduce
+
+
+def _local_row_factors(
+    classes: Sequence[PieceClass], batches: Sequence[Tensor]
+) -> tuple[list[list[Tensor | None]], list[tuple[Collectives, _Items, Tensor]]]:
+    """Per class and entry the factors of the oriented rows whole here (None for split ones); per process group
+    (in first-appearance order, the same on its every rank) the split rows' partial sums, and them end to end."""
     parts: list[list[Tensor | None]] = [[None] * len(cls.entries) for cls in classes]
-    pending: dict[int, tuple[Collectives, list[tuple[int, int, Tensor]]]] = {}
+    comms: list[Collectives] = []
+    members: list[_Items] = []
     for ci, (cls, batch) in enumerate(zip(classes, batches)):
-        n = batch.shape[0]
         for k, e in enumerate(cls.entries):
             block = None if e.region is None else batch[:, e.region[0] : e.region[1], e.region[2] : e.region[3]]
             if e.comm is None:
                 parts[ci][k] = row_factors(block, scale=e.scale)  # type: ignore[arg-type]
                 continue
             if block is None:  # a tall matrix none of whose rows are here: zeros to the column sums
-                sums = torch.zeros(n * e.length, dtype=torch.float32, device=batch.device)
+                sums = torch.zeros(batch.shape[0] * e.length, dtype=torch.float32, device=batch.device)
             else:
                 wide_dtype = torch.promote_types(block.dtype, torch.float32)
                 sums = square_sums(block.to(wide_dtype), -1 if e.wide else -2).reshape(-1)
-            pending.setdefault(id(e.comm), (e.comm, []))[1].append((ci, k, sums))
-    launched = []
-    for comm, items in pending.values():
-        flat = torch.cat([sums for _, _, sums in items])
-        launched.append((items, flat, comm.all_reduce(flat, async_op=True)))
-    for items, flat, work in launched:
-        work.wait()
+            found = [j for j, comm in enumerate(comms) if comm is e.comm]
+            if not found:
+                comms.append(e.comm)
+                members.append([])
+            members[found[0] if found else -1].append((ci, k, sums))
+    return parts, [(comm, items, torch.cat([s for _, _, s in items])) for comm, items in zip(comms, members)]
+
+
+def _row_directions(
+    classes: Sequence[PieceClass],
+    batches: Sequence[Tensor],
+    parts: list[list[Tensor | None]],
+    reduced: Sequence[tuple[_Items, Tensor]],
+) -> list[Tensor]:
+    """The split rows' factors from their all-reduced sums (each whole oriented row's squared norm: the factor of
+    linalg.row_factors, one division per group), then every class's factors or direction."""
+    for items, flat in reduced:
         factors = _scales(classes, items, flat) / flat.sqrt().clamp(min=1e-7)
         for (ci, k, _), f in zip(items, factors.split([s.numel() for _, _, s in items])):
             e = classes[ci].entries[k]

@@ -410,6 +410,11 @@ class _OwnerBatch(_Batch):
 _Bucket = TypeVar("_Bucket")
 _BatchT = TypeVar("_BatchT", bound=_Batch)
 _GatherBucket = tuple[Collectives, list[int]]  # a shard group and the jobs it gathers together
+# A bucket with what is static about it: the gather's packing and assembly, the owner's counts and regions.
+_GatherItem = tuple[
+    _GatherBucket, tuple[int, torch.dtype, list[tuple[int, int, int]]], list[tuple[list[int], bool, list[tuple]]]
+]
+_OwnerItem = tuple["_OwnerBucket", tuple[list[int], bool, list[int], tuple, list]]
 
 
 class _Exchange(Generic[_Bucket, _BatchT]):
@@ -444,16 +449,22 @@ class _Exchange(Generic[_Bucket, _BatchT]):
         """Wait for what :meth:`send_back` launched and write each rank's pieces into ``outs``."""
 
 
-class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
+class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
     """``refresh="gather"``: every rank gathers every piece of a bucket, orthogonalizes and keeps its own piece."""
 
-    def plan(self) -> list[_GatherBucket]:
-        return self.kept("buckets", lambda: self.refresher._buckets(self.placed, self.config))
+    def plan(self) -> list[_GatherItem]:
+        """The buckets, each with its packing and assembly (static: kept with a plan's memo)."""
+        return self.kept(
+            "buckets",
+            lambda: [
+                (b, self._packing(b), self._assembly(b)) for b in self.refresher._buckets(self.placed, self.config)
+            ],
+        )
 
-    def send(self, bucket: _GatherBucket) -> _InFlight:
+    def send(self, item: _GatherItem) -> _InFlight:
         """Every piece into its padded slot, class by class (one list copy and cast), then one all-gather."""
-        placed, comm = self.placed, bucket[0]
-        size, dtype, slots = self.kept(("send", id(bucket)), lambda: self._packing(bucket))
+        placed, (bucket, (size, dtype, slots), _) = self.placed, item
+        comm = bucket[0]
         send = placed[slots[0][0] if slots else bucket[1][0]][0].update.new_zeros(size, dtype=dtype)
         if slots:  # one list copy (and cast to the payload dtype) of every piece into its padded slot
             torch._foreach_copy_(
@@ -475,18 +486,19 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
             offset += placed[i][1].pad
         return offset, self.refresher._payload_dtype(placed[idx[0]][0], self.config), slots
 
-    def assemble(self, bucket: _GatherBucket, arrived: _InFlight) -> _GatherBatch:
+    def assemble(self, item: _GatherItem, arrived: _InFlight) -> _GatherBatch:
         """Each class's whole matrices; only the regions this rank keeps go to Newton-Schulz, except classes cut
         by one index (mapped whole, their pieces cut out by :meth:`SpectralRefresh._cut_pieces`)."""
+        bucket, _, classes = item
         comm = bucket[0]
         table = arrived.recv.view(comm.world, -1)
         batch, offset = _GatherBatch(), 0
-        for members, cut, regions in self.kept(("classes", id(bucket)), lambda: self._assembly(bucket)):
+        for members, cut, regions in classes:
             n, pad = len(members), self.placed[members[0]][1].pad
             # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
             # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
             # Newton-Schulz takes them as one batch without a stack.
-            by_matrix = table[:, offset : offset + n * pad].view(comm.world, n, pad).transpose(0, 1).contiguous()
+            by_matrix = _by_matrix(table[:, offset : offset + n * pad], n, pad)
             offset += n * pad
             fulls = self.refresher._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
             if cut:
@@ -516,7 +528,7 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
             out.append((members, _cut_by_index(job, plc), regions))
         return out
 
-    def send_back(self, bucket: _GatherBucket, batch: _GatherBatch, directions: list[Tensor]) -> None:
+    def send_back(self, item: _GatherItem, batch: _GatherBatch, directions: list[Tensor]) -> None:
         """Nothing travels back: this rank keeps its piece of every direction (a view where it is one block)."""
         outs = self.outs
         for members, start in batch.cut:
@@ -534,11 +546,14 @@ class _GatherExchange(_Exchange[_GatherBucket, _GatherBatch]):
             plc.mine.write(outs[i], d, a, bnd, c, e)
 
 
-class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
+class _OwnerExchange(_Exchange[_OwnerItem, _OwnerBatch]):
     """``refresh="owner"``: each matrix's pieces to its owner by one all-to-all per bucket, its direction back."""
 
-    def plan(self) -> list[_OwnerBucket]:
-        return self.kept("buckets", lambda: self.refresher._owner_plan(self.placed, self.config))
+    def plan(self) -> list[_OwnerItem]:
+        """The buckets, each with its static parts (:meth:`_counts`; kept with a plan's memo)."""
+        return self.kept(
+            "buckets", lambda: [(b, self._counts(b)) for b in self.refresher._owner_plan(self.placed, self.config)]
+        )
 
     def _counts(self, bucket: _OwnerBucket) -> tuple[list[int], bool, list[int], tuple, list]:
         """A bucket's static parts: matrices per owner (group rank order), whether every piece fills its slot, the
@@ -549,10 +564,10 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         back = self.refresher._return_dtype(self.placed, bucket.jobs, self.config)
         return counts, full_slots, owned, back, [self.placed[i][0].regions() for i in owned]
 
-    def send(self, bucket: _OwnerBucket) -> _InFlight:
+    def send(self, item: _OwnerItem) -> _InFlight:
         """Every piece into its slot of the class's largest piece (one list copy and cast), then one all-to-all."""
+        bucket, (counts, full_slots, *_) = item
         comm, pad = bucket.comm, bucket.pad
-        counts, full_slots, *_ = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))
         pieces = [self.placed[i][0].update.reshape(-1) for i in bucket.jobs]
         send = (torch.empty if full_slots else torch.zeros)(
             len(pieces) * pad, dtype=bucket.dtype, device=pieces[0].device
@@ -566,11 +581,11 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         )
         return _InFlight(recv, work)
 
-    def assemble(self, bucket: _OwnerBucket, arrived: _InFlight) -> _OwnerBatch:
+    def assemble(self, item: _OwnerItem, arrived: _InFlight) -> _OwnerBatch:
         """The owned matrices whole, each region to Newton-Schulz; the directions are written straight into the
         (matrices, W * pad) buffer they travel back in (row-major layouts), unscaled where the receivers scale."""
+        bucket, (_, _, owned, (back_dtype, scales), regions) = item
         placed, comm, pad = self.placed, bucket.comm, bucket.pad
-        _, _, owned, (back_dtype, scales), regions = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))
         back = torch.empty((len(owned), comm.world * pad), device=arrived.recv.device, dtype=back_dtype)
         # [source rank, owned matrix, slot] -> [owned matrix, source rank, slot]: one copy per bucket, after
         # which each owned matrix's pieces are contiguous (row-major layouts: the matrix itself) and the
@@ -590,8 +605,9 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
                 batch.where.append((i, a, bnd, c, e))
         return batch
 
-    def send_back(self, bucket: _OwnerBucket, batch: _OwnerBatch, directions: list[Tensor]) -> tuple:
+    def send_back(self, item: _OwnerItem, batch: _OwnerBatch, directions: list[Tensor]) -> tuple:
         """The directions into the return buffer, then one all-to-all back to the ranks holding the pieces."""
+        bucket, (counts, *_) = item
         comm, pad, back, dirs = bucket.comm, bucket.pad, batch.back, batch.dirs
         if directions:  # one list copy into the return buffer (and cast where it is narrower)
             torch._foreach_copy_([dirs[i][a:bnd, c:e] for i, a, bnd, c, e in batch.where], directions)
@@ -603,7 +619,6 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         # (owned matrix, destination, slot) -> (destination, owned matrix, slot): each destination's part whole
         send_back = back.view(len(batch.owned), comm.world, pad).transpose(0, 1).reshape(-1)
         recv_back = send_back.new_empty(len(bucket.jobs) * pad)
-        counts = self.kept(("counts", id(bucket)), lambda: self._counts(bucket))[0]
         work_back = comm.all_to_all(
             recv_back, send_back, [c * pad for c in counts], [len(batch.owned) * pad] * comm.world, async_op=True
         )
@@ -614,14 +629,28 @@ class _OwnerExchange(_Exchange[_OwnerBucket, _OwnerBatch]):
         piece of a bucket has one shape here, so the cast and the lr scale are one op each per bucket."""
         for bucket, recv_back, work, scales in returning:
             work.wait()
-            job = self.placed[bucket.jobs[0]][0]
-            slots = recv_back.view(len(bucket.jobs), bucket.pad)[:, : job.update.numel()]
-            wide = slots.to(_wide(job.update))
+            scale = None
             if scales is not None:  # a bucket is one shape of one group (one split): its matrices share the scale
                 (scale,) = {scales[i] for i in bucket.jobs}
-                wide.mul_(scale)
-            for t, i in enumerate(bucket.jobs):
-                self.outs[i] = wide[t].view(job.update.shape)
+            update = self.placed[bucket.jobs[0]][0].update
+            for i, d in zip(bucket.jobs, _returned(recv_back, len(bucket.jobs), bucket.pad, update, scale)):
+                self.outs[i] = d
+
+
+def _returned(recv: Tensor, count: int, pad: int, like: Tensor, scale: float | None) -> list[Tensor]:
+    """An owner bucket's directions as they came back, ``count`` slots of ``pad``: each shaped as ``like`` in its
+    fp32-or-wider dtype, times ``scale`` where the owner left it to the receiver (a function of its own, so that a
+    compiled step keeps it in a graph: the loop around the wait runs as Python)."""
+    wide = recv.view(count, pad)[:, : like.numel()].to(_wide(like))
+    if scale is not None:
+        wide.mul_(scale)
+    return [wide[t].view(like.shape) for t in range(count)]
+
+
+def _by_matrix(table: Tensor, count: int, pad: int) -> Tensor:
+    """A ``(W, count * pad)`` table of gathered pieces as ``(count, W, pad)``: one copy (a function of its own, so
+    that a compiled step keeps it in a graph: the bucket loop around it runs as Python)."""
+    return table.view(table.shape[0], count, pad).transpose(0, 1).contiguous()
 
 
 def _class_key(placed: Sequence[Placed], i: int) -> tuple:

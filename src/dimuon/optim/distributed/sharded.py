@@ -482,17 +482,15 @@ class ShardedEngine:
             parts[i].append((region, f))
         reduced = []
         for comm, entries in pending.values():
-            flat = torch.cat(_partial_square_sums(entries))
+            flat = _square_sums_flat(entries)
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            # The same factor as linalg.row_factors, with the norm of each whole oriented row: one division for all.
-            factors = self._scale_vector(entries, flat) / flat.sqrt().clamp(min=1e-7)
-            for e, f in zip(entries, factors.split([e.length for e in entries])):
+            for e, f in zip(entries, _split_row_factors(entries, flat, self._scale_vector(entries, flat))):
                 if e.region is not None:
-                    parts[e.job].append((e.region, f[:, None] if e.wide else f[None, :]))
+                    parts[e.job].append((e.region, f))
         for p in parts:
-            p.sort(key=lambda part: part[0])
+            p.sort(key=_region_order)
         return [compose_row_direction(job.update, p) for (job, _), p in zip(placed, parts)]
 
     def _scale_vector(self, entries: Sequence[_SplitRows], like: Tensor) -> Tensor:
@@ -601,3 +599,27 @@ def _partial_square_sums(entries: Sequence[_SplitRows]) -> list[Tensor]:
         for k, total in zip(idx, sums):
             out[k] = total.reshape(-1)
     return out  # type: ignore[return-value]
+
+
+def _region_order(part: RegionFactor) -> int:
+    """A part's place among its job's regions as one int: its region's ``(r0, r1, c0)``, which decide it (regions do
+    not overlap) and are plain ints, where ``c1`` may be a compiled step's symbolic size, which it cannot sort by."""
+    r0, r1, c0, _ = part[0]
+    return (r0 * _SPAN + r1) * _SPAN + c0
+
+
+_SPAN = 1 << 40  # above any row or column index
+
+
+def _square_sums_flat(entries: Sequence[_SplitRows]) -> Tensor:
+    """The entries' partial sums of squares end to end, the buffer their all-reduce sums (a function of its own, so
+    that a compiled step keeps it in a graph: the loop around the all-reduce runs as Python)."""
+    return torch.cat(_partial_square_sums(entries))
+
+
+def _split_row_factors(entries: Sequence[_SplitRows], sums: Tensor, scales: Tensor) -> list[Tensor]:
+    """Each entry's RowNorm factors from the all-reduced ``sums`` (each whole oriented row's squared norm) and the
+    ``scales`` vector: the same factor as linalg.row_factors, one division for all, shaped ``(n, 1)`` for a wide
+    matrix's rows and ``(1, n)`` for a tall one's columns (kept in a graph by a compiled step, as above)."""
+    factors = scales / sums.sqrt().clamp(min=1e-7)
+    return [f[:, None] if e.wide else f[None, :] for e, f in zip(entries, factors.split([e.length for e in entries]))]
