@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from dimuon.optim.common import group_lr, local_tensor
+from dimuon.optim.common import group_lr, local_tensor, local_tensors
 from dimuon.optim.distributed.layout import is_dtensor
 
 _KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -121,7 +121,7 @@ class AdamWGroup:
         grads = [p.grad for p in part.params]
         # The fused kernel wants the gradient laid out as the parameter: one autograd.grad made strided is copied.
         if fused and part.dtensor:
-            grads = [g if getattr(g, "_local_tensor", g).is_contiguous() else g.contiguous() for g in grads]
+            grads = [g if local.is_contiguous() else g.contiguous() for g, local in zip(grads, local_tensors(grads))]
         elif fused and not all(map(Tensor.is_contiguous, grads)):
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         lr = group_lr(group)

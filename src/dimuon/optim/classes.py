@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import devices, fused
-from dimuon.optim.common import StepKind, group_lr
+from dimuon.optim.common import StepKind, group_lr, local_tensors
 from dimuon.optim.distributed import engine as engine_module  # its newton_schulz, as the op census patches it
 from dimuon.optim.distributed.engine import (
     LocalEngine,
@@ -254,7 +254,7 @@ def plan_weights(plan: GroupPlan) -> list[Tensor]:
     """The tensors the step writes, class after class: the parameters, or a sharded plan's local pieces (read at
     every step: a wrapper may give a parameter new local data)."""
     if plan.sharded:
-        return [getattr(p, "_local_tensor", p) for p in plan.params]
+        return local_tensors(plan.params)
     return plan.params
 
 
@@ -409,7 +409,7 @@ class ClassStep:
         beta = group["momentum"]
         grads = [p.grad for p in plan.params]
         if plan.sharded:  # each gradient's local piece (the momenta in the plan are local already)
-            grads = [getattr(g, "_local_tensor", g) for g in grads]
+            grads = local_tensors(grads)
             if True in [g is None for g in grads]:  # stepped by the ranks' agreement without a gradient here: the
                 # ranks disagree on it, so the vote failed everywhere and the step is masked; zeros stand in
                 grads = [torch.zeros_like(b) if g is None else g for g, b in zip(grads, plan.bufs)]

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+import torch
 from torch import Tensor
 
 from dimuon.optim.distributed.layout import is_dtensor
@@ -39,6 +40,14 @@ def group_lr(group: dict[str, Any]) -> float | Tensor:
 def local_tensor(t: Tensor) -> Tensor:
     """The process-local data of a (possibly DTensor) tensor."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def local_tensors(tensors: Sequence[Any]) -> list[Any]:
+    """Each (possibly DTensor) tensor's process-local data (None stays None), in one Python call for the list: its
+    own data, as ``to_local()`` gives it under no_grad (which a compiled step traces instead)."""
+    if torch.compiler.is_compiling():
+        return [None if t is None else local_tensor(t) for t in tensors]
+    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 def matrix_shape(p: Tensor, stacked: bool) -> tuple[int, int, int]:

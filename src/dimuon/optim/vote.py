@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import devices
-from dimuon.optim.common import _some_names, local_tensor
+from dimuon.optim.common import _some_names, local_tensor, local_tensors
 from dimuon.optim.distributed.engine import DirectionEngine, LocalEngine
 
 
@@ -74,7 +74,8 @@ class NonfiniteVote:
             found = [(gi, i, p.grad) for gi, i, p in params if p.grad is not None]
         else:
             # the local pieces (a DTensor's own data, as to_local() gives it under no_grad): no call per gradient
-            found = [(gi, i, getattr(p.grad, "_local_tensor", p.grad)) for gi, i, p in params if p.grad is not None]
+            held = [(gi, i, p.grad) for gi, i, p in params if p.grad is not None]
+            found = [(gi, i, g) for (gi, i, _), g in zip(held, local_tensors([g for _, _, g in held]))]
         grads: dict[torch.device, list[tuple[int, int, Tensor]]] = {}
         for gi, i, g in found:
             if g.numel() > 0:  # an empty local shard has nothing to check

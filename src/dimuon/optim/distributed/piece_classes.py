@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, plan_options
-from dimuon.optim.common import StepKind
+from dimuon.optim.common import StepKind, local_tensors
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
 from dimuon.optim.distributed.refresh import kept
@@ -51,11 +51,6 @@ class PieceClass(ShapeClass):
     """A :class:`ShapeClass` of local pieces: the RowNorm entries its matrices share."""
 
     entries: tuple[RowEntry, ...] = ()
-
-
-def local_data(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Each (possibly DTensor) tensor's process-local data, in one call for the whole list."""
-    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 def _row_entries(job: MatrixJob, plc: Any, local_cols: int, lr_scale: str) -> tuple[RowEntry, ...]:
@@ -125,7 +120,7 @@ def make_piece_plan(
         return None
     jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     placements = [engine.placement(job) for job in jobs]
-    locals_, local_bufs = local_data(params), local_data(bufs)
+    locals_, local_bufs = local_tensors(params), local_tensors(bufs)
     members: dict[tuple[Any, ...], list[int]] = {}
     for i, (p, b, plc) in enumerate(zip(params, local_bufs, placements)):
         comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
