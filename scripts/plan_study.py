@@ -200,7 +200,8 @@ def host_markdown(h: dict[str, Any]) -> list[str]:
     out = ["\n## Host term: measured per step kind against ops x host_op_us, 32 x 8 H100\n"]
     out.append(
         f"Each cell: with `ops x host_op_us` / with the terms fitted from [{h['terms']['source']}]"
-        "(../host/host.json) (`dimuon plan --host published`). Exposed host ms: the host's time past the GPU's work "
+        f"(../{h['terms']['source'].removeprefix('docs/results/')}) (`dimuon plan --host published`). Exposed host "
+        "ms: the host's time past the GPU's work "
         "on the step, plus its host reads (the period's mean).\n"
     )
     head = ["model", "Muon matrices", *(f"{OPTIMIZERS[n]}: exposed host ms, over AdamW" for n in HOST_ROWS)]

@@ -586,6 +586,19 @@ def _map_plan(tally: Tally) -> Callable[..., list[Tensor]]:
     return plan
 
 
+def _orthogonalize_plan(tally: Tally) -> Callable[..., Tensor]:
+    """``orthogonalize_batch`` (the Newton-Schulz of the class paths' batches) that records the batch it would run
+    and returns zeros of its result's shape and dtype, as :func:`_map_plan` does for the per-job maps."""
+
+    def plan(batch: Tensor, config: Any, scale: float | None) -> Tensor:
+        ns_dtype = config.ns_dtype if config.ns_dtype is not None else default_ns_dtype(batch.device)
+        tally.orthogonalized(*batch.shape, config.ns_steps, config.ns_algorithm, ns_dtype)
+        dtype = torch.promote_types(ns_dtype, torch.float32) if scale is not None else ns_dtype
+        return torch.zeros((), dtype=dtype, device=batch.device).expand(batch.shape)
+
+    return plan
+
+
 NsMode = Literal["real", "stub", "plan"]
 
 _PIECES: dict[tuple[Any, ...], Any] = {}
@@ -658,6 +671,7 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
             stack.enter_context(_patched(engine_module, "apply_map_batched", plan))
             stack.enter_context(_patched(sharded_module, "apply_map_batched", plan))
             stack.enter_context(_patched(refresh_module, "apply_map_batched", plan))
+            stack.enter_context(_patched(engine_module, "orthogonalize_batch", _orthogonalize_plan(tally)))
             # On the meta device (fake groups) the step's host reads get the answers every rank of a cluster
             # agrees on: every gradient finite; the adaptive signal void, as the stub's zero references make it.
             for module in (engine_module, sharded_module, core_module):
