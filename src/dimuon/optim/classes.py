@@ -174,8 +174,23 @@ def make_plan(
             )
         )
         order += idx
+    return ordered_plan(group, classes, order, params, bufs, jobs, keys, fixed)
+
+
+def ordered_plan(
+    group: dict[str, Any],
+    classes: list[Any],
+    order: Sequence[int],
+    params: Sequence[Tensor],
+    bufs: Sequence[Tensor],
+    jobs: Sequence[MatrixJob],
+    keys: Sequence[str],
+    fixed: bool,
+    sharded: bool = False,
+) -> GroupPlan:
+    """The plan of ``group``'s ``classes``: its parameters, momenta, jobs and names put in class ``order``."""
     return GroupPlan(
-        ids=tuple(map(id, params)),
+        ids=tuple(map(id, group["params"])),
         options=plan_options(group),
         classes=classes,
         params=[params[i] for i in order],
@@ -183,6 +198,7 @@ def make_plan(
         jobs=[jobs[i] for i in order],
         keys=[keys[i] for i in order],
         fixed=fixed,
+        sharded=sharded,
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, plan_options
+from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, ordered_plan
 from dimuon.optim.common import StepKind, local_tensors
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
@@ -148,17 +148,7 @@ def make_piece_plan(
             )
         )
         order += idx
-    return GroupPlan(
-        ids=tuple(map(id, params)),
-        options=plan_options(group),
-        classes=classes,
-        params=[params[i] for i in order],
-        bufs=[local_bufs[i] for i in order],
-        jobs=[jobs[i] for i in order],
-        keys=[keys[i] for i in order],
-        fixed=fixed,
-        sharded=True,
-    )
+    return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, fixed, sharded=True)
 
 
 def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor]) -> list[Tensor]:
