@@ -120,9 +120,10 @@ def load_host_record(path: Path | str) -> dict[str, Any]:
 
 
 # Fitted by host_model from the published per-matrix record (docs/results/host/baseline/host.json, ``dimuon bench
-# host`` on a CPU in the accelerator form, made while every step still went matrix by matrix): a sharded engine's
-# step, which the plan models, still does, where one process now steps by shape class. A test fits it again from
-# that file, so the two cannot drift apart.
+# host`` on a CPU in the accelerator form, made while every step still went matrix by matrix). Both paths now step
+# by class; the current record's per-matrix time on this CPU is mostly the list ops' one kernel per tensor, which a
+# GPU does not pay, so the published terms stay those of the baseline (docs/bench-host.md). A test fits them again
+# from that file, so the two cannot drift apart.
 PUBLISHED_SOURCE = "docs/results/host/baseline/host.json"
 PUBLISHED_TERMS: dict[str, tuple[float, float, float]] = {  # kind: (const_us, per_matrix_us, per_op_us)
     "spectral_gather": (986.47, 39.706, 1.99),
