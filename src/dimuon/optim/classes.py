@@ -223,21 +223,24 @@ def nesterov_batches(plan: GroupPlan, grads: Sequence[Tensor], beta: float, nest
     (kept between steps on the CPU), or with Nesterov off the momenta stacked (``U = M``)."""
     if not nesterov:
         return stacked_momenta(plan)
-    batches: list[Tensor] = []
+    batches = u_batches(plan)
+    outs: list[Tensor] = []
+    gs: list[Tensor] = []
+    ms: list[Tensor] = []
     start = 0
-    for batch, cls in zip(u_batches(plan), plan.classes):
+    for batch, cls in zip(batches, plan.classes):
         stop = start + len(cls.params)
-        ms = [b.view(cls.rows, cls.cols) for b in plan.bufs[start:stop]]
-        out = batch.unbind(0)
-        gs = [g.reshape(cls.rows, cls.cols) for g in grads[start:stop]]
-        if devices.cpu_path(cls.device):  # one pass per matrix: U <- lerp(G, M, beta)
-            for g, m, u in zip(gs, ms, out):
-                torch.lerp(g, m, beta, out=u)
-        else:  # two list ops: U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
-            torch._foreach_copy_(out, gs)
-            torch._foreach_lerp_(out, ms, beta)
-        batches.append(batch)
+        ms += [b.view(cls.rows, cls.cols) for b in plan.bufs[start:stop]]
+        outs += batch.unbind(0)
+        gs += [g.reshape(cls.rows, cls.cols) for g in grads[start:stop]]
         start = stop
+    one_device = len({cls.device for cls in plan.classes}) == 1
+    if devices.cpu_path(plan.classes[0].device) or not one_device:  # one pass per matrix: U <- lerp(G, M, beta)
+        for g, m, u in zip(gs, ms, outs):
+            torch.lerp(g, m, beta, out=u)
+    else:  # two list ops for the whole group: U <- G, then U <- lerp(U, M, beta), the same lerp bit for bit
+        torch._foreach_copy_(outs, gs)
+        torch._foreach_lerp_(outs, ms, beta)
     return batches
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dimuon.optim.classes import GroupPlan, ShapeClass, matrix_job, ordered_plan
+from dimuon.optim import devices
+from dimuon.optim.classes import MASK_BATCH_NUMEL, GroupPlan, ShapeClass, matrix_job, ordered_plan
 from dimuon.optim.common import StepKind, local_tensors
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
@@ -143,7 +144,7 @@ def make_piece_plan(
                 device=device,
                 regions={StepKind.BLOCK: _block_regions(job, plc, cols), StepKind.ROWNORM: row_regions},
                 tiled=_tiling(entries, rows, cols),
-                alone=True,
+                alone=devices.cpu_path(device) or math.prod(local.shape) > MASK_BATCH_NUMEL,
                 entries=entries,
             )
         )
