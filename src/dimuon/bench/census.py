@@ -645,12 +645,6 @@ def _void_staleness(sums: Tensor) -> Tensor:
     return torch.full(sums.shape[:-1], math.inf, dtype=sums.dtype, device=sums.device)
 
 
-def _no_fulls(self: Any, job: Any, plc: Any, tables: Tensor) -> Tensor:
-    """The refresh's assembled matrices of one class as a zero view of their shape, in the payload's dtype: a plan
-    pass's direction maps only read shapes."""
-    return torch.zeros((), dtype=tables.dtype, device=tables.device).expand(tables.shape[0], job.rows, job.cols)
-
-
 @contextlib.contextmanager
 def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_layouts: bool = False) -> Iterator[Tally]:
     """Count what the body does on this rank: the collectives (``counter`` must be inside an active
@@ -678,8 +672,6 @@ def tracing(counter: CallCounter, ns: NsMode = "real", ops: bool = True, memo_la
                 if hasattr(module, "read_flag"):
                     stack.enter_context(_patched(module, "read_flag", _meta_read_flag(module.read_flag)))
             stack.enter_context(_patched(torch.Tensor, "tolist", _meta_tolist(torch.Tensor.tolist)))
-            # speed only: nothing reads the assembled values
-            stack.enter_context(_patched(refresh_module.SpectralRefresh, "_fulls", _no_fulls))
         if memo_layouts and hasattr(sharded_module.Layout, "piece_at"):
             layout = sharded_module.Layout
             stack.enter_context(_patched(layout, "piece_at", _memo_piece_at(layout.piece_at)))
