@@ -74,9 +74,10 @@ def _row_entries(job: MatrixJob, plc: Any, local_cols: int, lr_scale: str) -> tu
     return tuple(entries)
 
 
-def _block_regions(job: MatrixJob, plc: Any, local_cols: int) -> list[Region]:
-    """The regions a block step maps on one matrix of the class (:meth:`ShardedEngine._block`'s): each logical
-    matrix cut by this rank's piece, or by the ``blocks`` grid where the matrix is held whole."""
+def block_regions(job: MatrixJob, plc: Any, local_cols: int) -> list[Region]:
+    """The regions a block step maps on one matrix (both paths': the per-job :meth:`ShardedEngine._block` and a
+    class's): each logical matrix cut by this rank's piece, or by the ``blocks`` grid where it is held whole. Column
+    ranges are global ones only with col_split_sizes, allowed where columns are whole here."""
     if plc.shard is None:
         return map_regions(job, StepKind.BLOCK)
     cols = job.col_ranges() if job.col_splits else ((0, local_cols),)
@@ -142,7 +143,7 @@ def make_piece_plan(
                 lead=1,
                 dtype=dtype,
                 device=device,
-                regions={StepKind.BLOCK: _block_regions(job, plc, cols), StepKind.ROWNORM: row_regions},
+                regions={StepKind.BLOCK: block_regions(job, plc, cols), StepKind.ROWNORM: row_regions},
                 tiled=_tiling(entries, rows, cols),
                 alone=devices.cpu_path(device) or math.prod(local.shape) > MASK_BATCH_NUMEL,
                 entries=entries,

@@ -77,7 +77,6 @@ from dimuon.optim.distributed.engine import (
     apply_map_batched,
     batch_view,
     compose_row_direction,
-    map_regions,
     materialize,
     row_factors_batched,
     stacked_ranges,
@@ -413,17 +412,7 @@ class ShardedEngine:
         the ``blocks`` grid as in one process), orthogonalized locally."""
         pieces, where = [], []
         for i, (job, plc) in enumerate(placed):
-            if plc.shard is None:
-                regions = map_regions(job, StepKind.BLOCK)
-            else:
-                # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
-                cols = job.col_ranges() if job.col_splits else ((0, job.update.shape[1]),)
-                regions = [
-                    (r[0], r[1], c, d)
-                    for a, b in job.logical_ranges()
-                    if (r := plc.mine.local_rows_in(a, b)) is not None
-                    for c, d in cols
-                ]
+            regions = piece_classes.block_regions(job, plc, job.update.shape[1])
             for r0, r1, c0, c1 in regions:
                 pieces.append(job.update[r0:r1, c0:c1])
                 where.append((i, r0, r1, c0, c1))
