@@ -1,7 +1,8 @@
 """The sharded step by class (dimuon.optim.distributed.piece_classes), on torch's fake process group (this process
 plays one rank; collectives do nothing): RowNorm and block steps take the same Python calls at any matrix count,
 and move the weights exactly as the per-job path does on every layout the plan takes (FSDP's rows, tensor
-parallelism's rows and columns, both, uneven pieces, fused and column-split matrices, conv weights)."""
+parallelism's rows and columns, both, uneven pieces, fused and column-split matrices, conv weights, stacked experts
+over expert parallelism, FSDP's rows of each expert, both, and replicated)."""
 
 import pytest
 import torch
@@ -62,17 +63,65 @@ def _groups(mesh, copies: int) -> list[dict]:
     groups.append({"params": fused, "split_sizes": (12, 12, 12)})
     col_split = [_sharded((16, 24), mesh, fsdp, next(seed)) for _ in range(copies)]  # fused by columns
     groups.append({"params": col_split, "col_split_sizes": (8, 16)})
-    return groups
+    return groups + _expert_groups(mesh, copies, seed)
 
 
-def _zero_refresh(monkeypatch) -> None:
-    """Zero directions at spectral steps: the fake group's all-gather leaves its buffers as they were, so the
-    refresh's values are undefined here (the parity tests on gloo hold them); RowNorm and block steps only move."""
+def _expert_groups(mesh, copies: int, seed=None, one_region: bool = False) -> list[dict]:
+    """Stacked ``(E, rows, cols)`` experts on every layout the class plan takes, ``copies`` parameters of each: this
+    rank (2, 1) holds whole experts, some rows of each of its experts, or none. ``one_region``: only those whose
+    refresh hands the engine at most one expert per parameter here (its gather refresh cuts a rank's piece of a
+    matrix of several experts region by region, and shares matrices held whole by owner: work per matrix)."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    def zeros(self, placed, config, memo=None):
-        return [torch.zeros(job.update.shape, dtype=torch.float32) for job, _ in placed]
+    ep, ep2, rows, ep_rows = (
+        [Shard(0), Replicate()],
+        [Shard(0), Shard(0)],
+        [Shard(1), Replicate()],
+        [Shard(0), Shard(1)],
+    )
+    layouts = [
+        ((8, 6, 10), ep),  # experts over dp: two whole wide experts here
+        ((8, 10, 6), ep),  # whole tall experts
+        ((8, 6, 10), ep2),  # experts over dp x tp: one here
+        ((3, 6, 10), ep2),  # uneven: none here
+        ((4, 8, 6), rows),  # each expert's rows over dp: tall, its column sums over dp
+        ((4, 6, 10), ep_rows),  # experts over dp, each one's rows over tp: wide
+        ((4, 10, 6), ep_rows),  # tall: column sums over tp
+        ((4, 5, 10), ep_rows),  # rows split unevenly (3 and 2)
+        ((2, 6, 10), ep_rows),  # no expert on this dp rank: nothing to map
+        ((2, 6, 10), [Replicate(), Replicate()]),  # the whole parameter on every rank
+    ]
+    seed = iter(range(20_000, 30_000)) if seed is None else seed
+    if one_region:
+        layouts = [(s, plc) for s, plc in layouts if plc in (ep, ep2, ep_rows)]
+    groups = [{"params": [_sharded(s, mesh, plc, next(seed)) for s, plc in layouts for _ in range(copies)]}]
+    if not one_region:
+        fused = [_sharded((4, 12, 16), mesh, plc, next(seed)) for plc in (rows, ep) for _ in range(copies)]
+        groups.append({"params": fused, "split_sizes": (4, 8)})  # fused w1/w3, cut by dp's rows (3 each)
+    return [{**g, "stacked": True} for g in groups]
 
-    monkeypatch.setattr(SpectralRefresh, "directions", zeros)
+
+def _fake_refresh(monkeypatch, seen: list | None = None) -> None:
+    """A refresh whose directions are a fixed function of each job's update and placement: the fake group's
+    all-gather leaves its buffers as they were, so a real refresh's values are undefined here (the parity tests on
+    gloo hold them); ``seen`` collects what each refresh was handed (job and placement), step by step."""
+
+    def fake(self, placed, config, memo=None):
+        if seen is not None:
+            seen.append(
+                sorted((job.name, job.rows, job.cols, job.splits, plc.mine, plc.members) for job, plc in placed)
+            )
+        return [job.update.float() * (0.5 + 0.1 * len(plc.members) + 0.01 * job.rows) for job, plc in placed]
+
+    monkeypatch.setattr(SpectralRefresh, "directions", fake)
+
+
+def _run(name: str, groups: list[dict], options: dict, steps: int = 5) -> tuple[object, list[torch.Tensor]]:
+    """``steps`` steps of optimizer ``name`` on ``groups``; the optimizer and every local piece after them."""
+    opt = build(name, groups, lr=0.05, weight_decay=0.1, nonfinite="skip", **options)
+    for _ in range(steps):
+        opt.step()
+    return opt, [p.to_local().clone() for g in groups for p in g["params"]]
 
 
 CASES = [("periodic_row_muon", {"k": 2}), ("muon_bp", {"period": 2})]
@@ -82,17 +131,39 @@ CASES = [("periodic_row_muon", {"k": 2}), ("muon_bp", {"period": 2})]
 def test_memory_bound_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch, name, options):
     """Five steps (refreshes at 0, 2, 4; RowNorm or block steps at 1 and 3, the class path from step 1): every local
     piece equal, bit for bit, to the per-job path's (class plans turned off)."""
-    _zero_refresh(monkeypatch)
+    _fake_refresh(monkeypatch)
     runs = []
     for planned in (True, False):
         if not planned:
             monkeypatch.setattr(ShardedEngine, "class_plan", lambda self, *args: None)
         groups = _groups(mesh, copies=2)
-        opt = build(name, groups, lr=0.05, weight_decay=0.1, nonfinite="skip", **options)
-        for _ in range(5):
-            opt.step()
+        if name == "muon_bp":  # whole experts cut by the blocks grid, as one process cuts them
+            groups[-2]["blocks"] = 2
+        opt, pieces = _run(name, groups, options)
         assert all((opt._plans.get(gi) is not None) == planned for gi in range(len(groups)))
-        runs.append([p.to_local().clone() for g in groups for p in g["params"]])
+        runs.append(pieces)
+    for planned, unplanned in zip(*runs):
+        assert torch.equal(planned, unplanned)
+
+
+@pytest.mark.parametrize("refresh", ["gather", "owner"])
+def test_expert_refreshes_match_the_per_job_path(mesh, monkeypatch, refresh):
+    """Muon on stacked experts, five refreshes: the engine's refresh is handed the same jobs and placements as on
+    the per-job path (a rank's experts as one row-sharded matrix where their rows are split, none where they are
+    whole here or absent), and whole experts are orthogonalized here as the per-job path's local maps do, bit for
+    bit."""
+    runs, handed = [], []
+    for planned in (True, False):
+        seen: list = []
+        _fake_refresh(monkeypatch, seen)
+        if not planned:
+            monkeypatch.setattr(ShardedEngine, "class_plan", lambda self, *args: None)
+        groups = _expert_groups(mesh, copies=2)
+        opt, pieces = _run("muon", groups, {"refresh": refresh})
+        assert all((opt._plans.get(gi) is not None) == planned for gi in range(len(groups)))
+        runs.append(pieces)
+        handed.append(seen)
+    assert handed[0] == handed[1] and handed[0]
     for planned, unplanned in zip(*runs):
         assert torch.equal(planned, unplanned)
 
@@ -101,7 +172,7 @@ def test_memory_bound_steps_match_the_per_job_path_on_every_layout(mesh, monkeyp
 def test_memory_bound_steps_take_the_same_calls_at_any_matrix_count(mesh, monkeypatch, name, options):
     """The accelerator form of a RowNorm or block step: the Python calls made inside dimuon do not grow with the
     number of matrices (two copies of every layout against eight)."""
-    _zero_refresh(monkeypatch)
+    _fake_refresh(monkeypatch)
     counts = []
     with accelerator_form():
         for copies in (2, 8):
@@ -118,15 +189,17 @@ def test_memory_bound_steps_take_the_same_calls_at_any_matrix_count(mesh, monkey
 def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh, sizes):
     """Muon's spectral step on a plan: what is static about the refresh (placements, buckets, classes, regions,
     the exchanges' counts) is kept with the plan, so its Python calls do not grow with the matrices either (the
-    FSDP and tensor-parallel layouts, a few copies of each against many)."""
+    FSDP and tensor-parallel layouts, and experts whole here or one per rank with its rows split, a few copies of
+    each against many)."""
     from dimuon.bench.census import fake_collectives
 
     counts = []
     with accelerator_form(), fake_collectives():  # the fake backend's all-to-all and all-gather made to run
         for copies in sizes:
-            opt = build("muon", _groups(mesh, copies)[:1], lr=0.05, nonfinite="skip", refresh=refresh)
+            groups = _groups(mesh, copies)[:1] + _expert_groups(mesh, copies, one_region=True)
+            opt = build("muon", groups, lr=0.05, nonfinite="skip", refresh=refresh)
             for _ in range(3):  # the per-job step, the plan made, its memo made
                 opt.step()
             counts.append(dimuon_calls(opt.step))
-            assert opt._plans[0] is not None and opt._plans[0].memo
+            assert all(opt._plans[gi] is not None and opt._plans[gi].memo for gi in range(len(groups)))
     assert counts[0] == counts[1], counts

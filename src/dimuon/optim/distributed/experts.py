@@ -15,7 +15,16 @@ from typing import Any
 from dimuon.optim.distributed.engine import MatrixJob, RowRange, stacked_ranges
 from dimuon.optim.distributed.layout import Layout, Piece, Span, placement_words
 
-__all__ = ["check_stacked_layout", "expert_rows_in", "local_experts", "local_experts_job", "local_experts_piece"]
+__all__ = [
+    "check_stacked_layout",
+    "expert_rows_in",
+    "holds_whole_matrices",
+    "local_experts",
+    "local_experts_job",
+    "local_experts_piece",
+    "splits_expert_rows",
+    "whole_experts_job",
+]
 
 SUPPORTED = (
     "stacked parameters may be sharded by experts (Shard(0) over any mesh dimensions: FSDP, expert parallelism) "
@@ -92,3 +101,33 @@ def expert_rows_in(piece: Piece, experts: Piece, m: int, start: int, stop: int) 
         return None
     k = held[0]  # the expert's local index
     return experts.local_rows_in(k * m + offset, k * m + offset + stop - start)
+
+
+def holds_whole_matrices(job: MatrixJob, plc: Any) -> bool:
+    """A stacked parameter sharded by its leading dimension alone (dimension 1 split over no rank but this one, e.g.
+    torchtitan's ``Shard(1)`` over an ``efsdp`` of size 1): each rank holds whole stacked matrices."""
+    return job.matrix_rows is not None and plc.shard is not None and not splits_expert_rows(job, plc)
+
+
+def splits_expert_rows(job: MatrixJob, plc: Any) -> bool:
+    """A stacked parameter whose dimension 1 (each matrix's rows) mesh dimensions of several ranks split."""
+    return job.matrix_rows is not None and plc.cols_comm is not None and plc.cols_comm.world > 1
+
+
+def whole_experts_job(job: MatrixJob, count: int) -> MatrixJob:
+    """The job of the ``count`` stacked matrices this rank holds whole, as one process would see a parameter of that
+    many."""
+    m = job.matrix_rows
+    assert m is not None
+    own = tuple((a, b) for a, b in job.splits if b <= m)  # the row ranges of one stacked matrix
+    return MatrixJob(
+        name=job.name,
+        update=job.update,
+        rows=count * m,
+        cols=job.cols,
+        splits=stacked_ranges(count, m, own) if job.splits else (),
+        blocks=job.blocks,
+        meta=job.meta,
+        col_splits=job.col_splits,
+        matrix_rows=m,
+    )

@@ -13,7 +13,11 @@ classes and step kinds, not with matrices:
 - block: the local regions of every class, batched by shape (:func:`dimuon.optim.classes.spectral_directions`);
 - spectral: the engine's refresh on the plan's jobs, their updates views of the class batches.
 
-Stacked parameters (experts) and other layouts the plan does not take keep the per-job path.
+Stacked parameters (experts) are planned as the per-job path runs them, decided per class once: a class's local
+matrix is the ``(E_local * rows, cols)`` view of its experts (``lead`` 2); experts whole here are mapped as one process
+maps them (their refresh too, with no communication), experts whose rows a mesh dimension splits are the rank's
+experts as one row-sharded matrix (:mod:`dimuon.optim.distributed.experts`), their refresh the engine's. A schedule
+that decides per matrix keeps the per-job path.
 """
 
 from __future__ import annotations
@@ -28,10 +32,25 @@ import torch
 from torch import Tensor
 
 from dimuon.optim import devices
-from dimuon.optim.classes import MASK_BATCH_NUMEL, GroupPlan, ShapeClass, matrix_job, ordered_plan
+from dimuon.optim.classes import (
+    MASK_BATCH_NUMEL,
+    GroupPlan,
+    ShapeClass,
+    matrix_job,
+    ordered_plan,
+    spectral_directions,
+)
 from dimuon.optim.common import StepKind, local_tensors
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, map_regions
+from dimuon.optim.distributed.experts import (
+    holds_whole_matrices,
+    local_experts_job,
+    splits_expert_rows,
+    whole_experts_job,
+)
+from dimuon.optim.distributed.layout import Piece, Span
+from dimuon.optim.distributed.placement import _Placement
 from dimuon.optim.distributed.refresh import kept
 from dimuon.optim.linalg import lr_scale_factor, row_factors, square_sums
 
@@ -52,6 +71,8 @@ class PieceClass(ShapeClass):
     """A :class:`ShapeClass` of local pieces: the RowNorm entries its matrices share."""
 
     entries: tuple[RowEntry, ...] = ()
+    placed: tuple[Any, ...] = ()  # stacked: each member's placement as its maps run (else the engine's, per job)
+    refresh: bool = True  # its spectral step is the engine's refresh (else mapped here, as one process maps it)
 
 
 def _row_entries(job: MatrixJob, plc: Any, local_cols: int, lr_scale: str) -> tuple[RowEntry, ...]:
@@ -113,10 +134,12 @@ def make_piece_plan(
     keys: Sequence[str],
     fixed: bool,
 ) -> GroupPlan | None:
-    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for stacked parameters
-    and for a schedule that decides per matrix, which keep the per-job path). Classes are told apart by what every
-    rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all ranks issue
-    the same collectives."""
+    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for a schedule that decides
+    per matrix, which keeps the per-job path; stacked parameters: :func:`_stacked_plan`). Classes are told apart by
+    what every rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all
+    ranks issue the same collectives."""
+    if group["stacked"] and fixed:  # experts: each parameter as the per-job path runs it
+        return _stacked_plan(engine, group, bufs, names, keys)
     params = list(group["params"])
     if group["stacked"] or not fixed:  # experts, and a schedule deciding per matrix: the per-job path
         return None
@@ -131,26 +154,112 @@ def make_piece_plan(
     classes, order = [], []
     for (_, _, dtype, device, *_), idx in members.items():
         job, plc, local = jobs[idx[0]], placements[idx[0]], locals_[idx[0]]
-        rows, cols = local.shape[0], math.prod(local.shape[1:])
+        cols = math.prod(local.shape[1:])
         entries = _row_entries(job, plc, cols, group["lr_scale"])
         row_regions = [e.region for e in entries if e.region is not None]
-        classes.append(
-            PieceClass(
-                params=[params[i] for i in idx],
-                shape=tuple(local.shape),
-                rows=rows,
-                cols=cols,
-                lead=1,
-                dtype=dtype,
-                device=device,
-                regions={StepKind.BLOCK: block_regions(job, plc, cols), StepKind.ROWNORM: row_regions},
-                tiled=_tiling(entries, rows, cols),
-                alone=devices.cpu_path(device) or math.prod(local.shape) > MASK_BATCH_NUMEL,
-                entries=entries,
-            )
-        )
+        regions = {StepKind.BLOCK: block_regions(job, plc, cols), StepKind.ROWNORM: row_regions}
+        classes.append(_piece_class([params[i] for i in idx], local, 1, dtype, device, regions, entries))
         order += idx
     return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, fixed, sharded=True)
+
+
+# How the per-job path runs a stacked parameter (ShardedEngine._placed and its dispatch), decided once per class:
+# "rows": a mesh dimension splits each expert's rows, the rank's experts one row-sharded matrix in that group;
+# "whole": experts sharded alone, whole matrices here, mapped as one process maps them (no communication);
+# "replicated": the whole parameter on every rank, as any matrix held whole; "idle": no rows here, nothing to map.
+_REFRESHED = ("rows", "replicated")
+
+
+def _stacked_form(engine: Any, job: MatrixJob, experts: int) -> tuple[MatrixJob, Any, str]:
+    """A stacked parameter's job and placement as the per-job path maps it, and its form (above), given the experts
+    its local piece holds."""
+    plc = engine.placement(job)
+    if splits_expert_rows(job, plc):
+        run = local_experts_job(job, plc.mine)
+        return run, engine.experts_placement(job, plc), "rows" if run.rows else "idle"
+    if not holds_whole_matrices(job, plc):  # no mesh dimension shards it
+        return job, plc, "replicated"
+    run = whole_experts_job(job, experts)
+    whole = Piece((Span(0, run.rows, 0),), (Span(0, run.cols, 0),))
+    return run, _Placement(whole, None, (), None, None, None, whole.numel, False), "whole" if run.rows else "idle"
+
+
+def _stacked_class(
+    params: list[Tensor],
+    forms: list[tuple[MatrixJob, Any, str]],
+    local: Tensor,
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PieceClass:
+    """The class of stacked parameters alike in form, local and global pieces: its local matrix the ``(E_local *
+    rows, cols)`` view of its experts, the maps' regions those of the jobs the per-job path runs."""
+    job, plc, form = forms[0]
+    cols = math.prod(local.shape[2:])
+    entries = _row_entries(job, plc, cols, group["lr_scale"]) if form != "idle" else ()
+    regions = {
+        StepKind.BLOCK: block_regions(job, plc, cols) if form != "idle" else [],
+        StepKind.ROWNORM: [e.region for e in entries if e.region is not None],
+        StepKind.SPECTRAL: map_regions(job, StepKind.SPECTRAL) if form == "whole" else [],
+    }
+    placed = tuple(plc for _, plc, _ in forms)
+    return _piece_class(params, local, 2, dtype, device, regions, entries, placed, form in _REFRESHED)
+
+
+def _piece_class(
+    params: list[Tensor],
+    local: Tensor,
+    lead: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    regions: dict[StepKind, list[Region]],
+    entries: tuple[RowEntry, ...],
+    placed: tuple[Any, ...] = (),
+    refresh: bool = True,
+) -> PieceClass:
+    """A class of local pieces shaped as ``local``, whose first ``lead`` dimensions make its matrix's rows."""
+    rows, cols = math.prod(local.shape[:lead]), math.prod(local.shape[lead:])
+    return PieceClass(
+        params=params,
+        shape=tuple(local.shape),
+        rows=rows,
+        cols=cols,
+        lead=lead,
+        dtype=dtype,
+        device=device,
+        regions=regions,
+        tiled=_tiling(entries, rows, cols),
+        alone=devices.cpu_path(device) or math.prod(local.shape) > MASK_BATCH_NUMEL,
+        entries=entries,
+        placed=placed,
+        refresh=refresh,
+    )
+
+
+def _stacked_plan(
+    engine: Any, group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str]
+) -> GroupPlan:
+    """The plan of a group of stacked parameters (experts) under a fixed schedule: classes told apart as
+    :func:`make_piece_plan`'s are, and by form; the plan's jobs those the per-job path maps (a rank's experts)."""
+    params = list(group["params"])
+    locals_, local_bufs = local_tensors(params), local_tensors(bufs)
+    forms = [
+        _stacked_form(engine, matrix_job(p, group, name), local.shape[0])
+        for p, name, local in zip(params, names, locals_)
+    ]
+    members: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, b, (_, plc, form)) in enumerate(zip(params, local_bufs, forms)):
+        comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
+        key = (tuple(p.shape), tuple(locals_[i].shape), p.dtype, b.dtype, b.device, form, plc.members, plc.mine, comms)
+        members.setdefault(key, []).append(i)
+    classes, order = [], []
+    for (_, _, _, dtype, device, *_), idx in members.items():
+        classes.append(
+            _stacked_class([params[i] for i in idx], [forms[i] for i in idx], locals_[idx[0]], group, dtype, device)
+        )
+        order += idx
+    jobs = [job for job, _, _ in forms]
+    return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, True, sharded=True)
 
 
 def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor]) -> list[Tensor]:
@@ -234,19 +343,43 @@ def _compose(cls: PieceClass, batch: Tensor, factors: list[Tensor | None]) -> Te
     return out
 
 
-def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: MapConfig) -> list[list[Tensor]]:
+def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: MapConfig) -> list[Any]:
     """Per class, each matrix's local direction from the engine's spectral refresh, the jobs' updates set to the
-    rows of the class batches."""
+    rows of the class batches; a class of stacked matrices held whole here (or of none) mapped as one process maps
+    them, with no communication (as the per-job path's local maps), one batch per shape."""
     updates = [u for batch in batches for u in batch.unbind(0)]
     for job, u in zip(plan.jobs, updates):
         job.update = u
     # A plan of one kind per group hands the same jobs at every step: their placements and everything static about
     # the refresh (split, buckets, classes, regions, exchange counts) are kept in its memo.
     memo = plan.memo if plan.fixed else {}
-    placed = kept(memo, "placed", lambda: [(job, engine.placement(job)) for job in plan.jobs])
-    made = engine.refresh_placed(placed, config, memo)
-    out, start = [], 0
-    for cls in plan.classes:
+    placed = kept(memo, "placed", lambda: _refresh_jobs(engine, plan))
+    made = engine.refresh_placed(placed, config, memo) if placed else []
+    local = [ci for ci, cls in enumerate(plan.classes) if not cls.refresh]  # type: ignore[attr-defined]
+    mapped = (
+        spectral_directions([plan.classes[i] for i in local], [batches[i] for i in local], StepKind.SPECTRAL, config)
+        if local
+        else []
+    )
+    out: list[Any] = []
+    start = 0
+    for ci, cls in enumerate(plan.classes):
+        if ci in local:
+            out.append(mapped[local.index(ci)])
+            continue
         out.append(made[start : start + len(cls.params)])
         start += len(cls.params)
     return out
+
+
+def _refresh_jobs(engine: Any, plan: GroupPlan) -> list[tuple[MatrixJob, Any]]:
+    """The plan's jobs the engine refreshes, class after class, each with its placement (a stacked class's, or the
+    engine's of the job's parameter)."""
+    placed: list[tuple[MatrixJob, Any]] = []
+    start = 0
+    for cls in plan.classes:
+        jobs, start = plan.jobs[start : start + len(cls.params)], start + len(cls.params)
+        if cls.refresh:  # type: ignore[attr-defined]
+            plcs = cls.placed or [engine.placement(job) for job in jobs]  # type: ignore[attr-defined]
+            placed += zip(jobs, plcs)
+    return placed

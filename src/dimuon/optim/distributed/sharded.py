@@ -79,9 +79,15 @@ from dimuon.optim.distributed.engine import (
     compose_row_direction,
     materialize,
     row_factors_batched,
-    stacked_ranges,
 )
-from dimuon.optim.distributed.experts import expert_rows_in, local_experts_job, local_experts_piece
+from dimuon.optim.distributed.experts import (
+    expert_rows_in,
+    holds_whole_matrices,
+    local_experts_job,
+    local_experts_piece,
+    splits_expert_rows,
+    whole_experts_job,
+)
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
 from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement
 from dimuon.optim.distributed.refresh import SpectralRefresh
@@ -333,6 +339,8 @@ class ShardedEngine:
         self._expert_placements[id(param)] = (param, experts)
         return experts
 
+    experts_placement = _experts_placement  # what the class plans read
+
     def _placed(self, jobs: Sequence[MatrixJob]) -> tuple[list[Placed], list[int]]:
         """Each job with its placement as the maps run it, and the jobs with nothing to run here: stacked experts
         whose rows a mesh dimension splits become this rank's experts as one row-sharded matrix (none held: idle,
@@ -340,7 +348,7 @@ class ShardedEngine:
         placed, idle = [], []
         for i, job in enumerate(jobs):
             plc = self._placement(job)
-            if _splits_expert_rows(job, plc):
+            if splits_expert_rows(job, plc):
                 job = local_experts_job(job, plc.mine)
                 plc = self._experts_placement(jobs[i], plc)
                 if job.rows == 0:
@@ -352,7 +360,7 @@ class ShardedEngine:
     def directions(self, jobs: Sequence[MatrixJob], kind: StepKind, config: MapConfig) -> list[Tensor]:
         placed, idle = self._placed(jobs)
         out: dict[int, Tensor] = {i: _empty_direction(jobs[i]) for i in idle}
-        local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
+        local = [i for i, (job, plc) in enumerate(placed) if holds_whole_matrices(job, plc)]
         if local:  # stacked matrices held whole: the single-process maps on the local ones, no communication
             out.update(
                 zip(local, self._local.directions([_local_stacked_job(*placed[i]) for i in local], kind, config))
@@ -372,7 +380,7 @@ class ShardedEngine:
     def row_directions(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[RowDirection]:
         placed, idle = self._placed(jobs)
         out: dict[int, RowDirection] = {i: _empty_direction(jobs[i]) for i in idle}
-        local = [i for i, (job, plc) in enumerate(placed) if _holds_whole_matrices(job, plc)]
+        local = [i for i, (job, plc) in enumerate(placed) if holds_whole_matrices(job, plc)]
         if local:
             out.update(zip(local, self._local.row_directions([_local_stacked_job(*placed[i]) for i in local], config)))
         rest = [i for i in range(len(placed)) if i not in out]
@@ -493,33 +501,9 @@ class ShardedEngine:
         return vector
 
 
-def _holds_whole_matrices(job: MatrixJob, plc: _Placement) -> bool:
-    """A stacked parameter sharded by its leading dimension alone (dimension 1 split over no rank but this one, e.g.
-    torchtitan's ``Shard(1)`` over an ``efsdp`` of size 1): each rank holds whole stacked matrices."""
-    return job.matrix_rows is not None and plc.shard is not None and not _splits_expert_rows(job, plc)
-
-
-def _splits_expert_rows(job: MatrixJob, plc: _Placement) -> bool:
-    """A stacked parameter whose dimension 1 (each matrix's rows) mesh dimensions of several ranks split."""
-    return job.matrix_rows is not None and plc.cols_comm is not None and plc.cols_comm.world > 1
-
-
 def _local_stacked_job(job: MatrixJob, plc: _Placement) -> MatrixJob:
     """The job of the stacked matrices this rank holds, as one process would see a parameter of that many."""
-    m = job.matrix_rows
-    count = job.update.shape[0] // m
-    own = tuple((a, b) for a, b in job.splits if b <= m)  # the row ranges of one stacked matrix
-    return MatrixJob(
-        name=job.name,
-        update=job.update,
-        rows=count * m,
-        cols=job.cols,
-        splits=stacked_ranges(count, m, own) if job.splits else (),
-        blocks=job.blocks,
-        meta=job.meta,
-        col_splits=job.col_splits,
-        matrix_rows=m,
-    )
+    return whole_experts_job(job, job.update.shape[0] // job.matrix_rows)  # type: ignore[operator]
 
 
 def _local_logical_rows(job: MatrixJob, plc: _Placement) -> list[RowRange | None]:
