@@ -26,6 +26,7 @@ QUICK = ["--quick", "--no-progress", "--width", "4", "--sharded-world", "0"]
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--optimizers", "--baselines"], "nothing to measure"),
         (["--sharded-world", "1"], r"--sharded-world must be world sizes >= 2 \(0: none\)"),
+        (["--compile-backend", "eager", "--compile-modes", "reduce-overhead"], "takes --compile-modes default only"),
     ],
 )
 def test_bad_flags_are_named_with_what_they_allow(argv, message):
@@ -44,6 +45,17 @@ def test_the_sharded_part_is_on_at_256_unless_turned_off():
     assert host.parse([]).sharded_world == (256,) and host.parse([]).sharded_refresh == "owner"
     off = [host.parse(["--sharded-world", *w]) for w in ((), ("0",))]
     assert all(not [p for p in host.phases_of(cfg) if p[2]] for cfg in off)
+
+
+def test_compiled_rows_are_skip_on_inductor_unless_told_and_other_settings_are_refused(capsys):
+    cfg = host.parse([])
+    assert (cfg.compile_nonfinite, cfg.compile_backend) == ("skip", "inductor")
+    assert host.parse(["--compile-nonfinite", "raise"]).compile_nonfinite == "raise"
+    with pytest.raises(SystemExit):
+        host.parse(["--compile-nonfinite", "ignore"])
+    assert "ignore" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--compile-nonfinite must be skip or raise, got 'ignore'"):
+        host.check_config(host.Config(compile_nonfinite="ignore"))  # type: ignore[arg-type]
 
 
 def test_compile_sizes_are_not_checked_without_compiled_rows():
@@ -100,8 +112,63 @@ def test_quick_run_writes_a_record_with_every_row_and_kind(tmp_path, capsys):
     assert "PeriodicRowMuon" in capsys.readouterr().out
 
 
+def _compiled_record(monkeypatch, nonfinite: str) -> tuple[dict, list[dict]]:
+    """A quick run whose compiled rows run their step eagerly (``torch.compile`` replaced: the rows, the settings
+    they were compiled with and the report's ratio column are checked here; the real compile under ``slow``)."""
+    calls: list[dict] = []
+
+    def recording(fn, **kwargs):
+        calls.append({"nonfinite": fn.__self__.nonfinite, **kwargs})
+        return fn
+
+    monkeypatch.setattr(host.torch, "compile", recording)
+    argv = [*QUICK, "--matrices", "10", "--baselines", "adamw_fused", "--compile-modes", "default"]
+    return host.run(host.parse([*argv, "--compile-nonfinite", nonfinite])), calls
+
+
+def test_compiled_rows_are_the_recommended_step_beside_their_eager_twins(monkeypatch):
+    record, calls = _compiled_record(monkeypatch, "skip")
+    assert [(c["nonfinite"], c["fullgraph"], c["mode"], c["backend"]) for c in calls] == [
+        ("skip", True, "default", "inductor"),
+        ("skip", True, "default", "inductor"),
+        ("skip", True, "default", "inductor"),
+        ("skip", False, "default", "inductor"),  # AdaptiveRowMuon reads its signals on the host
+    ]
+    rows = {r["name"]: r for r in record["rows"]}
+    for name in host.OPTIMIZERS:
+        compiled, twin = rows[f"{name}_compiled"], rows[f"{name}_skip"]
+        assert compiled["twin"] == f"{name}_skip" and compiled["fullgraph"] == (name in host.FULLGRAPH)
+        assert (twin["mode"], twin["nonfinite"], twin["optimizer"]) == ("eager", "skip", name)
+        assert twin["ops_per_step"] > 0 and twin["host_ms"] > 0 and len(twin["period_means_ms"]) == 1
+        ratio = host_report.x_eager(compiled, host_report.eager_twin(record, compiled))
+        assert ratio == compiled["host_ms"] / twin["host_ms"]
+    assert rows["muon_skip"]["label"] == "Muon (eager, skip)"
+    assert rows["muon_compiled"]["label"] == "Muon (compiled, default, skip, fullgraph)"
+    assert rows["adaptive_row_muon_compiled"]["label"] == "AdaptiveRowMuon (compiled, default, skip)"
+    assert host_model(record, "test").terms  # the plan's fit reads the default rows as before
+    header, body = host_report.compile_rows(record)
+    cells = {line[0]: dict(zip(header, line)) for line in body}
+    assert set(cells) == {f"{n}_compiled" for n in host.OPTIMIZERS}
+    prm = cells["periodic_row_muon_compiled"]
+    assert (prm["nonfinite"], prm["fullgraph"], prm["status"]) == ("skip", "yes", "ok")
+    assert (
+        prm["x eager"]
+        == f"{rows['periodic_row_muon_compiled']['host_ms'] / rows['periodic_row_muon_skip']['host_ms']:.2f}"
+    )
+    assert prm["x eager by kind"].startswith("spectral ") and ", rownorm " in prm["x eager by kind"]
+    assert cells["adaptive_row_muon_compiled"]["fullgraph"] == "no"
+    assert "x eager" in host_report.render(record, markdown=True)
+
+
+def test_compiled_rows_of_the_raise_setting_compile_without_fullgraph(monkeypatch):
+    record, calls = _compiled_record(monkeypatch, "raise")
+    assert {(c["nonfinite"], c["fullgraph"]) for c in calls} == {("raise", False)}
+    names = {r["name"] for r in record["rows"]}
+    assert {f"{n}_raise" for n in host.OPTIMIZERS} <= names
+
+
 def test_a_compiled_row_that_fails_is_recorded_not_raised(monkeypatch):
-    def broken(fn, mode=None):
+    def broken(fn, **kwargs):
         def step():
             raise RuntimeError("cannot compile this step")
 
@@ -146,3 +213,14 @@ def test_sharded_rows_are_measured_counted_and_round_trip(tmp_path):
     assert adamw == {"torch AdamW (foreach)": "1.00", "torch AdamW (foreach) [fsdp W=8]": "1.00"}
     text = (out / "host.md").read_text()
     assert "MuonBP [fsdp W=8]" in text and "fake process group" in text and "owner refresh" in text
+
+
+@pytest.mark.slow
+def test_compiled_muon_row_is_one_graph_on_dynamo():
+    """The compiled Muon row as recorded, on dynamo's eager backend: ``fullgraph=True`` held, no graph break."""
+    argv = [*QUICK, "--matrices", "10", "--optimizers", "muon", "--baselines", "--compile-modes", "default"]
+    record = host.run(host.parse([*argv, "--compile-backend", "eager"]))
+    rows = {r["name"]: r for r in record["rows"]}
+    compiled = rows["muon_compiled"]
+    assert compiled["status"] == "ok" and compiled["graph_breaks"] == 0 and compiled["graphs"] >= 1
+    assert compiled["fullgraph"] and compiled["backend"] == "eager" and rows["muon_skip"]["host_ms"] > 0

@@ -5,11 +5,13 @@ host time is the step. This measures that floor on any machine: DiT-like matrice
 and adaLN, with their biases in AdamW) of side ``--width`` at each count of ``--matrices``, every dimuon optimizer
 in its accelerator form (:func:`~dimuon.bench.host_probe.accelerator_form`), eager and under ``torch.compile``
 (whose outcome, graph breaks and first-step time are recorded; a failure is recorded, not raised), beside torch's
-foreach and fused AdamW and ``torch.optim.Muon`` on the same tensors in the same process. The sharded rows
-(:mod:`~dimuon.bench.host_sharded`) step rank 0 of an FSDP2 layout of ``--sharded-world`` ranks, in this process
-on torch's fake process group. Per row and size: the Python calls made inside dimuon per step and the ops
-dispatched per step (counted eagerly, per step kind), and the host time per step (rounds interleaved over every
-row of a size and part; medians per step kind and of the period's mean). Run ``dimuon bench host --help``.
+foreach and fused AdamW and ``torch.optim.Muon`` on the same tensors in the same process. The compiled rows step
+optimizers built with ``--compile-nonfinite`` (``skip`` by default: the step compiled as the docs recommend, with
+``fullgraph=True`` where it can be one graph), each timed in the same rounds as its eager twin of that setting.
+The sharded rows (:mod:`~dimuon.bench.host_sharded`) step rank 0 of an FSDP2 layout of ``--sharded-world`` ranks,
+in this process on torch's fake process group. Per row and size: the Python calls made inside dimuon per step and
+the ops dispatched per step (counted eagerly, per step kind), and the host time per step (rounds interleaved over
+every row of a size and part; medians per step kind and of the period's mean). Run ``dimuon bench host --help``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ BASELINES: dict[str, tuple[str, dict[str, Any], str]] = {
     "torch_muon": ("torch_muon", {}, "torch.optim.Muon + AdamW (foreach)"),
 }
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# one graph per step kind with nonfinite="skip" (AdaptiveRowMuon reads its signals on the host: a graph break)
+FULLGRAPH = ("muon", "periodic_row_muon", "muon_bp")
 MATRICES_PER_BLOCK = 5  # qkv, proj, fc1, fc2, adaLN
 
 
@@ -63,6 +67,14 @@ class Config:
     max-autotune-no-cudagraphs."""
     compile_matrices: tuple[int, ...] = (20,)
     """Matrix counts at which the compiled rows run (compiling a graph-broken step at 560 takes minutes)."""
+    compile_nonfinite: Literal["skip", "raise"] = "skip"
+    """nonfinite setting of the compiled rows and of their eager twins timed beside them (skip: the vote stays on
+    the device, so Muon, PeriodicRowMuon and MuonBP compile with fullgraph=True and AdaptiveRowMuon breaks the graph
+    at its signals; raise: the optimizers' default, which reads the vote on the host at every step and breaks the
+    graph there, compiled without fullgraph)."""
+    compile_backend: Literal["inductor", "eager"] = "inductor"
+    """torch.compile backend of the compiled rows (eager: dynamo's graphs run as traced, no code generated, with
+    --compile-modes default only; for checking the graphs quickly)."""
     sharded_world: tuple[int, ...] = (256,)
     """World sizes of the sharded rows: rank 0 of an FSDP2 layout of that many ranks on torch's fake process group
     (collectives move nothing), at every count of --matrices, with torch's AdamW beside them (0 or none: no
@@ -102,6 +114,12 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--compile-modes must be from {list(COMPILE_MODES)}, got {bad}")
     if cfg.compile_modes and [m for m in cfg.compile_matrices if m not in cfg.matrices]:
         raise ValueError(f"--compile-matrices must be among --matrices {cfg.matrices}, got {cfg.compile_matrices}")
+    if cfg.compile_nonfinite not in ("skip", "raise"):
+        raise ValueError(f"--compile-nonfinite must be skip or raise, got {cfg.compile_nonfinite!r}")
+    if cfg.compile_backend not in ("inductor", "eager"):
+        raise ValueError(f"--compile-backend must be inductor or eager, got {cfg.compile_backend!r}")
+    if cfg.compile_backend == "eager" and set(cfg.compile_modes) - {"default"}:
+        raise ValueError(f"--compile-backend eager takes --compile-modes default only, got {cfg.compile_modes}")
     if any(w == 1 or w < 0 for w in cfg.sharded_world):
         raise ValueError(f"--sharded-world must be world sizes >= 2 (0: none), got {cfg.sharded_world}")
     for name, low in (("width", 2), ("repeats", 1), ("warmup", 1), ("threads", 1)):
@@ -174,6 +192,7 @@ class Row:
     ops: list[int] = field(default_factory=list)
     graph_breaks: int | None = None
     graphs: int | None = None
+    compiled: dict[str, Any] | None = None  # a compiled row's or eager twin's setting (recorded with it)
 
 
 def period_of(name: str, opt: Any) -> int:
@@ -192,17 +211,40 @@ def make_rows(
     cfg: Config, matrices: int, model: nn.Module, mode: str = "eager", options: dict[str, Any] | None = None
 ) -> list[Row]:
     """The rows at one size: dimuon's optimizers eager (built with ``options`` too) and torch's baselines, or
-    dimuon's optimizers compiled in ``mode``."""
+    dimuon's optimizers compiled in ``mode`` beside their eager twins (:func:`compiled_rows`)."""
+    if mode != "eager":
+        return compiled_rows(cfg, matrices, model, mode)
     rows = []
     for name in cfg.optimizers:
         opt = build(name, model, lr=1e-3, weight_decay=0.01, **(options or {}))
-        step = opt.step if mode == "eager" else torch.compile(opt.step, mode=mode)
-        label = LABELS.get(name, name) + ("" if mode == "eager" else f" (compiled, {mode})")
-        rows.append(Row(row_name(name, mode), label, matrices, opt, step, period_of(name, opt), mode))
-    for name in cfg.baselines if mode == "eager" else ():
+        rows.append(Row(name, LABELS.get(name, name), matrices, opt, opt.step, period_of(name, opt)))
+    for name in cfg.baselines:
         kind, options, label = BASELINES[name]
         opt = build(kind, model, lr=1e-3, weight_decay=0.01, **options)
         rows.append(Row(name, label, matrices, opt, opt.step, 1, dimuon=False))
+    return rows
+
+
+def compiled_rows(cfg: Config, matrices: int, model: nn.Module, mode: str) -> list[Row]:
+    """Each of dimuon's optimizers built with ``cfg.compile_nonfinite`` and compiled in ``mode`` (``fullgraph=True``
+    where its step can be one graph), then its eager twin of the same setting, so both are timed in the same
+    rounds."""
+    nonfinite, rows = cfg.compile_nonfinite, []
+    for name in cfg.optimizers:
+        full = nonfinite == "skip" and name in FULLGRAPH
+        opt = build(name, model, lr=1e-3, weight_decay=0.01, nonfinite=nonfinite)
+        step = torch.compile(opt.step, mode=mode, fullgraph=full, backend=cfg.compile_backend)
+        twin = twin_name(name, mode, nonfinite)
+        label = f"{LABELS.get(name, name)} (compiled, {mode}, {nonfinite}" + (", fullgraph)" if full else ")")
+        setting = {"optimizer": name, "nonfinite": nonfinite}
+        compiled = {**setting, "fullgraph": full, "backend": cfg.compile_backend, "twin": twin}
+        rows.append(
+            Row(row_name(name, mode), label, matrices, opt, step, period_of(name, opt), mode, compiled=compiled)
+        )
+        eager = build(name, model, lr=1e-3, weight_decay=0.01, nonfinite=nonfinite)
+        beside = "" if mode == "default" else f", beside {mode}"
+        twin_label = f"{LABELS.get(name, name)} (eager, {nonfinite}{beside})"
+        rows.append(Row(twin, twin_label, matrices, eager, eager.step, period_of(name, eager), compiled=setting))
     return rows
 
 
@@ -211,6 +253,11 @@ def row_name(name: str, mode: str) -> str:
     if mode == "eager":
         return name
     return f"{name}_compiled" + ("" if mode == "default" else "_" + mode.replace("-", "_"))
+
+
+def twin_name(name: str, mode: str, nonfinite: str) -> str:
+    """The eager twin timed beside a compiled row: ``muon_skip``, ``muon_skip_reduce_overhead``..."""
+    return f"{name}_{nonfinite}" + ("" if mode == "default" else "_" + mode.replace("-", "_"))
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -324,6 +371,7 @@ def row_record(row: Row) -> dict[str, Any]:
         "host_ms": _median_ms(means) if means else None,
         "period_means_ms": [round(1e3 * m, 4) for m in means],
         "kinds": kinds,
+        **(row.compiled or {}),
     }
 
 

@@ -69,22 +69,55 @@ def step_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def eager_twin(record: dict[str, Any], row: dict[str, Any]) -> dict[str, Any] | None:
+    """The eager row of the same setting timed in the same rounds as compiled ``row`` (None in a record made before
+    compiled rows had one, or where it did not run)."""
+    return next((r for r in record["rows"] if r["name"] == row.get("twin") and r["matrices"] == row["matrices"]), None)
+
+
+def x_eager(row: dict[str, Any], twin: dict[str, Any] | None, kind: str | None = None) -> float | None:
+    """Compiled ``row``'s host ms over its eager twin's: over the period, or of one step ``kind``."""
+    if twin is None or row["status"] != "ok" or twin["status"] != "ok":
+        return None
+    ms = [r["host_ms"] if kind is None else r["kinds"].get(kind, {}).get("host_ms") for r in (row, twin)]
+    return ms[0] / ms[1] if ms[0] is not None and ms[1] else None
+
+
+def _by_kind(row: dict[str, Any], twin: dict[str, Any] | None) -> str:
+    """``spectral 0.41, rownorm 0.35``: the ratio to the eager twin per step kind, where the step has several."""
+    if len(row["kinds"]) < 2:
+        return ""
+    return ", ".join(f"{k} {_num(x_eager(row, twin, k))}" for k in row["kinds"])
+
+
 def compile_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """What torch.compile did with every compiled row: status, first (compiling) step, graph breaks, error."""
-    header = ["row", "matrices", "status", "first step s", "graph breaks", "graphs", "error"]
-    body = [
-        [
-            r["name"],
-            str(r["matrices"]),
-            r["status"],
-            _num(None if r["first_step_ms"] is None else r["first_step_ms"] / 1e3, 1),
-            "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
-            "-" if r["graphs"] is None else str(r["graphs"]),
-            (r["error"] or "").splitlines()[0][:100] if r["error"] else "",
-        ]
-        for r in record["rows"]
-        if r["mode"] != "eager"
-    ]
+    """What torch.compile did with every compiled row (nonfinite setting, fullgraph, status, first compiling step,
+    graph breaks, error) and its host ms over its eager twin's, timed in the same rounds (x eager)."""
+    header = ["row", "matrices", "nonfinite", "fullgraph", "status", "first step s", "graph breaks", "graphs"]
+    header += ["ms", "eager ms", "x eager", "x eager by kind", "error"]
+    body = []
+    for r in record["rows"]:
+        if r["mode"] == "eager":
+            continue
+        twin = eager_twin(record, r)
+        first_s = None if r["first_step_ms"] is None else r["first_step_ms"] / 1e3
+        body.append(
+            [
+                r["name"],
+                str(r["matrices"]),
+                r.get("nonfinite") or "-",
+                {True: "yes", False: "no"}.get(r.get("fullgraph"), "-"),
+                r["status"],
+                _num(first_s, 1),
+                "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
+                "-" if r["graphs"] is None else str(r["graphs"]),
+                _num(r["host_ms"], 3),
+                _num(twin["host_ms"] if twin else None, 3),
+                _num(x_eager(r, twin)),
+                _by_kind(r, twin),
+                (r["error"] or "").splitlines()[0][:100] if r["error"] else "",
+            ]
+        )
     return header, body
 
 
@@ -122,16 +155,16 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
     if note:
         parts.append(note)
     header, body = compile_rows(record)
-    if body:  # status and error read as text
-        parts.append(fmt(header, body, [False, True, False, True, True, True, False]))
+    if body:  # names, settings, status and error read as text
+        parts.append(fmt(header, body, [False, True, False, False, False, *[True] * 6, False, False]))
     if not record.get("complete", True):
         parts.append("(partial: the sizes measured so far)")
     return "\n\n".join(parts)
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
-    """Host ms per step (period mean) against matrices, log-log, one line per row (a sharded row dash-dotted, in
-    the colour of its one-process row)."""
+    """Host ms per step (period mean) against matrices, log-log, one line per row (a sharded row dash-dotted, a
+    compiled row dashed with its ratio to its eager twin beside it, each in the colour of its one-process row)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,8 +179,22 @@ def plot(record: dict[str, Any], path: Path) -> None:
         first = next(iter(by_size.values()))
         style = "--" if first["mode"] != "eager" else (":" if not first["dimuon"] else "-")
         style = "-." if "world" in first else style
-        color = colors.setdefault(first["name"].split(" [")[0], f"C{len(colors) % 10}")  # sharded: its row's
-        ax.plot(*zip(*pts), style, marker="o", color=color, label=first["label"])
+        marker = "s" if first["mode"] != "eager" else ("^" if "nonfinite" in first else "o")  # compiled, twin
+        key = first.get("optimizer") or first["name"].split(" [")[0]  # sharded, compiled, twin: their row's
+        color = colors.setdefault(key, f"C{len(colors) % 10}")
+        ax.plot(*zip(*pts), style, marker=marker, color=color, label=first["label"])
+        for m, r in by_size.items() if first["mode"] != "eager" else ():
+            ratio = x_eager(r, eager_twin(record, r))
+            if ratio is not None:
+                ax.annotate(
+                    f"x{ratio:.2f} eager",
+                    (m, r["host_ms"]),
+                    xytext=(4, 0),
+                    textcoords="offset points",
+                    fontsize=6,
+                    color=color,
+                    va="center",
+                )
     ax.set_xscale("log")
     ax.set_yscale("log")
     sizes = sorted({r["matrices"] for r in record["rows"]})
