@@ -555,10 +555,10 @@ def _whole_refresh_probe(tally: Tally) -> Callable[..., Any]:
     whole matrices it owns (replicated parameters: owners split them, the same way on every rank)."""
     real = refresh_module.SpectralRefresh._whole_refresh
 
-    def probe(self: Any, placed: Sequence[Any], config: Any) -> Any:
+    def probe(self: Any, placed: Sequence[Any], config: Any, *rest: Any) -> Any:
         for comm, idx, owners in self._whole_owners(placed):
             _book_owners(tally, comm, placed, idx, owners, config)
-        return real(self, placed, config)
+        return real(self, placed, config, *rest)
 
     return probe
 

@@ -11,8 +11,9 @@ and the pieces the replicas refreshed (``replica_refresh="split"``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,100 +52,121 @@ def assign_owners(
     return owners
 
 
-# The padded all-gather of :func:`_gather_segments` moves W times the largest segment; past this many times the
-# segments' real bytes (more ranks than matrices, at large W) the owners broadcast their segments instead.
+# The padded all-gather of :func:`share_plan` moves W times the largest segment; past this many times the segments'
+# real bytes (more ranks than matrices, at large W) the owners broadcast their segments instead.
 PADDED_GATHER_LIMIT = 2.0
 
 
-@dataclass
-class _Segments:
-    """Every rank's segment of one exchange, in flight: rank ``r``'s at ``recv[offsets[r]:]``."""
+@dataclass(frozen=True)
+class SharePlan:
+    """What is static about one group's exchange of its owners' directions (:func:`share_plan`), so that a step only
+    fills the buffers, launches and cuts what arrived: nothing in it loops over the group's ranks."""
 
-    recv: Tensor
-    offsets: list[int]
-    works: list[Any]
+    comm: Collectives
+    mine: tuple[int, ...]  # the jobs this rank owns, in its segment's order
+    dtype: torch.dtype  # the payload dtype
+    scales: dict[int, float] | None  # per job the lr scale the receivers apply (None: the directions are scaled)
+    device: torch.device
+    padded: bool  # one all-gather of the segments padded to the largest, else one broadcast per owner
+    own: tuple[int, int]  # this rank's segment: in the send buffer (padded) or in the one every segment lands in
+    length: int  # the buffer every segment lands in: W slots of the largest segment, or the segments back to back
+    senders: tuple[tuple[int, ...], tuple[int, ...]]  # broadcasts: the segments' sizes and their owners (group ranks)
+    cuts: tuple[int, ...]  # that buffer cut into the jobs' directions and the gaps between them
+    picks: tuple[tuple[int, int, torch.Size, torch.dtype], ...]  # per job: its index, its cut, shape and wide dtype
+    cast: torch.dtype | None  # the wide dtype every job shares: one cast of the whole buffer (else one per job)
+    factors: tuple[float, ...] | None  # per pick, the lr scale the receivers apply
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
-
-def _gather_segments(
+def share_plan(
     comm: Collectives,
     placed: Sequence[Placed],
-    owned: Sequence[Sequence[int]],
-    mine: Sequence[Tensor],
+    idx: Sequence[int],
+    owners: Sequence[int],
     dtype: torch.dtype,
-) -> _Segments:
-    """Every rank's segment (the flat tensors ``mine`` of the jobs it owns, ``owned[rank]``) to every rank, async.
-
-    One all-gather of the segments padded to the largest, while that moves at most :data:`PADDED_GATHER_LIMIT`
-    times their real bytes; else (more ranks than matrices: most segments empty) one broadcast per rank that
-    owns something, each of its real bytes, into one buffer holding the segments back to back: one group launch
-    on NCCL (:meth:`Collectives.broadcasts`)."""
-    sizes = [sum(placed[i][0].update.numel() for i in jobs) for jobs in owned]
+    scales: dict[int, float] | None = None,
+) -> SharePlan:
+    """The exchange of one group's jobs ``idx`` (each one's owner, a group rank) in ``dtype``: one all-gather of the
+    owners' segments padded to the largest, while that moves at most :data:`PADDED_GATHER_LIMIT` times their real
+    bytes; else (more ranks than matrices: most segments empty) one broadcast per rank owning something, each of
+    its real bytes, into one buffer holding the segments back to back (one group launch on NCCL). Made once per set
+    of jobs: the segments, sizes and cuts of every rank, the same on every rank of the group."""
+    owned: list[list[int]] = [[] for _ in range(comm.world)]
+    for i, owner in zip(idx, owners):
+        owned[owner].append(i)
+    numel = {i: placed[i][0].update.numel() for i in idx}
+    sizes = [sum(numel[i] for i in jobs) for jobs in owned]
     pad, total = max(sizes), sum(sizes)
-    first = next(i for jobs in owned for i in jobs)  # every job of the group is owned by some rank
-    device = placed[first][0].update.device
-    if comm.world * pad <= PADDED_GATHER_LIMIT * total:
-        send = torch.zeros(pad, dtype=dtype, device=device)
+    padded = comm.world * pad <= PADDED_GATHER_LIMIT * total
+    starts = [r * pad for r in range(comm.world)] if padded else list(itertools.accumulate(sizes, initial=0))
+    cuts, picks, at = [], [], 0
+    for start, jobs in zip(starts, owned):
+        if jobs and start > at:  # the gap up to this segment: padding, and the slots of ranks owning nothing
+            cuts.append(start - at)
+            at = start
+        for i in jobs:
+            update = placed[i][0].update
+            picks.append((i, len(cuts), update.shape, _wide(update)))
+            cuts.append(numel[i])
+            at += numel[i]
+    length = comm.world * pad if padded else total
+    cuts += [length - at] if length > at else []
+    wides = {wide for *_, wide in picks}
+    senders = tuple(zip(*[(size, r) for r, size in enumerate(sizes) if size])) or ((), ())
+    return SharePlan(
+        comm=comm,
+        mine=tuple(owned[comm.rank]),
+        dtype=dtype,
+        scales=scales,
+        device=placed[picks[0][0]][0].update.device,  # every job of the group is owned by some rank
+        padded=padded,
+        own=(0, pad) if padded else (starts[comm.rank], starts[comm.rank] + sizes[comm.rank]),
+        length=length,
+        senders=senders,  # type: ignore[arg-type]
+        cuts=tuple(cuts),
+        picks=tuple(picks),
+        cast=wides.pop() if len(wides) == 1 else None,
+        factors=None if scales is None else tuple(scales[i] for i, *_ in picks),
+    )
+
+
+def _launch(plan: SharePlan, mine: Sequence[Tensor]) -> tuple[Tensor, Any]:
+    """This rank's segment (the flat directions ``mine`` of the jobs it owns) to every rank of the group and every
+    other rank's here, async: the buffer they land in and the work to wait for."""
+    if plan.padded:
+        send = torch.zeros(plan.own[1], dtype=plan.dtype, device=plan.device)
         if mine:
             flat = torch.cat(list(mine))
             send[: flat.numel()] = flat
-        recv = send.new_empty(comm.world * pad)
-        return _Segments(recv, [r * pad for r in range(comm.world)], [comm.all_gather(recv, send, async_op=True)])
-    offsets = [sum(sizes[:r]) for r in range(comm.world)]
-    recv = torch.empty(total, dtype=dtype, device=device)
+        recv = send.new_empty(plan.length)
+        return recv, plan.comm.all_gather(recv, send, async_op=True)
+    recv = torch.empty(plan.length, dtype=plan.dtype, device=plan.device)
     if mine:
-        torch.cat(list(mine), out=recv[offsets[comm.rank] : offsets[comm.rank] + sizes[comm.rank]])
-    pieces = [(recv[offsets[r] : offsets[r] + sizes[r]], r) for r in range(comm.world) if sizes[r]]
-    return _Segments(recv, offsets, [comm.broadcasts(pieces)])
+        torch.cat(list(mine), out=recv[plan.own[0] : plan.own[1]])
+    sizes, sources = plan.senders
+    return recv, plan.comm.broadcasts(list(zip(recv.split(sizes), sources)))
 
 
-def _share_owned(
-    placed: Sequence[Placed],
-    groups: Sequence[tuple[Collectives, list[int], list[int]]],
-    share: Callable[[Collectives, list[int], list[int]], tuple[list[Tensor], torch.dtype, dict[int, float] | None]],
-) -> dict[int, Tensor]:
-    """Every owner's directions to every rank of its group (``groups``: the group, its jobs, each one's owner):
-    ``share`` gives this rank's flat directions, their dtype and the lr scales receivers apply; per group one
-    exchange of the owners' segments, all launched before any wait."""
-    pending = []
-    for comm, idx, owners in groups:
-        owned = [[i for i, o in zip(idx, owners) if o == r] for r in range(comm.world)]
-        flats, dtype, scales = share(comm, idx, owned[comm.rank])
-        pending.append((owned, scales, _gather_segments(comm, placed, owned, flats, dtype)))
-    out: dict[int, Tensor] = {}
-    for owned, scales, segments in pending:
-        segments.wait()
-        out.update(_unpack_segments(segments, placed, owned, scales))
+def _unpack(plan: SharePlan, recv: Tensor) -> dict[int, Tensor]:
+    """Every job's direction from what arrived, in its wide dtype, times its lr scale where the receivers apply it:
+    one cast of the whole buffer where the jobs share a dtype, one cut, and one list multiply, not ops per rank."""
+    if plan.cast is not None:
+        parts = recv.to(plan.cast).split(plan.cuts)
+        out = {i: parts[k].view(shape) for i, k, shape, _ in plan.picks}
+    else:
+        parts = recv.split(plan.cuts)
+        out = {i: parts[k].view(shape).to(wide) for i, k, shape, wide in plan.picks}
+    if plan.factors is not None and out:
+        torch._foreach_mul_(list(out.values()), list(plan.factors))
     return out
 
 
-def _segment_parts(segments: _Segments, rank: int, placed: Sequence[Placed], jobs: Sequence[int]) -> list[Tensor]:
-    """Rank ``rank``'s segment of a :func:`_gather_segments` exchange, cut into its jobs' flat directions."""
-    sizes = [placed[i][0].update.numel() for i in jobs]
-    start = segments.offsets[rank]
-    return list(segments.recv[start : start + sum(sizes)].split(sizes)) if jobs else []
-
-
-def _unpack_segments(
-    segments: _Segments,
-    placed: Sequence[Placed],
-    owned: Sequence[Sequence[int]],
-    scales: dict[int, float] | None = None,
-) -> dict[int, Tensor]:
-    """Every job's direction from a :func:`_gather_segments` exchange, in its wide dtype, times its lr scale where
-    ``scales`` are given: one cast of the whole buffer where the jobs share a dtype and one list multiply, not two
-    ops per matrix."""
-    jobs = [i for rank_jobs in owned for i in rank_jobs]
-    wides = {_wide(placed[i][0].update) for i in jobs}
-    whole = replace(segments, recv=segments.recv.to(wides.pop())) if len(wides) == 1 else None
+def _share_owned(plans: Sequence[SharePlan], share: Callable[[SharePlan], Sequence[Tensor]]) -> dict[int, Tensor]:
+    """Every owner's directions to every rank of its group, per group one exchange (``plans``, made once:
+    :func:`share_plan`), all launched before any wait: ``share`` gives this rank's flat directions of the jobs it
+    owns (``plan.mine``), in the plan's dtype."""
+    launched = [(plan, *_launch(plan, share(plan))) for plan in plans]
     out: dict[int, Tensor] = {}
-    for r, rank_jobs in enumerate(owned):
-        for i, part in zip(rank_jobs, _segment_parts(segments if whole is None else whole, r, placed, rank_jobs)):
-            update = placed[i][0].update
-            out[i] = part.view(update.shape) if whole is not None else part.view(update.shape).to(_wide(update))
-    if scales is not None and out:
-        torch._foreach_mul_(list(out.values()), [scales[i] for i in out])
+    for plan, recv, work in launched:
+        work.wait()
+        out.update(_unpack(plan, recv))
     return out

@@ -262,16 +262,33 @@ def _stacked_plan(
     return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, True, sharded=True)
 
 
-def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor]) -> list[Tensor]:
+def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor], cache: dict) -> list[Tensor]:
     """Per class, its RowNorm factors ``(B, rows, 1)`` or ``(B, 1, cols)`` where they tile the local matrix, else
     its direction: whole oriented rows from the batch, split ones from one flat all-reduce of partial sums of
-    squares per process group (launched for every group before any wait). The math before and after the
-    collectives is in functions of its own, so that a compiled step keeps it in graphs."""
+    squares per process group (launched for every group before any wait), each group's scales kept in ``cache``
+    (:func:`scale_vector`). The math before and after the collectives is in functions of its own, so that a
+    compiled step keeps it in graphs."""
     parts, groups = _local_row_factors(classes, batches)
     launched = [(items, flat, comm.all_reduce(flat, async_op=True)) for comm, items, flat in groups]
     for _, _, work in launched:
         work.wait()
-    return _row_directions(classes, batches, parts, [(items, flat) for items, flat, _ in launched])
+    reduced = [
+        (items, flat, scale_vector([(classes[ci].entries[k].scale, s.numel()) for ci, k, s in items], flat, cache))
+        for items, flat, _ in launched
+    ]
+    return _row_directions(classes, batches, parts, reduced)
+
+
+def scale_vector(scales: Sequence[tuple[float, int]], like: Tensor, cache: dict) -> Tensor:
+    """Each ``(scale, count)``'s scale repeated over its count of split oriented rows, as ``like``'s dtype and device
+    (RowNorm's shape scales over the all-reduced sums, both paths'): made once per set of scales and kept in
+    ``cache`` (a host-to-device copy at the first step only)."""
+    key = (tuple(scales), like.dtype, like.device)
+    vector = cache.get(key)
+    if vector is None:
+        values = [scale for scale, count in scales for _ in range(count)]
+        vector = cache[key] = torch.tensor(values, dtype=like.dtype, device=like.device)
+    return vector
 
 
 _Items = list[tuple[int, int, Tensor]]  # (class, entry, its partial sums) of one process group's all-reduce
@@ -308,26 +325,19 @@ def _row_directions(
     classes: Sequence[PieceClass],
     batches: Sequence[Tensor],
     parts: list[list[Tensor | None]],
-    reduced: Sequence[tuple[_Items, Tensor]],
+    reduced: Sequence[tuple[_Items, Tensor, Tensor]],
 ) -> list[Tensor]:
     """The split rows' factors from their all-reduced sums (each whole oriented row's squared norm: the factor of
-    linalg.row_factors, one division per group), then every class's factors or direction."""
-    for items, flat in reduced:
-        factors = _scales(classes, items, flat) / flat.sqrt().clamp(min=1e-7)
+    linalg.row_factors, one division per group, over the group's scale vector), then every class's factors or
+    direction."""
+    for items, flat, scales in reduced:
+        factors = scales / flat.sqrt().clamp(min=1e-7)
         for (ci, k, _), f in zip(items, factors.split([s.numel() for _, _, s in items])):
             e = classes[ci].entries[k]
             if e.region is not None:
                 f = f.view(-1, e.length)
                 parts[ci][k] = f[:, :, None] if e.wide else f[:, None, :]
     return [_compose(cls, batch, p) for cls, batch, p in zip(classes, batches, parts)]
-
-
-def _scales(classes: Sequence[PieceClass], items: Sequence[tuple[int, int, Tensor]], like: Tensor) -> Tensor:
-    """Each entry's shape scale over its sums: one op where every entry has the same (the usual case)."""
-    scales = [classes[ci].entries[k].scale for ci, k, _ in items]
-    if len(set(scales)) == 1:
-        return torch.full_like(like, scales[0])
-    return torch.cat([torch.full_like(s, scale) for (_, _, s), scale in zip(items, scales)])
 
 
 def _compose(cls: PieceClass, batch: Tensor, factors: list[Tensor | None]) -> Tensor:

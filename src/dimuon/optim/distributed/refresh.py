@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dimuon.optim.distributed.collectives import Collectives
 from dimuon.optim.distributed.engine import LocalEngine, MapConfig, MatrixJob, apply_map_batched, batch_view
-from dimuon.optim.distributed.owners import _share_owned, assign_owners
+from dimuon.optim.distributed.owners import SharePlan, _share_owned, assign_owners, share_plan
 from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement, _wide
 from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor
 from dimuon.optim.schedules import StepKind
@@ -99,9 +99,9 @@ class SpectralRefresh:
         if sharded:
             run = _GatherExchange if self.refresh == "gather" else _OwnerExchange
             out.update(zip(mine, self._refresh(run(self, mine_placed, config, memo))))
-            self._exchange_over_replicas(placed, exchanges, out)
+            self._exchange_over_replicas(placed, exchanges, out, memo)
         if whole:
-            out.update(zip(whole, self._whole_refresh(whole_placed, config)))
+            out.update(zip(whole, self._whole_refresh(whole_placed, config, memo)))
         return [out[i] for i in range(len(placed))]
 
     def _split(self, placed: Sequence[Placed]) -> tuple[list[int], list[int], list, list[Placed], list[int], list]:
@@ -310,16 +310,22 @@ class SpectralRefresh:
             exchanges.append((comm, idx, owners))
         return sorted(mine), exchanges
 
-    def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor]) -> None:
-        """The replicas swap the pieces they refreshed (same piece, same shape): per replicate group one
-        all-gather of every replica's pieces, padded to the largest replica's, all issued before any wait."""
+    def _exchange_over_replicas(self, placed: Sequence[Placed], exchanges, out: dict[int, Tensor], memo: dict) -> None:
+        """The replicas swap the pieces they refreshed (same piece, same shape): per replicate group one exchange
+        of every replica's pieces (:func:`~dimuon.optim.distributed.owners.share_plan`: made once per memo), all
+        issued before any wait, in the widest direction dtype of the group's jobs (one buffer, none rounded)."""
+        plans = kept(
+            memo,
+            "replica shares",
+            lambda: [
+                share_plan(comm, placed, idx, owners, self._widest(placed, idx)) for comm, idx, owners in exchanges
+            ],
+        )
+        out.update(_share_owned(plans, lambda plan: [out[i].reshape(-1) for i in plan.mine]))
 
-        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, None]:
-            # The widest direction dtype of the group's jobs: one buffer carries them all, none rounded.
-            dtype = self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
-            return [out[i].reshape(-1) for i in mine], dtype, None
-
-        out.update(_share_owned(placed, exchanges, share))
+    def _widest(self, placed: Sequence[Placed], idx: Sequence[int]) -> torch.dtype:
+        """``comm_dtype`` where set, else the widest direction dtype of the jobs ``idx``."""
+        return self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
 
     def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
         """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
@@ -329,17 +335,24 @@ class SpectralRefresh:
             for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas)
         ]
 
-    def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
-        """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one
-        all-gather of every owner's directions, padded to the largest share (in Newton-Schulz's dtype, unscaled,
-        where every matrix of the group has one lr scale: the receivers apply it, as the owner would have)."""
+    def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig, memo: dict) -> list[Tensor]:
+        """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one exchange
+        of every owner's directions (in Newton-Schulz's dtype, unscaled, where every matrix of the group has one lr
+        scale: the receivers apply it, as the owner would have). The owners and exchanges are made once per memo."""
         outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
+        plans: list[SharePlan] = kept(
+            memo,
+            ("whole shares", config.ns_dtype, config.lr_scale),
+            lambda: [
+                share_plan(comm, placed, idx, owners, *self._return_dtype(placed, idx, config))
+                for comm, idx, owners in self._whole_owners(placed)
+            ],
+        )
 
-        def share(comm: Collectives, idx: list[int], mine: list[int]) -> tuple[list[Tensor], torch.dtype, Any]:
-            dtype, scales = self._return_dtype(placed, idx, config)
-            return self._whole_directions(placed, mine, config, dtype, scales), dtype, scales
+        def share(plan: SharePlan) -> list[Tensor]:
+            return self._whole_directions(placed, plan.mine, config, plan.dtype, plan.scales)
 
-        for i, d in _share_owned(placed, self._whole_owners(placed), share).items():
+        for i, d in _share_owned(plans, share).items():
             outs[i] = d
         return outs
 

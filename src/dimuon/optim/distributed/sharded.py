@@ -91,7 +91,7 @@ from dimuon.optim.distributed.experts import (
 from dimuon.optim.distributed.layout import Layout, Piece, Span, derive_layout, is_dtensor
 from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement
 from dimuon.optim.distributed.refresh import SpectralRefresh
-from dimuon.optim.linalg import lr_scale_factor, square_sums
+from dimuon.optim.linalg import square_sums
 from dimuon.optim.schedules import StepKind
 
 
@@ -266,7 +266,7 @@ class ShardedEngine:
 
     def class_row_factors(self, classes: Sequence[Any], batches: Sequence[Tensor]) -> list[Tensor]:
         """RowNorm of a plan's classes: :func:`piece_classes.row_factors_sharded`."""
-        return piece_classes.row_factors_sharded(classes, batches)
+        return piece_classes.row_factors_sharded(classes, batches, self._scale_vectors)
 
     def class_refresh(self, plan: Any, batches: Sequence[Tensor], config: MapConfig) -> list[list[Tensor]]:
         """The spectral refresh of a plan's matrices, per class: :func:`piece_classes.refreshed`."""
@@ -451,30 +451,13 @@ class ShardedEngine:
         pending: dict[int, tuple[Collectives, list[_SplitRows]]] = {}
         for i, (job, plc) in enumerate(placed):
             u = job.update
-            # Column ranges are global ones only with col_split_sizes, allowed where columns are whole here.
-            col_ranges = job.col_ranges() if job.col_splits else ((0, u.shape[1]),)
-            for a, b in job.logical_ranges():
-                for c, d in col_ranges:
-                    cols = d - c if job.col_splits else job.cols  # the logical matrix's global columns
-                    scale = lr_scale_factor(config.lr_scale, b - a, cols)
-                    wide = b - a <= cols
-                    local = (a, b) if plc.shard is None else plc.mine.local_rows_in(a, b)
-                    comm = (plc.cols_comm if wide else plc.rows_comm) if plc.shard is not None else None
-                    block = u[local[0] : local[1], c:d] if local is not None else None
-                    if comm is None or (wide and block is None):  # whole oriented rows here (or none at all)
-                        if block is not None:  # oriented as its matrix: a wide one's rows, a tall one's columns
-                            whole.append((i, (local[0], local[1], c, d), block, scale))
-                        continue
-                    entry = _SplitRows(
-                        i,
-                        None if local is None else (local[0], local[1], c, d),
-                        scale,
-                        wide,
-                        block,
-                        (local[1] - local[0]) if wide else d - c,
-                        u.device,
-                    )
-                    pending.setdefault(id(comm), (comm, []))[1].append(entry)
+            for e in piece_classes._row_entries(job, plc, u.shape[1], config.lr_scale):  # the class plans' too
+                block = None if e.region is None else u[e.region[0] : e.region[1], e.region[2] : e.region[3]]
+                if e.comm is None:  # whole oriented rows here: a wide matrix's rows, a tall one's columns
+                    whole.append((i, e.region, block, e.scale))  # type: ignore[arg-type]
+                    continue
+                entry = _SplitRows(i, e.region, e.scale, e.wide, block, e.length, u.device)
+                pending.setdefault(id(e.comm), (e.comm, []))[1].append(entry)
         for (i, region, _, _), f in zip(whole, row_factors_batched([w[2] for w in whole], [w[3] for w in whole])):
             parts[i].append((region, f))
         reduced = []
@@ -483,22 +466,13 @@ class ShardedEngine:
             reduced.append((entries, flat, comm.all_reduce(flat, async_op=True)))
         for entries, flat, work in reduced:
             work.wait()
-            for e, f in zip(entries, _split_row_factors(entries, flat, self._scale_vector(entries, flat))):
+            scales = piece_classes.scale_vector([(e.scale, e.length) for e in entries], flat, self._scale_vectors)
+            for e, f in zip(entries, _split_row_factors(entries, flat, scales)):
                 if e.region is not None:
                     parts[e.job].append((e.region, f))
         for p in parts:
             p.sort(key=_region_order)
         return [compose_row_direction(job.update, p) for (job, _), p in zip(placed, parts)]
-
-    def _scale_vector(self, entries: Sequence[_SplitRows], like: Tensor) -> Tensor:
-        """Each entry's shape scale repeated over its oriented rows, as ``like``'s dtype and device: made once per
-        set of entries (a host-to-device copy at the first step only)."""
-        key = (tuple((e.scale, e.length) for e in entries), like.dtype, like.device)
-        vector = self._scale_vectors.get(key)
-        if vector is None:
-            values = [e.scale for e in entries for _ in range(e.length)]
-            vector = self._scale_vectors[key] = torch.tensor(values, dtype=like.dtype, device=like.device)
-        return vector
 
 
 def _local_stacked_job(job: MatrixJob, plc: _Placement) -> MatrixJob:
