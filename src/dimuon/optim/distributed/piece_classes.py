@@ -13,7 +13,12 @@ classes and step kinds, not with matrices:
 - block: the local regions of every class, batched by shape (:func:`dimuon.optim.classes.spectral_directions`);
 - spectral: the engine's refresh on the plan's jobs, their updates views of the class batches.
 
-Stacked parameters (experts) and other layouts the plan does not take keep the per-job path.
+A schedule that decides per matrix (AdaptiveRowMuon) takes each kind's share of a class as one batch, as in one
+process (:meth:`~dimuon.optim.classes.ClassStep._by_kind`): RowNorm as above on the share (the entries are per
+class; every rank decides the same kinds, from agreed signals, so they issue the same collectives); the refresh of
+the chosen matrices, what is static about it kept per subset for the few subsets refreshed last
+(:func:`subset_memo`); its staleness signal per class of local pieces (``dimuon.optim.adaptive``). Stacked
+parameters (experts) and other layouts the plan does not take keep the per-job path.
 """
 
 from __future__ import annotations
@@ -113,12 +118,12 @@ def make_piece_plan(
     keys: Sequence[str],
     fixed: bool,
 ) -> GroupPlan | None:
-    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for stacked parameters
-    and for a schedule that decides per matrix, which keep the per-job path). Classes are told apart by what every
-    rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all ranks issue
-    the same collectives."""
+    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for stacked parameters,
+    which keep the per-job path); ``fixed``: the schedule decides one kind for the group. Classes are told apart by
+    what every rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all
+    ranks issue the same collectives."""
     params = list(group["params"])
-    if group["stacked"] or not fixed:  # experts, and a schedule deciding per matrix: the per-job path
+    if group["stacked"]:  # experts: the per-job path
         return None
     jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     placements = [engine.placement(job) for job in jobs]
@@ -242,7 +247,7 @@ def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: M
         job.update = u
     # A plan of one kind per group hands the same jobs at every step: their placements and everything static about
     # the refresh (split, buckets, classes, regions, exchange counts) are kept in its memo.
-    memo = plan.memo if plan.fixed else {}
+    memo = plan.memo if plan.fixed else subset_memo(plan)
     placed = kept(memo, "placed", lambda: [(job, engine.placement(job)) for job in plan.jobs])
     made = engine.refresh_placed(placed, config, memo)
     out, start = [], 0
@@ -250,3 +255,23 @@ def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: M
         out.append(made[start : start + len(cls.params)])
         start += len(cls.params)
     return out
+
+
+# The refreshed subsets of a plan whose schedule decides per matrix, whose refresh's static parts are kept: matrices
+# refreshed together (first all, then those forced at the same age) tend to be so again, so a few subsets recur.
+SUBSET_MEMOS = 8
+
+
+def subset_memo(part: GroupPlan) -> dict:
+    """The memo of the refresh of ``part``'s jobs (a plan's share of one step kind), kept in the whole plan's memo
+    for the :data:`SUBSET_MEMOS` subsets refreshed last: a subset met again refreshes as a plan of one kind does
+    (no Python per matrix); a new one is worked out once, as the per-job path would at every step."""
+    memos = part.memo.setdefault("subsets", {})  # a plan's parts share its memo (dataclasses.replace)
+    key = tuple(map(id, part.jobs))  # the plan's jobs, alive as long as its memo
+    memo = memos.pop(key, None)
+    if memo is None:
+        memo = {}
+        if len(memos) >= SUBSET_MEMOS:
+            memos.pop(next(iter(memos)))  # the one used longest ago
+    memos[key] = memo  # the most recent last
+    return memo
