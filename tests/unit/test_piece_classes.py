@@ -11,6 +11,7 @@ from torch import nn
 
 from dimuon.bench.host_probe import accelerator_form, dimuon_calls
 from dimuon.optim import build
+from dimuon.optim.adaptive import AdaptiveRowSchedule
 from dimuon.optim.distributed.refresh import SpectralRefresh
 from dimuon.optim.distributed.sharded import ShardedEngine
 
@@ -203,3 +204,128 @@ def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh, si
             counts.append(dimuon_calls(opt.step))
             assert all(opt._plans[gi] is not None and opt._plans[gi].memo for gi in range(len(groups)))
     assert counts[0] == counts[1], counts
+
+
+# Each matrix's spectral step at the latest every fourth step, sooner where its signal passes the threshold.
+ADAPTIVE = {"k_min": 1, "k_max": 4, "threshold": 0.1}
+
+
+def _own_refresh(monkeypatch, run: bool = False) -> None:
+    """The signs of ``U`` as the directions of spectral steps (the fake group's all-gather leaves its buffers as they
+    were): a reference against which the staleness signal says something. With ``run`` the refresh runs first (its
+    Python counted), its directions left unused."""
+    refresh = SpectralRefresh.directions
+
+    def signs(self, placed, config, memo=None):
+        if run:
+            refresh(self, placed, config, memo)
+        return [job.update.sign() for job, _ in placed]
+
+    monkeypatch.setattr(SpectralRefresh, "directions", signs)
+
+
+def _row_groups(mesh, copies: int) -> list[dict]:
+    """The layouts of :func:`_groups` that keep rows whole (the adaptive schedule's row sums need them)."""
+    groups = _groups(mesh, copies)
+    for group in groups:
+        group["params"] = [p for p in group["params"] if not any(plc.is_shard(1) for plc in p.placements)]
+    return groups
+
+
+def _new_gradients(groups: list[dict], step: int) -> None:
+    """Fresh gradients for every other parameter, ten times the last (their momentum turns: stale), the others'
+    kept (their signal is zero up to rounding)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for group in groups:
+            for p in group["params"][::2]:
+                local = p.grad.to_local()
+                local.copy_(torch.randn(local.shape, generator=g) * 10.0 ** (step + 1))
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch, lag):
+    """AdaptiveRowMuon over eight steps (the class path from step 1): matrices refreshed by their signal, others
+    only when forced, so that steps mix both kinds within classes; every local piece, momentum and piece of the
+    schedule's state equal, bit for bit, to the per-job path's, and the same kinds taken."""
+    _own_refresh(monkeypatch)
+    signals: list[list[dict[int, float]]] = []  # per run and step, the signals read, by parameter
+    stalest = AdaptiveRowSchedule._stalest
+
+    def recorded(self, works, items, ctx):
+        values = stalest(self, works, items, ctx)
+        index = {id(p): k for k, p in enumerate(p for g in groups for p in g["params"])}
+        signals[-1].append({index[id(works[wi].params[ji])]: v for (wi, ji), v in zip(items, values.tolist())})
+        return values
+
+    monkeypatch.setattr(AdaptiveRowSchedule, "_stalest", recorded)
+    runs = []
+    for planned in (True, False):
+        if not planned:
+            monkeypatch.setattr(ShardedEngine, "class_plan", lambda self, *args: None)
+        signals.append([])
+        groups = _row_groups(mesh, copies=2)
+        opt = build(
+            "adaptive_row_muon", groups, lr=0.05, weight_decay=0.1, nonfinite="skip", signal_lag=lag, **ADAPTIVE
+        )
+        for step in range(8):
+            opt.step()
+            _new_gradients(groups, step)
+        assert all((opt._plans.get(gi) is not None) == planned for gi in range(len(groups)))
+        params = [p for g in groups for p in g["params"]]
+        names = ("momentum_buffer", "refresh_direction", "refresh_row_sums", "refresh_signal")
+        state = [opt.state[p][k] for p in params for k in names]
+        counts = {k: v["spectral"] for k, v in opt.refresh_stats()["matrices"].items()}
+        runs.append(([p.to_local().clone() for p in params], [getattr(t, "_local_tensor", t) for t in state], counts))
+    (weights, state, counts), (weights_job, state_job, counts_job) = runs
+    assert counts == counts_job
+    assert signals[0] == signals[1]  # bit for bit, and finite ones among them
+    assert any(0 < v < float("inf") for step in signals[0] for v in step.values())
+    assert max(counts.values()) > 2 and min(counts.values()) == 2  # by signal, and only when forced (steps 0, 4)
+    for planned, unplanned in zip(weights + state, weights_job + state_job):
+        assert torch.equal(planned, unplanned)
+
+
+def test_adaptive_steps_take_the_same_calls_at_any_matrix_count(mesh, monkeypatch):
+    """AdaptiveRowMuon's step mixing both kinds (the signal read, the stale half refreshed, the rest RowNorm): its
+    Python calls do not grow with the matrices, the refresh of a subset refreshed before kept with the plan as a
+    plan of one kind keeps its own (the gather refresh on the layouts of the refresh test above; four copies of each
+    against eight, so that every class refreshes several matrices: one alone takes a shortcut of one call less)."""
+    from dimuon.bench.census import fake_collectives
+
+    _own_refresh(monkeypatch, run=True)
+    counts = []
+    with accelerator_form(), fake_collectives():
+        for copies in (4, 8):
+            groups = _row_groups(mesh, copies)[:1]
+            opt = build("adaptive_row_muon", groups, lr=0.05, nonfinite="skip", refresh="gather", **ADAPTIVE)
+            for step in range(3):  # all refreshed, then the stale half (twice: the plans and memo made)
+                opt.step()
+                _new_gradients(groups, step)
+            counts.append(dimuon_calls(opt.step))
+            assert all(plan is not None for plan in opt._plans.values())
+            kinds = {k: v["spectral"] for k, v in opt.refresh_stats()["matrices"].items()}
+            assert set(kinds.values()) == {1, 4}  # the stale half refreshed at every step, the rest at step 0
+            assert all(len(plan.memo["subsets"]) == 1 for plan in opt._plans.values())  # the stale half's
+    assert counts[0] == counts[1], counts
+
+
+def test_subset_memos_are_kept_for_the_subsets_refreshed_last():
+    """A plan's refreshed subsets each keep their refresh's static parts, at most SUBSET_MEMOS of them: a subset met
+    again finds its own, the one used longest ago makes way for a new one."""
+    from types import SimpleNamespace
+
+    from dimuon.optim.distributed.piece_classes import SUBSET_MEMOS, subset_memo
+
+    jobs = [object() for _ in range(SUBSET_MEMOS + 1)]
+    plan = SimpleNamespace(memo={}, jobs=[])
+    part = lambda *idx: SimpleNamespace(memo=plan.memo, jobs=[jobs[i] for i in idx])  # noqa: E731
+    first = subset_memo(part(0, 1))
+    assert subset_memo(part(0, 1)) is first
+    second = subset_memo(part(1))
+    assert second is not first
+    for i in range(2, SUBSET_MEMOS + 1):  # one more subset than are kept
+        subset_memo(part(i))
+    assert len(plan.memo["subsets"]) == SUBSET_MEMOS
+    assert subset_memo(part(1)) is second  # kept
+    assert subset_memo(part(0, 1)) is not first  # the one used longest ago, made again

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dimuon.optim.common import local_tensor, matrix_shape
+from dimuon.optim.common import local_tensor, local_tensors, matrix_shape
 from dimuon.optim.distributed.engine import (
     MatrixJob,
     RowRange,
@@ -40,6 +40,7 @@ from dimuon.optim.schedules import (
 from dimuon.optim.staleness import (
     REFERENCE_DTYPE,
     ROW_SUMS,
+    partial_sums_batch,
     reference_row_sums_many,
     row_sums_batch,
     staleness_batch,
@@ -230,44 +231,21 @@ class AdaptiveRowSchedule(Schedule):
         """Each item's staleness (a fused parameter's stalest logical matrix), the same on every rank: one engine
         reduction of the signal sums, then their maximum over the world (replicas hold the same sums up to the last
         bits, from a non-deterministic reduction, and a choice they made apart would issue different collectives)."""
-        state = ctx.state
-        if None not in [getattr(w, "plan", None) for w in works]:  # one process, every group by class
+        plans = [getattr(w, "plan", None) for w in works]
+        if None not in plans and not plans[0].sharded:  # type: ignore[union-attr]  # one process, by class
             return self._stalest_by_class(works, items, ctx)
-
-        def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
-            states = [state[job.meta["param"]] for job in jobs]
-            return staleness_partial_sums_many(
-                [job.update for job in jobs],
-                [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
-                [_row_sums_view(st, job) for st, job in zip(states, jobs)],
-                local_ranges,
-                [job.col_splits for job in jobs],
-            )
-
-        sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in items], partial)
-        stalest = _segment_max(staleness_from_sums(torch.cat(sums)), [len(s) for s in sums])
+        by_pieces = None not in plans  # a mesh, every group by class of local pieces
+        stalest = (_stalest_by_pieces if by_pieces else _stalest_by_job)(works, items, ctx)
         agree = getattr(ctx.engine, "agree_max", None)
         return agree(stalest) if agree is not None else stalest
 
     def _stalest_by_class(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
         """:meth:`_stalest` on the class path (one process): each class's items as one batch of its ``U``."""
-        by_work: dict[int, list[int]] = {}
-        for wi, ji in items:
-            by_work.setdefault(wi, []).append(ji)
         out = []
-        for wi, chosen in by_work.items():
-            plan, batches = works[wi].plan, works[wi].batches  # type: ignore[attr-defined]
-            start = 0
-            for cls, batch in zip(plan.classes, batches):
-                stop, job = start + len(cls.params), plan.jobs[start]
-                idx = [j - start for j in chosen if start <= j < stop]
-                if idx:
-                    states = [ctx.state[cls.params[i]] for i in idx]
-                    u = batch if len(idx) == len(cls.params) else batch[idx]
-                    refs = torch.stack([st["refresh_direction"] for st in states]).view(u.shape)
-                    sums = torch.stack([st["refresh_row_sums"] for st in states])
-                    out.append(staleness_batch(u, refs, sums, job.logical_ranges(), job.col_ranges()))
-                start = stop
+        for job, u, states in _by_class(works, items, ctx.state):
+            refs = torch.stack([st["refresh_direction"] for st in states]).view(u.shape)
+            sums = torch.stack([st["refresh_row_sums"] for st in states])
+            out.append(staleness_batch(u, refs, sums, job.logical_ranges(), _col_ranges(job, u)))
         return torch.cat(out)
 
     def _measure_for_next(self, works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> None:
@@ -377,12 +355,12 @@ class AdaptiveRowSchedule(Schedule):
         for cls, u, d in zip(part.plan.classes, part.batches, directions):
             job, start = part.jobs[start], start + len(cls.params)
             states = [ctx.state[p] for p in cls.params]
-            refs = [st["refresh_direction"] for st in states]
-            sums = [st["refresh_row_sums"] for st in states]
-            new = d.to(REFERENCE_DTYPE)
+            refs = local_tensors([st["refresh_direction"] for st in states])  # a mesh's local pieces
+            sums = local_tensors([st["refresh_row_sums"] for st in states])
+            new = (torch.stack(d) if isinstance(d, list) else d).to(REFERENCE_DTYPE)  # a mesh's refresh: a list
             if mask is not None:
                 new = torch.where(mask, new, torch.stack(refs).view(new.shape))
-            rows = row_sums_batch(u, new, job.col_ranges()).view(len(sums), *sums[0].shape)
+            rows = row_sums_batch(u, new, _col_ranges(job, u)).view(len(sums), *sums[0].shape)
             if mask is not None:
                 rows = torch.where(mask, rows, torch.stack(sums))
             torch._foreach_copy_(refs, new.view(len(refs), *cls.shape).unbind(0))
@@ -409,3 +387,68 @@ def _segment_max(values: Tensor, lengths: Sequence[int]) -> Tensor:
     if len(set(lengths)) == 1:
         return values.view(len(lengths), lengths[0]).amax(dim=1)
     return torch.stack([v.max() for v in values.split(list(lengths))])
+
+
+def _by_class(
+    works: Sequence[Work], items: Sequence[tuple[int, int]], state: Mapping[Tensor, Any]
+) -> list[tuple[MatrixJob, Tensor, list[dict[str, Any]]]]:
+    """Per class of the works' plans holding any of ``items`` (in their order): its first job, the items' ``U``
+    as one batch (the class batch, or its rows picked in one op) and their states."""
+    by_work: dict[int, list[int]] = {}
+    for wi, ji in items:
+        by_work.setdefault(wi, []).append(ji)
+    out = []
+    for wi, chosen in by_work.items():
+        plan, batches = works[wi].plan, works[wi].batches  # type: ignore[attr-defined]
+        start = 0
+        for cls, batch in zip(plan.classes, batches):
+            stop = start + len(cls.params)
+            idx = [j - start for j in chosen if start <= j < stop]
+            if idx:
+                u = batch if len(idx) == len(cls.params) else batch[idx]
+                out.append((plan.jobs[start], u, [state[cls.params[i]] for i in idx]))
+            start = stop
+    return out
+
+
+def _stalest_by_job(works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
+    """Each item's staleness before the world's agreement on the per-job path: each job's partial sums over the
+    rows held here, added over its shard group by the engine."""
+    state = ctx.state
+
+    def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+        states = [state[job.meta["param"]] for job in jobs]
+        return staleness_partial_sums_many(
+            [job.update for job in jobs],
+            [local_tensor(st["refresh_direction"]).view(job.update.shape) for st, job in zip(states, jobs)],
+            [_row_sums_view(st, job) for st, job in zip(states, jobs)],
+            local_ranges,
+            [job.col_splits for job in jobs],
+        )
+
+    sums = ctx.engine.matrix_sums([works[wi].jobs[ji] for wi, ji in items], partial)
+    return _segment_max(staleness_from_sums(torch.cat(sums)), [len(s) for s in sums])
+
+
+def _stalest_by_pieces(works: Sequence[Work], items: Sequence[tuple[int, int]], ctx: StepContext) -> Tensor:
+    """Each item's staleness before the world's agreement on a mesh's class path: per class of local pieces the
+    partial sums over the rows held here, one batch (the per-job path's sums, per class), added over each shard
+    group by the engine (one flat all-reduce per process group)."""
+    picked = _by_class(works, items, ctx.state)
+
+    def partial(jobs: Sequence[MatrixJob], local_ranges: Sequence[Sequence[RowRange | None]]) -> list[Tensor]:
+        out = []
+        for (job, u, states), ranges in zip(picked, local_ranges):
+            refs = torch.stack(local_tensors([st["refresh_direction"] for st in states])).view(u.shape)
+            sums = torch.stack(local_tensors([st["refresh_row_sums"] for st in states]))
+            out.append(partial_sums_batch(u, refs, sums, ranges, _col_ranges(job, u)))
+        return out
+
+    sums = ctx.engine.matrix_sums([job for job, _, _ in picked], partial)  # a class's first job stands for it
+    return torch.cat([staleness_from_sums(s).amax(dim=1) for s in sums])
+
+
+def _col_ranges(job: MatrixJob, u: Tensor) -> tuple[RowRange, ...]:
+    """The column ranges of a batch of the job's local pieces: its column splits (whole columns here), else the
+    local row whole (a mesh may split the columns)."""
+    return job.col_splits or ((0, u.shape[-1]),)

@@ -7,7 +7,8 @@ step kind maps, where its momentum lives) is worked out when the plan is made (:
 Python grows with classes and step kinds, not with matrices. The values are those of
 :class:`~dimuon.optim.distributed.engine.LocalEngine` on the same jobs, op for op (the golden-steps test holds
 them). A schedule that decides per matrix (the adaptive one) takes each kind's matrices of a class as one batch
-(:meth:`ClassStep._by_kind`); sharded engines take the per-job path instead.
+(:meth:`ClassStep._by_kind`). Sharded engines plan classes of local pieces
+(:mod:`dimuon.optim.distributed.piece_classes`).
 """
 
 from __future__ import annotations

@@ -189,16 +189,28 @@ def staleness_batch(
     updates: Tensor, directions: Tensor, row_sums: Tensor, ranges: tuple[RowRange, ...], col_ranges: Sequence[RowRange]
 ) -> Tensor:
     """``(B,)``: the stalest logical matrix (every row range ``ranges`` times column range) of each matrix of a
-    ``(B, rows, cols)`` batch held whole, ``row_sums`` its ``(B, rows, 2 C)`` reference sums; the sums added row
-    after row as :func:`staleness_partial_sums_many` adds them (one segmented sum for the batch)."""
+    ``(B, rows, cols)`` batch held whole, ``row_sums`` its ``(B, rows, 2 C)`` reference sums."""
+    return staleness_from_sums(partial_sums_batch(updates, directions, row_sums, ranges, col_ranges)).amax(dim=1)
+
+
+def partial_sums_batch(
+    updates: Tensor,
+    directions: Tensor,
+    row_sums: Tensor,
+    ranges: Sequence[RowRange | None],
+    col_ranges: Sequence[RowRange],
+) -> Tensor:
+    """``(B, len(ranges) * C, 4)`` fp32: :func:`staleness_partial_sums_many` of every matrix of a ``(B, rows,
+    cols)`` batch whose matrices hold the same local rows ``ranges`` of their logical matrices (None: none here),
+    ``row_sums`` their ``(B, rows, 2 C)`` reference sums over the column ranges; the sums added row after row as
+    that function adds them (one segmented sum for the batch), row ranges first."""
     count, rows = updates.shape[0], updates.shape[1]
     now = row_sums_batch(updates, directions, col_ranges)  # (B, rows, C, 2)
     then = row_sums.float().view(count, rows, len(col_ranges), ROW_SUMS)
     per_row = torch.cat((now, then), dim=3).reshape(count * rows, len(col_ranges) * SIGNAL_SUMS)
-    seg, starts = _segments_many(rows, (ranges,) * count, updates.device)
+    seg, starts = _segments_many(rows, (tuple(ranges),) * count, updates.device)
     sums = per_row.new_zeros(starts[-1], per_row.shape[1]).index_add_(0, seg, per_row)
-    sums = sums.view(count, len(ranges) + 1, -1)[:, : len(ranges)].reshape(count, -1, SIGNAL_SUMS)
-    return staleness_from_sums(sums).amax(dim=1)
+    return sums.view(count, len(ranges) + 1, -1)[:, : len(ranges)].reshape(count, -1, SIGNAL_SUMS)
 
 
 def staleness_from_sums(sums: Tensor) -> Tensor:

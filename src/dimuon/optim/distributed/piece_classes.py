@@ -14,10 +14,16 @@ classes and step kinds, not with matrices:
 - spectral: the engine's refresh on the plan's jobs, their updates views of the class batches.
 
 Stacked parameters (experts) are planned as the per-job path runs them, decided per class once: a class's local
-matrix is the ``(E_local * rows, cols)`` view of its experts (``lead`` 2); experts whole here are mapped as one process
-maps them (their refresh too, with no communication), experts whose rows a mesh dimension splits are the rank's
-experts as one row-sharded matrix (:mod:`dimuon.optim.distributed.experts`), their refresh the engine's. A schedule
-that decides per matrix keeps the per-job path.
+matrix is the ``(E_local * rows, cols)`` view of its experts (``lead`` 2); experts whole here are mapped as one
+process maps them (their refresh too, with no communication), experts whose rows a mesh dimension splits are the
+rank's experts as one row-sharded matrix (:mod:`dimuon.optim.distributed.experts`), their refresh the engine's
+(under the fixed schedules; under AdaptiveRowMuon experts keep the per-job path).
+
+A schedule that decides per matrix (AdaptiveRowMuon) takes each kind's share of a class as one batch, as in one
+process (:meth:`~dimuon.optim.classes.ClassStep._by_kind`): RowNorm as above on the share (the entries are per
+class; every rank decides the same kinds, from agreed signals, so they issue the same collectives); the refresh of
+the chosen matrices, what is static about it kept per subset for the few subsets refreshed last
+(:func:`subset_memo`); its staleness signal per class of local pieces (``dimuon.optim.adaptive``).
 """
 
 from __future__ import annotations
@@ -134,14 +140,14 @@ def make_piece_plan(
     keys: Sequence[str],
     fixed: bool,
 ) -> GroupPlan | None:
-    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (None for a schedule that decides
-    per matrix, which keeps the per-job path; stacked parameters: :func:`_stacked_plan`). Classes are told apart by
-    what every rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all
-    ranks issue the same collectives."""
+    """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (stacked parameters:
+    :func:`_stacked_plan`, under a fixed schedule only; under one that decides per matrix None, the per-job path);
+    ``fixed``: the schedule decides one kind for the group. Classes are told apart by what every rank of a group sees
+    alike (global shape, dtypes, every member's piece, the process groups), so all ranks issue the same collectives."""
     if group["stacked"] and fixed:  # experts: each parameter as the per-job path runs it
         return _stacked_plan(engine, group, bufs, names, keys)
     params = list(group["params"])
-    if group["stacked"] or not fixed:  # experts, and a schedule deciding per matrix: the per-job path
+    if group["stacked"]:  # experts: the per-job path
         return None
     jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     placements = [engine.placement(job) for job in jobs]
@@ -362,7 +368,7 @@ def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: M
         job.update = u
     # A plan of one kind per group hands the same jobs at every step: their placements and everything static about
     # the refresh (split, buckets, classes, regions, exchange counts) are kept in its memo.
-    memo = plan.memo if plan.fixed else {}
+    memo = plan.memo if plan.fixed else subset_memo(plan)
     placed = kept(memo, "placed", lambda: _refresh_jobs(engine, plan))
     made = engine.refresh_placed(placed, config, memo) if placed else []
     local = [ci for ci, cls in enumerate(plan.classes) if not cls.refresh]  # type: ignore[attr-defined]
@@ -393,3 +399,23 @@ def _refresh_jobs(engine: Any, plan: GroupPlan) -> list[tuple[MatrixJob, Any]]:
             plcs = cls.placed or [engine.placement(job) for job in jobs]  # type: ignore[attr-defined]
             placed += zip(jobs, plcs)
     return placed
+
+
+# The refreshed subsets of a plan whose schedule decides per matrix, whose refresh's static parts are kept: matrices
+# refreshed together (first all, then those forced at the same age) tend to be so again, so a few subsets recur.
+SUBSET_MEMOS = 8
+
+
+def subset_memo(part: GroupPlan) -> dict:
+    """The memo of the refresh of ``part``'s jobs (a plan's share of one step kind), kept in the whole plan's memo
+    for the :data:`SUBSET_MEMOS` subsets refreshed last: a subset met again refreshes as a plan of one kind does
+    (no Python per matrix); a new one is worked out once, as the per-job path would at every step."""
+    memos = part.memo.setdefault("subsets", {})  # a plan's parts share its memo (dataclasses.replace)
+    key = tuple(map(id, part.jobs))  # the plan's jobs, alive as long as its memo
+    memo = memos.pop(key, None)
+    if memo is None:
+        memo = {}
+        if len(memos) >= SUBSET_MEMOS:
+            memos.pop(next(iter(memos)))  # the one used longest ago
+    memos[key] = memo  # the most recent last
+    return memo
