@@ -225,8 +225,9 @@ def _own_refresh(monkeypatch, run: bool = False) -> None:
 
 
 def _row_groups(mesh, copies: int) -> list[dict]:
-    """The layouts of :func:`_groups` that keep rows whole (the adaptive schedule's row sums need them)."""
-    groups = _groups(mesh, copies)
+    """The layouts of :func:`_groups` that keep rows whole (the adaptive schedule's row sums need them), experts
+    left out (under the adaptive schedule they keep the per-job path)."""
+    groups = [g for g in _groups(mesh, copies) if not g.get("stacked")]
     for group in groups:
         group["params"] = [p for p in group["params"] if not any(plc.is_shard(1) for plc in p.placements)]
     return groups
