@@ -43,12 +43,14 @@ def assign_owners(
         members.setdefault(key, []).append(i)
     load = [0.0] * world
     owners = [0] * len(shapes)
-    for idx in sorted(members.values(), key=lambda idx: (-max(_ns_cost(*shapes[i]) for i in idx), idx[0])):
+    costs = [_ns_cost(*shape) for shape in shapes]
+    for idx in sorted(members.values(), key=lambda idx: (-max(costs[i] for i in idx), idx[0])):
         for start in range(0, len(idx), world):
             chunk = idx[start : start + world]
-            for i, rank in zip(chunk, sorted(range(world), key=lambda r: (load[r], r))):
+            # the least-loaded ranks, ties to the lowest: pairs sorted in C, no Python call per rank
+            for i, (_, rank) in zip(chunk, sorted(zip(load, range(world)))):
                 owners[i] = rank
-                load[rank] += _ns_cost(*shapes[i])
+                load[rank] += costs[i]
     return owners
 
 

@@ -390,13 +390,17 @@ def refreshed(engine: Any, plan: GroupPlan, batches: Sequence[Tensor], config: M
 
 def _refresh_jobs(engine: Any, plan: GroupPlan) -> list[tuple[MatrixJob, Any]]:
     """The plan's jobs the engine refreshes, class after class, each with its placement (a stacked class's, or the
-    engine's of the job's parameter)."""
+    engine's of the job's parameter, worked out once per job and kept in the plan's memo, which the parts of a step
+    that mixes kinds share: a subset refreshed for the first time finds its placements there)."""
+    known: dict[int, Any] = plan.memo.setdefault("placements", {})
     placed: list[tuple[MatrixJob, Any]] = []
     start = 0
     for cls in plan.classes:
         jobs, start = plan.jobs[start : start + len(cls.params)], start + len(cls.params)
         if cls.refresh:  # type: ignore[attr-defined]
-            plcs = cls.placed or [engine.placement(job) for job in jobs]  # type: ignore[attr-defined]
+            plcs = cls.placed or [  # type: ignore[attr-defined]
+                known[id(job)] if id(job) in known else known.setdefault(id(job), engine.placement(job)) for job in jobs
+            ]
             placed += zip(jobs, plcs)
     return placed
 

@@ -73,6 +73,11 @@ def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+# Owner plans kept for the sets of jobs refreshed last: a plan's own set recurs at every refresh; a schedule deciding
+# per matrix refreshes other sets, of which only the recent are worth keeping.
+OWNER_PLANS = 16
+
+
 class SpectralRefresh:
     """The spectral directions of placed jobs, with what the refreshes keep between steps: the owner plans and the
     indices assembling and cutting pieces, made once per set of jobs or per layout."""
@@ -86,7 +91,10 @@ class SpectralRefresh:
         self.comm_dtype = comm_dtype
         self._local = local  # the single-process maps: whole matrices an owner refreshes
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
-        self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets
+        self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets (recent)
+        self._member_keys: dict[int, tuple[tuple, int]] = {}  # id of a placement's members -> them, their class
+        self._member_classes: dict[tuple, int] = {}  # members (a group's pieces) -> a number, equal for equal
+        self._payloads: dict[tuple, torch.dtype] = {}  # (momentum dtype, device, ns dtype) -> payload dtype
 
     def directions(self, placed: Sequence[Placed], config: MapConfig, memo: dict | None = None) -> list[Tensor]:
         """Every job's direction: sharded ones by the gather or owner refresh (the replicas' share of them, with
@@ -117,8 +125,12 @@ class SpectralRefresh:
         matrix to it before anything else, so sending it rounded gives the same directions for half the bytes."""
         if self.comm_dtype is not None:
             return self.comm_dtype
-        ns = config.ns_dtype or default_ns_dtype(job.update.device)
-        return ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
+        key = (job.update.dtype, job.update.device, config.ns_dtype)
+        found = self._payloads.get(key)
+        if found is None:  # once per dtype and device: a refresh asks it of every matrix
+            ns = config.ns_dtype or default_ns_dtype(job.update.device)
+            found = self._payloads[key] = ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
+        return found
 
     def _buckets(self, placed: Sequence[Placed], config: MapConfig) -> list[tuple[Collectives, list[int]]]:
         """Per shard group and payload dtype (each in first-appearance order), buckets sized by the full (padded)
@@ -231,10 +243,24 @@ class SpectralRefresh:
             )
             for job, _ in placed
         )
-        plan = self._owner_plans.get(key)
+        plan = self._owner_plans.pop(key, None)
         if plan is None:
-            plan = self._owner_plans[key] = self._make_owner_plan(placed, config)
+            plan = self._make_owner_plan(placed, config)
+            if len(self._owner_plans) >= OWNER_PLANS:  # a schedule deciding per matrix meets new sets all along
+                self._owner_plans.pop(next(iter(self._owner_plans)))  # the one used longest ago
+        self._owner_plans[key] = plan  # the most recent last
         return plan
+
+    def _members_class(self, members: tuple) -> int:
+        """A number for a placement's group pieces, equal for equal pieces: hashed once per tuple of pieces, not at
+        every plan (a tuple of W pieces hashes in O(W))."""
+        found = self._member_keys.get(id(members))
+        if found is None or found[0] is not members:
+            found = self._member_keys[id(members)] = (
+                members,
+                self._member_classes.setdefault(members, len(self._member_classes)),
+            )
+        return found[1]
 
     def _make_owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """Per shard group: owners by Newton-Schulz FLOPs over all its matrices, then the matrices of each class
@@ -248,7 +274,7 @@ class SpectralRefresh:
                 keys[i] = (
                     job.rows,
                     job.cols,
-                    plc.members,
+                    self._members_class(plc.members),
                     plc.pad,
                     job.update.dtype,
                     self._payload_dtype(job, config),
