@@ -73,3 +73,29 @@ def test_a_bucket_orders_its_matrices_by_owner_and_keeps_their_order_within_one(
     assert owner_buckets([10, 11, 12, 13, 14], [1, 0, 1, 0, 2], 1) == [[11, 10, 14], [13, 12]]
     assert owner_buckets([10, 11, 12, 13, 14], [1, 0, 1, 0, 2], 2) == [[11, 13, 10, 12, 14]]
     assert owner_buckets([], [], 1) == []
+
+
+def test_owner_plans_are_kept_for_the_recent_sets_of_jobs_only(monkeypatch):
+    """A schedule deciding per matrix refreshes a new set of matrices at many steps: the refresh keeps the owner plans
+    of the :data:`OWNER_PLANS` sets met last (a set met again reuses its plan), not one per set ever met."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dimuon.optim.distributed.refresh import OWNER_PLANS, SpectralRefresh
+
+    made: list[int] = []
+    monkeypatch.setattr(SpectralRefresh, "_make_owner_plan", lambda self, placed, config: made.append(1) or [])
+    refresh = SpectralRefresh("owner", "none", 1 << 20, None, local=None)  # type: ignore[arg-type]
+    config = SimpleNamespace(ns_dtype=torch.float32)
+    jobs = [
+        SimpleNamespace(meta={"param": object()}, rows=4, cols=4, splits=(), col_splits=(), update=torch.zeros(4, 4))
+        for _ in range(40)
+    ]
+    sets = [[(jobs[i], None), (jobs[i + 1], None)] for i in range(39)]
+    for placed in sets:
+        refresh._owner_plan(placed, config)  # type: ignore[arg-type]
+    assert len(made) == 39 and len(refresh._owner_plans) == OWNER_PLANS
+    refresh._owner_plan(sets[-1], config)  # type: ignore[arg-type]  # met last: kept
+    refresh._owner_plan(sets[0], config)  # type: ignore[arg-type]  # met longest ago: made again
+    assert len(made) == 40 and len(refresh._owner_plans) == OWNER_PLANS
