@@ -86,7 +86,7 @@ def test_owner_plans_are_kept_for_the_recent_sets_of_jobs_only(monkeypatch):
 
     made: list[int] = []
     monkeypatch.setattr(SpectralRefresh, "_make_owner_plan", lambda self, placed, config: made.append(1) or [])
-    refresh = SpectralRefresh("owner", "none", 1 << 20, None, local=None)  # type: ignore[arg-type]
+    refresh = SpectralRefresh("owner", "none", 1 << 20, None)
     config = SimpleNamespace(ns_dtype=torch.float32)
     jobs = [
         SimpleNamespace(meta={"param": object()}, rows=4, cols=4, splits=(), col_splits=(), update=torch.zeros(4, 4))

@@ -67,11 +67,10 @@ def _groups(mesh, copies: int) -> list[dict]:
     return groups + _expert_groups(mesh, copies, seed)
 
 
-def _expert_groups(mesh, copies: int, seed=None, one_region: bool = False) -> list[dict]:
+def _expert_groups(mesh, copies: int, seed=None) -> list[dict]:
     """Stacked ``(E, rows, cols)`` experts on every layout the class plan takes, ``copies`` parameters of each: this
-    rank (2, 1) holds whole experts, some rows of each of its experts, or none. ``one_region``: only those whose
-    refresh hands the engine at most one expert per parameter here (its gather refresh cuts a rank's piece of a
-    matrix of several experts region by region, and shares matrices held whole by owner: work per matrix)."""
+    rank (2, 1) holds whole experts, some rows of each of its experts (one matrix of several regions), or none, and
+    fused experts."""
     from torch.distributed.tensor import Replicate, Shard
 
     ep, ep2, rows, ep_rows = (
@@ -93,12 +92,9 @@ def _expert_groups(mesh, copies: int, seed=None, one_region: bool = False) -> li
         ((2, 6, 10), [Replicate(), Replicate()]),  # the whole parameter on every rank
     ]
     seed = iter(range(20_000, 30_000)) if seed is None else seed
-    if one_region:
-        layouts = [(s, plc) for s, plc in layouts if plc in (ep, ep2, ep_rows)]
     groups = [{"params": [_sharded(s, mesh, plc, next(seed)) for s, plc in layouts for _ in range(copies)]}]
-    if not one_region:
-        fused = [_sharded((4, 12, 16), mesh, plc, next(seed)) for plc in (rows, ep) for _ in range(copies)]
-        groups.append({"params": fused, "split_sizes": (4, 8)})  # fused w1/w3, cut by dp's rows (3 each)
+    fused = [_sharded((4, 12, 16), mesh, plc, next(seed)) for plc in (rows, ep) for _ in range(copies)]
+    groups.append({"params": fused, "split_sizes": (4, 8)})  # fused w1/w3, cut by dp's rows (3 each)
     return [{**g, "stacked": True} for g in groups]
 
 
@@ -184,20 +180,22 @@ def test_memory_bound_steps_take_the_same_calls_at_any_matrix_count(mesh, monkey
     assert counts[0] == counts[1], counts
 
 
-# The owner refresh's work here grows with the classes this rank owns matrices of: enough copies that it owns
-# several of every class in both counts (eight ranks in the largest group).
-@pytest.mark.parametrize("refresh,sizes", [("gather", (2, 8)), ("owner", (16, 40))], ids=["gather", "owner"])
-def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh, sizes):
-    """Muon's spectral step on a plan: what is static about the refresh (placements, buckets, classes, regions,
-    the exchanges' counts) is kept with the plan, so its Python calls do not grow with the matrices either (the
-    FSDP and tensor-parallel layouts, and experts whole here or one per rank with its rows split, a few copies of
-    each against many)."""
+# A refresh's work here grows with the classes this rank owns matrices of (the owner refresh's, and both refreshes'
+# matrices held whole on every rank): enough copies that it owns several of every class in both counts (eight ranks in
+# the largest group).
+@pytest.mark.parametrize("refresh", ["gather", "owner"])
+def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh):
+    """Muon's spectral step on a plan: what is static about the refresh (placements, buckets, classes, regions and
+    the indices cutting them, the exchanges' counts, the regions of the matrices held whole) is kept with the plan,
+    so its Python calls do not grow with the matrices either (every layout: FSDP's and tensor parallelism's,
+    fused and column-split matrices, experts whole here, a rank's experts as one matrix of several regions with
+    their rows split, fused experts, and parameters held whole on every rank; 16 copies of each against 40)."""
     from dimuon.bench.census import fake_collectives
 
     counts = []
     with accelerator_form(), fake_collectives():  # the fake backend's all-to-all and all-gather made to run
-        for copies in sizes:
-            groups = _groups(mesh, copies)[:1] + _expert_groups(mesh, copies, one_region=True)
+        for copies in (16, 40):
+            groups = _groups(mesh, copies)
             opt = build("muon", groups, lr=0.05, nonfinite="skip", refresh=refresh)
             for _ in range(3):  # the per-job step, the plan made, its memo made
                 opt.step()

@@ -58,6 +58,15 @@ class CommCounter:
         entry["bytes"] += int(logical_bytes)
         entry["launches"] += 1
 
+    def record_many(self, key: Key, logical_bytes: Sequence[int]) -> None:
+        """One collective of ``key`` per entry of ``logical_bytes``, each its bytes: as :meth:`record` once each, in
+        one call (a rank's broadcasts from every owner, whose count grows with the matrices)."""
+        self.calls.extend([key] * len(logical_bytes))
+        entry = self._stats[key]
+        entry["calls"] += len(logical_bytes)
+        entry["bytes"] += int(sum(logical_bytes))
+        entry["launches"] += len(logical_bytes)
+
     def record_group(self, key: Key, calls: int) -> None:
         """The last ``calls`` collectives of ``key`` went out as one group launch."""
         self._stats[key]["launches"] -= calls - 1
@@ -269,13 +278,13 @@ class Collectives:
         if not groups_launches(self.group, device):
             return _AllWork([self.broadcast(tensor, src, async_op=True) for tensor, src in pieces])
         key = self._key("broadcast")
+        self.counter.record_many(key, [t.numel() * t.element_size() if self.rank != src else 0 for t, src in pieces])
         with dist._coalescing_manager(self.group, device, async_ops=True) as grouped:
             for tensor, src in pieces:
-                self.counter.record(key, _nbytes(tensor) if self.rank != src else 0)
                 global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
                 dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)  # its handle: the group's
         self.counter.record_group(key, len(pieces))
-        return _TimedWork(grouped, self.counter, key, tuple(tensor for tensor, _ in pieces))
+        return _TimedWork(grouped, self.counter, key, tuple([tensor for tensor, _ in pieces]))
 
     @_boundary
     def broadcast(self, tensor: Tensor, src: int, async_op: bool = False):

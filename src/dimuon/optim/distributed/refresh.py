@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.distributed.collectives import Collectives
-from dimuon.optim.distributed.engine import LocalEngine, MapConfig, MatrixJob, apply_map_batched, batch_view
+from dimuon.optim.distributed.engine import MapConfig, MatrixJob, apply_map_batched, batch_view
 from dimuon.optim.distributed.owners import SharePlan, _share_owned, assign_owners, share_plan
 from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement, _wide
 from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor
@@ -82,14 +82,11 @@ class SpectralRefresh:
     """The spectral directions of placed jobs, with what the refreshes keep between steps: the owner plans and the
     indices assembling and cutting pieces, made once per set of jobs or per layout."""
 
-    def __init__(
-        self, refresh: str, replica_refresh: str, bucket_bytes: int, comm_dtype: torch.dtype | None, local: LocalEngine
-    ) -> None:
+    def __init__(self, refresh: str, replica_refresh: str, bucket_bytes: int, comm_dtype: torch.dtype | None) -> None:
         self.refresh = refresh
         self.replica_refresh = replica_refresh
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
-        self._local = local  # the single-process maps: whole matrices an owner refreshes
         self._assembly: dict[tuple, Tensor] = {}  # per layout and shape: the index assembling, or cutting, pieces
         self._owner_plans: dict[tuple, list[_OwnerBucket]] = {}  # the jobs' signature -> owner buckets (recent)
         self._member_keys: dict[int, tuple[tuple, int]] = {}  # id of a placement's members -> them, their class
@@ -175,25 +172,31 @@ class SpectralRefresh:
             index = self._assembly[key] = full.reshape(-1)
         return index
 
-    def _cut_pieces(
-        self, placed: Sequence[Placed], members: Sequence[int], directions: Sequence[Tensor], outs: list
-    ) -> None:
-        """This rank's piece of each whole direction of one class (one shape, placement and dtype), ``outs[i]``:
-        one gather through an index precomputed per layout for the whole class where the directions lie as one
-        batch (they come from one batched Newton-Schulz), not a copy per span of every matrix."""
-        job, plc = placed[members[0]]
-        batch = batch_view(directions)
-        wide = _wide(job.update)
-        if batch is None or batch.dtype != wide:  # not one batch: each written out as the general path does
-            for i, d in zip(members, directions):
-                outs[i] = _empty_direction(placed[i][0])
-                plc.mine.write(outs[i], d, 0, job.rows, 0, job.cols)
-            return
-        index = self._piece_index(job, plc, batch.device)
-        taken = batch.reshape(len(members), -1).index_select(1, index)  # (n, piece elements), this rank's order
-        shape = plc.mine.shape
-        for i, piece in zip(members, taken):
-            outs[i] = piece.view(shape)
+    def _regions_index(self, job: MatrixJob, plc: _Placement, kept: tuple, device: torch.device) -> tuple:
+        """The indices of a class whose matrices have several regions, built once per layout and regions: per region
+        shape (first-appearance order) the position of its regions' elements in a matrix's gathered pieces (row-major
+        layouts: in the padded matrix), and for every element of this rank's piece its position among the regions'
+        directions laid one after another, shape by shape (the order the class's regions go to Newton-Schulz)."""
+        key = ("regions", job.rows, job.cols, plc.pad, plc.members, plc.mine, plc.row_major, kept, device)
+        found = self._assembly.get(key)
+        if found is None:
+            by_shape: dict[tuple[int, int], list[tuple]] = {}
+            for a, b, c, e in kept:
+                by_shape.setdefault((b - a, e - c), []).append((a, b, c, e))
+            positions = (
+                _positions(job.rows * job.cols, device) if plc.row_major else self._assembly_index(job, plc, device)
+            ).view(job.rows, job.cols)
+            slots = torch.empty((job.rows, job.cols), dtype=torch.int64, device=device)
+            sources, at = [], 0
+            for regions in by_shape.values():
+                sources.append(torch.cat([positions[a:b, c:e].reshape(-1) for a, b, c, e in regions]))
+                for a, b, c, e in regions:
+                    slots[a:b, c:e] = torch.arange(at, at + (b - a) * (e - c), device=device).view(b - a, e - c)
+                    at += (b - a) * (e - c)
+            piece = plc.mine.take(slots).reshape(-1).to(torch.int32 if at < 2**31 else torch.int64)
+            groups = tuple((len(regions), *shape) for shape, regions in by_shape.items())
+            found = self._assembly[key] = (groups, tuple(sources), piece)
+        return found
 
     def _piece_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
         """For every element of this rank's piece (local order), its position in the flat ``(rows, cols)``
@@ -364,47 +367,52 @@ class SpectralRefresh:
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig, memo: dict) -> list[Tensor]:
         """Whole matrices on every rank: each owner orthogonalizes its share, then per replica group one exchange
         of every owner's directions (in Newton-Schulz's dtype, unscaled, where every matrix of the group has one lr
-        scale: the receivers apply it, as the owner would have). The owners and exchanges are made once per memo."""
-        outs: list[Tensor] = [_empty_direction(job) for job, _ in placed]
-        plans: list[SharePlan] = kept(
-            memo,
-            ("whole shares", config.ns_dtype, config.lr_scale),
-            lambda: [
-                share_plan(comm, placed, idx, owners, *self._return_dtype(placed, idx, config))
-                for comm, idx, owners in self._whole_owners(placed)
-            ],
+        scale: the receivers apply it, as the owner would have). The owners, exchanges and the regions of the
+        matrices this rank owns are made once per memo: a step does no work per matrix it does not own."""
+        plans, owned = kept(
+            memo, ("whole shares", config.ns_dtype, config.lr_scale), lambda: self._whole_plans(placed, config)
         )
 
         def share(plan: SharePlan) -> list[Tensor]:
-            return self._whole_directions(placed, plan.mine, config, plan.dtype, plan.scales)
+            return self._whole_directions(placed, owned[id(plan)], config, plan.dtype, plan.scales is None)
 
-        for i, d in _share_owned(plans, share).items():
-            outs[i] = d
-        return outs
+        shared = _share_owned(plans, share)
+        return [shared[i] if i in shared else _empty_direction(job) for i, (job, _) in enumerate(placed)]
+
+    def _whole_plans(self, placed: Sequence[Placed], config: MapConfig) -> tuple[list[SharePlan], dict[int, tuple]]:
+        """Per replica group the exchange of its owners' directions, and per exchange (by id) the matrices this rank
+        owns with their regions and whether a region is the whole matrix: static, made once per memo."""
+        plans, owned = [], {}
+        for comm, idx, owners in self._whole_owners(placed):
+            plan = share_plan(comm, placed, idx, owners, *self._return_dtype(placed, idx, config))
+            plans.append(plan)
+            regions = [(i, tuple(placed[i][0].regions())) for i in plan.mine]
+            owned[id(plan)] = tuple((i, r, r == ((0, placed[i][0].rows, 0, placed[i][0].cols),)) for i, r in regions)
+        return plans, owned
 
     def _whole_directions(
-        self,
-        placed: Sequence[Placed],
-        mine: Sequence[int],
-        config: MapConfig,
-        dtype: torch.dtype,
-        scales: dict[int, float] | None,
+        self, placed: Sequence[Placed], owned: tuple, config: MapConfig, dtype: torch.dtype, scaled: bool
     ) -> list[Tensor]:
-        """The flat directions of the whole matrices this rank owns: Newton-Schulz's output as it is, region by
-        region, where the receivers apply the lr scale; else the single-process map's scaled directions."""
-        if scales is None:
-            return [
-                d.reshape(-1) for d in self._local.directions([placed[i][0] for i in mine], StepKind.SPECTRAL, config)
-            ]
-        pieces, where = [], []
-        for i in mine:
-            for a, b, c, e in placed[i][0].regions():
-                pieces.append(placed[i][0].update[a:b, c:e])
-                where.append((i, a, b, c, e))
-        dirs = {i: torch.empty(placed[i][0].update.shape, dtype=dtype, device=placed[i][0].update.device) for i in mine}
-        for (i, a, b, c, e), d in zip(where, apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=False)):
-            dirs[i][a:b, c:e] = d
-        return [dirs[i].reshape(-1) for i in mine]
+        """The flat directions of the whole matrices this rank owns (``owned``: each with its regions), all regions
+        in one batched map: scaled, or Newton-Schulz's output as it is where the receivers apply the lr scale; a
+        matrix of one region its direction as it came, one of several a buffer in ``dtype`` written by one list
+        copy for them all."""
+        pieces = [placed[i][0].update[a:b, c:e] for i, regions, _ in owned for a, b, c, e in regions]
+        results = iter(apply_map_batched(pieces, StepKind.SPECTRAL, config, scaled=scaled))
+        out, targets, sources = [], [], []
+        for i, regions, whole in owned:
+            if whole:
+                out.append(next(results).reshape(-1))
+                continue
+            update = placed[i][0].update
+            buffer = torch.empty(update.shape, dtype=dtype, device=update.device)
+            for a, b, c, e in regions:
+                targets.append(buffer[a:b, c:e])
+                sources.append(next(results))
+            out.append(buffer.reshape(-1))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        return out
 
 
 @dataclass
@@ -427,12 +435,27 @@ class _Batch:
     scaled: bool = True  # False: Newton-Schulz's output as it is, the receivers apply the lr scale
 
 
+@dataclass(frozen=True)
+class _GatherClass:
+    """One class of a gather bucket (one shape, placement and dtype) as it is assembled and cut, static: its
+    matrices' regions this rank keeps go to Newton-Schulz shape by shape, each matrix's in order, and its piece of
+    each direction is a view of the direction's rows, or is cut out of them for the whole class by one index."""
+
+    members: list[int]  # the class's jobs
+    groups: tuple[tuple[int, int, int], ...]  # per region shape kept here: regions per matrix, rows, cols
+    sources: tuple[Tensor, ...] | None  # per region shape, its regions in a matrix's gathered pieces (None: whole)
+    piece: Tensor | None  # this rank's piece among a matrix's region directions (None: its own cut index, built once)
+    rows: tuple[int, int] | None  # the rows of a whole direction that are this rank's piece, where a view
+    shape: tuple[int, int]  # this rank's piece
+    wide: torch.dtype  # the directions' dtype here
+    count: int  # the class's directions: regions kept per matrix times matrices
+
+
 @dataclass
 class _GatherBatch(_Batch):
-    """A gather bucket's batch: ``where`` holds ``(job index, a, b, c, e)`` of each region this rank keeps (rows
-    ``a:b``, columns ``c:e``), None for the matrices of a class mapped whole and cut out together (``cut``)."""
+    """A gather bucket's batch: per class kept here, where its first region lies in ``pieces``."""
 
-    cut: list[tuple[list[int], int]] = field(default_factory=list)  # classes cut by one index: members, first piece
+    classes: list[tuple[_GatherClass, int]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -450,9 +473,7 @@ _Bucket = TypeVar("_Bucket")
 _BatchT = TypeVar("_BatchT", bound=_Batch)
 _GatherBucket = tuple[Collectives, list[int]]  # a shard group and the jobs it gathers together
 # A bucket with what is static about it: the gather's packing and assembly, the owner's counts and regions.
-_GatherItem = tuple[
-    _GatherBucket, tuple[int, torch.dtype, list[tuple[int, int, int]]], list[tuple[list[int], bool, list[tuple]]]
-]
+_GatherItem = tuple[_GatherBucket, tuple[int, torch.dtype, list[tuple[int, int, int]]], list[tuple[int, Any]]]
 _OwnerItem = tuple["_OwnerBucket", tuple[list[int], bool, list[int], tuple, list]]
 
 
@@ -526,63 +547,89 @@ class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
         return offset, self.refresher._payload_dtype(placed[idx[0]][0], self.config), slots
 
     def assemble(self, item: _GatherItem, arrived: _InFlight) -> _GatherBatch:
-        """Each class's whole matrices; only the regions this rank keeps go to Newton-Schulz, except classes cut
-        by one index (mapped whole, their pieces cut out by :meth:`SpectralRefresh._cut_pieces`)."""
+        """Per class kept here, the regions this rank keeps of its matrices, for the whole class at once: its whole
+        matrices (the pieces' own layout, or one gather through the class's index), or the regions shape by shape,
+        each by one gather through an index made once (not a cut per matrix and region)."""
         bucket, _, classes = item
         comm = bucket[0]
         table = arrived.recv.view(comm.world, -1)
         batch, offset = _GatherBatch(), 0
-        for members, cut, regions in classes:
-            n, pad = len(members), self.placed[members[0]][1].pad
+        for size, cls in classes:
+            offset += size
+            if cls is None:  # nothing of this class here
+                continue
+            n = len(cls.members)
             # [rank, matrix, slot] -> [matrix, rank, slot]: one copy per class, after which each matrix's pieces
             # are contiguous (row-major layouts: the matrix itself) and the class's matrices evenly spaced, so
             # Newton-Schulz takes them as one batch without a stack.
-            by_matrix = _by_matrix(table[:, offset : offset + n * pad], n, pad)
-            offset += n * pad
-            fulls = self.refresher._fulls(*self.placed[members[0]], by_matrix)  # in the payload's dtype
-            if cut:
-                batch.cut.append((members, len(batch.pieces)))
-                batch.pieces += list(fulls)
-                batch.where += [None] * n
+            by_matrix = _by_matrix(table[:, offset - size : offset], n, size // n)
+            batch.classes.append((cls, len(batch.pieces)))
+            if cls.sources is None:  # mapped whole, in the payload's dtype
+                batch.pieces += self.refresher._fulls(*self.placed[cls.members[0]], by_matrix).unbind(0)
                 continue
-            for full, i in zip(fulls, members):
-                for region in regions:  # Newton-Schulz only where kept
-                    a, bnd, c, e = region[:4]
-                    batch.pieces.append(full[a:bnd, c:e])
-                    batch.where.append((i, *region))
+            flat = by_matrix.view(n, -1)
+            for source, (count, rows, cols) in zip(cls.sources, cls.groups):
+                batch.pieces += flat.index_select(1, source).view(n * count, rows, cols).unbind(0)
         return batch
 
-    def _assembly(self, bucket: _GatherBucket) -> list[tuple[list[int], bool, list[tuple]]]:
-        """Per class of the bucket (the order :meth:`send` packed them in): its jobs, whether it is cut out by one
-        index, and the regions this rank keeps of each of its matrices, each with the rows of a direction that
-        are this rank's piece where that is a view (else None) and the dtype such a view must have."""
+    def _assembly(self, bucket: _GatherBucket) -> list[tuple[int, _GatherClass | None]]:
+        """Per class of the bucket (the order :meth:`send` packed them in): its elements in the gathered table
+        of every rank's pieces, and how it is assembled and cut (None: no region of it here)."""
         out = []
         for members in _classes(self.placed, bucket[1]):
             job, plc = self.placed[members[0]]
-            regions = []
-            for a, bnd, c, e in job.regions():
-                if plc.mine.rows_in(a, bnd) and plc.mine.cols_in(c, e):
-                    whole = (a, bnd, c, e) == (0, job.rows, 0, job.cols)
-                    regions.append((a, bnd, c, e, _view_rows(plc.mine, job.cols) if whole else None, _wide(job.update)))
-            out.append((members, _cut_by_index(job, plc), regions))
+            size = len(members) * plc.pad
+            kept = tuple(
+                (a, b, c, e) for a, b, c, e in job.regions() if plc.mine.rows_in(a, b) and plc.mine.cols_in(c, e)
+            )
+            if not kept:
+                out.append((size, None))
+                continue
+            device, wide = job.update.device, _wide(job.update)
+            if kept == ((0, job.rows, 0, job.cols),):  # one logical matrix: mapped whole
+                rows = _view_rows(plc.mine, job.cols)
+                piece = None if rows is not None else self.refresher._piece_index(job, plc, device)
+                cls = _GatherClass(
+                    members, ((1, job.rows, job.cols),), None, piece, rows, plc.mine.shape, wide, len(members)
+                )
+            else:
+                groups, sources, piece = self.refresher._regions_index(job, plc, kept, device)
+                count = len(members) * len(kept)
+                cls = _GatherClass(members, groups, sources, piece, None, plc.mine.shape, wide, count)
+            out.append((size, cls))
         return out
 
     def send_back(self, item: _GatherItem, batch: _GatherBatch, directions: list[Tensor]) -> None:
-        """Nothing travels back: this rank keeps its piece of every direction (a view where it is one block)."""
+        """Nothing travels back: this rank keeps its piece of every direction, class by class (a view where it is
+        one block of rows, else cut out of the class's directions by one gather)."""
         outs = self.outs
-        for members, start in batch.cut:
-            self.refresher._cut_pieces(self.placed, members, directions[start : start + len(members)], outs)
-        for entry, d in zip(batch.where, directions):
-            if entry is None:  # cut with its class
+        for cls, start in batch.classes:
+            mine = directions[start : start + cls.count]
+            if cls.rows is not None and mine[0].dtype == cls.wide:
+                a, b = cls.rows
+                for i, d in zip(cls.members, mine):
+                    outs[i] = d[a:b]  # this rank's rows of the direction, as they are: nothing written
                 continue
-            i, a, bnd, c, e, rows, wide = entry
-            if rows is not None and d.dtype == wide:
-                outs[i] = d[rows[0] : rows[1]]  # this rank's rows of the direction, as they are: nothing written
-                continue
-            job, plc = self.placed[i]
-            if outs[i] is None:
-                outs[i] = _empty_direction(job)
-            plc.mine.write(outs[i], d, a, bnd, c, e)
+            for i, piece in zip(cls.members, self._cut(cls, mine)):
+                outs[i] = piece
+
+    def _cut(self, cls: _GatherClass, directions: Sequence[Tensor]) -> Tensor:
+        """This rank's pieces of a class's directions ``(n, *piece shape)`` in its wide dtype: the directions as one
+        batch per region shape (they come from one batched Newton-Schulz), then one gather through the class's
+        index of this rank's piece."""
+        n, parts, at = len(cls.members), [], 0
+        for count, _, _ in cls.groups:
+            chunk = directions[at : at + n * count]
+            at += n * count
+            batch = batch_view(chunk)
+            parts.append((batch if batch is not None else torch.stack(chunk)).reshape(n, -1))
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        index = cls.piece
+        if index is None:  # a whole matrix held as one block of rows, its directions not in the wide dtype
+            job, plc = self.placed[cls.members[0]]
+            index = self.refresher._piece_index(job, plc, flat.device)
+        taken = flat.index_select(1, index)
+        return (taken if taken.dtype == cls.wide else taken.to(cls.wide)).view(n, *cls.shape)
 
 
 class _OwnerExchange(_Exchange[_OwnerItem, _OwnerBatch]):
@@ -731,11 +778,3 @@ def kept(memo: dict, key: Hashable, make: Callable[[], Any]) -> Any:
 def _positions(count: int, device: torch.device) -> Tensor:
     """``0 .. count-1`` as a gather index: int32 where it fits (half the index bytes), else int64."""
     return torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=device)
-
-
-def _cut_by_index(job: MatrixJob, plc: _Placement) -> bool:
-    """Whether the gather refresh cuts this class's pieces out of its directions with one index: one logical
-    matrix each (no fused splits), a piece here that is not one block of whole rows (those are views)."""
-    whole = job.regions() == [(0, job.rows, 0, job.cols)]
-    rows_block = len(plc.mine.rows) == 1 and len(plc.mine.cols) == 1 and plc.mine.cols[0].size == job.cols
-    return whole and plc.mine.numel > 0 and not rows_block

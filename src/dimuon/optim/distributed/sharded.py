@@ -201,7 +201,7 @@ class ShardedEngine:
         self._expert_placements: dict[int, tuple[Tensor | None, _Placement]] = {}  # row-split experts' own
         self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
         self._local = LocalEngine()
-        self._refresher = SpectralRefresh(refresh, replica_refresh, self.bucket_bytes, comm_dtype, self._local)
+        self._refresher = SpectralRefresh(refresh, replica_refresh, self.bucket_bytes, comm_dtype)
         # The vote's own counted collectives: where it runs over the world, the world group may also be a flattened
         # mesh's (FSDP x TP over every rank), whose collectives keep their mesh label.
         self._voters = [Collectives(g, self.counter, label) for g, label in vote_groups(params, process_group)]
