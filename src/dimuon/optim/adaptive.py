@@ -445,7 +445,13 @@ def _stalest_by_pieces(works: Sequence[Work], items: Sequence[tuple[int, int]], 
         return out
 
     sums = ctx.engine.matrix_sums([job for job, _, _ in picked], partial)  # a class's first job stands for it
-    return torch.cat([staleness_from_sums(s).amax(dim=1) for s in sums])
+    # every class's signals in one pass over their sums end to end, then each matrix's stalest logical matrix
+    values = staleness_from_sums(torch.cat([s.reshape(-1, s.shape[-1]) for s in sums]))
+    widths = [s.shape[1] for s in sums]
+    if len(set(widths)) == 1:
+        return values.view(-1, widths[0]).amax(dim=1)
+    parts = values.split([s.shape[0] * s.shape[1] for s in sums])
+    return torch.cat([v.view(-1, width).amax(dim=1) for v, width in zip(parts, widths)])
 
 
 def _col_ranges(job: MatrixJob, u: Tensor) -> tuple[RowRange, ...]:
