@@ -152,13 +152,8 @@ def make_piece_plan(
     jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     placements = [engine.placement(job) for job in jobs]
     locals_, local_bufs = local_tensors(params), local_tensors(bufs)
-    members: dict[tuple[Any, ...], list[int]] = {}
-    for i, (p, b, plc) in enumerate(zip(params, local_bufs, placements)):
-        comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
-        key = (tuple(p.shape), p.dtype, b.dtype, b.device, plc.members, plc.mine, comms)
-        members.setdefault(key, []).append(i)
     classes, order = [], []
-    for (_, _, dtype, device, *_), idx in members.items():
+    for (dtype, device, *_), idx in _alike(params, local_bufs, placements).items():
         job, plc, local = jobs[idx[0]], placements[idx[0]], locals_[idx[0]]
         cols = math.prod(local.shape[1:])
         entries = _row_entries(job, plc, cols, group["lr_scale"])
@@ -167,6 +162,23 @@ def make_piece_plan(
         classes.append(_piece_class([params[i] for i in idx], local, 1, dtype, device, regions, entries))
         order += idx
     return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, fixed, sharded=True)
+
+
+def _alike(
+    params: Sequence[Tensor],
+    bufs: Sequence[Tensor],
+    placements: Sequence[Any],
+    extras: Sequence[tuple[Any, ...]] | None = None,
+) -> dict[tuple[Any, ...], list[int]]:
+    """The parameters' indices by class, in order of first appearance: alike in what every rank of a group sees
+    alike (the momentum's dtype and device first, then global shape, dtype, every member's piece and the process
+    groups) and in ``extras`` (a stacked parameter's local shape and form)."""
+    members: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, b, plc) in enumerate(zip(params, bufs, placements)):
+        comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
+        key = (b.dtype, b.device, tuple(p.shape), p.dtype, plc.members, plc.mine, comms, *(extras[i] if extras else ()))
+        members.setdefault(key, []).append(i)
+    return members
 
 
 # How the per-job path runs a stacked parameter (ShardedEngine._placed and its dispatch), decided once per class:
@@ -253,13 +265,10 @@ def _stacked_plan(
         _stacked_form(engine, matrix_job(p, group, name), local.shape[0])
         for p, name, local in zip(params, names, locals_)
     ]
-    members: dict[tuple[Any, ...], list[int]] = {}
-    for i, (p, b, (_, plc, form)) in enumerate(zip(params, local_bufs, forms)):
-        comms = (id(plc.shard), id(plc.rows_comm), id(plc.cols_comm), id(plc.replicas))
-        key = (tuple(p.shape), tuple(locals_[i].shape), p.dtype, b.dtype, b.device, form, plc.members, plc.mine, comms)
-        members.setdefault(key, []).append(i)
+    placements = [plc for _, plc, _ in forms]
+    extras = [(tuple(local.shape), form) for local, (_, _, form) in zip(locals_, forms)]
     classes, order = [], []
-    for (_, _, _, dtype, device, *_), idx in members.items():
+    for (dtype, device, *_), idx in _alike(params, local_bufs, placements, extras).items():
         classes.append(
             _stacked_class([params[i] for i in idx], [forms[i] for i in idx], locals_[idx[0]], group, dtype, device)
         )
