@@ -309,6 +309,32 @@ def test_adaptive_steps_take_the_same_calls_at_any_matrix_count(mesh, monkeypatc
     assert counts[0] == counts[1], counts
 
 
+@pytest.mark.parametrize("refresh", ["gather", "owner"])
+def test_adaptive_refresh_of_a_new_subset_takes_the_same_calls_at_any_matrix_count(mesh, monkeypatch, refresh):
+    """A subset AdaptiveRowMuon refreshes for the first time (its memo and the refresh's owner plans forgotten
+    before the counted step): its refresh is planned anew, with Python calls that do not grow with the matrices
+    chosen (payload dtypes, owners, buckets and classes worked out by class, then looked up per matrix in
+    comprehensions), on the layouts of the refresh test above, 32 copies of each against 48 (so that this rank owns
+    several matrices of every class in both: one alone takes a shortcut of one call less)."""
+    from dimuon.bench.census import fake_collectives
+
+    _own_refresh(monkeypatch, run=True)
+    counts = []
+    with accelerator_form(), fake_collectives():
+        for copies in (32, 48):
+            groups = _row_groups(mesh, copies)
+            opt = build("adaptive_row_muon", groups, lr=0.05, nonfinite="skip", refresh=refresh, **ADAPTIVE)
+            for step in range(3):  # all refreshed, then the stale half
+                opt.step()
+                _new_gradients(groups, step)
+            for plan in opt._plans.values():
+                plan.memo["subsets"].clear()
+            opt._engine._refresher._owner_plans.clear()
+            counts.append(dimuon_calls(opt.step))
+            assert all(len(plan.memo["subsets"]) == 1 for plan in opt._plans.values())  # planned at that step
+    assert counts[0] == counts[1], counts
+
+
 def test_subset_memos_are_kept_for_the_subsets_refreshed_last():
     """A plan's refreshed subsets each keep their refresh's static parts, at most SUBSET_MEMOS of them: a subset met
     again finds its own, the one used longest ago makes way for a new one."""

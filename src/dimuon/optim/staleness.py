@@ -15,6 +15,7 @@ references, the engine adds the sums over the ranks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -111,7 +112,7 @@ def staleness_partial_sums_many(
         )  # (B, m, 4)
         ranges = [tuple(local_ranges[i]) for i in idx]
         seg, starts = _segments_many(u.shape[1], ranges, u.device)
-        sums = rows.new_zeros(starts[-1], SIGNAL_SUMS).index_add_(0, seg, rows.reshape(-1, SIGNAL_SUMS))
+        sums = rows.new_zeros(starts[-1] + 1, SIGNAL_SUMS).index_add_(0, seg, rows.reshape(-1, SIGNAL_SUMS))
         for i, start, held in zip(idx, starts, ranges):
             out[i] = sums[start : start + len(held)]
     for i, (u, o, rs, ranges, cols) in enumerate(zip(updates, directions, row_sums, local_ranges, col_ranges)):
@@ -153,20 +154,20 @@ def _segments_many(
     rows: int, ranges: Sequence[tuple[RowRange | None, ...]], device: torch.device
 ) -> tuple[Tensor, list[int]]:
     """:func:`_segments` of ``len(ranges)`` matrices of ``rows`` rows one after another: matrix ``j``'s ranges at
-    slots ``starts[j]..``, one more slot after them for its rows in none; and ``starts`` (the total last). Built
-    on the host once per layout and copied to the device once."""
+    slots ``starts[j]..``, back to back, and one slot after them all (``starts[-1]``) for the rows in none, so the
+    sums of every matrix are one contiguous block; and ``starts``. Built on the host once per layout and copied to
+    the device once."""
     key = (rows, tuple(ranges), device)
     hit = _SEGMENTS_MANY.get(key)
     if hit is None:
-        seg, starts = [], [0]
-        for held in ranges:
-            base = starts[-1]
-            per_row = [base + len(held)] * rows
+        starts = list(itertools.accumulate((len(held) for held in ranges), initial=0))
+        seg = []
+        for base, held in zip(starts, ranges):
+            per_row = [starts[-1]] * rows
             for r, span in enumerate(held):
                 if span is not None:
                     per_row[span[0] : span[1]] = [base + r] * (span[1] - span[0])
             seg += per_row
-            starts.append(base + len(held) + 1)
         hit = (torch.tensor(seg, dtype=torch.long, device=device), starts)
         _SEGMENTS_MANY[key] = hit
     return hit
@@ -209,8 +210,8 @@ def partial_sums_batch(
     then = row_sums.float().view(count, rows, len(col_ranges), ROW_SUMS)
     per_row = torch.cat((now, then), dim=3).reshape(count * rows, len(col_ranges) * SIGNAL_SUMS)
     seg, starts = _segments_many(rows, (tuple(ranges),) * count, updates.device)
-    sums = per_row.new_zeros(starts[-1], per_row.shape[1]).index_add_(0, seg, per_row)
-    return sums.view(count, len(ranges) + 1, -1)[:, : len(ranges)].reshape(count, -1, SIGNAL_SUMS)
+    sums = per_row.new_zeros(starts[-1] + 1, per_row.shape[1]).index_add_(0, seg, per_row)
+    return sums[: starts[-1]].view(count, -1, SIGNAL_SUMS)  # the last slot: the rows in no range
 
 
 def staleness_from_sums(sums: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ and the pieces the replicas refreshed (``replica_refresh="split"``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -20,12 +21,14 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.distributed.collectives import Collectives
-from dimuon.optim.distributed.placement import Placed, _wide
+from dimuon.optim.distributed.placement import Placed
 from dimuon.optim.linalg import oriented_shape
 
 
+@functools.lru_cache(maxsize=4096)
 def _ns_cost(rows: int, cols: int) -> float:
-    """Relative Newton-Schulz FLOPs of one matrix (oriented ``r <= c``): 5 x (2 r^2 c + r^3)."""
+    """Relative Newton-Schulz FLOPs of one matrix (oriented ``r <= c``): 5 x (2 r^2 c + r^3); kept per shape (a
+    plan of owners asks it of every matrix, of a few shapes)."""
     r, c = oriented_shape(rows, cols)
     return 5.0 * (2.0 * r * r * c + r**3)
 
@@ -44,7 +47,7 @@ def assign_owners(
     load = [0.0] * world
     owners = [0] * len(shapes)
     costs = [_ns_cost(*shape) for shape in shapes]
-    for idx in sorted(members.values(), key=lambda idx: (-max(costs[i] for i in idx), idx[0])):
+    for idx in sorted(members.values(), key=lambda idx: (-max([costs[i] for i in idx]), idx[0])):
         for start in range(0, len(idx), world):
             chunk = idx[start : start + world]
             # the least-loaded ranks, ties to the lowest: pairs sorted in C, no Python call per rank
@@ -107,7 +110,7 @@ def share_plan(
             at = start
         for i in jobs:
             update = placed[i][0].update
-            picks.append((i, len(cuts), update.shape, _wide(update)))
+            picks.append((i, len(cuts), update.shape, torch.promote_types(update.dtype, torch.float32)))
             cuts.append(numel[i])
             at += numel[i]
     length = comm.world * pad if padded else total

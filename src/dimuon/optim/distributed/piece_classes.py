@@ -421,8 +421,8 @@ SUBSET_MEMOS = 8
 
 def subset_memo(part: GroupPlan) -> dict:
     """The memo of the refresh of ``part``'s jobs (a plan's share of one step kind), kept in the whole plan's memo
-    for the :data:`SUBSET_MEMOS` subsets refreshed last: a subset met again refreshes as a plan of one kind does
-    (no Python per matrix); a new one is worked out once, as the per-job path would at every step."""
+    for the :data:`SUBSET_MEMOS` subsets refreshed last: a subset met again refreshes as a plan of one kind does; a
+    new one is planned at that step, from what the refresh keeps per shape and layout (no Python call per matrix)."""
     memos = part.memo.setdefault("subsets", {})  # a plan's parts share its memo (dataclasses.replace)
     key = tuple(map(id, part.jobs))  # the plan's jobs, alive as long as its memo
     memo = memos.pop(key, None)

@@ -36,11 +36,11 @@ class _Placement:
 Placed = tuple[MatrixJob, _Placement]
 
 
-def _by_comm(indices: Sequence[int], comm_of) -> list[tuple[Collectives, list[int]]]:
-    """``indices`` grouped by their communicator, groups in the order of first appearance (None left out)."""
+def _by_comm(indices: Sequence[int], comms: Sequence[Collectives | None]) -> list[tuple[Collectives, list[int]]]:
+    """``indices`` grouped by their communicator (``comms``: each index's, in the same order), groups in the order
+    of first appearance (None left out)."""
     groups: dict[int, tuple[Collectives, list[int]]] = {}
-    for i in indices:
-        comm = comm_of(i)
+    for i, comm in zip(indices, comms):
         if comm is not None:
             groups.setdefault(id(comm), (comm, []))[1].append(i)
     return list(groups.values())

@@ -16,6 +16,7 @@ parameters come, so every rank of a group issues the same sequence, empty pieces
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from dimuon.optim.distributed.collectives import Collectives
-from dimuon.optim.distributed.engine import MapConfig, MatrixJob, apply_map_batched, batch_view
+from dimuon.optim.distributed.engine import MapConfig, MatrixJob, Region, apply_map_batched, batch_view
 from dimuon.optim.distributed.owners import SharePlan, _share_owned, assign_owners, share_plan
 from dimuon.optim.distributed.placement import Placed, _by_comm, _empty_direction, _Placement, _wide
 from dimuon.optim.linalg import default_ns_dtype, lr_scale_factor
@@ -54,7 +55,7 @@ def owner_buckets(jobs: Sequence[int], owners: Sequence[int], per_owner: int) ->
         if b == len(buckets):
             buckets.append([])
         buckets[b].append((owner, job))
-    return [[job for _, job in sorted(bucket, key=lambda oj: oj[0])] for bucket in buckets]
+    return [[job for _, job in sorted(bucket, key=operator.itemgetter(0))] for bucket in buckets]
 
 
 def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -92,6 +93,8 @@ class SpectralRefresh:
         self._member_keys: dict[int, tuple[tuple, int]] = {}  # id of a placement's members -> them, their class
         self._member_classes: dict[tuple, int] = {}  # members (a group's pieces) -> a number, equal for equal
         self._payloads: dict[tuple, torch.dtype] = {}  # (momentum dtype, device, ns dtype) -> payload dtype
+        self._scales: dict[tuple, float | None] = {}  # (shape, splits, lr_scale) -> its logical matrices' one scale
+        self._shape_regions: dict[tuple, tuple] = {}  # (shape, splits) -> its logical matrices
 
     def directions(self, placed: Sequence[Placed], config: MapConfig, memo: dict | None = None) -> list[Tensor]:
         """Every job's direction: sharded ones by the gather or owner refresh (the replicas' share of them, with
@@ -120,14 +123,19 @@ class SpectralRefresh:
         """What a spectral refresh sends of ``job``'s momentum: ``comm_dtype`` where set, else the Newton-Schulz
         compute dtype where it is narrower than the momentum (bf16 on CUDA): Newton-Schulz rounds the assembled
         matrix to it before anything else, so sending it rounded gives the same directions for half the bytes."""
+        return self._payload_dtypes([job], config)[0]
+
+    def _payload_dtypes(self, jobs: Sequence[MatrixJob], config: MapConfig) -> list[torch.dtype]:
+        """Every job's :meth:`_payload_dtype` in one pass: worked out once per momentum dtype and device, then a
+        lookup per job (a new set of jobs asks it of every matrix)."""
         if self.comm_dtype is not None:
-            return self.comm_dtype
-        key = (job.update.dtype, job.update.device, config.ns_dtype)
-        found = self._payloads.get(key)
-        if found is None:  # once per dtype and device: a refresh asks it of every matrix
-            ns = config.ns_dtype or default_ns_dtype(job.update.device)
-            found = self._payloads[key] = ns if ns.itemsize < job.update.dtype.itemsize else job.update.dtype
-        return found
+            return [self.comm_dtype] * len(jobs)
+        keys = [(job.update.dtype, job.update.device, config.ns_dtype) for job in jobs]
+        found = self._payloads
+        for momentum, device, ns_dtype in set(keys) - found.keys():
+            ns = ns_dtype or default_ns_dtype(device)
+            found[(momentum, device, ns_dtype)] = ns if ns.itemsize < momentum.itemsize else momentum
+        return [found[key] for key in keys]
 
     def _buckets(self, placed: Sequence[Placed], config: MapConfig) -> list[tuple[Collectives, list[int]]]:
         """Per shard group and payload dtype (each in first-appearance order), buckets sized by the full (padded)
@@ -135,11 +143,10 @@ class SpectralRefresh:
         size. A bucket travels as one buffer, so its jobs share one payload dtype (as the owner refresh's classes
         do): an fp64 momentum next to an fp32 one is not sent rounded to fp32."""
         out = []
-        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            payloads = {i: self._payload_dtype(placed[i][0], config) for i in idx}
+        for comm, idx in _by_comm(range(len(placed)), [plc.shard for _, plc in placed]):
             by_dtype: dict[torch.dtype, list[int]] = {}
-            for i in idx:
-                by_dtype.setdefault(payloads[i], []).append(i)
+            for i, dtype in zip(idx, self._payload_dtypes([placed[i][0] for i in idx], config)):
+                by_dtype.setdefault(dtype, []).append(i)
             for dtype, members in by_dtype.items():
                 sizes = [placed[i][1].pad * comm.world * dtype.itemsize for i in members]
                 out += [(comm, [members[k] for k in bucket]) for bucket in make_buckets(sizes, self.bucket_bytes)]
@@ -162,7 +169,7 @@ class SpectralRefresh:
         """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
         group's pieces; built once per layout and shape (matrices of one shape and placement share it), int32
         where it fits."""
-        key = (job.rows, job.cols, plc.pad, plc.members, device)
+        key = (job.rows, job.cols, plc.pad, self._members_class(plc.members), device)
         index = self._assembly.get(key)
         if index is None:
             positions = _positions(len(plc.members) * plc.pad, device).view(len(plc.members), plc.pad)
@@ -177,7 +184,8 @@ class SpectralRefresh:
         shape (first-appearance order) the position of its regions' elements in a matrix's gathered pieces (row-major
         layouts: in the padded matrix), and for every element of this rank's piece its position among the regions'
         directions laid one after another, shape by shape (the order the class's regions go to Newton-Schulz)."""
-        key = ("regions", job.rows, job.cols, plc.pad, plc.members, plc.mine, plc.row_major, kept, device)
+        members = self._members_class(plc.members)
+        key = ("regions", job.rows, job.cols, plc.pad, members, plc.mine, plc.row_major, kept, device)
         found = self._assembly.get(key)
         if found is None:
             by_shape: dict[tuple[int, int], list[tuple]] = {}
@@ -235,16 +243,12 @@ class SpectralRefresh:
     def _owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """The owner refresh's buckets for these jobs, made once per set of jobs and payload dtypes (the same
         on every rank: shapes, placements and the group ranks decide)."""
+        jobs = [job for job, _ in placed]
         key = tuple(
-            (
-                id(job.meta.get("param")),
-                job.rows,
-                job.cols,
-                job.splits,
-                job.col_splits,
-                self._payload_dtype(job, config),
-            )
-            for job, _ in placed
+            [
+                (id(job.meta.get("param")), job.rows, job.cols, job.splits, job.col_splits, dtype)
+                for job, dtype in zip(jobs, self._payload_dtypes(jobs, config))
+            ]
         )
         plan = self._owner_plans.pop(key, None)
         if plan is None:
@@ -265,26 +269,42 @@ class SpectralRefresh:
             )
         return found[1]
 
+    def _classes(self, placed: Sequence[Placed], idx: Sequence[int]) -> list[list[int]]:
+        """A gather bucket's jobs by class (those it assembles alike: one shape, placement and dtype), in order of
+        first appearance (the same order on every rank)."""
+        pairs = [placed[i] for i in idx]
+        keys = [
+            (job.rows, job.cols, plc.pad, members, plc.row_major, job.update.dtype)
+            for (job, plc), members in zip(pairs, self._members_classes([plc for _, plc in pairs]))
+        ]
+        classes: dict[tuple, list[int]] = {}
+        for i, key in zip(idx, keys):
+            classes.setdefault(key, []).append(i)
+        return list(classes.values())
+
+    def _members_classes(self, placements: Sequence[_Placement]) -> list[int]:
+        """Every placement's :meth:`_members_class`, a lookup each where its tuple of pieces was met before."""
+        known = [self._member_keys.get(id(plc.members)) for plc in placements]
+        return [
+            found[1] if found is not None and found[0] is plc.members else self._members_class(plc.members)
+            for found, plc in zip(known, placements)
+        ]
+
     def _make_owner_plan(self, placed: Sequence[Placed], config: MapConfig) -> list[_OwnerBucket]:
         """Per shard group: owners by Newton-Schulz FLOPs over all its matrices, then the matrices of each class
         (one shape, layout and payload dtype) cut into buckets holding at most ``per_owner`` matrices of each
-        owner, ``per_owner`` as many full matrices as fit the bucket size on the owner (at least one)."""
+        owner, ``per_owner`` as many full matrices as fit the bucket size on the owner (at least one). Python per
+        matrix is a few lookups in comprehensions: a schedule deciding per matrix plans a new set at most steps."""
+        jobs, plcs = [job for job, _ in placed], [plc for _, plc in placed]
+        keys = [
+            (job.rows, job.cols, members, plc.pad, job.update.dtype, dtype, job.update.device)
+            for job, plc, members, dtype in zip(
+                jobs, plcs, self._members_classes(plcs), self._payload_dtypes(jobs, config)
+            )
+        ]
         plan = []
-        for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
-            keys = {}
-            for i in idx:
-                job, plc = placed[i]
-                keys[i] = (
-                    job.rows,
-                    job.cols,
-                    self._members_class(plc.members),
-                    plc.pad,
-                    job.update.dtype,
-                    self._payload_dtype(job, config),
-                    job.update.device,
-                )
-            shapes = [(placed[i][0].rows, placed[i][0].cols) for i in idx]
-            owners = dict(zip(idx, assign_owners(shapes, comm.world, [keys[i] for i in idx])))
+        for comm, idx in _by_comm(range(len(placed)), [plc.shard for plc in plcs]):
+            owners = dict(zip(idx, assign_owners([keys[i][:2] for i in idx], comm.world, [keys[i] for i in idx])))
             classes: dict[tuple, list[int]] = {}
             for i in idx:
                 classes.setdefault(keys[i], []).append(i)
@@ -292,7 +312,7 @@ class SpectralRefresh:
                 pad, itemsize = key[3], key[5].itemsize
                 per_owner = max(1, self.bucket_bytes // max(1, comm.world * pad * itemsize))
                 for bucket in owner_buckets(members, [owners[i] for i in members], per_owner):
-                    plan.append(_OwnerBucket(comm, tuple(bucket), tuple(owners[i] for i in bucket), pad, key[5]))
+                    plan.append(_OwnerBucket(comm, tuple(bucket), tuple([owners[i] for i in bucket]), pad, key[5]))
         return plan
 
     def _owner_refresh(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
@@ -309,20 +329,35 @@ class SpectralRefresh:
         applies: Newton-Schulz's own dtype, unscaled, where it is narrower than the directions and every job of
         the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or the widest
         of the jobs' direction dtypes: one buffer carries them all, and an fp64 direction is not rounded to fp32)."""
-        wide = functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
-        narrows = {self._payload_dtype(placed[i][0], config) for i in idx}
+        jobs = [placed[i][0] for i in idx]
+        wide = functools.reduce(torch.promote_types, {job.update.dtype for job in jobs}, torch.float32)
+        narrows = set(self._payload_dtypes(jobs, config))
         narrow = narrows.pop() if len(narrows) == 1 else wide
         if self.comm_dtype is None and narrow.itemsize < wide.itemsize:
-            scales = {}
-            for i in idx:
-                job = placed[i][0]
-                found = {lr_scale_factor(config.lr_scale, b - a, e - c) for a, b, c, e in job.regions()}
-                if len(found) != 1:
-                    break
-                scales[i] = found.pop()
-            else:
-                return narrow, scales
+            scales = self._single_scales(jobs, config.lr_scale)
+            if None not in scales:
+                return narrow, dict(zip(idx, scales))  # type: ignore[arg-type]
         return self.comm_dtype or wide, None
+
+    def _single_scales(self, jobs: Sequence[MatrixJob], lr_scale: str) -> list[float | None]:
+        """Each job's lr scale where all its logical matrices share one (None where they do not): worked out once
+        per shape and split, then a lookup per job."""
+        keys = [(job.rows, job.cols, job.splits, job.col_splits, lr_scale) for job in jobs]
+        found = self._scales
+        for key, regions in zip(keys, self._regions(jobs)):
+            if key not in found:
+                scales = {lr_scale_factor(lr_scale, b - a, e - c) for a, b, c, e in regions}
+                found[key] = scales.pop() if len(scales) == 1 else None
+        return [found[key] for key in keys]
+
+    def _regions(self, jobs: Sequence[MatrixJob]) -> list[tuple[Region, ...]]:
+        """Every job's logical matrices (:meth:`MatrixJob.regions`): worked out once per shape and split, then a
+        lookup per job (a new set of jobs asks them of every matrix)."""
+        keys = [(job.rows, job.cols, job.splits, job.col_splits) for job in jobs]
+        found = self._shape_regions
+        for key, job in {key: job for key, job in zip(keys, jobs) if key not in found}.items():
+            found[key] = tuple(job.regions())
+        return [found[key] for key in keys]
 
     def _replica_shares(
         self, placed: Sequence[Placed], sharded: Sequence[int]
@@ -333,7 +368,7 @@ class SpectralRefresh:
             return list(sharded), []
         mine = [i for i in sharded if placed[i][1].replicas is None]
         exchanges = []
-        for comm, idx in _by_comm(sharded, lambda i: placed[i][1].replicas):
+        for comm, idx in _by_comm(sharded, [placed[i][1].replicas for i in sharded]):
             owners = assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world)
             mine += [i for i, o in zip(idx, owners) if o == comm.rank]
             exchanges.append((comm, idx, owners))
@@ -354,14 +389,15 @@ class SpectralRefresh:
 
     def _widest(self, placed: Sequence[Placed], idx: Sequence[int]) -> torch.dtype:
         """``comm_dtype`` where set, else the widest direction dtype of the jobs ``idx``."""
-        return self.comm_dtype or functools.reduce(torch.promote_types, (_wide(placed[i][0].update) for i in idx))
+        dtypes = {placed[i][0].update.dtype for i in idx}
+        return self.comm_dtype or functools.reduce(torch.promote_types, dtypes, torch.float32)
 
     def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
         """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
         Newton-Schulz FLOPs: the same on every rank of the group."""
         return [
             (comm, idx, assign_owners([(placed[i][0].rows, placed[i][0].cols) for i in idx], comm.world))
-            for comm, idx in _by_comm(range(len(placed)), lambda i: placed[i][1].replicas)
+            for comm, idx in _by_comm(range(len(placed)), [plc.replicas for _, plc in placed])
         ]
 
     def _whole_refresh(self, placed: Sequence[Placed], config: MapConfig, memo: dict) -> list[Tensor]:
@@ -386,8 +422,8 @@ class SpectralRefresh:
         for comm, idx, owners in self._whole_owners(placed):
             plan = share_plan(comm, placed, idx, owners, *self._return_dtype(placed, idx, config))
             plans.append(plan)
-            regions = [(i, tuple(placed[i][0].regions())) for i in plan.mine]
-            owned[id(plan)] = tuple((i, r, r == ((0, placed[i][0].rows, 0, placed[i][0].cols),)) for i, r in regions)
+            regions = zip(plan.mine, self._regions([placed[i][0] for i in plan.mine]))
+            owned[id(plan)] = tuple([(i, r, r == ((0, placed[i][0].rows, 0, placed[i][0].cols),)) for i, r in regions])
         return plans, owned
 
     def _whole_directions(
@@ -537,7 +573,7 @@ class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
         """A bucket's send buffer: its size, its payload dtype, and where each held piece goes (class by class,
         each in a slot of its class's largest piece)."""
         placed = self.placed
-        idx = [i for members in _classes(placed, bucket[1]) for i in members]
+        idx = [i for members in self.refresher._classes(placed, bucket[1]) for i in members]
         slots, offset = [], 0
         for i in idx:
             numel = placed[i][0].update.numel()
@@ -576,7 +612,7 @@ class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
         """Per class of the bucket (the order :meth:`send` packed them in): its elements in the gathered table
         of every rank's pieces, and how it is assembled and cut (None: no region of it here)."""
         out = []
-        for members in _classes(self.placed, bucket[1]):
+        for members in self.refresher._classes(self.placed, bucket[1]):
             job, plc = self.placed[members[0]]
             size = len(members) * plc.pad
             kept = tuple(
@@ -644,11 +680,13 @@ class _OwnerExchange(_Exchange[_OwnerItem, _OwnerBatch]):
     def _counts(self, bucket: _OwnerBucket) -> tuple[list[int], bool, list[int], tuple, list]:
         """A bucket's static parts: matrices per owner (group rank order), whether every piece fills its slot, the
         matrices this rank owns, the return dtype with the receivers' lr scales, and each owned matrix's regions."""
-        counts = [bucket.owners.count(r) for r in range(bucket.comm.world)]
+        counts = [0] * bucket.comm.world  # a pass over the bucket's matrices, none over the group's ranks
+        for owner in bucket.owners:
+            counts[owner] += 1
         full_slots = all([self.placed[i][0].update.numel() == bucket.pad for i in bucket.jobs])
         owned = [i for i, o in zip(bucket.jobs, bucket.owners) if o == bucket.comm.rank]
         back = self.refresher._return_dtype(self.placed, bucket.jobs, self.config)
-        return counts, full_slots, owned, back, [self.placed[i][0].regions() for i in owned]
+        return counts, full_slots, owned, back, self.refresher._regions([self.placed[i][0] for i in owned])
 
     def send(self, item: _OwnerItem) -> _InFlight:
         """Every piece into its slot of the class's largest piece (one list copy and cast), then one all-to-all."""
@@ -737,20 +775,6 @@ def _by_matrix(table: Tensor, count: int, pad: int) -> Tensor:
     """A ``(W, count * pad)`` table of gathered pieces as ``(count, W, pad)``: one copy (a function of its own, so
     that a compiled step keeps it in a graph: the bucket loop around it runs as Python)."""
     return table.view(table.shape[0], count, pad).transpose(0, 1).contiguous()
-
-
-def _class_key(placed: Sequence[Placed], i: int) -> tuple:
-    """Matrices a gather bucket assembles alike: one shape, placement and dtype."""
-    job, plc = placed[i]
-    return (job.rows, job.cols, plc.pad, plc.members, plc.row_major, job.update.dtype)
-
-
-def _classes(placed: Sequence[Placed], idx: Sequence[int]) -> list[list[int]]:
-    """A bucket's jobs by class, in order of first appearance (the same order on every rank)."""
-    classes: dict[tuple, list[int]] = {}
-    for i in idx:
-        classes.setdefault(_class_key(placed, i), []).append(i)
-    return list(classes.values())
 
 
 def _view_rows(mine: Any, cols: int) -> tuple[int, int] | None:

@@ -405,7 +405,7 @@ class ShardedEngine:
         placed = [(job, self._placement(job)) for job in jobs]
         parts = partial_sums(jobs, [_local_logical_rows(job, plc) for job, plc in placed])
         pending = []
-        for comm, members in _by_comm(range(len(placed)), lambda i: placed[i][1].shard):
+        for comm, members in _by_comm(range(len(placed)), [plc.shard for _, plc in placed]):
             flat = torch.cat([parts[i].reshape(-1) for i in members])
             pending.append((members, flat, comm.all_reduce(flat, kind="all_reduce[signal]", async_op=True)))
         for members, flat, work in pending:
