@@ -208,15 +208,19 @@ def test_refresh_steps_take_the_same_calls_at_any_matrix_count(mesh, refresh):
 ADAPTIVE = {"k_min": 1, "k_max": 4, "threshold": 0.1}
 
 
-def _own_refresh(monkeypatch, run: bool = False) -> None:
+def _own_refresh(monkeypatch, run: bool = False, seen: list | None = None) -> None:
     """The signs of ``U`` as the directions of spectral steps (the fake group's all-gather leaves its buffers as they
     were): a reference against which the staleness signal says something. With ``run`` the refresh runs first (its
-    Python counted), its directions left unused."""
+    Python counted), its directions left unused; ``seen`` collects what each refresh was handed (job and placement)."""
     refresh = SpectralRefresh.directions
 
     def signs(self, placed, config, memo=None):
         if run:
             refresh(self, placed, config, memo)
+        if seen is not None:
+            seen.append(
+                sorted((job.name, job.rows, job.cols, job.splits, plc.mine, plc.members) for job, plc in placed)
+            )
         return [job.update.sign() for job, _ in placed]
 
     monkeypatch.setattr(SpectralRefresh, "directions", signs)
@@ -242,12 +246,25 @@ def _new_gradients(groups: list[dict], step: int) -> None:
                 local.copy_(torch.randn(local.shape, generator=g) * 10.0 ** (step + 1))
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch, lag):
+def _adaptive_layouts(mesh, layouts: str, copies: int) -> list[dict]:
+    """The plain layouts that keep rows whole (:func:`_row_groups`), or the stacked experts on every layout whose
+    experts' rows split evenly (the schedule's row sums are laid out as the rows are)."""
+    if layouts == "plain":
+        return _row_groups(mesh, copies)
+    groups = _expert_groups(mesh, copies)
+    for group in groups:
+        group["params"] = [p for p in group["params"] if p.shape[1] != 5]
+    return groups
+
+
+@pytest.mark.parametrize("lag,layouts", [(0, "plain"), (1, "plain"), (0, "experts")])
+def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch, lag, layouts):
     """AdaptiveRowMuon over eight steps (the class path from step 1): matrices refreshed by their signal, others
     only when forced, so that steps mix both kinds within classes; every local piece, momentum and piece of the
-    schedule's state equal, bit for bit, to the per-job path's, and the same kinds taken."""
-    _own_refresh(monkeypatch)
+    schedule's state equal, bit for bit, to the per-job path's, and the same kinds taken (plain matrices, and
+    stacked experts: whole here, a rank's experts with their rows split, none, and replicated); the refresh handed
+    the same jobs and placements."""
+    handed: list[list] = [[], []]
     signals: list[list[dict[int, float]]] = []  # per run and step, the signals read, by parameter
     stalest = AdaptiveRowSchedule._stalest
 
@@ -260,10 +277,11 @@ def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch
     monkeypatch.setattr(AdaptiveRowSchedule, "_stalest", recorded)
     runs = []
     for planned in (True, False):
+        _own_refresh(monkeypatch, seen=handed[len(runs)])
         if not planned:
             monkeypatch.setattr(ShardedEngine, "class_plan", lambda self, *args: None)
         signals.append([])
-        groups = _row_groups(mesh, copies=2)
+        groups = _adaptive_layouts(mesh, layouts, copies=2)
         opt = build(
             "adaptive_row_muon", groups, lr=0.05, weight_decay=0.1, nonfinite="skip", signal_lag=lag, **ADAPTIVE
         )
@@ -278,6 +296,7 @@ def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch
         runs.append(([p.to_local().clone() for p in params], [getattr(t, "_local_tensor", t) for t in state], counts))
     (weights, state, counts), (weights_job, state_job, counts_job) = runs
     assert counts == counts_job
+    assert handed[0] == handed[1] and handed[0]
     assert signals[0] == signals[1]  # bit for bit, and finite ones among them
     assert any(0 < v < float("inf") for step in signals[0] for v in step.values())
     assert max(counts.values()) > 2 and min(counts.values()) == 2  # by signal, and only when forced (steps 0, 4)
@@ -285,18 +304,25 @@ def test_adaptive_steps_match_the_per_job_path_on_every_layout(mesh, monkeypatch
         assert torch.equal(planned, unplanned)
 
 
-def test_adaptive_steps_take_the_same_calls_at_any_matrix_count(mesh, monkeypatch):
+# Copies of each layout compared: enough that every class refreshes several matrices (one alone takes a shortcut of
+# one call less) and, for experts, that this rank owns some of the replicated ones in both counts and shares them the
+# same way (a padded all-gather, not a broadcast per owner).
+ADAPTIVE_COPIES = {"plain": (4, 8), "experts": (16, 24)}
+
+
+@pytest.mark.parametrize("layouts", ["plain", "experts"])
+def test_adaptive_steps_take_the_same_calls_at_any_matrix_count(mesh, monkeypatch, layouts):
     """AdaptiveRowMuon's step mixing both kinds (the signal read, the stale half refreshed, the rest RowNorm): its
     Python calls do not grow with the matrices, the refresh of a subset refreshed before kept with the plan as a
-    plan of one kind keeps its own (the gather refresh on the layouts of the refresh test above; four copies of each
-    against eight, so that every class refreshes several matrices: one alone takes a shortcut of one call less)."""
+    plan of one kind keeps its own (the gather refresh on the layouts of the refresh test above, and on stacked
+    experts; :data:`ADAPTIVE_COPIES`)."""
     from dimuon.bench.census import fake_collectives
 
     _own_refresh(monkeypatch, run=True)
     counts = []
     with accelerator_form(), fake_collectives():
-        for copies in (4, 8):
-            groups = _row_groups(mesh, copies)[:1]
+        for copies in ADAPTIVE_COPIES[layouts]:
+            groups = _adaptive_layouts(mesh, layouts, copies)[:1]
             opt = build("adaptive_row_muon", groups, lr=0.05, nonfinite="skip", refresh="gather", **ADAPTIVE)
             for step in range(3):  # all refreshed, then the stale half (twice: the plans and memo made)
                 opt.step()

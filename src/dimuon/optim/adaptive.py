@@ -406,7 +406,8 @@ def _by_class(
             idx = [j - start for j in chosen if start <= j < stop]
             if idx:
                 u = batch if len(idx) == len(cls.params) else batch[idx]
-                out.append((plan.jobs[start], u, [state[cls.params[i]] for i in idx]))
+                job = getattr(cls, "signal_job", None) or plan.jobs[start]  # stacked: the parameter's job
+                out.append((job, u, [state[cls.params[i]] for i in idx]))
             start = stop
     return out
 

@@ -469,8 +469,9 @@ class ClassStep:
                 if len(idx) == len(cls.params):
                     subs.append(cls)
                     picked.append(batch)
-                elif idx:
-                    subs.append(replace(cls, params=[cls.params[i] for i in idx]))
+                elif idx:  # a sharded stacked class's per-member placements with its members
+                    placed = {"placed": tuple([cls.placed[i] for i in idx])} if getattr(cls, "placed", ()) else {}
+                    subs.append(replace(cls, params=[cls.params[i] for i in idx], **placed))
                     picked.append(batch[idx])
                 jobs += [plan.jobs[start + i] for i in idx]
                 start = stop

@@ -16,8 +16,9 @@ classes and step kinds, not with matrices:
 Stacked parameters (experts) are planned as the per-job path runs them, decided per class once: a class's local
 matrix is the ``(E_local * rows, cols)`` view of its experts (``lead`` 2); experts whole here are mapped as one
 process maps them (their refresh too, with no communication), experts whose rows a mesh dimension splits are the
-rank's experts as one row-sharded matrix (:mod:`dimuon.optim.distributed.experts`), their refresh the engine's
-(under the fixed schedules; under AdaptiveRowMuon experts keep the per-job path).
+rank's experts as one row-sharded matrix (:mod:`dimuon.optim.distributed.experts`), their refresh the engine's.
+Under AdaptiveRowMuon a stacked class's staleness sums are its parameters' (``PieceClass.signal_job``: every expert's
+logical matrices, added over the parameter's shard group), as on the per-job path.
 
 A schedule that decides per matrix (AdaptiveRowMuon) takes each kind's share of a class as one batch, as in one
 process (:meth:`~dimuon.optim.classes.ClassStep._by_kind`): RowNorm as above on the share (the entries are per
@@ -79,6 +80,7 @@ class PieceClass(ShapeClass):
     entries: tuple[RowEntry, ...] = ()
     placed: tuple[Any, ...] = ()  # stacked: each member's placement as its maps run (else the engine's, per job)
     refresh: bool = True  # its spectral step is the engine's refresh (else mapped here, as one process maps it)
+    signal_job: MatrixJob | None = None  # stacked: a member's parameter job, whose sums the staleness signal adds
 
 
 def _row_entries(job: MatrixJob, plc: Any, local_cols: int, lr_scale: str) -> tuple[RowEntry, ...]:
@@ -139,16 +141,14 @@ def make_piece_plan(
     names: Sequence[str],
     keys: Sequence[str],
     fixed: bool,
-) -> GroupPlan | None:
+) -> GroupPlan:
     """The plan of a Muon group of sharded parameters with momentum buffers ``bufs`` (stacked parameters:
-    :func:`_stacked_plan`, under a fixed schedule only; under one that decides per matrix None, the per-job path);
-    ``fixed``: the schedule decides one kind for the group. Classes are told apart by what every rank of a group sees
-    alike (global shape, dtypes, every member's piece, the process groups), so all ranks issue the same collectives."""
-    if group["stacked"] and fixed:  # experts: each parameter as the per-job path runs it
-        return _stacked_plan(engine, group, bufs, names, keys)
+    :func:`_stacked_plan`); ``fixed``: the schedule decides one kind for the group. Classes are told apart by what
+    every rank of a group sees alike (global shape, dtypes, every member's piece, the process groups), so all ranks
+    issue the same collectives."""
+    if group["stacked"]:  # experts: each parameter as the per-job path runs it
+        return _stacked_plan(engine, group, bufs, names, keys, fixed)
     params = list(group["params"])
-    if group["stacked"]:  # experts: the per-job path
-        return None
     jobs = [matrix_job(p, group, name) for p, name in zip(params, names)]
     placements = [engine.placement(job) for job in jobs]
     locals_, local_bufs = local_tensors(params), local_tensors(bufs)
@@ -209,9 +209,11 @@ def _stacked_class(
     group: dict[str, Any],
     dtype: torch.dtype,
     device: torch.device,
+    signal_job: MatrixJob,
 ) -> PieceClass:
     """The class of stacked parameters alike in form, local and global pieces: its local matrix the ``(E_local *
-    rows, cols)`` view of its experts, the maps' regions those of the jobs the per-job path runs."""
+    rows, cols)`` view of its experts, the maps' regions those of the jobs the per-job path runs; ``signal_job``
+    a member's parameter job (the staleness signal's sums are the parameter's, over all its experts)."""
     job, plc, form = forms[0]
     cols = math.prod(local.shape[2:])
     entries = _row_entries(job, plc, cols, group["lr_scale"]) if form != "idle" else ()
@@ -221,7 +223,9 @@ def _stacked_class(
         StepKind.SPECTRAL: map_regions(job, StepKind.SPECTRAL) if form == "whole" else [],
     }
     placed = tuple(plc for _, plc, _ in forms)
-    return _piece_class(params, local, 2, dtype, device, regions, entries, placed, form in _REFRESHED)
+    made = _piece_class(params, local, 2, dtype, device, regions, entries, placed, form in _REFRESHED)
+    made.signal_job = signal_job
+    return made
 
 
 def _piece_class(
@@ -255,26 +259,25 @@ def _piece_class(
 
 
 def _stacked_plan(
-    engine: Any, group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str]
+    engine: Any, group: dict[str, Any], bufs: Sequence[Tensor], names: Sequence[str], keys: Sequence[str], fixed: bool
 ) -> GroupPlan:
-    """The plan of a group of stacked parameters (experts) under a fixed schedule: classes told apart as
-    :func:`make_piece_plan`'s are, and by form; the plan's jobs those the per-job path maps (a rank's experts)."""
+    """The plan of a group of stacked parameters (experts): classes told apart as :func:`make_piece_plan`'s are, and
+    by form; the plan's jobs those the per-job path maps (a rank's experts)."""
     params = list(group["params"])
     locals_, local_bufs = local_tensors(params), local_tensors(bufs)
-    forms = [
-        _stacked_form(engine, matrix_job(p, group, name), local.shape[0])
-        for p, name, local in zip(params, names, locals_)
-    ]
+    whole = [matrix_job(p, group, name) for p, name in zip(params, names)]
+    forms = [_stacked_form(engine, job, local.shape[0]) for job, local in zip(whole, locals_)]
     placements = [plc for _, plc, _ in forms]
     extras = [(tuple(local.shape), form) for local, (_, _, form) in zip(locals_, forms)]
     classes, order = [], []
     for (dtype, device, *_), idx in _alike(params, local_bufs, placements, extras).items():
+        members = [forms[i] for i in idx]
         classes.append(
-            _stacked_class([params[i] for i in idx], [forms[i] for i in idx], locals_[idx[0]], group, dtype, device)
+            _stacked_class([params[i] for i in idx], members, locals_[idx[0]], group, dtype, device, whole[idx[0]])
         )
         order += idx
     jobs = [job for job, _, _ in forms]
-    return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, True, sharded=True)
+    return ordered_plan(group, classes, order, params, local_bufs, jobs, keys, fixed, sharded=True)
 
 
 def row_factors_sharded(classes: Sequence[PieceClass], batches: Sequence[Tensor], cache: dict) -> list[Tensor]:
