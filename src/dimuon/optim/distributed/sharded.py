@@ -200,6 +200,7 @@ class ShardedEngine:
         self._placements: dict[int, tuple[Tensor, _Placement]] = {}
         self._expert_placements: dict[int, tuple[Tensor | None, _Placement]] = {}  # row-split experts' own
         self._scale_vectors: dict[tuple, Tensor] = {}  # RowNorm's split rows: scales per oriented row, per entry set
+        self._logical_rows: dict[tuple, tuple] = {}  # per layout: the local rows of each logical matrix
         self._local = LocalEngine()
         self._refresher = SpectralRefresh(refresh, replica_refresh, self.bucket_bytes, comm_dtype)
         # The vote's own counted collectives: where it runs over the world, the world group may also be a flattened
@@ -403,7 +404,7 @@ class ShardedEngine:
         (kind ``all_reduce[signal]``) per shard group, all issued before any wait. Matrices split by columns
         are refused at construction (their per-row sums would be partial)."""
         placed = [(job, self._placement(job)) for job in jobs]
-        parts = partial_sums(jobs, [_local_logical_rows(job, plc) for job, plc in placed])
+        parts = partial_sums(jobs, [self._local_rows(job, plc) for job, plc in placed])
         pending = []
         for comm, members in _by_comm(range(len(placed)), [plc.shard for _, plc in placed]):
             flat = torch.cat([parts[i].reshape(-1) for i in members])
@@ -413,6 +414,15 @@ class ShardedEngine:
             for i, total in zip(members, flat.split([parts[i].numel() for i in members])):
                 parts[i] = total.view(parts[i].shape)
         return parts
+
+    def _local_rows(self, job: MatrixJob, plc: _Placement) -> tuple[RowRange | None, ...]:
+        """:func:`_local_logical_rows`, worked out once per layout (a stacked parameter's are one per expert of the
+        whole parameter, which a signal step asks of every class)."""
+        key = (job.rows, job.cols, job.splits, job.matrix_rows, plc.mine if plc.shard is not None else None)
+        found = self._logical_rows.get(key)
+        if found is None:
+            found = self._logical_rows[key] = tuple(_local_logical_rows(job, plc))
+        return found
 
     # ----------------------------------------------------------------- local maps
     def _block(self, placed: Sequence[Placed], config: MapConfig) -> list[Tensor]:
