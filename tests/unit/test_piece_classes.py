@@ -380,3 +380,34 @@ def test_subset_memos_are_kept_for_the_subsets_refreshed_last():
     assert len(plan.memo["subsets"]) == SUBSET_MEMOS
     assert subset_memo(part(1)) is second  # kept
     assert subset_memo(part(0, 1)) is not first  # the one used longest ago, made again
+
+
+def test_a_state_dict_gathered_along_a_mesh_dimension_steps_as_one_laid_out_as_the_parameters(mesh):
+    """A checkpoint may bring the momenta gathered along a mesh dimension (DCP stores head-wise pieces that way): the
+    loaded state is laid out as the parameters again, and the plans made on load take those tensors, so the next
+    steps equal those after loading the same state laid out as the parameters."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fsdp = [Shard(0), Replicate()]
+    coordinate = mesh.get_coordinate()[0]
+    runs = []
+    for gathered in (False, True):
+        params = [_sharded((24, 16), mesh, fsdp, seed) for seed in range(3)]
+        opt = build("periodic_row_muon", [{"params": params}], lr=0.05, nonfinite="skip", k=2)
+        for _ in range(3):
+            opt.step()
+        state = opt.state_dict()
+        if gathered:  # this rank's rows in a whole matrix, replicated over dp: the rows it holds are its own
+            for entry in state["state"].values():
+                local = entry["momentum_buffer"].to_local()
+                whole = torch.zeros(24, 16)
+                whole[coordinate * 6 : coordinate * 6 + 6] = local
+                entry["momentum_buffer"] = DTensor.from_local(whole, mesh, [Replicate(), Replicate()])
+        loaded = build("periodic_row_muon", [{"params": params}], lr=0.05, nonfinite="skip", k=2)
+        loaded.load_state_dict(state)
+        for _ in range(2):
+            loaded.step()
+        assert all(loaded.state[p]["momentum_buffer"].placements == tuple(fsdp) for p in params)
+        runs.append([loaded.state[p]["momentum_buffer"].to_local().clone() for p in params])
+    for laid_out, gathered in zip(*runs):
+        assert torch.equal(laid_out, gathered)

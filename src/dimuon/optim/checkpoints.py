@@ -210,13 +210,13 @@ class Checkpoints:
                 if now.dtype != kept.dtype:
                     self.state[p][name] = kept.to(device=now.device)
             self._schedule_scratch = {}  # what the schedule kept for its next step belongs to the run before
-            self._make_plans()  # the loaded momenta are new tensors
             for group in self.param_groups:
                 for key, value in self._schedule_defaults().items():
                     group.setdefault(key, value)  # an option added after the state_dict was saved
                 for p in group["params"]:
                     if is_dtensor(p):
                         self._follow_placements(p)
+            self._make_plans()  # the loaded momenta are new tensors, laid out as their parameters now
 
         handles = (
             self.register_load_state_dict_pre_hook(check),  # after the user's pre-hooks
