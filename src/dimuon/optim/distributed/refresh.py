@@ -16,7 +16,6 @@ parameters come, so every rank of a group issues the same sequence, empty pieces
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -55,7 +54,7 @@ def owner_buckets(jobs: Sequence[int], owners: Sequence[int], per_owner: int) ->
         if b == len(buckets):
             buckets.append([])
         buckets[b].append((owner, job))
-    return [[job for _, job in sorted(bucket, key=operator.itemgetter(0))] for bucket in buckets]
+    return [[job for _, job in sorted(bucket)] for bucket in buckets]  # by owner: each one's jobs came in order
 
 
 def make_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -132,7 +131,7 @@ class SpectralRefresh:
             return [self.comm_dtype] * len(jobs)
         keys = [(job.update.dtype, job.update.device, config.ns_dtype) for job in jobs]
         found = self._payloads
-        for momentum, device, ns_dtype in set(keys) - found.keys():
+        for momentum, device, ns_dtype in {key for key in keys if key not in found}:
             ns = ns_dtype or default_ns_dtype(device)
             found[(momentum, device, ns_dtype)] = ns if ns.itemsize < momentum.itemsize else momentum
         return [found[key] for key in keys]
@@ -163,7 +162,7 @@ class SpectralRefresh:
         if plc.row_major:  # consecutive row blocks: each gathered row already is the padded matrix
             return flat[:, : job.rows * job.cols].view(n, job.rows, job.cols)
         index = self._assembly_index(job, plc, tables.device)
-        return flat.index_select(1, index).view(n, job.rows, job.cols)
+        return _columns(flat, index).view(n, job.rows, job.cols)
 
     def _assembly_index(self, job: MatrixJob, plc: _Placement, device: torch.device) -> Tensor:
         """For every element of the ``(rows, cols)`` matrix, its position in a ``(W, pad)`` table of the shard
@@ -260,7 +259,10 @@ class SpectralRefresh:
 
     def _members_class(self, members: tuple) -> int:
         """A number for a placement's group pieces, equal for equal pieces: hashed once per tuple of pieces, not at
-        every plan (a tuple of W pieces hashes in O(W))."""
+        every plan (a tuple of W pieces hashes in O(W)). A compiled step hashes them (it does not trace identity;
+        its graph keeps what it found)."""
+        if torch.compiler.is_compiling():
+            return self._member_classes.setdefault(members, len(self._member_classes))
         found = self._member_keys.get(id(members))
         if found is None or found[0] is not members:
             found = self._member_keys[id(members)] = (
@@ -284,6 +286,8 @@ class SpectralRefresh:
 
     def _members_classes(self, placements: Sequence[_Placement]) -> list[int]:
         """Every placement's :meth:`_members_class`, a lookup each where its tuple of pieces was met before."""
+        if torch.compiler.is_compiling():
+            return [self._members_class(plc.members) for plc in placements]
         known = [self._member_keys.get(id(plc.members)) for plc in placements]
         return [
             found[1] if found is not None and found[0] is plc.members else self._members_class(plc.members)
@@ -605,7 +609,7 @@ class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
                 continue
             flat = by_matrix.view(n, -1)
             for source, (count, rows, cols) in zip(cls.sources, cls.groups):
-                batch.pieces += flat.index_select(1, source).view(n * count, rows, cols).unbind(0)
+                batch.pieces += _columns(flat, source).view(n * count, rows, cols).unbind(0)
         return batch
 
     def _assembly(self, bucket: _GatherBucket) -> list[tuple[int, _GatherClass | None]]:
@@ -664,7 +668,7 @@ class _GatherExchange(_Exchange[_GatherItem, _GatherBatch]):
         if index is None:  # a whole matrix held as one block of rows, its directions not in the wide dtype
             job, plc = self.placed[cls.members[0]]
             index = self.refresher._piece_index(job, plc, flat.device)
-        taken = flat.index_select(1, index)
+        taken = _columns(flat, index)
         return (taken if taken.dtype == cls.wide else taken.to(cls.wide)).view(n, *cls.shape)
 
 
@@ -769,6 +773,12 @@ def _returned(recv: Tensor, count: int, pad: int, like: Tensor, scale: float | N
     if scale is not None:
         wide.mul_(scale)
     return [wide[t].view(like.shape) for t in range(count)]
+
+
+def _columns(flat: Tensor, index: Tensor) -> Tensor:
+    """The columns ``index`` of a ``(matrices, n)`` table, one gather (a function of its own, so that a compiled step
+    keeps it in a graph: the methods around it meet a new bucket's shapes at every call and run as Python)."""
+    return flat.index_select(1, index)
 
 
 def _by_matrix(table: Tensor, count: int, pad: int) -> Tensor:
