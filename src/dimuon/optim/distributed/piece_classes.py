@@ -223,9 +223,7 @@ def _stacked_class(
         StepKind.SPECTRAL: map_regions(job, StepKind.SPECTRAL) if form == "whole" else [],
     }
     placed = tuple(plc for _, plc, _ in forms)
-    made = _piece_class(params, local, 2, dtype, device, regions, entries, placed, form in _REFRESHED)
-    made.signal_job = signal_job
-    return made
+    return _piece_class(params, local, 2, dtype, device, regions, entries, placed, form in _REFRESHED, signal_job)
 
 
 def _piece_class(
@@ -238,6 +236,7 @@ def _piece_class(
     entries: tuple[RowEntry, ...],
     placed: tuple[Any, ...] = (),
     refresh: bool = True,
+    signal_job: MatrixJob | None = None,
 ) -> PieceClass:
     """A class of local pieces shaped as ``local``, whose first ``lead`` dimensions make its matrix's rows."""
     rows, cols = math.prod(local.shape[:lead]), math.prod(local.shape[lead:])
@@ -255,6 +254,7 @@ def _piece_class(
         entries=entries,
         placed=placed,
         refresh=refresh,
+        signal_job=signal_job,
     )
 
 

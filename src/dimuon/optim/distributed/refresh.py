@@ -334,7 +334,7 @@ class SpectralRefresh:
         the bucket has a single scale over its matrices (else the scaled directions, ``comm_dtype`` or the widest
         of the jobs' direction dtypes: one buffer carries them all, and an fp64 direction is not rounded to fp32)."""
         jobs = [placed[i][0] for i in idx]
-        wide = functools.reduce(torch.promote_types, {job.update.dtype for job in jobs}, torch.float32)
+        wide = _widest_direction(jobs)
         narrows = set(self._payload_dtypes(jobs, config))
         narrow = narrows.pop() if len(narrows) == 1 else wide
         if self.comm_dtype is None and narrow.itemsize < wide.itemsize:
@@ -393,8 +393,7 @@ class SpectralRefresh:
 
     def _widest(self, placed: Sequence[Placed], idx: Sequence[int]) -> torch.dtype:
         """``comm_dtype`` where set, else the widest direction dtype of the jobs ``idx``."""
-        dtypes = {placed[i][0].update.dtype for i in idx}
-        return self.comm_dtype or functools.reduce(torch.promote_types, dtypes, torch.float32)
+        return self.comm_dtype or _widest_direction([placed[i][0] for i in idx])
 
     def _whole_owners(self, placed: Sequence[Placed]) -> list[tuple[Collectives, list[int], list[int]]]:
         """Per replica group of the whole matrices, its jobs and each one's owner (group rank), balanced by
@@ -773,6 +772,11 @@ def _returned(recv: Tensor, count: int, pad: int, like: Tensor, scale: float | N
     if scale is not None:
         wide.mul_(scale)
     return [wide[t].view(like.shape) for t in range(count)]
+
+
+def _widest_direction(jobs: Sequence[MatrixJob]) -> torch.dtype:
+    """The widest direction dtype of ``jobs`` (their momenta's, fp32 or wider), from their distinct dtypes."""
+    return functools.reduce(torch.promote_types, {job.update.dtype for job in jobs}, torch.float32)
 
 
 def _columns(flat: Tensor, index: Tensor) -> Tensor:
