@@ -184,6 +184,78 @@ def test_a_compiled_row_that_fails_is_recorded_not_raised(monkeypatch):
     assert "cannot compile this step" in host_report.render(record)
 
 
+def test_cudagraph_skips_are_counted_with_the_reason_inductor_logs():
+    """Inductor's own call where it leaves a graph out of CUDA graphs: counted, its message kept; nothing outside."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to before the block")
+    with host_probe.cudagraph_skips() as found:
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (2 instances)")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to after the block")
+    assert found == {"count": 1, "reasons": ["skipping cudagraphs due to mutated inputs (2 instances)"]}
+
+
+def test_reduce_overhead_rows_record_whether_their_graphs_ran_as_cuda_graphs(monkeypatch):
+    """A reduce-overhead row records the graphs inductor ran without CUDA graphs and why (here a stand-in compile
+    that skips one graph as inductor does); the other modes record nothing; the table says it per device."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    def skipping(fn, **kwargs):
+        def step():
+            if kwargs["mode"] == "reduce-overhead":
+                log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to cpu device (arg0_1)")
+            return fn()
+
+        return step
+
+    monkeypatch.setattr(host.torch, "compile", skipping)
+    argv = [*QUICK, "--matrices", "10", "--optimizers", "muon", "--baselines"]
+    record = host.run(host.parse([*argv, "--compile-modes", "default", "reduce-overhead"]))
+    rows = {r["name"]: r for r in record["rows"]}
+    reduce_overhead = rows["muon_compiled_reduce_overhead"]
+    # one per warm-up step here: the warm-up period, then one that compiled nothing new
+    assert reduce_overhead["cudagraph_skips"] == record["config"]["warmup"] + 1
+    assert reduce_overhead["cudagraph_skip_reason"] == "skipping cudagraphs due to cpu device (arg0_1)"
+    assert rows["muon_compiled"]["cudagraph_skips"] is None and rows["muon"]["cudagraph_skips"] is None
+    header, body = host_report.compile_rows(record)
+    cells = {line[0]: dict(zip(header, line)) for line in body}
+    assert cells["muon_compiled_reduce_overhead"]["CUDA graphs"] == "no CUDA"  # inductor skips them all off a GPU
+    assert cells["muon_compiled_reduce_overhead"]["error"].startswith("skipping cudagraphs due to cpu device")
+    assert cells["muon_compiled"]["CUDA graphs"] == "-"
+    on_gpu = {**record, "config": {**record["config"], "device": "cuda"}}
+    assert host_report.cuda_graphs(on_gpu, reduce_overhead) == "2 skipped"
+    assert host_report.cuda_graphs(on_gpu, {**reduce_overhead, "cudagraph_skips": 0}) == "all"
+
+
+def test_a_compiled_row_warms_up_until_a_period_compiles_nothing(monkeypatch):
+    """A stand-in compile that compiles a graph at each of its first calls (as torch recompiles while the state and
+    the step counter settle): the row warms up past ``--warmup`` until a period compiles nothing new, counts every
+    graph, and is counted and timed warm; one that keeps compiling stops after SETTLE_PERIODS periods."""
+    from torch._dynamo.utils import counters
+
+    def compiling(first_calls: int):
+        def compile_(fn, **kwargs):
+            calls = [0]
+
+            def step():
+                calls[0] += 1
+                if calls[0] <= first_calls:
+                    counters["stats"]["unique_graphs"] += 1
+                return fn()
+
+            return step
+
+        return compile_
+
+    argv = [*QUICK, "--matrices", "10", "--optimizers", "muon", "--baselines", "--compile-modes", "default"]
+    monkeypatch.setattr(host.torch, "compile", compiling(3))
+    row = next(r for r in host.run(host.parse(argv))["rows"] if r["name"] == "muon_compiled")
+    assert row["graphs"] == 3 and row["status"] == "ok" and row["host_ms"] > 0
+    monkeypatch.setattr(host.torch, "compile", compiling(100))
+    row = next(r for r in host.run(host.parse(argv))["rows"] if r["name"] == "muon_compiled")
+    assert row["graphs"] == 1 + host.SETTLE_PERIODS  # --warmup 1 period of one step, then the most it settles for
+
+
 def test_sharded_rows_are_measured_counted_and_round_trip(tmp_path):
     """Rank 0 of 8 fake FSDP2 ranks at 10 matrices: every optimizer and torch's AdamW, counted and timed; the
     fake group gone after; the record as written is the record run returned, and its readers still read it."""

@@ -7,11 +7,16 @@ under ``slow`` (its C++ compile takes tens of seconds on a CPU).
 
 from __future__ import annotations
 
+import copy
 import warnings
+import weakref
 
 import pytest
 import torch
-from golden_steps import OPTIMIZERS, make_optimizer, make_params, set_grads
+from functorch.compile import make_boxed_func
+from golden_steps import OPTIMIZERS, form, make_optimizer, make_params, set_grads
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils import _pytree as pytree
 
 STEPS = 11  # eager steps 0-1 make the state; compiled steps 2-10 (2 skipped: a NaN) take every kind 3 times
 KINDS = {"muon": 1, "periodic_row_muon": 2, "muon_bp": 2}
@@ -68,6 +73,64 @@ def test_compiled_step_is_one_graph_per_kind_and_the_eager_values(name: str) -> 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_inductor_step_keeps_the_eager_values(name: str) -> None:
     _check(name, "inductor", exact=False)
+
+
+def _graph_inputs(name: str) -> dict[str, int]:
+    """Over a period and one step more, compiled from the first step in the accelerator form (a state_dict loaded
+    back before the last): the graph inputs the step mutates in place, those of them that are not static addresses
+    by inductor's own reckoning (the metadata it reads), and the inputs that a graph of an earlier step returned."""
+    torch._dynamo.reset()
+    counts = {"mutated": 0, "not static": 0, "carried": 0}
+    earlier: dict[int, weakref.ref] = {}  # the tensors the graphs of the steps before returned
+    latest: dict[int, weakref.ref] = {}  # and those of this step's
+
+    def record(gm: torch.fx.GraphModule, inputs: list) -> object:
+        meta = torch._guards.TracingContext.get().fw_metadata
+        mutated = set(meta.mutated_inp_runtime_indices)
+        counts["mutated"] += len(mutated)
+        counts["not static"] += len(mutated - set(meta.static_input_indices))
+        return make_boxed_func(gm.forward)
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        compiled = aot_autograd(fw_compiler=record)(gm, inputs)
+
+        def run(*args: object) -> object:
+            counts["carried"] += sum(1 for a in args if id(a) in earlier and earlier[id(a)]() is a)
+            out = compiled(*args)
+            latest.update((id(t), weakref.ref(t)) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+        return run
+
+    with warnings.catch_warnings(), form("accelerator"):
+        warnings.simplefilter("ignore")
+        ps = make_params()
+        opt = make_optimizer(name, ps, "skip")
+        step = torch.compile(opt.step, fullgraph=name in KINDS, backend=backend)
+        options = OPTIMIZERS[name]
+        period = int(options.get("k", options.get("period", options.get("k_max", 1))))  # AdaptiveRowMuon's longest
+        for t in range(period + 1):
+            set_grads(ps, t, "skip")
+            if t == period:  # new state tensors: the step compiles again, and they must be static too
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            earlier.update(latest)
+            latest.clear()
+            step()
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "muon_bp" else pytest.mark.slow) for n in OPTIMIZERS]
+)  # MuonBP by default: a full and a block step, and a plan made under the graph (its block regions)
+def test_a_compiled_step_can_replay_as_cuda_graphs(name: str) -> None:
+    """CUDA graphs (``mode="reduce-overhead"``) replay in place only over static inputs: inductor skips them for a
+    graph that mutates any other input. The step marks its state static the way torch's optimizers do (dynamo runs
+    ``_init_group`` eagerly, then marks every state tensor), from the first step and again after a load. And a
+    replay overwrites what the graph returned the replay before, so no step may read a tensor an earlier one's
+    graph returned (the skip counter is counted in place)."""
+    counts = _graph_inputs(name)
+    assert counts["mutated"] > 0, counts  # the momenta, the AdamW moments and counters
+    assert counts["not static"] == 0 and counts["carried"] == 0, counts
 
 
 @pytest.mark.parametrize(("name", "nonfinite"), [("muon", "raise"), ("adaptive_row_muon", "skip")])

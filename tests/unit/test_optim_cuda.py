@@ -119,6 +119,29 @@ def test_compiled_step_on_cuda_matches_eager():
     assert max_relative_gap(a, b) < 1e-4
 
 
+def test_reduce_overhead_step_replays_as_cuda_graphs_with_the_eager_values():
+    """``mode="reduce-overhead"``: inductor runs every graph of the step as a CUDA graph (it skips one that mutates an
+    input that is not a static address, or that holds a CPU tensor), over both step kinds, with the eager step's
+    values; a Tensor lr on the device, as docs/api.md shows it. One optimizer (compiling takes tens of seconds):
+    the others' graphs are counted by ``dimuon bench host`` in the same check, and every optimizer's static state
+    on a CPU by tests/unit/test_optim_compile.py."""
+    name = "periodic_row_muon"
+    from dimuon.bench.host_probe import cudagraph_skips
+
+    torch._dynamo.reset()
+    a, b = model_on("cuda"), model_on("cuda")
+    options = {"ns_dtype": torch.float32, "nonfinite": "skip"}
+    opt_a = build(name, a, lr=torch.tensor(0.02, device="cuda"), **options)
+    opt_b = build(name, b, lr=torch.tensor(0.02, device="cuda"), **options)
+    step = torch.compile(opt_a.step, mode="reduce-overhead", fullgraph=name != "adaptive_row_muon")
+    with cudagraph_skips() as skips:
+        train(a, step, opt_a, 8)
+    train(b, opt_b.step, opt_b, 8)
+    assert skips["count"] == 0, skips["reasons"]
+    assert max_relative_gap(a, b) < 1e-4
+    assert opt_a.skipped_steps == 0 and bool(opt_a.last_step_taken)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_nonfinite_gradient_entry_on_cuda_is_caught_by_the_list_reduction(bad):
     model = model_on("cuda")

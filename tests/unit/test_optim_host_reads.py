@@ -164,16 +164,22 @@ def test_the_skip_count_stays_on_the_device_until_read_and_loads_from_a_number()
     for t in range(4):
         backward(model, t, bad=t % 2 == 1)
         opt.step()
-    assert isinstance(opt._votes["pending_skips"], torch.Tensor)  # counted, not read
+    counter = opt._votes["pending_skips"]
+    assert isinstance(counter, torch.Tensor)  # counted, not read
     saved = copy.deepcopy(opt.state_dict())  # saving reads it
-    assert opt._votes["pending_skips"] is None and [g["skipped_steps"] for g in saved["param_groups"]] == [2, 2]
+    assert [g["skipped_steps"] for g in saved["param_groups"]] == [2, 2]
+    assert opt._votes["pending_skips"] is counter and int(counter) == 0  # zeroed in place, kept for the next steps
     assert opt.skipped_steps == 2
     backward(model, 4, bad=True)
     opt.step()
-    assert opt.skipped_steps == 3
+    assert opt._votes["pending_skips"] is counter and opt.skipped_steps == 3
     fresh = make("periodic_row_muon", nonfinite="skip")[1]
     fresh.load_state_dict(saved)  # an int per group, as every checkpoint holds it
     assert fresh.skipped_steps == 2
+    backward(model, 5, bad=True)
+    opt.step()  # one skip counted on the device, then replaced by the loaded counts
+    opt.load_state_dict(saved)
+    assert opt._votes["pending_skips"] is counter and opt.skipped_steps == 2
 
 
 @pytest.mark.parametrize("name", FAMILY)

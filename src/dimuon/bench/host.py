@@ -31,7 +31,7 @@ import tyro
 from torch import nn
 from tqdm import tqdm
 
-from dimuon.bench.host_probe import accelerator_form, dimuon_calls, op_seconds
+from dimuon.bench.host_probe import accelerator_form, cudagraph_skips, dimuon_calls, op_seconds
 from dimuon.bench.report import machine_info, parse_or_none
 from dimuon.io import write_json_atomic
 from dimuon.optim import build
@@ -45,6 +45,9 @@ BASELINES: dict[str, tuple[str, dict[str, Any], str]] = {
     "torch_muon": ("torch_muon", {}, "torch.optim.Muon + AdamW (foreach)"),
 }
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# A compiled row warms up for more periods, at most this many, until one compiles no new graph (torch's first
+# compiled calls recompile as the state and the step counter settle; a plan made at the first step guards anew)
+SETTLE_PERIODS = 4
 # one graph per step kind with nonfinite="skip" (AdaptiveRowMuon reads its signals on the host: a graph break)
 FULLGRAPH = ("muon", "periodic_row_muon", "muon_bp")
 MATRICES_PER_BLOCK = 5  # qkv, proj, fc1, fc2, adaLN
@@ -192,6 +195,8 @@ class Row:
     ops: list[int] = field(default_factory=list)
     graph_breaks: int | None = None
     graphs: int | None = None
+    cudagraph_skips: int | None = None  # reduce-overhead rows: graphs inductor ran without CUDA graphs
+    cudagraph_skip_reason: str | None = None  # the first reason it gave
     compiled: dict[str, Any] | None = None  # a compiled row's or eager twin's setting (recorded with it)
 
 
@@ -270,21 +275,36 @@ def clock_of(cfg: Config) -> Callable[[], float]:
 
 
 def warm_up(row: Row, cfg: Config) -> None:
-    """``cfg.warmup`` untimed periods (the first step's time kept: state, compilation); a compiled row that fails
-    is recorded with its error and left out of the timing."""
+    """``cfg.warmup`` untimed periods (the first step's time kept: state, compilation), and for a compiled row more
+    periods, up to :data:`SETTLE_PERIODS`, until one compiles nothing new: the counts and timing that follow see the
+    step as it runs once warm, and ``graphs`` counts every graph it took to get there. A compiled row that fails is
+    recorded with its error and left out of the timing."""
     counters = torch._dynamo.utils.counters
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     sync, clock = _sync(cfg.device), time.perf_counter  # the first step's wall time: compilation included
-    try:
-        for i in range(cfg.warmup * row.period):
+
+    def steps(n: int) -> None:
+        for _ in range(n):
             sync()
             start = clock()
             row.step()
             sync()
-            if i == 0:
+            if row.first_s is None:
                 row.first_s = clock() - start
-    except Exception as exc:  # a compiled step that does not compile is a result here, not a crash
-        row.status, row.error = "failed", f"{type(exc).__name__}: {exc}".strip()[:2000]
+
+    with cudagraph_skips() as skips:
+        try:
+            steps(cfg.warmup * row.period)
+            for _ in range(SETTLE_PERIODS if row.mode != "eager" else 0):
+                before = counters["stats"]["unique_graphs"]
+                steps(row.period)
+                if counters["stats"]["unique_graphs"] == before:
+                    break
+        except Exception as exc:  # a compiled step that does not compile is a result here, not a crash
+            row.status, row.error = "failed", f"{type(exc).__name__}: {exc}".strip()[:2000]
+    if row.mode == "reduce-overhead":
+        row.cudagraph_skips = skips["count"]
+        row.cudagraph_skip_reason = skips["reasons"][0][:500] if skips["reasons"] else None
     if row.mode != "eager":
         row.graph_breaks = sum(counters["graph_break"].values()) - breaks
         row.graphs = counters["stats"]["unique_graphs"] - graphs
@@ -366,6 +386,8 @@ def row_record(row: Row) -> dict[str, Any]:
         "first_step_ms": None if row.first_s is None else round(1e3 * row.first_s, 3),
         "graph_breaks": row.graph_breaks,
         "graphs": row.graphs,
+        "cudagraph_skips": row.cudagraph_skips,
+        "cudagraph_skip_reason": row.cudagraph_skip_reason,
         "calls_per_step": statistics.mean(row.calls) if row.calls else None,
         "ops_per_step": statistics.mean(row.ops) if row.ops else None,
         "host_ms": _median_ms(means) if means else None,

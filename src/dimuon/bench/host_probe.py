@@ -9,6 +9,7 @@ off, as the op census does), and :func:`op_seconds` prices one dispatched op of 
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import sys
 import time
@@ -18,11 +19,14 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 import dimuon
 from dimuon.optim import devices
 
 PACKAGE_DIR = str(Path(dimuon.__file__).resolve().parent)
+# where inductor logs why it leaves a graph out of CUDA graphs (a warning, whatever TORCH_LOGS says)
+CUDAGRAPH_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
 
 
 @contextlib.contextmanager
@@ -77,3 +81,24 @@ def op_seconds(
         sync()
         samples.append((clock() - start) / ops)
     return statistics.median(samples[1:])
+
+
+@contextlib.contextmanager
+def cudagraph_skips() -> Iterator[dict[str, Any]]:
+    """The graphs compiled with ``mode="reduce-overhead"`` inside the block that inductor runs without CUDA graphs
+    (``count``, its own counter) and the reasons it gives (``reasons``: a CPU tensor in the graph, an input mutated
+    that is not a static address...). Off CUDA every such graph is skipped, without a reason given."""
+    found: dict[str, Any] = {"count": 0, "reasons": []}
+    before = counters["inductor"]["cudagraph_skips"]
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found["reasons"].append(record.getMessage())
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger(CUDAGRAPH_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        found["count"] = counters["inductor"]["cudagraph_skips"] - before

@@ -90,17 +90,30 @@ def _by_kind(row: dict[str, Any], twin: dict[str, Any] | None) -> str:
     return ", ".join(f"{k} {_num(x_eager(row, twin, k))}" for k in row["kinds"])
 
 
+def cuda_graphs(record: dict[str, Any], row: dict[str, Any]) -> str:
+    """Whether a ``reduce-overhead`` row's graphs all run as CUDA graphs: ``all``, ``N skipped`` (the reason in the
+    error column), ``no CUDA`` off a GPU (inductor skips every one there); ``-`` for the other modes."""
+    skips = row.get("cudagraph_skips")
+    if skips is None:
+        return "-"
+    if record["config"]["device"] != "cuda":
+        return "no CUDA"
+    return "all" if skips == 0 else f"{skips} skipped"
+
+
 def compile_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """What torch.compile did with every compiled row (nonfinite setting, fullgraph, status, first compiling step,
-    graph breaks, error) and its host ms over its eager twin's, timed in the same rounds (x eager)."""
+    graph breaks, CUDA graphs, error or why CUDA graphs were skipped) and its host ms over its eager twin's, timed in
+    the same rounds (x eager)."""
     header = ["row", "matrices", "nonfinite", "fullgraph", "status", "first step s", "graph breaks", "graphs"]
-    header += ["ms", "eager ms", "x eager", "x eager by kind", "error"]
+    header += ["CUDA graphs", "ms", "eager ms", "x eager", "x eager by kind", "error"]
     body = []
     for r in record["rows"]:
         if r["mode"] == "eager":
             continue
         twin = eager_twin(record, r)
         first_s = None if r["first_step_ms"] is None else r["first_step_ms"] / 1e3
+        error = r["error"] or r.get("cudagraph_skip_reason") or ""
         body.append(
             [
                 r["name"],
@@ -111,11 +124,12 @@ def compile_rows(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _num(first_s, 1),
                 "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
                 "-" if r["graphs"] is None else str(r["graphs"]),
+                cuda_graphs(record, r),
                 _num(r["host_ms"], 3),
                 _num(twin["host_ms"] if twin else None, 3),
                 _num(x_eager(r, twin)),
                 _by_kind(r, twin),
-                (r["error"] or "").splitlines()[0][:100] if r["error"] else "",
+                error.strip().splitlines()[0][:100] if error.strip() else "",
             ]
         )
     return header, body
@@ -156,7 +170,9 @@ def render(record: dict[str, Any], markdown: bool = False) -> str:
         parts.append(note)
     header, body = compile_rows(record)
     if body:  # names, settings, status and error read as text
-        parts.append(fmt(header, body, [False, True, False, False, False, *[True] * 6, False, False]))
+        parts.append(
+            fmt(header, body, [False, True, False, False, False, True, True, True, False, *[True] * 3, False, False])
+        )
     if not record.get("complete", True):
         parts.append("(partial: the sizes measured so far)")
     return "\n\n".join(parts)

@@ -125,9 +125,10 @@ class Checkpoints:
 
     def _fold_skips(self) -> None:
         """The device count of skipped steps since the last fold, added to every group's number (one host read)."""
-        pending, self._votes["pending_skips"] = self._votes["pending_skips"], None
+        pending = self._votes["pending_skips"]
         if pending is not None:
             count = int(pending)
+            pending.zero_()  # kept: a compiled step counts into the tensor it was traced with
             for group in self.param_groups:
                 group["skipped_steps"] += count
 
@@ -195,7 +196,9 @@ class Checkpoints:
 
         def check(_: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[str, Any]:
             loaded = self._check_loadable(loaded)  # its groups' parameters in this optimizer's order (by name)
-            self._votes["pending_skips"] = None  # the loaded counts replace this run's (a refused load keeps them)
+            pending = self._votes["pending_skips"]
+            if pending is not None:  # the loaded counts replace this run's (a refused load keeps them)
+                pending.zero_()
             ids = chain.from_iterable(g["params"] for g in loaded["param_groups"])
             params = chain.from_iterable(g["params"] for g in self.param_groups)
             for key, p in zip(ids, params):

@@ -29,6 +29,7 @@ from dimuon.optim.common import (
     local_tensor,
     matrix_shape,
 )
+from dimuon.optim.compiled import CompiledStepState
 from dimuon.optim.distributed.engine import (
     DEFAULT_BUCKET_MB,
     DEFAULT_REFRESH,
@@ -92,7 +93,16 @@ class _StepContext:
             self._opt._check_late_vote(self._opt._vote_values(vote).tolist(), vote)
 
 
-class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep, AdamWGroup, torch.optim.Optimizer):
+class MuonFamily(
+    GroupOptions,
+    Checkpoints,
+    NonfiniteVote,
+    PerJobStep,
+    ClassStep,
+    AdamWGroup,
+    CompiledStepState,
+    torch.optim.Optimizer,
+):
     """Muon-family optimizer: one core, a schedule picks the direction map per step.
 
     Groups with ``"algorithm": "muon"`` (the default) get the matrix update; groups with
@@ -337,6 +347,8 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         None on every rank leaves its parameter alone, one None on some ranks only raises a RuntimeError naming it
         (``"raise"``) or skips the step on every rank (``"skip"``). Only a step where the set changes reads more.
         """
+        if torch.compiler.is_compiling():  # run eagerly by dynamo, which then marks the state static (CUDA graphs)
+            self._init_group()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -388,7 +400,10 @@ class MuonFamily(GroupOptions, Checkpoints, NonfiniteVote, PerJobStep, ClassStep
         if self.nonfinite == "skip":
             skipped = (~ok).to(torch.int64)
             pending = self._votes["pending_skips"]
-            self._votes["pending_skips"] = skipped if pending is None else pending + skipped
+            if pending is None:
+                self._votes["pending_skips"] = skipped
+            else:  # in place: a CUDA graph's output is overwritten by its next replay, so none is carried to it
+                pending.add_(skipped)
 
     def _params_to_step(self, plan: _GradientPlan | None) -> list[tuple[int, dict[str, Any], list[Tensor]]]:
         """Per group with any, the parameters this step moves: those with a gradient, or under a sharded engine the

@@ -138,7 +138,8 @@ _SEGMENTS_MANY: dict[tuple, tuple[Tensor, list[int]]] = {}
 
 
 def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.device) -> Tensor:
-    """Per local row, the index of the range holding it (``len(ranges)`` for none); cached per layout."""
+    """Per local row, the index of the range holding it (``len(ranges)`` for none); cached per layout (not from
+    inside a compiled step: a tensor a graph made and returned is overwritten by the graph's next replay)."""
     key = (rows, ranges, device)
     seg = _SEGMENTS.get(key)
     if seg is None:
@@ -146,7 +147,8 @@ def _segments(rows: int, ranges: tuple[RowRange | None, ...], device: torch.devi
         for i, held in enumerate(ranges):
             if held is not None:
                 seg[held[0] : held[1]] = i
-        _SEGMENTS[key] = seg
+        if not torch.compiler.is_compiling():  # a graph's output is overwritten by its next replay (CUDA graphs)
+            _SEGMENTS[key] = seg
     return seg
 
 
@@ -169,7 +171,8 @@ def _segments_many(
                     per_row[span[0] : span[1]] = [base + r] * (span[1] - span[0])
             seg += per_row
         hit = (torch.tensor(seg, dtype=torch.long, device=device), starts)
-        _SEGMENTS_MANY[key] = hit
+        if not torch.compiler.is_compiling():  # as in _segments: a graph keeps its own, a constant of the graph
+            _SEGMENTS_MANY[key] = hit
     return hit
 
 

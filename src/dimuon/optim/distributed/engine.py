@@ -180,6 +180,18 @@ def intersect(a: RowRange, b: RowRange) -> RowRange | None:
     return (lo, hi) if lo < hi else None
 
 
+def intersections(ranges: Sequence[RowRange], chunks: Sequence[RowRange]) -> list[RowRange]:
+    """Every non-empty intersection of a range with a chunk, range after range (loops, not a comprehension with an
+    assignment in it: dynamo cannot read the cell that makes, and a compiled step may make a plan)."""
+    out = []
+    for a in ranges:
+        for b in chunks:
+            cut = intersect(a, b)
+            if cut is not None:
+                out.append(cut)
+    return out
+
+
 def split_sizes_to_ranges(
     rows: int, split_sizes: int | Sequence[int] | None, name: str, option: str = "split_sizes", side: str = "rows"
 ) -> tuple[RowRange, ...]:
@@ -396,8 +408,7 @@ def map_regions(job: MatrixJob, kind: StepKind) -> list[Region]:
         return job.regions()
     row_chunks = [b for a, z in job.stacked_ranges() for b in chunk_ranges(a, z, row_blocks)]
     col_chunks = chunk_ranges(0, job.cols, col_blocks)
-    rows = [r for lr in job.logical_ranges() for b in row_chunks if (r := intersect(lr, b)) is not None]
-    cols = [c for lc in job.col_ranges() for b in col_chunks if (c := intersect(lc, b)) is not None]
+    rows, cols = intersections(job.logical_ranges(), row_chunks), intersections(job.col_ranges(), col_chunks)
     return [(a, b, c, d) for a, b in rows for c, d in cols]
 
 

@@ -110,12 +110,8 @@ def block_regions(job: MatrixJob, plc: Any, local_cols: int) -> list[Region]:
     if plc.shard is None:
         return map_regions(job, StepKind.BLOCK)
     cols = job.col_ranges() if job.col_splits else ((0, local_cols),)
-    return [
-        (r[0], r[1], c, d)
-        for a, b in job.logical_ranges()
-        if (r := plc.mine.local_rows_in(a, b)) is not None
-        for c, d in cols
-    ]
+    rows = [plc.mine.local_rows_in(a, b) for a, b in job.logical_ranges()]  # no assignment in a comprehension
+    return [(r[0], r[1], c, d) for r in rows if r is not None for c, d in cols]
 
 
 def _tiling(entries: Sequence[RowEntry], rows: int, cols: int) -> str | None:
