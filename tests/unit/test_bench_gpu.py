@@ -186,7 +186,7 @@ def test_an_overrun_keeps_what_finished_and_a_hung_test_fails_alone(tmp_path: Pa
             "--test-timeout-s",
             "2",
             "--tests-budget-s",
-            "25",
+            "12",
         ]
     )
     tests = json.loads(out.read_text())["parts"]["tests"]

@@ -162,8 +162,13 @@ def test_optimizer_through_the_kernels_is_its_eager_step(device, name, options, 
 
 @pytest.mark.parametrize(
     "device,nonfinite",
-    # on CUDA "skip" alone (its masked kernels hold "raise"'s): each compilation costs the GPU check's test budget
-    [("cpu", "raise"), ("cpu", "skip"), pytest.param(*DEVICES[1].values, "skip", marks=DEVICES[1].marks)],
+    # "skip" by default (its masked kernels hold "raise"'s): each compilation costs 20 s here and the GPU check's
+    # test budget there
+    [
+        pytest.param("cpu", "raise", marks=pytest.mark.slow),
+        ("cpu", "skip"),
+        pytest.param(*DEVICES[1].values, "skip", marks=DEVICES[1].marks),
+    ],
 )
 def test_a_compiled_step_through_the_kernels_is_the_eager_one(device, nonfinite):
     """``torch.compile(opt.step)`` over the kernels (Triton's interpreter on the CPU, compiled kernels on CUDA), a

@@ -79,8 +79,9 @@ class Installed:
 
 
 def pip_environment() -> dict[str, str]:
-    """This process's environment without pip's settings: no configuration file and no ``PIP_*`` variable."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    """This process's environment without pip's settings (no configuration file, no ``PIP_*`` variable) and without
+    ``PYTHONPATH``: the installed package is run isolated (``-I``), so pip must not find it on a path it ignores."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_") and key != "PYTHONPATH"}
     env["PIP_CONFIG_FILE"] = os.devnull  # pip loads no configuration file at all (global, user or site)
     return env
 
