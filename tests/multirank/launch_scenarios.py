@@ -11,3 +11,8 @@ def hang_after_writing_pid(rank: int, world: int, where: str) -> None:
     """Write this rank's pid to ``where/rank{rank}.pid``, then hang (as a rank stuck in a collective would)."""
     (Path(where) / f"rank{rank}.pid").write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def what_a_rank_sees(rank: int, world: int) -> tuple[dict[str, str], str]:
+    """This rank's environment and working directory."""
+    return dict(os.environ), os.getcwd()

@@ -1,4 +1,5 @@
-"""The gloo launcher: a time limit or an interrupt of the launching process leaves no rank behind."""
+"""The gloo launcher: ranks see the launching process as it is when they start, and a time limit or an interrupt of
+the launching process leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def test_an_exception_in_the_launcher_kills_the_ranks(tmp_path: Path) -> None:
     pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
     time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)  # killed and reaped, not left holding a GPU for 300 s
+
+
+def test_ranks_see_the_launching_process_s_environment_and_directory_as_they_are_now(tmp_path, monkeypatch) -> None:
+    """Ranks fork from a server started at the first launch: a variable set or removed and a directory changed since
+    reach them all the same (the variables the launcher sets for the process group aside)."""
+    run_gloo(ls.what_a_rank_sees, 1)  # the server is up before the changes below
+    monkeypatch.setenv("DIMUON_LAUNCH_CHECK", "set after the first launch")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # set (by pytest) when the server started
+    monkeypatch.chdir(tmp_path)
+    launcher = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    for env, cwd in run_gloo(ls.what_a_rank_sees, 2):
+        assert {k: v for k, v in env.items() if k not in launcher} == dict(os.environ)
+        assert cwd == str(tmp_path)

@@ -8,6 +8,7 @@ each rank returns.
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import os
 import pickle
 import socket
@@ -20,6 +21,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Ranks start from a fork server that imported these once, where one is available (Linux, macOS): a spawned rank
+# imports torch afresh, about 1.5 s a rank on a small machine, before it does anything. A rank still gets this
+# process's environment, working directory and ``sys.path`` as they are at the launch, as a spawned one does
+# (:func:`_worker` sets the first), except what torch reads when it is imported (``TORCH_LOGS``): the server read
+# that at the first launch.
+PRELOAD = ["torch", "torch.distributed", "dimuon.bench.launch"]
+
+
+def start_method() -> str:
+    """``"forkserver"`` where the platform has it, else ``"spawn"``."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def free_port() -> int:
@@ -39,7 +52,10 @@ def _worker(
     backend: str,
     fn: Callable,
     args: tuple,
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the launching process's environment, not the one the fork server started with
+    os.environ.update(env)
     if timeout_s > 0:  # a hung collective dumps every thread's stack and fails the run instead of hanging
         faulthandler.dump_traceback_later(timeout_s, exit=True)
     os.environ.update(
@@ -80,9 +96,16 @@ def run_gloo(
     ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r`` (results come back as they are: move
     tensors to the CPU before returning them).
     """
+    method = start_method()
+    if method == "forkserver":  # takes effect when the server starts: the first call, in this process
+        multiprocessing.set_forkserver_preload(PRELOAD + ([fn.__module__] if fn.__module__ != "__main__" else []))
     with tempfile.TemporaryDirectory() as out_dir:
-        ranks = mp.spawn(
-            _worker, args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args), nprocs=world, join=False
+        ranks = mp.start_processes(
+            _worker,
+            args=(world, free_port(), out_dir, threads, timeout_s, backend, fn, args, dict(os.environ)),
+            nprocs=world,
+            join=False,
+            start_method=method,
         )
         try:
             while not ranks.join():  # a failed rank raises here, its peers stopped
