@@ -1,10 +1,12 @@
 """The gloo launcher: ranks see the launching process as it is when they start, and a time limit or an interrupt of
-the launching process leaves no rank behind."""
+the launching process leaves no rank behind, and a rank that leaves releases its semaphores first."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,3 +55,27 @@ def test_ranks_see_the_launching_process_s_environment_and_directory_as_they_are
     for env, cwd in run_gloo(ls.what_a_rank_sees, 2):
         assert {k: v for k, v in env.items() if k not in launcher} == dict(os.environ)
         assert cwd == str(tmp_path)
+
+
+def test_a_rank_releases_its_semaphores_before_it_leaves(tmp_path: Path) -> None:
+    """A finished rank leaves without the interpreter's teardown: a lock it made (a named semaphore) is released
+    first, so the launching process's resource tracker finds nothing leaked when that process exits."""
+    script = tmp_path / "launch_two.py"
+    script.write_text(
+        "from dimuon.bench.launch import run_gloo\n"
+        "from tests.multirank import launch_scenarios as ls\n"
+        "if __name__ == '__main__':\n"
+        "    print(run_gloo(ls.make_a_lock, 2))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "[0, 1]", run.stderr
+    assert "leaked semaphore" not in run.stderr, run.stderr

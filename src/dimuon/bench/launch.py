@@ -15,6 +15,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,10 @@ def _worker(
     dist.barrier()
     dist.destroy_process_group()
     # torch's gloo backend can abort at interpreter exit once a DeviceMesh group existed ("terminate called
-    # without an active exception"), which mp.spawn reports as a crashed rank: a rank that finished leaves at once.
+    # without an active exception"), which mp.spawn reports as a crashed rank: a rank that finished leaves at once,
+    # after releasing what its multiprocessing objects hold as the interpreter's exit would (a progress bar's lock
+    # is a named semaphore: left behind, the launching process's resource tracker warns of a leak at its exit).
+    mp_util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
