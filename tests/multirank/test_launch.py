@@ -1,5 +1,5 @@
-"""The gloo launcher: ranks see the launching process as it is when they start, and a time limit or an interrupt of
-the launching process leaves no rank behind, and a rank that leaves releases its semaphores first."""
+"""The gloo launcher: ranks see the launching process as it is when they start, release their semaphores before they
+leave, and a time limit or an interrupt of the launching process leaves no rank behind."""
 
 from __future__ import annotations
 

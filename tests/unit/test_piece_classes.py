@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dimuon.bench.host_probe import accelerator_form, dimuon_calls
+from dimuon.bench.host_sharded import fake_sharded_parameter
 from dimuon.optim import build
 from dimuon.optim.adaptive import AdaptiveRowSchedule
 from dimuon.optim.distributed.refresh import SpectralRefresh
@@ -34,15 +35,7 @@ def mesh():
 
 def _sharded(shape: tuple[int, ...], mesh, placements, seed: int) -> nn.Parameter:
     """A parameter of ``shape`` laid out by ``placements`` on ``mesh``, with a gradient laid out alike."""
-    from torch.distributed.tensor import distribute_tensor
-
-    g = torch.Generator().manual_seed(seed)
-    p = nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, placements))
-    p.grad = distribute_tensor(torch.zeros(shape), mesh, placements)
-    with torch.no_grad():  # the fake group scatters nothing: this rank's pieces are set here
-        for t in (p, p.grad):
-            t.to_local().copy_(torch.randn(t.to_local().shape, generator=g))
-    return p
+    return fake_sharded_parameter(shape, mesh, placements, torch.Generator().manual_seed(seed))
 
 
 def _groups(mesh, copies: int) -> list[dict]:

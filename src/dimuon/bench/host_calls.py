@@ -54,31 +54,22 @@ def expert_weights(count: int, layout: str, world: int) -> list[torch.nn.Paramet
     """``count`` stacked ``(E, rows, cols)`` expert weights, wide and tall in turn, laid out by ``layout`` on a mesh
     of ``world`` fake ranks (the process group must be up) as rank 0 holds them, each with a gradient."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
+
+    from dimuon.bench.host_sharded import fake_sharded_parameter
 
     if layout == "ep":
-        mesh, placements, experts, split = (
-            init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)),
-            [Shard(0)],
-            world,
-            1,
-        )
+        experts, split = world, 1
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        placements = [Shard(0)]
     else:
-        split = world // EXPERT_PARALLEL
+        experts, split = EXPERT_PARALLEL, world // EXPERT_PARALLEL
         mesh = init_device_mesh("cpu", (EXPERT_PARALLEL, split), mesh_dim_names=("ep", "efsdp"))
-        placements, experts = [Shard(0), Shard(1)], EXPERT_PARALLEL
+        placements = [Shard(0), Shard(1)]
     unit = 4 * split  # four rows of each expert on each rank
     g = torch.Generator().manual_seed(0)
-    params = []
-    for i in range(count):
-        shape = (experts, unit, 2 * unit) if i % 2 == 0 else (experts, 2 * unit, unit // 2)
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, placements))
-        p.grad = distribute_tensor(torch.zeros(shape), mesh, placements)
-        with torch.no_grad():  # the fake group scatters nothing: rank 0's pieces are set here
-            for t in (p, p.grad):
-                t.to_local().copy_(torch.randn(t.to_local().shape, generator=g))
-        params.append(p)
-    return params
+    shapes = [(experts, unit, 2 * unit), (experts, 2 * unit, unit // 2)]  # wide, tall
+    return [fake_sharded_parameter(shapes[i % 2], mesh, placements, g) for i in range(count)]
 
 
 @contextlib.contextmanager

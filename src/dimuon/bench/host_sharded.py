@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -43,6 +44,21 @@ def shard(model: nn.Module, mesh: Any) -> nn.Module:
             piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
         )
     return model
+
+
+def fake_sharded_parameter(
+    shape: tuple[int, ...], mesh: Any, placements: Any, generator: torch.Generator
+) -> nn.Parameter:
+    """A parameter of ``shape`` laid out by ``placements`` on ``mesh`` of torch's fake process group, with a gradient
+    laid out alike: this rank's pieces of both drawn from ``generator`` (the fake group scatters nothing)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, placements))
+    p.grad = distribute_tensor(torch.zeros(shape), mesh, placements)
+    with torch.no_grad():
+        for t in (p, p.grad):
+            t.to_local().copy_(torch.randn(t.to_local().shape, generator=generator))
+    return p
 
 
 @contextlib.contextmanager
