@@ -104,11 +104,28 @@ def parse(argv: Sequence[str], *, saved_defaults: bool = True) -> object:
         raise SystemExit(2) from None
 
 
+# The status of a program ended by SIGPIPE (128 + 13), as a shell reports ``dimuon plan | head``'s first command.
+READER_GONE_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dimuon``: run the command ``argv`` names; its exit status (0 after the usage or version,
-    2 for an unknown command)."""
+    2 for an unknown command, 141 when the reader of its output left early, as ``| head`` does)."""
     try:
-        _, module, rest = route(sys.argv[1:] if argv is None else argv)
+        try:
+            return run(sys.argv[1:] if argv is None else argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, so that a reader gone is seen below
+    except BrokenPipeError:
+        # Quietly, as a program SIGPIPE ends: no traceback, and nothing left for the interpreter's last flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return READER_GONE_STATUS
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run the command ``argv`` names and return its exit status."""
+    try:
+        _, module, rest = route(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     result = int(importlib.import_module(module).main(rest) or 0)

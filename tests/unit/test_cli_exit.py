@@ -145,3 +145,17 @@ def test_main_exit_statuses_of_the_dispatch(capsys: pytest.CaptureFixture[str]) 
     assert main([]) == 0 and main(["bench", "--help"]) == 0
     assert main(["bench"]) == 2 and main(["nosuch"]) == 2
     assert "dimuon: unknown command 'nosuch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["plan", "--help"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(argv: list[str]) -> None:
+    # `dimuon plan | head`: the pipe's reader is gone before dimuon writes (its end is closed at once, while the
+    # child is still importing); dimuon stops with a pipe's status, no traceback.
+    child = subprocess.Popen(
+        [sys.executable, "-m", "dimuon.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    stderr = child.stderr.read()
+    assert child.wait(timeout=120) == 141, stderr[-2000:]
+    assert stderr == ""
