@@ -155,8 +155,11 @@ def test_kind_seconds_pipeline_the_refresh():
 
 def test_plan_flags_are_checked_before_counting():
     assert command.parse(["--gpus", "64", "--layout", "hsdp"]).gpus == 64
+    assert command.parse(["--gpus", "1", "--layout", "replicated"]).gpus == 1
     for argv, words in (
         (["--gpus", "0"], "--gpus must be >= 1"),
+        (["--gpus", "1", "--global-batch", "8"], "--layout fsdp shards over 2 GPUs or more (--gpus 1)"),
+        (["--gpus", "1", "--layout", "tp"], "one GPU's step is --layout replicated"),
         (["--gpus", "2048"], "--gpus must be <= 1024"),
         (["--layout", "hsdp", "--gpus", "16", "--dp-shard", "3", "--global-batch", "48"], "--dp-shard (3)"),
         (["--global-batch", "100"], "--global-batch (100)"),

@@ -82,7 +82,7 @@ class Config:
     layout: Literal["fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "tp", "replicated"] = "fsdp"
     """fsdp: FSDP2 over every GPU; hsdp: replicas of FSDP groups (--dp-shard per group); fsdp_tp: FSDP over
     tensor parallelism (--tp); hsdp_tp: replicas of FSDP x TP groups (--dp-shard x --tp, a 3-D mesh); tp: tensor
-    parallelism over every GPU; replicated: DDP."""
+    parallelism over every GPU; replicated: DDP (with --gpus 1, one GPU)."""
     dp_shard: int | None = None
     """FSDP group size for hsdp (default: GPUs per node) and hsdp_tp (default: 8)."""
     tp: int | None = None
@@ -205,6 +205,10 @@ def degrees(cfg: Config) -> Parallelism | None:
     w, node = cfg.gpus, cfg.gpus_per_node
     if cfg.layout == "replicated":
         return None
+    if w == 1:
+        raise ValueError(
+            f"--layout {cfg.layout} shards over 2 GPUs or more (--gpus 1); one GPU's step is --layout replicated"
+        )
     if cfg.layout == "fsdp":
         return Parallelism(1, w, 1).resolve(w)
     if cfg.layout == "tp":
