@@ -52,8 +52,8 @@ def _blocks(name: str, value: Any) -> None:
     if isinstance(value, (tuple, list)):
         if len(value) not in (1, 2):
             raise ValueError(f"{name} must be an int or a pair (row_blocks, col_blocks), got {value!r}")
-        for side, v in zip(("row_blocks", "col_blocks"), value):
-            check_number(f"{name} {side}", v, low=1, integer=True)
+        for index, (side, v) in enumerate(zip(("row_blocks", "col_blocks"), value)):
+            check_number(f"{name}[{index}] ({side})", v, low=1, integer=True)
     else:
         check_number(name, value, low=1, integer=True)
 

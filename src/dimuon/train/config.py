@@ -168,7 +168,7 @@ class TrainConfig:
     cfg_scale: float = 3.0
     """Classifier-free guidance scale of the sample grids (1 disables guidance)."""
     ckpt_interval: int = 250
-    """Steps between checkpoints (the last step is always saved)."""
+    """Steps between checkpoints (0: only at the end; the last step is always saved)."""
     keep_checkpoints: int = 0
     """Checkpoints to keep, newest first (0: keep all)."""
     eval: EvalOptions = field(default_factory=EvalOptions)
