@@ -175,6 +175,16 @@ def test_bad_options_are_refused_before_any_rank_starts(capsys):
     assert "--mesh must be fsdp, fsdpS, hsdpRxS, tpT or fsdpSxtpT" in capsys.readouterr().err
     assert comm.main(["--mesh", "tp4", "--model", "DiT-T/2"]) == 2
     assert "--parallel.tp (4) must divide the model's 2 attention heads" in capsys.readouterr().err
+    assert comm.main(["--world", "1"]) == 2
+    assert "--world must be >= 2 (ranks that communicate), got 1\n" in capsys.readouterr().err
+
+
+def test_a_torchrun_world_of_one_is_refused_before_it_joins(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(comm, "run_torchrun", lambda cfg: pytest.fail("joined a process group"))
+    assert comm.main(["--world", "4"]) == 2  # --world is ignored under torchrun
+    assert "--world must be >= 2 (ranks that communicate), got 1 (torchrun's world size)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ class Config:
     no_peers: bool = False
     """Leave every peer out."""
     world: int = 4
-    """Number of local gloo ranks to start (ignored under torchrun, which sets the world size)."""
+    """Number of local gloo ranks to start, 2 or more (ignored under torchrun, which sets the world size)."""
     launcher: Literal["auto", "spawn", "torchrun"] = "auto"
     """spawn: start --world local gloo ranks; torchrun: join the process group from the environment;
     auto: torchrun when WORLD_SIZE and RANK are set, else spawn."""
@@ -203,8 +203,12 @@ def check_config(cfg: Config) -> None:
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
     check_names(cfg.peers)
+    if world_size(cfg) < 2:  # one rank communicates nothing: every ratio to Muon-gather's bytes would be 0 / 0
+        raise ValueError(
+            f"--world must be >= 2 (ranks that communicate), got {world_size(cfg)}"
+            + (" (torchrun's world size)" if resolve_launcher(cfg) == "torchrun" else "")
+        )
     for flag, value, low in (
-        ("--world", cfg.world, 1),
         ("--repeats", cfg.repeats, 1),
         ("--warmup", cfg.warmup, 0),
         *(
