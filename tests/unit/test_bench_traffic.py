@@ -63,3 +63,19 @@ def test_an_unknown_row_is_refused_naming_the_choices(tmp_path, capsys):
     assert traffic.main([*TINY, "--rows", "sgd", "--out", str(tmp_path / "t.json")]) == 2
     assert "--rows got unknown row(s) ['sgd']; choose from ['adamw_fused'" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--depth", "0"], "--depth must be an integer >= 1, got 0"),
+        (["--num-heads", "0"], "--num-heads must be an integer >= 1, got 0"),
+        (["--model", "DiT-Q/2"], "--model must be one of: DiT-T/2"),
+        (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+        (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
+    ],
+)
+def test_bad_model_and_decay_flags_are_refused_naming_themselves(tmp_path, capsys, flags, message):
+    assert traffic.main([*TINY, *flags, "--out", str(tmp_path / "t.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

@@ -224,9 +224,12 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--rows got unknown row(s) {unknown}; choose from {list(ROWS)}")
     if "rownorm_step_fused" in cfg.rows and not fused.triton_available():
         raise ValueError("--rows rownorm_step_fused needs the triton package (pip install 'dimuon[triton]')")
+    if not cfg.weight_decay >= 0:  # NaN too
+        raise ValueError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
     opt_cfg = optimizer_bench.Config(
         model=cfg.model, depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, seed=cfg.seed
     )
+    optimizer_bench.check_config(opt_cfg)  # --model, --depth, --hidden-size and --num-heads, as that bench names them
     model = optimizer_bench.build_model(opt_cfg)
     snapshot = GradientSnapshot(model.parameters())
     table = optimizer_bench.variants(opt_cfg)
