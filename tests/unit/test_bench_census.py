@@ -205,6 +205,8 @@ def test_a_world_size_gets_the_meshes_of_a_cluster():
         (["--fake-worlds", "1"], "--fake-worlds must be world sizes >= 2"),
         (["--gloo-worlds", "--fake-worlds"], "--gloo-worlds and --fake-worlds are both empty: nothing to count"),
         (["--flop-ranks", "0"], "--flop-ranks must be >= 1"),
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+        (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
         (["--fake-model", "DiT-Q/2"], "--fake-model: unknown DiT model"),
         (["--gloo-heads", "5"], "--gloo-model DiT-S/2: 5 heads must divide the hidden size 384"),
     ],

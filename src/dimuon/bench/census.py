@@ -339,6 +339,8 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if not cfg.bucket_mb > 0:
         raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    if not 0 <= cfg.lr < math.inf:  # every optimizer refuses it; a census of nothing but "not traced" lines else
+        raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
     for flag, model, heads in (
         ("--gloo-model", cfg.gloo_model, cfg.gloo_heads),
         ("--fake-model", cfg.fake_model, cfg.fake_heads),
