@@ -195,6 +195,7 @@ def test_a_torchrun_world_of_one_is_refused_before_it_joins(capsys, monkeypatch)
         (["--bucket-mb", "-1"], "--bucket-mb must be a positive number of MiB, got -1.0"),
         (["--bucket-mb", "0"], "--bucket-mb must be a positive number of MiB, got 0.0"),
         (["--timeout-s", "-5"], "--timeout-s must be >= 0 seconds (0: no limit), got -5.0"),
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_threads_bucket_and_timeout_are_checked_before_any_rank_starts(tmp_path, capsys, monkeypatch, flags, message):

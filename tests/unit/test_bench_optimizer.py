@@ -168,6 +168,8 @@ def test_no_peers_and_bad_peer_names(tmp_path, capsys):
         (["--k", "0"], "--k must be an integer >= 1, got 0"),
         (["--period", "0"], "--period must be an integer >= 1, got 0"),
         (["--bp-blocks", "0"], "--bp-blocks must be an integer >= 1, got 0"),
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
     ],
 )
 def test_bad_values_stop_at_start_up_naming_the_flag(tmp_path, capsys, monkeypatch, flags, message):

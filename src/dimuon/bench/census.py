@@ -70,7 +70,7 @@ from tqdm.auto import tqdm
 
 from dimuon.bench.peers import CallCounter, CallRecord, GradientSnapshot, count_collectives
 from dimuon.bench.report import format_markdown_table, format_table, machine_info, parse_bench_flags, parse_or_none
-from dimuon.bench.variants import Variant
+from dimuon.bench.variants import Variant, check_lr
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, shard_block_lists, tp_process_group
 from dimuon.io import write_json_atomic, write_text_atomic
@@ -339,8 +339,7 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if not cfg.bucket_mb > 0:
         raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    if not 0 <= cfg.lr < math.inf:  # every optimizer refuses it; a census of nothing but "not traced" lines else
-        raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    check_lr(cfg.lr)
     for flag, model, heads in (
         ("--gloo-model", cfg.gloo_model, cfg.gloo_heads),
         ("--fake-model", cfg.fake_model, cfg.fake_heads),

@@ -57,7 +57,7 @@ from dimuon.bench.peers import (
 )
 from dimuon.bench.report import format_table, machine_info
 from dimuon.bench.timing import Candidate, interleave, synchronizer
-from dimuon.bench.variants import Variant
+from dimuon.bench.variants import Variant, check_lr
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.dit.parallel import Parallelism, apply_parallelism, build_mesh, tp_process_group
 from dimuon.io import write_json_atomic
@@ -221,6 +221,7 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be >= 1 (or left out: 1 per spawned rank), got {cfg.threads}")
+    check_lr(cfg.lr)
     if not (math.isfinite(cfg.bucket_mb) and cfg.bucket_mb > 0):
         raise ValueError(f"--bucket-mb must be a positive number of MiB, got {cfg.bucket_mb}")
     if not (cfg.timeout_s >= 0):  # NaN too

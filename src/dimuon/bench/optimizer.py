@@ -46,7 +46,7 @@ from dimuon.bench.peers import (
 from dimuon.bench.peers.registry import Paired, adamw_for_rest
 from dimuon.bench.report import format_markdown_table, format_table, gpu_info, load_average, machine_info, print_report
 from dimuon.bench.timing import Candidate, Timing, interleave, synchronizer
-from dimuon.bench.variants import Variant
+from dimuon.bench.variants import Variant, check_lr
 from dimuon.dit import DIT_MODELS
 from dimuon.dit.model import DiT, dit_arch
 from dimuon.io import write_json_atomic
@@ -572,6 +572,7 @@ def check_config(cfg: Config) -> None:
     unknown = set(cfg.time_last) - set(OPTIMIZERS) - set(PEERS)
     if unknown:
         raise ValueError(f"--time-last got unknown name(s) {sorted(unknown)}; choose from {[*OPTIMIZERS, *PEERS]}")
+    check_lr(cfg.lr)
     parse_overrides(cfg.repeats_of, "--repeats-of", minimum=1)
     parse_overrides(cfg.warmup_of, "--warmup-of")
     if cfg.model not in DIT_MODELS:

@@ -3,6 +3,7 @@ them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,3 +22,10 @@ class Variant:
     steps: tuple[int, ...] = (1,)
     groups: Literal["default", "per_head"] = "default"
     untimed_steps: int = 0
+
+
+def check_lr(lr: float) -> None:
+    """``--lr``, the learning rate every variant of a benchmark takes: one the optimizers take, checked at start-up
+    (each optimizer would refuse it later, one configuration at a time)."""
+    if not 0 <= lr < math.inf:  # NaN too
+        raise ValueError(f"--lr must be a finite number >= 0, got {lr}")
