@@ -26,7 +26,7 @@ import torch
 import tyro
 from torch import nn
 
-from dimuon.io import write_text_atomic
+from dimuon.io import read_json_object, write_text_atomic
 from dimuon.log import run_command
 from dimuon.optim import DIT_FUSED_SPLITS, param_groups
 from dimuon.optim.distributed.engine import split_sizes_to_ranges
@@ -83,12 +83,7 @@ def constructor_args(cfg: GroupsConfig) -> dict[str, Any]:
     """--config-file updated with --config."""
     args: dict[str, Any] = {}
     if cfg.config_file is not None:
-        try:
-            args = json.loads(cfg.config_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--config-file {cfg.config_file}: {exc}") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"--config-file {cfg.config_file} must hold a JSON object of constructor arguments")
+        args = read_json_object(cfg.config_file, "--config-file", "a JSON object of constructor arguments")
         args = {k: v for k, v in args.items() if not k.startswith("_")}  # diffusers' _class_name, _diffusers_version
     args.update({k: _value(v) for k, v in _pairs("--config", cfg.config, "key=value").items()})
     return args

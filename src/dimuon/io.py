@@ -109,6 +109,24 @@ def to_json(obj: Any, indent: int | None = None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def read_json_object(path: str | Path, flag: str, holding: str = "a JSON object") -> dict[str, Any]:
+    """The JSON object in the file ``flag`` names; a ValueError names the flag and the file where it cannot be read,
+    is not JSON or holds something other than an object (``holding`` says what it should hold)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not a text file (not UTF-8)") from None
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag} {path} must hold {holding}, not a JSON {type(obj).__name__}")
+    return obj
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:

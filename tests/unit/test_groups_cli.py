@@ -78,6 +78,15 @@ def test_bad_flags_say_which_and_exit_2(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, capsys):
+    not_an_object = "must hold a JSON object of constructor arguments, not a JSON list"
+    for text, words in (("[1]", not_an_object), ("{", "not JSON")):
+        path = tmp_path / "config.json"
+        path.write_text(text)
+        assert main(["groups", "--builder", "torch.nn:Linear", "--config-file", str(path)]) == 2
+        assert f"--config-file {path}" in (err := capsys.readouterr().err) and words in err
+
+
 def test_per_head_shows_each_heads_matrices(capsys):
     assert main(["groups", "--model", "DiT-S/2", "--split", "dit", "--per-head"]) == 0  # 6 heads of 64
     text = capsys.readouterr().out

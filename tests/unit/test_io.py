@@ -18,6 +18,7 @@ from dimuon.io import (
     atomic_path,
     free_bytes,
     make_grid,
+    read_json_object,
     read_jsonl,
     read_tensors,
     remove_steps_after,
@@ -238,3 +239,21 @@ def test_output_checks_name_what_is_wrong(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(dio.os, "access", lambda path, mode: False)
     assert "its parent" in unwritable_reason(tmp_path / "new") and "not writable" in unwritable_reason(tmp_path)
     assert free_bytes(tmp_path / "not" / "yet") > 0
+
+
+def test_a_json_object_file_is_read_and_anything_else_is_refused_naming_the_flag_and_file(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text('{"a": 1}')
+    assert read_json_object(good, "--config-file") == {"a": 1}
+    for name, data, words in (
+        ("list.json", b"[1, 2]", "must hold a record, not a JSON list"),
+        ("text.json", b"garbage", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("binary.json", b"\xff\xfe\x00", "not a text file (not UTF-8)"),
+    ):
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match=r"^--calibrate .*" + name) as info:
+            read_json_object(path, "--calibrate", "a record")
+        assert str(info.value) == f"--calibrate {path}{'' if words.startswith('must') else ':'} {words}"
+    with pytest.raises(ValueError, match=r"^--calibrate .*missing.json: No such file or directory$"):
+        read_json_object(tmp_path / "missing.json", "--calibrate")

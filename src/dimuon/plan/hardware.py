@@ -8,10 +8,11 @@ what fraction of those peaks a kind of work reaches; each is a named field with 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from dimuon.io import read_json_object
 
 # Ops per step of the H200 demo runs' step (PeriodicRowMuon K=3 on DiT-XS/4: a spectral step's 158 and two RowNorm
 # steps' 48, as the census counted them for the code that ran), over which ``host_op_us`` was fitted. A step of
@@ -182,7 +183,7 @@ def calibrate(base: Efficiency, profile: GpuProfile, record_path: Path | str) ->
     (its optimizer benchmark part) or an optimizer benchmark record (``dimuon bench optimizer --device cuda``).
     Newton-Schulz: the record's bf16 TFLOP/s over the profile's peak; memory: fused AdamW's counted bytes
     (28 per fp32 parameter: 4 tensors read, 3 written) over its median time, over the profile's HBM peak."""
-    record = json.loads(Path(record_path).read_text())
+    record = read_json_object(record_path, "--calibrate", "a gpu-check or dimuon bench optimizer record")
     bench = record
     if record.get("benchmark") == "gpu-check":
         bench = record.get("parts", {}).get("bench", {}).get("results") or {}

@@ -10,13 +10,13 @@ step on a mesh.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dimuon.bench.host_report import LAYOUT
+from dimuon.io import read_json_object
 
 __all__ = ["KIND_ROWS", "HostModel", "HostTerm", "fit_line", "host_model", "load_host_record"]
 
@@ -108,7 +108,7 @@ def host_model(record: dict[str, Any], source: str) -> HostModel:
 
 def load_host_record(path: Path | str) -> dict[str, Any]:
     """A ``dimuon bench host`` record, or the host part of a ``scripts/gpu-check`` record; ValueError if neither."""
-    record = json.loads(Path(path).read_text())
+    record = read_json_object(path, "--calibrate", "a dimuon bench host or gpu-check record")
     if record.get("benchmark") == "gpu-check":
         part = record.get("parts", {}).get("host", {})
         record = part.get("results") or {}
