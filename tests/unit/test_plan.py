@@ -202,7 +202,7 @@ def test_calibrate_takes_a_gpu_record_and_refuses_a_cpu_one(tmp_path):
     path.write_text(json.dumps({"benchmark": "gpu-check", "parts": {"bench": {"status": "timeout", "results": {}}}}))
     with pytest.raises(ValueError, match="kept no result"):
         calibrate(Efficiency(), H100, path)
-    path.write_text("[]")  # read as the host term would first (a record without a host part), then refused
+    path.write_text("[]")  # refused where predict reads it first, for the efficiencies, before any counting
     with pytest.raises(ValueError, match=r"--calibrate .*gpu.json must hold a gpu-check or dimuon bench optimizer"):
         command.predict(command.parse(["--model", "DiT-T/2", "--gpus", "2", "--calibrate", str(path)]))
 

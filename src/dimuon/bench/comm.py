@@ -203,9 +203,10 @@ def check_config(cfg: Config) -> None:
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers must name some of {list(VARIANTS)}, got {list(cfg.optimizers)}")
     check_names(cfg.peers)
-    if world_size(cfg) < 2:  # one rank communicates nothing: every ratio to Muon-gather's bytes would be 0 / 0
+    world = world_size(cfg)
+    if world < 2:  # one rank communicates nothing: every ratio to Muon-gather's bytes would be 0 / 0
         raise ValueError(
-            f"--world must be >= 2 (ranks that communicate), got {world_size(cfg)}"
+            f"--world must be >= 2 (ranks that communicate), got {world}"
             + (" (torchrun's world size)" if resolve_launcher(cfg) == "torchrun" else "")
         )
     for flag, value, low in (
@@ -229,7 +230,7 @@ def check_config(cfg: Config) -> None:
     arch = build_arch(cfg)  # raises on an unknown registry name
     if arch["hidden_size"] % arch["num_heads"]:
         raise ValueError(f"--num-heads {arch['num_heads']} must divide the hidden size {arch['hidden_size']}")
-    par = parse_mesh(cfg.mesh, world_size(cfg))
+    par = parse_mesh(cfg.mesh, world)
     try:
         par.check_model(arch["hidden_size"], arch["num_heads"], int(arch["hidden_size"] * 4.0))
     except ValueError as err:
